@@ -1,0 +1,114 @@
+"""Fault descriptions shared by the command-line injector, the simulator, the planner and tests.
+
+A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into one:
+
+    slow:rank=3,factor=2.0,at=20      compute on rank 3 takes 2x as long from iteration 20
+    link:src=1,dst=3,factor=4,at=20   transfers from rank 1 to rank 3 take 4x as long
+    kill:rank=5,at=30                 rank 5 is SIGKILLed at iteration 30
+    hang:rank=2,at=40                 rank 2 stops making progress at iteration 40
+
+Executing a fault (sleeping, killing) is the training front end's job, never this module's.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+FLAG = "--resihp-inject"
+
+
+class FaultKind(str, enum.Enum):
+    SLOW = "slow"
+    LINK = "link"
+    KILL = "kill"
+    HANG = "hang"
+
+
+_KEYS = {
+    FaultKind.SLOW: {"rank", "factor", "at"},
+    FaultKind.LINK: {"src", "dst", "factor", "at"},
+    FaultKind.KILL: {"rank", "at"},
+    FaultKind.HANG: {"rank", "at"},
+}
+_REQUIRED = {
+    FaultKind.SLOW: {"rank", "factor", "at"},
+    FaultKind.LINK: {"src", "dst", "factor", "at"},
+    FaultKind.KILL: {"rank", "at"},
+    FaultKind.HANG: {"rank", "at"},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One injected fault.
+
+    ``rank`` is the afflicted rank (for ``link``, the sender ``src``); ``dst`` is set only for
+    ``link``. ``factor`` is the slowdown (2.0 = twice as slow); 1.0 for kill/hang.
+    ``at_iteration`` is the 1-based training iteration at whose start the fault begins.
+    """
+
+    kind: FaultKind
+    rank: int
+    at_iteration: int
+    factor: float = 1.0
+    dst: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or (self.dst is not None and self.dst < 0):
+            raise ValueError(f"{FLAG}: ranks must be >= 0 in {self.spec()}")
+        if self.at_iteration < 1:
+            raise ValueError(f"{FLAG}: at= must be an iteration >= 1 in {self.spec()}")
+        if self.kind in (FaultKind.SLOW, FaultKind.LINK) and not self.factor >= 1.0:
+            raise ValueError(f"{FLAG}: factor= must be >= 1.0 (a slowdown) in {self.spec()}")
+        if self.kind is FaultKind.LINK and self.dst == self.rank:
+            raise ValueError(f"{FLAG}: a link needs two different ranks, got src=dst={self.rank}")
+
+    @property
+    def src(self) -> int:
+        return self.rank
+
+    def active(self, iteration: int) -> bool:
+        return iteration >= self.at_iteration
+
+    def spec(self) -> str:
+        """The fault in ``--resihp-inject`` grammar (``parse_fault(f.spec()) == f``)."""
+        if self.kind is FaultKind.LINK:
+            return f"link:src={self.rank},dst={self.dst},factor={self.factor:g},at={self.at_iteration}"
+        if self.kind is FaultKind.SLOW:
+            return f"slow:rank={self.rank},factor={self.factor:g},at={self.at_iteration}"
+        return f"{self.kind.value}:rank={self.rank},at={self.at_iteration}"
+
+
+def parse_fault(spec: str) -> Fault:
+    """Parse one ``--resihp-inject`` value; raise ``ValueError`` naming the flag and the fix."""
+    kind_text, sep, body = spec.strip().partition(":")
+    try:
+        kind = FaultKind(kind_text)
+    except ValueError:
+        raise ValueError(
+            f"{FLAG} {spec!r}: unknown fault kind {kind_text!r}; use one of "
+            "slow:rank=R,factor=F,at=I | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I | hang:rank=R,at=I"
+        ) from None
+    fields: dict[str, str] = {}
+    for item in filter(None, body.split(",")) if sep else []:
+        key, eq, value = item.partition("=")
+        if not eq or key in fields:
+            raise ValueError(f"{FLAG} {spec!r}: expected distinct key=value items, got {item!r}")
+        fields[key.strip()] = value.strip()
+    unknown = set(fields) - _KEYS[kind]
+    missing = _REQUIRED[kind] - set(fields)
+    if unknown or missing:
+        raise ValueError(
+            f"{FLAG} {spec!r}: {kind.value} takes keys {sorted(_KEYS[kind])}"
+            + (f"; unknown {sorted(unknown)}" if unknown else "")
+            + (f"; missing {sorted(missing)}" if missing else "")
+        )
+    try:
+        rank = int(fields["src" if kind is FaultKind.LINK else "rank"])
+        dst = int(fields["dst"]) if kind is FaultKind.LINK else None
+        at = int(fields["at"])
+        factor = float(fields.get("factor", 1.0))
+    except ValueError as exc:
+        raise ValueError(f"{FLAG} {spec!r}: {exc}; ranks and at= are integers, factor= a number") from None
+    return Fault(kind=kind, rank=rank, at_iteration=at, factor=factor, dst=dst)
