@@ -1,0 +1,137 @@
+"""Checkpoints: save and resume iteration, consumed samples, model, optimizer, scheduler and RNG.
+
+Layout on disk (Megatron's legacy layout):
+    SAVE/latest_checkpointed_iteration.txt
+    SAVE/iter_0000010/mp_rank_TT_PPP/model_optim_rng.pt   written by DP rank 0 of each (TP, PP)
+    SAVE/iter_0000010/rng/rank_RRRRR.pt                   every rank's RNG states
+    SAVE/iter_0000010/metadata.json                        shape of the run that wrote it
+
+Atomicity: every file goes to ``iter_X.tmp/`` first; after a barrier, rank 0 renames the folder
+to ``iter_X`` and only then replaces the tracker file (write temp + ``os.replace``). A crash
+mid-save leaves at most a ``.tmp`` folder that no load ever reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _shard_name() -> str:
+    tp = parallel_state.get_tensor_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_rank()
+    return f"mp_rank_{tp:02d}_{pp:03d}"
+
+
+def _rng_state() -> dict:
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _metadata(args: argparse.Namespace) -> dict:
+    return {
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "layers_per_stage": list(args.layers_per_stage),
+        "num_layers": args.num_layers,
+        "hidden_size": args.hidden_size,
+    }
+
+
+def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: int, objects) -> str:
+    """Collective: every rank calls it. Returns the final checkpoint folder."""
+    final = _iter_dir(args.save, iteration)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"))
+    dist.barrier()
+    if parallel_state.get_data_parallel_rank() == 0:
+        shard = os.path.join(tmp, _shard_name())
+        os.makedirs(shard, exist_ok=True)
+        torch.save(
+            {
+                "iteration": iteration,
+                "consumed_samples": consumed_samples,
+                "model": objects.model.state_dict(),
+                "optimizer": objects.optimizer.state_dict(),
+                "scheduler": objects.scheduler.state_dict(),
+            },
+            os.path.join(shard, "model_optim_rng.pt"),
+        )
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank():05d}.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(tmp, "metadata.json"), "w") as f:
+            json.dump({"iteration": iteration, "consumed_samples": consumed_samples, **_metadata(args)}, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        tracker_tmp = os.path.join(args.save, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker_tmp, os.path.join(args.save, TRACKER))
+    dist.barrier()
+    return final
+
+
+def latest_iteration(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return int(f.read().strip())
+
+
+def load_checkpoint(args: argparse.Namespace, objects) -> tuple[int, int]:
+    """Restore from ``--load``; returns (iteration, consumed_samples), (0, 0) when there is none."""
+    iteration = latest_iteration(args.load) if args.load else None
+    if iteration is None:
+        return 0, 0
+    folder = _iter_dir(args.load, iteration)
+    with open(os.path.join(folder, "metadata.json")) as f:
+        meta = json.load(f)
+    mismatched = {k: (v, _metadata(args)[k]) for k, v in meta.items() if k in _metadata(args) and v != _metadata(args)[k]}
+    if mismatched:
+        raise ValueError(
+            f"--load {args.load}: checkpoint at iteration {iteration} was written with {mismatched} "
+            "(saved, requested); relaunch with the saved parallel shape"
+        )
+    state = torch.load(os.path.join(folder, _shard_name(), "model_optim_rng.pt"), weights_only=False)
+    objects.model.load_state_dict(state["model"])
+    if not args.no_load_optim:
+        objects.optimizer.load_state_dict(state["optimizer"])
+        objects.scheduler.load_state_dict(state["scheduler"])
+    rng_path = os.path.join(folder, "rng", f"rank_{dist.get_rank():05d}.pt")
+    if not args.no_load_rng and os.path.exists(rng_path):
+        _set_rng_state(torch.load(rng_path, weights_only=False))
+    return state["iteration"], state["consumed_samples"]

@@ -1,0 +1,93 @@
+"""Run output: Megatron's iteration line, TensorBoard scalars, and the JSONL event log.
+
+Responsible for formatting and writing; it computes nothing about training itself. The event
+log is shared by all ranks of a job: each event is one ``os.write`` of one line to a file opened
+with O_APPEND, so lines from different processes never interleave.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+class EventLog:
+    """JSONL events: every object has ``event``, ``iteration``, ``time`` (unix s) and ``rank``."""
+
+    def __init__(self, path: str | None, rank: int):
+        self.rank = rank
+        self._fd = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def emit(self, event: str, iteration: int, **fields: Any) -> None:
+        if self._fd is None:
+            return
+        record = {"event": event, "iteration": iteration, "time": time.time(), "rank": self.rank, **fields}
+        os.write(self._fd, (json.dumps(record, default=_jsonable) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    return str(value)
+
+
+def log_line(message: str) -> None:
+    """A timestamped line on stdout, flushed (Megatron's print_rank_last style)."""
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    print(f"[{stamp}] {message}", flush=True)
+
+
+def iteration_line(
+    *, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float, lr: float,
+    global_batch_size: int, lm_loss: float, grad_norm: float | None, tokens_per_s: float,
+    skipped: int, nan: int,
+) -> str:
+    norm = "nan" if grad_norm is None else f"{grad_norm:.3f}"
+    return (
+        f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:12d} |"
+        f" elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} |"
+        f" global batch size: {global_batch_size:5d} | lm loss: {lm_loss:.6E} | grad norm: {norm} |"
+        f" tokens per second: {tokens_per_s:.1f} | number of skipped iterations: {skipped:3d} |"
+        f" number of nan iterations: {nan:3d} |"
+    )
+
+
+class TensorBoard:
+    """Scalars to --tensorboard-dir when tensorboard is installed; a warning otherwise."""
+
+    def __init__(self, log_dir: str | None):
+        self.writer = None
+        if not log_dir:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print("WARNING: --tensorboard-dir given but tensorboard is not installed "
+                  "(pip install tensorboard); skipping TensorBoard output", file=sys.stderr)
+            return
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def scalars(self, iteration: int, values: dict[str, float]) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            if value is not None:
+                self.writer.add_scalar(name, value, iteration)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

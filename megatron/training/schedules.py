@@ -1,0 +1,134 @@
+"""Hooks around megatron-core's pipeline schedule, and one training step.
+
+Responsible for recording the start and end of every forward and backward of every micro-batch
+on this rank (the detector's raw input), for stretching them when a compute slowdown is injected,
+and for running megatron-core's own 1F1B schedule with this replica's micro-batch count. It never
+decides anything: timings go out as plain tuples.
+
+The hooks wrap the module-level ``forward_step`` / ``backward_step`` functions that
+``megatron.core.pipeline_parallel.schedules`` calls by name, so the order they record is exactly
+the order megatron-core executes (asserted against ``resihp_ext.schedule`` in tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Iterator
+
+import torch
+from megatron.core.pipeline_parallel import schedules as mcore_schedules
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from resihp_ext.schedule import OpKind
+
+OpRecord = tuple[str, int, float, float]  # (kind "F"|"B", micro-batch, start_s, end_s)
+
+
+@dataclasses.dataclass
+class OpRecorder:
+    """Collects this rank's op timings for one iteration; inactive outside ``train_step``."""
+
+    synchronize: Callable[[], None] = lambda: None
+    slowdown_factor: float = 1.0
+    active: bool = False
+    ops: list[OpRecord] = dataclasses.field(default_factory=list)
+    features: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    _next_mb: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def start_iteration(self) -> None:
+        self.ops, self.features, self._next_mb = [], [], {OpKind.FORWARD.value: 0, OpKind.BACKWARD.value: 0}
+        self.active = True
+
+    def timed(self, kind: OpKind, fn: Callable, *args, **kwargs):
+        if not self.active:
+            return fn(*args, **kwargs)
+        self.synchronize()
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        self.synchronize()
+        end = time.perf_counter()
+        if self.slowdown_factor > 1.0:
+            # An injected compute slowdown: the op takes factor x its real time.
+            time.sleep((self.slowdown_factor - 1.0) * (end - start))
+            end = time.perf_counter()
+        mb = self._next_mb[kind.value]
+        self._next_mb[kind.value] = mb + 1
+        self.ops.append((kind.value, mb, start, end))
+        return result
+
+
+RECORDER = OpRecorder()
+_ORIGINAL: dict[str, Callable] = {}
+
+
+def install_hooks() -> None:
+    """Wrap megatron-core's forward_step/backward_step once per process (idempotent)."""
+    if _ORIGINAL:
+        return
+    for name, kind in (("forward_step", OpKind.FORWARD), ("backward_step", OpKind.BACKWARD)):
+        original = getattr(mcore_schedules, name)
+        _ORIGINAL[name] = original
+        setattr(mcore_schedules, name, functools.wraps(original)(functools.partial(RECORDER.timed, kind, original)))
+
+
+def uninstall_hooks() -> None:
+    for name, original in _ORIGINAL.items():
+        setattr(mcore_schedules, name, original)
+    _ORIGINAL.clear()
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss_sum: float  # summed over this replica's micro-batches (last stage only, else 0)
+    num_tokens: int
+    grad_norm: float | None
+    skipped: bool
+    ops: list[OpRecord]
+    features: list[tuple[int, int]]
+
+
+def train_step(
+    forward_step_func: Callable,
+    data_iterator: Iterator,
+    objects,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+) -> StepResult:
+    """One optimizer step over this replica's ``num_microbatches`` (may differ across replicas)."""
+    model, optimizer = objects.model, objects.optimizer
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    RECORDER.start_iteration()
+    try:
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=[model],
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            decoder_seq_length=seq_length,
+            forward_only=False,
+        )
+    finally:
+        RECORDER.active = False
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        objects.scheduler.step(increment=global_batch_size)
+    loss_sum, num_tokens = 0.0, 0
+    for item in losses or []:
+        pair = item["lm loss"]
+        loss_sum += float(pair[0])
+        num_tokens += int(pair[1])
+    return StepResult(
+        loss_sum=loss_sum,
+        num_tokens=num_tokens,
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        skipped=not update_successful,
+        ops=list(RECORDER.ops),
+        features=list(RECORDER.features),
+    )

@@ -1,0 +1,160 @@
+"""pretrain(): initialise, build, and run the training loop with ResiHP's hooks.
+
+Responsible for the order of things in a run (Megatron's ``pretrain`` shape): start-up, model and
+optimizer, data, the iteration loop with logging, evaluation and checkpoints. Detection and
+adaptation plug in through ``ResilienceHooks`` (``megatron/training/resilience.py``) so that a run
+without ``--resihp-*`` behaves like stock Megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron.training import checkpointing
+from megatron.training.data_samplers import GlobalBatchSampler, even_quotas, microbatches
+from megatron.training.initialize import initialize_distributed, set_random_seed
+from megatron.training.logging_utils import EventLog, TensorBoard, iteration_line, log_line
+from megatron.training.model_builder import build_training_objects
+from megatron.training.schedules import install_hooks, train_step
+
+
+def _is_last_rank() -> bool:
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def _reduce_loss(loss_sum: float, num_tokens: int) -> tuple[float, int]:
+    """Sum loss and tokens over DP replicas; meaningful on last-stage ranks."""
+    totals = torch.tensor([loss_sum, float(num_tokens)], dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage():
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    return float(totals[0]), int(totals[1])
+
+
+def evaluate(args, forward_step_func, dataset, objects, iteration: int, num_replicas: int, dp_rank: int) -> float | None:
+    """Mean per-token validation loss over --eval-iters global batches (forward only)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    sampler = GlobalBatchSampler(len(dataset), 0, args.micro_batch_size, args.global_batch_size)
+    quotas = even_quotas(sampler.num_microbatches, num_replicas)
+    objects.model.eval()
+    loss_sum, num_tokens = 0.0, 0
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            if sampler.consumed_samples + args.global_batch_size > len(dataset):
+                break
+            batches = microbatches(dataset, sampler.microbatch_indices(quotas, dp_rank))
+            sampler.advance()
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step_func, data_iterator=iter(batches), model=[objects.model],
+                num_microbatches=len(batches), seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                decoder_seq_length=args.seq_length, forward_only=True,
+            )
+            for item in out or []:
+                loss_sum += float(item["lm loss"][0])
+                num_tokens += int(item["lm loss"][1])
+    objects.model.train()
+    loss_sum, num_tokens = _reduce_loss(loss_sum, num_tokens)
+    if not num_tokens:
+        return None
+    loss = loss_sum / num_tokens
+    if _is_last_rank():
+        log_line(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+                 f"lm loss PPL: {math.exp(min(loss, 20)):.6E} |")
+    return loss
+
+
+def pretrain(
+    args: argparse.Namespace,
+    datasets_provider: Callable[[argparse.Namespace, tuple[int, int, int]], tuple],
+    forward_step_func: Callable,
+    resilience_factory: Callable | None = None,
+) -> dict:
+    """Run training to ``--train-iters``. Returns a summary dict (last loss, iterations run)."""
+    initialize_distributed(args)
+    events = EventLog(args.resihp.event_log, args.rank)
+    set_random_seed(args.seed)
+    objects = build_training_objects(args, args.layers_per_stage)
+    install_hooks()
+    iteration, consumed = checkpointing.load_checkpoint(args, objects) if args.load else (0, 0)
+    if iteration and _is_last_rank():
+        log_line(f" loaded checkpoint from {args.load} at iteration {iteration} (consumed samples {consumed})")
+
+    num_evals = args.train_iters // args.eval_interval + 1 if args.eval_iters else 0
+    train_ds, valid_ds, _ = datasets_provider(
+        args, (args.train_iters * args.global_batch_size, num_evals * args.eval_iters * args.global_batch_size, 0)
+    )
+    sampler = GlobalBatchSampler(len(train_ds), consumed, args.micro_batch_size, args.global_batch_size)
+    num_replicas = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    quotas = even_quotas(sampler.num_microbatches, num_replicas)
+    resilience = resilience_factory(args, events, objects) if resilience_factory else None
+    board = TensorBoard(args.tensorboard_dir if _is_last_rank() else None)
+    if _is_last_rank():
+        log_line(
+            f" training: world {dist.get_world_size()} = TP {args.tensor_model_parallel_size} x PP "
+            f"{args.pipeline_model_parallel_size} x DP {num_replicas}, layers per stage {list(args.layers_per_stage)}, "
+            f"device {args.device}, {sampler.num_microbatches} micro-batches per iteration"
+        )
+    events.emit("start", iteration, world_size=dist.get_world_size(), layers_per_stage=list(args.layers_per_stage))
+
+    skipped = nan = 0
+    last_loss = None
+    tokens_per_iter = args.global_batch_size * args.seq_length
+    interval_start, interval_iters = time.perf_counter(), 0
+    while iteration < args.train_iters:
+        iteration += 1
+        if resilience is not None:
+            objects, quotas = resilience.before_iteration(iteration, objects, quotas)
+            dp_rank = resilience.replica_index
+        start = time.perf_counter()
+        batches = microbatches(train_ds, sampler.microbatch_indices(quotas, dp_rank))
+        result = train_step(
+            forward_step_func, iter(batches), objects, quotas[dp_rank],
+            args.seq_length, args.micro_batch_size, args.global_batch_size,
+        )
+        sampler.advance()
+        loss_sum, num_tokens = _reduce_loss(result.loss_sum, result.num_tokens)
+        elapsed_s = time.perf_counter() - start
+        skipped += result.skipped
+        loss = loss_sum / max(num_tokens, 1)
+        nan += not math.isfinite(loss)
+        last_loss = loss
+        if resilience is not None:
+            objects, quotas = resilience.after_iteration(iteration, elapsed_s, result, objects, quotas)
+        interval_iters += 1
+        if _is_last_rank():
+            lr = objects.optimizer.param_groups[0]["lr"]
+            events.emit("iteration", iteration, lm_loss=loss, grad_norm=result.grad_norm, elapsed_s=elapsed_s,
+                        consumed_samples=sampler.consumed_samples, lr=lr)
+            board.scalars(iteration, {"lm loss": loss, "learning-rate": lr, "grad-norm": result.grad_norm,
+                                      "iteration-time": elapsed_s})
+            if iteration % args.log_interval == 0:
+                per_iter = (time.perf_counter() - interval_start) / interval_iters
+                log_line(iteration_line(
+                    iteration=iteration, train_iters=args.train_iters, consumed_samples=sampler.consumed_samples,
+                    elapsed_ms=per_iter * 1000, lr=lr, global_batch_size=args.global_batch_size, lm_loss=loss,
+                    grad_norm=result.grad_norm, tokens_per_s=tokens_per_iter / per_iter, skipped=skipped, nan=nan,
+                ))
+        if iteration % args.log_interval == 0:
+            interval_start, interval_iters = time.perf_counter(), 0
+        if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
+            evaluate(args, forward_step_func, valid_ds, objects, iteration, num_replicas, dp_rank)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            checkpointing.save_checkpoint(args, iteration, sampler.consumed_samples, objects)
+            events.emit("checkpoint", iteration, path=args.save)
+    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+        checkpointing.save_checkpoint(args, iteration, sampler.consumed_samples, objects)
+        events.emit("checkpoint", iteration, path=args.save)
+    events.emit("finish", iteration, lm_loss=last_loss)
+    if resilience is not None:
+        resilience.close()
+    board.close()
+    events.close()
+    return {"iteration": iteration, "lm_loss": last_loss, "consumed_samples": sampler.consumed_samples}

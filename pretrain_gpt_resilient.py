@@ -1,0 +1,86 @@
+"""Resilient GPT pretraining: a drop-in for Megatron-LM's ``pretrain_gpt.py``.
+
+Launch it as you launch Megatron (``torchrun ... pretrain_gpt_resilient.py $ARGS``) and add
+``--resihp-*`` flags for detection and in-place adaptation. This file holds what is GPT-specific:
+the datasets and the forward step with its per-token loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from functools import partial
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+import torch  # noqa: E402
+
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.data.batch import microbatch_features  # noqa: E402
+from megatron.training.data.datasets import build_pretraining_datasets  # noqa: E402
+from megatron.training.schedules import RECORDER  # noqa: E402
+from megatron.training.training import pretrain  # noqa: E402
+
+ARGS: argparse.Namespace | None = None
+
+
+def datasets_provider(args: argparse.Namespace, num_samples: tuple[int, int, int]):
+    return build_pretraining_datasets(
+        data_path=args.data_path,
+        split=args.split,
+        mock_data=args.mock_data,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        tokenizer=args.tokenizer,
+        num_samples=num_samples,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,
+        path_to_cache=None,
+        mock_doc_lengths=args.mock_doc_lengths,
+    )
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token loss: (sum of masked token losses, token count, report) so that replicas may run
+    unequal micro-batch counts and the global gradient is still exact."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    """Every stage draws the micro-batch: stages need its shape to time and predict it."""
+    args = ARGS
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    RECORDER.features.append(microbatch_features(tokens, args.tokenizer.eod, packed=args.reset_attention_mask))
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    tokens = tokens.to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    attention_mask = batch.get("attention_mask")
+    extra = {}
+    if args.reset_attention_mask:
+        from megatron.training.models.document_attention import packed_seq_params_for
+
+        extra["packed_seq_params"] = packed_seq_params_for(tokens, args.tokenizer.eod)
+    output = model(tokens, position_ids, attention_mask, labels=labels, **extra)
+    return output, partial(loss_func, loss_mask)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    global ARGS
+    ARGS = parse_args(argv)
+    from megatron.training.resilience import build_resilience
+
+    return pretrain(ARGS, datasets_provider, forward_step, resilience_factory=build_resilience)
+
+
+if __name__ == "__main__":
+    main()
