@@ -38,7 +38,7 @@ _IGNORED_FLAGS: tuple[tuple[str, bool], ...] = (
     ("--wandb-save-dir", True), ("--ckpt-format", True), ("--num-workers", True),
     ("--recompute-activations", False), ("--recompute-granularity", True),
     ("--recompute-method", True), ("--recompute-num-layers", True),
-    ("--make-vocab-size-divisible-by", True), ("--exit-duration-in-mins", True),
+("--exit-duration-in-mins", True),
     ("--exit-interval", True), ("--manual-gc", False), ("--manual-gc-interval", True),
     ("--context-parallel-size", True), ("--expert-model-parallel-size", True),
     ("--virtual-pipeline-model-parallel-size", True), ("--num-layers-per-virtual-pipeline-stage", True),
@@ -109,6 +109,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="mock documents of variable length, e.g. lognormal:median=48,sigma=1.0,min=8,max=1024")
     g.add_argument("--tokenizer-type", type=str, default="NullTokenizer")
     g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
     g.add_argument("--reset-position-ids", action="store_true")
@@ -308,9 +309,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     from megatron.training.data.tokenizer import build_tokenizer, padded_vocab_size
 
     args.tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.vocab_file, args.merge_file)
-    # Padded for the initial TP degree; re-plans only shrink TP (power-of-two subsets), so the
-    # embedding shape, and every parameter's identity, stays fixed for the whole run.
-    args.padded_vocab_size = padded_vocab_size(args.tokenizer, 128, tp)
+    # Padded as for TP 8 (or the TP degree, if larger) rather than Megatron's 128 x TP: every
+    # layout with TP <= 8 of the same model then has the same embedding shape, so a re-plan that
+    # changes TP never changes a parameter, and runs of different shapes are comparable exactly.
+    args.padded_vocab_size = padded_vocab_size(args.tokenizer, args.make_vocab_size_divisible_by, max(tp, 8))
     args.resihp = ResiHPConfig(**{f.name: getattr(args, "resihp_" + f.name) for f in dataclasses.fields(ResiHPConfig)})
 
 
