@@ -1,0 +1,43 @@
+"""Runs pretrain_gpt_resilient.py as a real multi-process job (torchrun, gloo) for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY_GPT = [
+    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+    "--global-batch-size", "16", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "512", "--log-interval", "1",
+]
+
+
+def run_job(nproc: int, args: list[str], timeout_s: float = 300, launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    else:
+        cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), f"--nproc-per-node={nproc}"]
+    cmd += [str(REPO / "pretrain_gpt_resilient.py"), *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def read_events(path: Path, event: str | None = None) -> list[dict]:
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if event is None or r["event"] == event]
+
+
+def iteration_losses(path: Path) -> dict[int, float]:
+    return {r["iteration"]: r["lm_loss"] for r in read_events(path, "iteration")}
+
+
+def check(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
