@@ -1,0 +1,355 @@
+"""The Layout value object: which ranks run which layers, at which TP degree, in which replica.
+
+A Layout describes every data-parallel replica separately (replicas may differ after an
+adaptation): replica -> pipeline stages -> (contiguous layer range, TP group ranks in TP-rank
+order). It validates itself on construction, derives the gradient synchronisation sets that a
+heterogeneous layout needs, and round-trips through plain JSON.
+
+This module only describes placements. Building process groups from a Layout is the training
+front end's job; nothing here imports ``megatron`` or ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from functools import cached_property
+from typing import Any, Iterable, Mapping
+
+# (layer, finest shard index, finest TP degree of that layer)
+ShardKey = tuple[int, int, int]
+
+
+def is_power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage of one replica.
+
+    The stage holds layers ``[first_layer, first_layer + num_layers)`` (0-based) and its TP group
+    is ``ranks`` in TP-rank order (``ranks[i]`` has TP rank ``i``).
+    """
+
+    first_layer: int
+    num_layers: int
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        if self.first_layer < 0 or self.num_layers < 1:
+            raise ValueError(
+                f"stage needs first_layer >= 0 and num_layers >= 1, got first_layer={self.first_layer}, "
+                f"num_layers={self.num_layers}; give every stage at least one layer"
+            )
+        if not self.ranks:
+            raise ValueError("stage has no ranks; a stage needs a TP group of at least one rank")
+
+    @property
+    def tp_degree(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+    @property
+    def end_layer(self) -> int:
+        return self.first_layer + self.num_layers
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """One data-parallel replica: its pipeline stages in pipeline order."""
+
+    stages: tuple[StageSpec, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(r for stage in self.stages for r in stage.ranks)
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        return tuple(stage.num_layers for stage in self.stages)
+
+    def stage_holding(self, layer: int) -> StageSpec:
+        """The stage of this replica that holds ``layer``."""
+        for stage in self.stages:
+            if stage.first_layer <= layer < stage.end_layer:
+                return stage
+        raise ValueError(f"layer {layer} is held by no stage of this replica")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model facts needed for divisibility checks, memory and time estimates.
+
+    ``global_batch_size`` is optional; when set it must be a multiple of ``micro_batch_size``.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    seq_length: int
+    micro_batch_size: int
+    global_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                     "seq_length", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}; pick a head count that divides the hidden size"
+            )
+        gbs = self.global_batch_size
+        if gbs is not None and (gbs < 1 or gbs % self.micro_batch_size):
+            raise ValueError(
+                f"global_batch_size {gbs} must be a positive multiple of micro_batch_size {self.micro_batch_size}"
+            )
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches in one global batch (summed over all replicas)."""
+        if self.global_batch_size is None:
+            raise ValueError("ModelSpec.global_batch_size is not set; pass it to count micro-batches")
+        return self.global_batch_size // self.micro_batch_size
+
+    def check_tp_degree(self, tp_degree: int) -> str | None:
+        """Why ``tp_degree`` cannot shard this model, or None if it can."""
+        if not is_power_of_two(tp_degree):
+            return f"TP degree {tp_degree} is not a power of two"
+        for name in ("num_attention_heads", "ffn_hidden_size", "vocab_size"):
+            if getattr(self, name) % tp_degree:
+                return f"TP degree {tp_degree} does not divide {name}={getattr(self, name)}"
+        return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """All replicas of a job plus the model they train. Validated on construction."""
+
+    replicas: tuple[ReplicaSpec, ...]
+    model: ModelSpec
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "replicas", tuple(self.replicas))
+        self.validate()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def uniform(
+        cls,
+        model: ModelSpec,
+        tp_degree: int,
+        pp_degree: int,
+        dp_degree: int,
+        layers_per_stage: tuple[int, ...] | None = None,
+    ) -> "Layout":
+        """Megatron-core's default layout, ranks in "tp-cp-ep-dp-pp" order.
+
+        Global rank of TP rank ``t``, DP rank ``d``, pipeline stage ``p`` is
+        ``t + tp_degree * (d + dp_degree * p)``.
+
+        Args:
+            model: the model facts.
+            tp_degree: tensor-parallel size.
+            pp_degree: pipeline-parallel size.
+            dp_degree: data-parallel size (number of replicas).
+            layers_per_stage: layers per stage (sums to ``model.num_layers``); default splits evenly,
+                the first ``num_layers % pp_degree`` stages taking one extra layer.
+
+        Returns:
+            The validated Layout.
+        """
+        for name, value in (("tp_degree", tp_degree), ("pp_degree", pp_degree), ("dp_degree", dp_degree)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if layers_per_stage is None:
+            if model.num_layers < pp_degree:
+                raise ValueError(
+                    f"num_layers {model.num_layers} < pp_degree {pp_degree}; use fewer pipeline stages"
+                )
+            base, extra = divmod(model.num_layers, pp_degree)
+            layers_per_stage = tuple(base + (1 if p < extra else 0) for p in range(pp_degree))
+        if len(layers_per_stage) != pp_degree:
+            raise ValueError(
+                f"layers_per_stage has {len(layers_per_stage)} entries, expected pp_degree={pp_degree}"
+            )
+        replicas = []
+        for d in range(dp_degree):
+            stages, first = [], 0
+            for p, num in enumerate(layers_per_stage):
+                base_rank = tp_degree * (d + dp_degree * p)
+                stages.append(StageSpec(first, num, tuple(range(base_rank, base_rank + tp_degree))))
+                first += num
+            replicas.append(ReplicaSpec(tuple(stages)))
+        return cls(tuple(replicas), model)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ValueError naming the first problem: coverage, TP degree, or a reused rank."""
+        if not self.replicas:
+            raise ValueError("layout has no replicas; keep at least one data-parallel replica")
+        seen: set[int] = set()
+        for r, replica in enumerate(self.replicas):
+            if not replica.stages:
+                raise ValueError(f"replica {r} has no stages")
+            expected = 0
+            for s, stage in enumerate(replica.stages):
+                if stage.first_layer != expected:
+                    raise ValueError(
+                        f"replica {r} stage {s} starts at layer {stage.first_layer}, expected {expected}: "
+                        "stages must cover the layers contiguously, each exactly once"
+                    )
+                expected = stage.end_layer
+                why = self.model.check_tp_degree(stage.tp_degree)
+                if why:
+                    raise ValueError(f"replica {r} stage {s}: {why}; use a power of two dividing heads, ffn and vocab")
+                for rank in stage.ranks:
+                    if rank < 0:
+                        raise ValueError(f"replica {r} stage {s}: rank {rank} is negative")
+                    if rank in seen:
+                        raise ValueError(f"rank {rank} appears more than once in the layout; each rank holds one place")
+                    seen.add(rank)
+            if expected != self.model.num_layers:
+                raise ValueError(
+                    f"replica {r} covers layers [0, {expected}) but the model has {self.model.num_layers} layers"
+                )
+
+    # ------------------------------------------------------------------ queries
+    @cached_property
+    def _places(self) -> dict[int, tuple[int, int, int]]:
+        # rank -> (replica, stage, tp rank); built once, the layout is immutable
+        return {
+            rank: (r, s, t)
+            for r, replica in enumerate(self.replicas)
+            for s, stage in enumerate(replica.stages)
+            for t, rank in enumerate(stage.ranks)
+        }
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def world_ranks(self) -> tuple[int, ...]:
+        """Every rank the layout uses, sorted."""
+        return tuple(sorted(self._places))
+
+    @property
+    def world_size(self) -> int:
+        return len(self._places)
+
+    def _place(self, rank: int) -> tuple[int, int, int]:
+        try:
+            return self._places[rank]
+        except KeyError:
+            raise ValueError(f"rank {rank} is not part of this layout") from None
+
+    def replica_of(self, rank: int) -> int:
+        return self._place(rank)[0]
+
+    def stage_of(self, rank: int) -> tuple[int, int]:
+        """(replica index, stage index) of ``rank``."""
+        r, s, _ = self._place(rank)
+        return r, s
+
+    def tp_rank_of(self, rank: int) -> int:
+        return self._place(rank)[2]
+
+    def stage_spec_of(self, rank: int) -> StageSpec:
+        r, s, _ = self._place(rank)
+        return self.replicas[r].stages[s]
+
+    def contains(self, rank: int) -> bool:
+        return rank in self._places
+
+    def with_replicas(self, replicas: Iterable[ReplicaSpec]) -> "Layout":
+        return replace(self, replicas=tuple(replicas))
+
+    def without_replicas(self, indices: Iterable[int]) -> "Layout":
+        """The layout with the given replicas removed (their ranks become unused)."""
+        drop = set(indices)
+        return self.with_replicas(rep for i, rep in enumerate(self.replicas) if i not in drop)
+
+    def replicas_touching(self, ranks: Iterable[int]) -> tuple[int, ...]:
+        """Sorted indices of the replicas that use any of ``ranks``."""
+        return tuple(sorted({self._places[r][0] for r in ranks if r in self._places}))
+
+    # ------------------------------------------------------------------ gradient sync
+    def finest_tp_degree(self, layer: int) -> int:
+        """Max TP degree over replicas for ``layer``: the shard unit of its gradient sync."""
+        return max(rep.stage_holding(layer).tp_degree for rep in self.replicas)
+
+    def shard_holders(self) -> dict[ShardKey, tuple[int, ...]]:
+        """For each (layer, finest shard, finest degree) the sorted ranks, across replicas, holding it.
+
+        A rank at TP degree ``k`` with TP rank ``i`` holds finest shards ``[i*f/k, (i+1)*f/k)`` of a
+        layer whose finest degree is ``f``; so a TP=2 shard joins two TP=4 shards' groups.
+        """
+        holders: dict[ShardKey, list[int]] = {}
+        for layer in range(self.model.num_layers):
+            stages = [rep.stage_holding(layer) for rep in self.replicas]
+            finest = max(st.tp_degree for st in stages)
+            for shard in range(finest):
+                holders[(layer, shard, finest)] = sorted(
+                    st.ranks[shard // (finest // st.tp_degree)] for st in stages
+                )
+        return {key: tuple(ranks) for key, ranks in holders.items()}
+
+    def sync_groups(self) -> dict[tuple[int, ...], tuple[ShardKey, ...]]:
+        """Distinct gradient sync rank sets, each mapped to the shard keys it synchronises.
+
+        The executor creates one process group per key of the result (many layers share a set).
+
+        Returns:
+            ``{sorted rank tuple: ((layer, shard, finest_degree), ...)}``, keys in first-seen order.
+        """
+        groups: dict[tuple[int, ...], list[ShardKey]] = {}
+        for key, ranks in self.shard_holders().items():
+            groups.setdefault(ranks, []).append(key)
+        return {ranks: tuple(keys) for ranks, keys in groups.items()}
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-serialisable form; ``Layout.from_dict(l.to_dict()) == l``."""
+        return {
+            "model": asdict(self.model),
+            "replicas": [
+                {"stages": [
+                    {"first_layer": st.first_layer, "num_layers": st.num_layers, "ranks": list(st.ranks)}
+                    for st in rep.stages
+                ]}
+                for rep in self.replicas
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Layout":
+        try:
+            model = ModelSpec(**data["model"])
+            replicas = tuple(
+                ReplicaSpec(tuple(
+                    StageSpec(int(st["first_layer"]), int(st["num_layers"]), tuple(st["ranks"]))
+                    for st in rep["stages"]
+                ))
+                for rep in data["replicas"]
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a layout dict ({exc}); expected keys model, replicas[].stages[]") from None
+        return cls(replicas, model)
+
+
+__all__ = ["ModelSpec", "StageSpec", "ReplicaSpec", "Layout", "ShardKey", "is_power_of_two"]

@@ -1,0 +1,71 @@
+"""Per-device and per-link health, the planner's view of a failure.
+
+Responsible for one value type, ``Health``: relative compute speed per rank (1.0 healthy, 0.5
+half speed), the set of dead ranks, and relative bandwidth of slow links. Producing it from
+observations is the detector's job; this module only describes and validates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class Health:
+    """What is known to be wrong with the cluster.
+
+    Attributes:
+        speed: rank -> relative compute speed in (0, 1]; ranks not listed run at 1.0.
+        dead: ranks that failed stop (dead or hung); their state is lost.
+        slow_links: (src rank, dst rank) -> relative bandwidth in (0, 1]; a link is as slow as
+            the slower of its two directions.
+    """
+
+    speed: Mapping[int, float] = field(default_factory=dict)
+    dead: frozenset[int] = frozenset()
+    slow_links: Mapping[tuple[int, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speed", MappingProxyType({int(r): float(v) for r, v in self.speed.items()}))
+        object.__setattr__(self, "dead", frozenset(int(r) for r in self.dead))
+        object.__setattr__(
+            self, "slow_links",
+            MappingProxyType({(int(a), int(b)): float(v) for (a, b), v in self.slow_links.items()}),
+        )
+        for rank, value in self.speed.items():
+            if not 0.0 < value <= 1.0:
+                raise ValueError(
+                    f"speed of rank {rank} must be in (0, 1] (1.0 healthy, 0.5 half speed), got {value}; "
+                    "mark a stopped rank dead instead of speed 0"
+                )
+        for (src, dst), value in self.slow_links.items():
+            if src == dst:
+                raise ValueError(f"slow link {src}:{dst} joins a rank to itself; give two different ranks")
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"slow link {src}:{dst} speed must be in (0, 1], got {value}")
+
+    def speed_of(self, rank: int) -> float:
+        """Relative compute speed, 0.0 for a dead rank."""
+        if rank in self.dead:
+            return 0.0
+        return self.speed.get(rank, 1.0)
+
+    def link_speed(self, a: int, b: int) -> float:
+        """Relative bandwidth between ``a`` and ``b`` (the slower direction)."""
+        return min(self.slow_links.get((a, b), 1.0), self.slow_links.get((b, a), 1.0))
+
+    @property
+    def is_healthy(self) -> bool:
+        return not self.dead and all(v >= 1.0 for v in self.speed.values()) and all(
+            v >= 1.0 for v in self.slow_links.values())
+
+    @property
+    def affected_ranks(self) -> frozenset[int]:
+        """Ranks that are dead, slow, or an end of a slow link."""
+        ranks = set(self.dead) | {r for r, v in self.speed.items() if v < 1.0}
+        for (a, b), v in self.slow_links.items():
+            if v < 1.0:
+                ranks.update((a, b))
+        return frozenset(ranks)

@@ -1,0 +1,264 @@
+"""Joint progressive re-planning across TP, PP and DP: Layout + Health -> Plan.
+
+Responsible for the ResiHP decision. Replicas untouched by the failure keep their layout. For
+each affected replica it builds candidates progressively: the replica as it is (only DP quotas
+change), the same TP groups with layers repartitioned, TP device exclusion (best-scoring group
+per stage, and the widest surviving group per stage) followed by layer repartition, and dropping
+the replica. Combinations are ranked with the affine pipeline model and DP quotas; the best few
+are scored with the exact 1F1B simulator, charging the one-time cost of moving state against the
+gain over ``horizon_iters`` iterations. When no in-place plan exists (a shard no surviving rank
+holds, or nothing fits in memory) the plan is "checkpoint-restart" with the reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
+from resihp_ext.planner.cost import (
+    ReplicaTiming, allreduce_time_s, boundary_p2p_s, equal_quotas, iteration_s, max_params_per_rank,
+    replica_timing, timing_from_factors,
+)
+from resihp_ext.planner.dp import assign_quotas, makespan_s
+from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.health import Health
+from resihp_ext.planner.moves import NoSurvivingHolder, move_time_s, state_moves
+from resihp_ext.planner.plan import Move, Plan
+from resihp_ext.planner.pp import partition_layers
+from resihp_ext.planner.restart import restart_layout
+from resihp_ext.planner.tp import TpChoice, tp_candidates
+
+NUM_EXACT_CANDIDATES = 4
+MAX_COMBINATIONS = 64
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One way to run one replica (``replica is None``: drop it)."""
+
+    label: str
+    replica: ReplicaSpec | None
+    timing: ReplicaTiming | None
+    moves: tuple[Move, ...]
+    changed: bool
+
+
+def _replica_candidates(
+    layout: Layout, index: int, health: Health, hw: HardwareModel, num_microbatches: int,
+) -> list[_Candidate]:
+    model = layout.model
+    rep = layout.replicas[index]
+    num_stages = rep.num_stages
+    has_dead = any(r in health.dead for r in rep.ranks)
+    out: list[_Candidate] = [_Candidate("drop replica", None, None, (), True)]
+    if not has_dead:
+        out.append(_Candidate("keep layout", rep, replica_timing(rep, model, hw, health), (), False))
+    per_stage: list[tuple[TpChoice, ...]] = []
+    for p, st in enumerate(rep.stages):
+        found = tp_candidates(st.ranks, health, model, hw, stage=p, num_stages=num_stages,
+                              num_microbatches=num_microbatches)
+        if not found:
+            return out
+        per_stage.append(found)
+    variants = {
+        "TP exclusion": [c[0] for c in per_stage],
+        "widest TP": [max(c, key=lambda x: (x.tp_degree, x.score)) for c in per_stage],
+    }
+    if not has_dead:
+        current = []
+        for p, st in enumerate(rep.stages):
+            same = [c for c in per_stage[p] if c.ranks == st.ranks]
+            current.append(same[0] if same else None)
+        if all(current):
+            variants["repartition"] = current
+    seen: set[ReplicaSpec] = {rep} if not has_dead else set()
+    layer_s = (hw.layer_forward_tp1_s(model),) * model.num_layers
+    for label, choice in variants.items():
+        part = partition_layers(
+            layer_s, [c.s_per_tp1_s for c in choice], last_extra=hw.output_forward_tp1_s(model),
+            max_layers=[c.max_layers for c in choice], prefer=rep.layers_per_stage,
+        )
+        if part is None:
+            continue
+        stages, first = [], 0
+        for num, c in zip(part.layers_per_stage, choice):
+            stages.append(StageSpec(first, num, c.ranks))
+            first += num
+        new = ReplicaSpec(tuple(stages))
+        if new in seen:
+            continue
+        seen.add(new)
+        try:
+            moves = state_moves(layout, [new], health, hw)
+        except NoSurvivingHolder:
+            continue
+        timing = timing_from_factors(part.layers_per_stage, [c.s_per_tp1_s for c in choice],
+                                     boundary_p2p_s(new, model, hw, health), model, hw)
+        out.append(_Candidate(label, new, timing, moves, True))
+    return out
+
+
+def _describe(old: ReplicaSpec, cand: _Candidate, health: Health) -> str:
+    if cand.replica is None:
+        return "dropped"
+    parts = []
+    for p, (a, b) in enumerate(zip(old.stages, cand.replica.stages)):
+        if a.ranks != b.ranks:
+            gone = [r for r in a.ranks if r not in b.ranks]
+            parts.append(f"stage {p} TP {a.tp_degree}->{b.tp_degree} excluding ranks {gone}")
+    if old.layers_per_stage != cand.replica.layers_per_stage:
+        parts.append(f"layers {list(old.layers_per_stage)}->{list(cand.replica.layers_per_stage)}")
+    return ", ".join(parts) or "layout kept"
+
+
+def plan_adaptation(
+    layout: Layout,
+    health: Health,
+    hw: HardwareModel | None = None,
+    *,
+    num_microbatches: int | None = None,
+    horizon_iters: int = 500,
+    current_quotas: tuple[int, ...] | None = None,
+) -> Plan:
+    """Re-plan ``layout`` for ``health``: the ResiHP policy.
+
+    Args:
+        layout: the layout running now.
+        health: dead ranks, per-rank speeds, slow links.
+        hw: cost constants (defaults: ``HardwareModel()``).
+        num_microbatches: micro-batches per global batch (default: ``layout.model.num_microbatches``).
+        horizon_iters: iterations over which an adaptation's one-time cost must pay off.
+        current_quotas: quotas running now (default: equal split).
+
+    Returns:
+        A Plan: "keep", "adapt" (new layout, quotas, moves) or "checkpoint-restart" with a reason.
+    """
+    hw = hw or HardwareModel()
+    model = layout.model
+    num_mb = model.num_microbatches if num_microbatches is None else num_microbatches
+    if num_mb < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_mb}")
+    if horizon_iters < 1:
+        raise ValueError(f"horizon_iters must be >= 1, got {horizon_iters}")
+    quotas_now = current_quotas or equal_quotas(layout.num_replicas, num_mb)
+    if len(quotas_now) != layout.num_replicas or sum(quotas_now) != num_mb:
+        raise ValueError(f"current_quotas {quotas_now} must have one entry per replica and sum to {num_mb}")
+    before_s = iteration_s(layout, quotas_now, health, hw)
+    affected = set(layout.replicas_touching(health.affected_ranks))
+    cross_links = any(
+        layout.contains(a) and layout.contains(b) and layout.replica_of(a) != layout.replica_of(b)
+        for a, b in health.slow_links)
+    if not affected:
+        why = "slow links between replicas only slow the gradient all-reduce; no placement avoids them" \
+            if cross_links else "no affected replica"
+        return Plan("keep", layout, quotas_now, (), before_s, before_s, 0.0, f"keep: {why}")
+
+    # candidates: untouched replicas keep their layout (timings shared between identical ones)
+    shared: dict[tuple, ReplicaTiming] = {}
+    options: list[list[_Candidate]] = []
+    for r, rep in enumerate(layout.replicas):
+        if r in affected:
+            options.append(_replica_candidates(layout, r, health, hw, num_mb))
+            continue
+        key = tuple((st.num_layers, st.tp_degree) for st in rep.stages)
+        if key not in shared:
+            shared[key] = replica_timing(rep, model, hw, health)
+        options.append([_Candidate("keep layout", rep, shared[key], (), False)])
+
+    aff = sorted(affected)
+    per_replica = [sorted(options[r], key=lambda c: c.timing.per_microbatch_s if c.timing else math.inf)
+                   for r in aff]
+    combos = list(itertools.islice(itertools.product(*per_replica), MAX_COMBINATIONS))
+    # anchors, always scored exactly: each replica's individually best choice; only quotas change
+    # (replicas with a dead rank dropped); every affected replica dropped. The last two are what
+    # the DP-only and drop-replica baselines do, so the plan never predicts worse than them.
+    def pick(opts: list[_Candidate], label: str) -> _Candidate:
+        return next((c for c in opts if c.label == label), next(c for c in opts if c.replica is None))
+
+    anchors = [tuple(opts[0] for opts in per_replica),
+               tuple(pick(opts, "keep layout") for opts in per_replica),
+               tuple(pick(opts, "drop replica") for opts in per_replica)]
+    combos.extend(anchors)
+
+    # the gradient all-reduce depends on which replicas stay and whether a slow link still joins two
+    params_of = {id(c): max_params_per_rank(c.replica, model, hw) for opts in options for c in opts if c.replica}
+    links = [(layout.replica_of(a), a, layout.replica_of(b), b, v) for (a, b), v in health.slow_links.items()
+             if layout.contains(a) and layout.contains(b) and layout.replica_of(a) != layout.replica_of(b)]
+    rank_sets: dict[int, frozenset[int]] = {}
+
+    def holds(cand: _Candidate, rank: int) -> bool:
+        if id(cand) not in rank_sets:
+            rank_sets[id(cand)] = frozenset(cand.replica.ranks)
+        return rank in rank_sets[id(cand)]
+
+    def combo_allreduce_s(chosen: list[_Candidate], kept: list[_Candidate]) -> float:
+        link = min((v for ra, a, rb, b, v in links
+                    if chosen[ra].replica is not None and chosen[rb].replica is not None
+                    and holds(chosen[ra], a) and holds(chosen[rb], b)), default=1.0)
+        return allreduce_time_s(len(kept), max(params_of[id(c)] for c in kept), hw, link)
+
+    def assemble(combo):
+        chosen = list(options[i][0] for i in range(layout.num_replicas))
+        for r, cand in zip(aff, combo):
+            chosen[r] = cand
+        kept = [c for c in chosen if c.replica is not None]
+        return chosen, kept
+
+    ranked = []
+    for combo in set(combos):
+        chosen, kept = assemble(combo)
+        if not kept:
+            continue
+        fill = [c.timing.fill_s for c in kept]
+        per = [c.timing.per_microbatch_s for c in kept]
+        if not any(math.isfinite(v) for v in per):
+            continue
+        quotas = assign_quotas(fill, per, num_mb)
+        changed = any(c.changed for c in chosen)
+        moves = tuple(m for c in combo for m in c.moves)
+        cost_s = (hw.regroup_s + move_time_s(moves, hw)) if changed else 0.0
+        est = makespan_s(fill, per, quotas) + combo_allreduce_s(chosen, kept)
+        ranked.append((horizon_iters * est + cost_s, combo, chosen, kept, quotas, moves, cost_s))
+    if not ranked:
+        why = ("no replica can be rebuilt in place (a shard has no surviving holder in any replica, "
+               "or no TP group fits in memory)")
+        fallback = restart_layout(layout, health)
+        if fallback is None:
+            return Plan("checkpoint-restart", None, (), (), before_s, math.inf, hw.restart_s,
+                        f"checkpoint-restart: {why}; too few healthy nodes remain for one replica")
+        quotas = equal_quotas(fallback.num_replicas, num_mb)
+        after_s = iteration_s(fallback, quotas, Health(), hw)
+        return Plan("checkpoint-restart", fallback, quotas, (), before_s, after_s, hw.restart_s,
+                    f"checkpoint-restart: {why}; restart with DP={fallback.num_replicas} on the nodes "
+                    f"without bad devices")
+    ranked.sort(key=lambda item: item[0])
+
+    finalists = ranked[:NUM_EXACT_CANDIDATES] + [item for item in ranked[NUM_EXACT_CANDIDATES:] if item[1] in anchors]
+    best = None
+    for _, combo, chosen, kept, quotas, moves, cost_s in finalists:
+        # exact 1F1B time per kept replica (memoised across identical replicas) plus the all-reduce
+        after_s = max(c.timing.simulate_s(q) for c, q in zip(kept, quotas)) + combo_allreduce_s(chosen, kept)
+        total = horizon_iters * after_s + cost_s
+        if best is None or total < best[0]:
+            best = (total, combo, chosen, kept, quotas, moves, cost_s, after_s)
+    total, combo, chosen, kept, quotas, moves, cost_s, after_s = best
+    new_layout = layout if not any(c.changed for c in chosen) else layout.with_replicas(c.replica for c in kept)
+
+    if horizon_iters * before_s <= total:
+        return Plan("keep", layout, quotas_now, (), before_s, before_s, 0.0,
+                    f"keep: best change ({after_s:.3f} s/iter after {cost_s:.1f} s of adaptation) does not pay "
+                    f"off within {horizon_iters} iterations at {before_s:.3f} s/iter")
+    used = set(new_layout.world_ranks)
+    spares = tuple(r for r in layout.world_ranks if r not in used and r not in health.dead)
+    notes = [f"replica {r}: {_describe(layout.replicas[r], c, health)}" for r, c in zip(aff, combo)]
+    before_txt = "stalled" if not math.isfinite(before_s) else f"{before_s:.3f} s/iter"
+    gain = "" if not math.isfinite(before_s) else \
+        f"; pays back in {cost_s / max(before_s - after_s, 1e-12):.0f} iterations"
+    reason = (f"adapt: {'; '.join(notes)}; quotas {list(quotas)}; {before_txt} -> {after_s:.3f} s/iter; "
+              f"{len(moves)} moves, {sum(m.num_bytes for m in moves) / 1e9:.2f} GB, {cost_s:.1f} s{gain}")
+    return Plan("adapt", new_layout, quotas, moves, before_s, after_s, cost_s, reason, spares)
+
+
+__all__ = ["plan_adaptation"]

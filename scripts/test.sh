@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up and run the whole test suite (unit: pure, one process; dist: real gloo processes;
+# gpu: skipped without CUDA).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_cpu.sh
+export OMP_NUM_THREADS=1
+exec python -m pytest tests -q -p no:cacheprovider "$@"

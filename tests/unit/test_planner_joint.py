@@ -1,0 +1,156 @@
+"""Joint planner and baselines: decisions, moves after fail-stop, invariants, pay-off rule."""
+
+import math
+
+import pytest
+
+from hypothesis import given, settings, strategies as st
+
+from resihp_ext.layout import Layout, ModelSpec
+from resihp_ext.planner import HardwareModel, Health, plan_adaptation
+from resihp_ext.planner.baselines import POLICIES
+from resihp_ext.planner.compare import compare
+
+MODEL = ModelSpec(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192,
+                  vocab_size=32768, seq_length=1024, micro_batch_size=1, global_batch_size=64)
+LAYOUT = Layout.uniform(MODEL, tp_degree=4, pp_degree=4, dp_degree=4)  # 64 ranks
+
+
+def test_healthy_cluster_keeps_everything():
+    plan = plan_adaptation(LAYOUT, Health())
+    assert plan.action == "keep" and plan.layout == LAYOUT and plan.moves == ()
+    assert plan.iteration_s_after == plan.iteration_s_before
+
+
+def test_fail_slow_adapts_and_beats_no_adaptation():
+    health = Health(speed={16: 0.5})  # replica 0, stage 1, TP rank 0
+    plan = plan_adaptation(LAYOUT, health)
+    assert plan.action == "adapt"
+    assert plan.iteration_s_after < 0.9 * plan.iteration_s_before
+    assert sum(plan.quotas) == 64
+    assert plan.quotas[0] < plan.quotas[1]  # the slow replica takes fewer micro-batches
+
+
+def test_fail_stop_moves_come_from_surviving_holders_of_the_same_shard():
+    dead = 17  # replica 0, stage 1, TP rank 1
+    plan = plan_adaptation(LAYOUT, Health(dead=frozenset({dead})))
+    assert plan.action == "adapt" and math.isinf(plan.iteration_s_before)
+    assert dead not in plan.layout.world_ranks
+    assert plan.moves
+    for move in plan.moves:
+        assert move.src_rank != dead and move.src_rank in LAYOUT.world_ranks
+        # the source held that layer and that finest shard in the old layout
+        st_ = LAYOUT.stage_spec_of(move.src_rank)
+        layer = min(max(move.layer, 0), MODEL.num_layers - 1)
+        assert st_.first_layer <= layer < st_.end_layer
+        k = st_.tp_degree
+        i = LAYOUT.tp_rank_of(move.src_rank)
+        per = move.shard_degree // k
+        assert i * per <= move.shard < (i + 1) * per
+        assert move.dst_rank in plan.layout.world_ranks
+    # the dead rank's own shard is fetched from another replica
+    lost = [m for m in plan.moves if m.shard_degree == 4 and m.shard == 1 and m.layer in range(4, 8)]
+    assert lost and all(LAYOUT.replica_of(m.src_rank) != 0 for m in lost)
+
+
+def test_no_surviving_holder_means_checkpoint_restart():
+    layout = Layout.uniform(MODEL, 4, 4, 1)
+    plan = plan_adaptation(layout, Health(dead=frozenset({5})), num_microbatches=8)
+    assert plan.action == "checkpoint-restart" and "surviving holder" in plan.reason
+
+
+def test_adaptation_that_does_not_pay_off_is_not_taken():
+    # a slow device but a horizon of one iteration and a huge regroup cost
+    hw = HardwareModel(regroup_s=1e6)
+    plan = plan_adaptation(LAYOUT, Health(speed={16: 0.9}), hw, horizon_iters=1)
+    assert plan.moves == ()  # only the free quota change (or nothing) can pay off
+    assert plan.iteration_s_after <= plan.iteration_s_before
+
+
+def test_plan_to_dict_is_json_ready():
+    import json
+    plan = plan_adaptation(LAYOUT, Health(dead=frozenset({17})))
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["action"] == "adapt" and data["iteration_s_before"] is None
+    assert Layout.from_dict(data["layout"]) == plan.layout
+    assert {"kind", "layer", "shard", "src_rank", "dst_rank", "num_bytes"} <= set(data["moves"][0])
+
+
+def test_baselines_behave_as_described():
+    health = Health(speed={16: 0.5})
+    keep = POLICIES["no-adaptation"](LAYOUT, health)
+    assert keep.layout == LAYOUT and keep.quotas == (16, 16, 16, 16)
+    drop = POLICIES["drop-replica"](LAYOUT, health)
+    assert drop.layout.num_replicas == 3 and 16 not in drop.layout.world_ranks and sum(drop.quotas) == 64
+    dp = POLICIES["dp-only"](LAYOUT, health)
+    assert dp.layout == LAYOUT and dp.quotas[0] < 16
+    restart = POLICIES["checkpoint-restart"](LAYOUT, health)
+    assert restart.one_time_cost_s == HardwareModel().restart_s
+    assert all(r // 8 != 2 for r in restart.layout.world_ranks)  # node of rank 16 excluded
+
+
+healths = st.builds(
+    lambda slow, dead, link: Health(speed=slow, dead=frozenset(dead), slow_links=link),
+    st.dictionaries(st.integers(0, 63), st.sampled_from([0.25, 0.5, 0.8]), max_size=3),
+    st.sets(st.integers(0, 63), max_size=2),
+    st.dictionaries(st.tuples(st.integers(0, 31), st.integers(32, 63)), st.sampled_from([0.1, 0.5]), max_size=1),
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(healths)
+def test_plans_validate_sum_quotas_and_never_lose_to_a_baseline(health):
+    result = compare(LAYOUT, health, horizon_iters=500)
+    plan = result.plan
+    if plan.action != "checkpoint-restart":
+        plan.layout.validate()
+        assert sum(plan.quotas) == MODEL.num_microbatches
+        assert not set(plan.layout.world_ranks) & health.dead
+        assert len(plan.quotas) == plan.layout.num_replicas
+    for name, value in result.baselines.items():
+        assert result.predicted_throughput >= value * (1 - 1e-9), name
+
+
+def _owned(layout, rank, item, degree):
+    """Finest shards (of ``degree``) of ``item`` that ``rank`` holds in ``layout``."""
+    st_ = layout.stage_spec_of(rank)
+    num_layers = layout.model.num_layers
+    if not (item == -1 and st_.first_layer == 0 or item == num_layers and st_.end_layer == num_layers
+            or st_.first_layer <= item < st_.end_layer):
+        return set()
+    i, per = layout.tp_rank_of(rank), degree // st_.tp_degree
+    return set(range(i * per, (i + 1) * per))
+
+
+@settings(max_examples=25, deadline=None)
+@given(healths)
+def test_moves_give_every_rank_what_it_serves_and_times_are_consistent(health):
+    from resihp_ext.planner.cost import iteration_s
+    plan = plan_adaptation(LAYOUT, health)
+    if plan.action == "checkpoint-restart":
+        return
+    assert plan.iteration_s_after == pytest.approx(iteration_s(plan.layout, plan.quotas, health, HardwareModel()))
+    degree = 16  # a multiple of every TP degree in play, so shards of all degrees compare
+    received = {}
+    for m in plan.moves:
+        assert m.src_rank not in health.dead
+        scale = degree // m.shard_degree
+        assert _owned(LAYOUT, m.src_rank, m.layer, m.shard_degree) >= {m.shard}
+        received.setdefault((m.dst_rank, m.layer), set()).update(range(m.shard * scale, (m.shard + 1) * scale))
+    num_layers = MODEL.num_layers
+    for rank in plan.layout.world_ranks:
+        for item in range(-1, num_layers + 1):
+            need = _owned(plan.layout, rank, item, degree)
+            have = _owned(LAYOUT, rank, item, degree) | received.get((rank, item), set())
+            assert need <= have, (rank, item)
+
+
+def test_lost_shard_gives_restart_layout_without_bad_nodes():
+    layout = Layout.uniform(MODEL, 2, 2, 8)  # 32 ranks, 4 nodes of 8
+    # TP rank 0 of stage 0 dies in every replica: that shard survives nowhere
+    dead = frozenset(layout.replicas[d].stages[0].ranks[0] for d in range(8))
+    plan = plan_adaptation(layout, Health(dead=dead))
+    assert plan.action == "checkpoint-restart" and "surviving holder" in plan.reason
+    assert plan.layout is not None and sum(plan.quotas) == MODEL.num_microbatches
+    bad_nodes = {r // 8 for r in dead}
+    assert all(r // 8 not in bad_nodes for r in plan.layout.world_ranks)
