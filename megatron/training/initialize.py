@@ -31,12 +31,21 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rendezvous = {}
+        if "MASTER_ADDR" not in os.environ:
+            if world_size > 1:
+                raise RuntimeError(
+                    f"WORLD_SIZE={world_size} but no MASTER_ADDR/MASTER_PORT: launch with torchrun or "
+                    "scripts/launch_local.py, which set them"
+                )
+            rendezvous["store"] = dist.HashStore()  # a plain `python pretrain_gpt_resilient.py` run
         dist.init_process_group(
             backend="gloo" if args.device == "cpu" else "nccl",
             rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            init_method=None if "MASTER_ADDR" in os.environ else "tcp://127.0.0.1:29500",
+            world_size=world_size,
             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+            **rendezvous,
         )
     args.rank = dist.get_rank()
     parallel_state.initialize_model_parallel(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from typing import Callable
 
@@ -81,7 +82,8 @@ def pretrain(
     events = EventLog(args.resihp.event_log, args.rank)
     set_random_seed(args.seed)
     objects = build_training_objects(args, args.layers_per_stage)
-    install_hooks()
+    if not os.environ.get("RESIHP_DISABLE_OP_HOOKS"):  # only for measuring the hooks' own cost
+        install_hooks()
     iteration, consumed = checkpointing.load_checkpoint(args, objects) if args.load else (0, 0)
     if iteration and _is_last_rank():
         log_line(f" loaded checkpoint from {args.load} at iteration {iteration} (consumed samples {consumed})")

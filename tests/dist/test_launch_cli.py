@@ -1,0 +1,65 @@
+"""The launch users run: Megatron's flags, iteration lines, loss falls; bad input exits 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist.launch import REPO, TINY_GPT, check, iteration_losses, run_job
+
+ISSUE_LAUNCH = (
+    "--device cpu --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 "
+    "--num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
+    "--train-iters 30 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 512 --log-interval 1"
+).split()
+
+
+def test_tp2_pp2_dp2_launch_trains(tmp_path):
+    log = tmp_path / "events.jsonl"
+    proc = run_job(8, [*ISSUE_LAUNCH, "--resihp-event-log", str(log)])
+    check(proc)
+    lines = [line for line in proc.stdout.splitlines() if " iteration " in line and "lm loss:" in line]
+    assert len(lines) == 30
+    assert "consumed samples:          480" in lines[-1] and "tokens per second:" in lines[-1]
+    losses = iteration_losses(log)
+    assert losses[30] < losses[1]
+
+
+def _parse_only(argv, tmp_path):
+    """Runs the entry point in one process; a validation error must stop it before any group or file."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "pretrain_gpt_resilient.py"), *argv, "--save", str(tmp_path / "ckpt"),
+         "--resihp-event-log", str(tmp_path / "ev.jsonl")],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(REPO), "WORLD_SIZE": "8", "PATH": ""},
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--bogus-flag"], "--bogus-flag"),
+        (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
+        (["--global-batch-size", "10", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+         "--global-batch-size"),
+        (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ett|tL"], "--pipeline-model-parallel-layout"),
+        (["--resihp-inject", "slow:rank=1"], "--resihp-inject"),
+        (["--tokenizer-type", "NoSuchTokenizer"], "--tokenizer-type"),
+    ],
+    ids=["unknown-flag", "tp-vs-heads", "global-batch", "layout-vs-layers", "inject-grammar", "tokenizer"],
+)
+def test_bad_input_exits_2_naming_the_flag(tmp_path, extra, flag):
+    base = [a for a in TINY_GPT] + ["--train-iters", "2"]
+    proc = _parse_only([*base, *extra], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert flag in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ev.jsonl").exists()
+
+
+def test_recognised_megatron_flags_warn_once_and_run(tmp_path):
+    log = tmp_path / "ev.jsonl"
+    proc = run_job(1, [*TINY_GPT, "--train-iters", "1", "--use-flash-attn", "--transformer-impl", "local",
+                       "--sequence-parallel", "--resihp-event-log", str(log)])
+    check(proc)
+    warnings = [line for line in proc.stderr.splitlines() if "ignoring Megatron-LM flags" in line]
+    assert len(warnings) == 1 and "--use-flash-attn" in warnings[0] and "--transformer-impl" in warnings[0]
