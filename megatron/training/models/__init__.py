@@ -1,0 +1,1 @@
+"""Model building blocks the fork adds to megatron-core's GPT (document attention)."""

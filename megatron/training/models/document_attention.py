@@ -1,0 +1,258 @@
+"""Causal attention within each packed document, at a cost of sum(l_i^2), not s^2.
+
+Responsible for the core-attention step (softmax(QK^T)V) of megatron-core's local GPT layer when
+samples pack several documents: every token attends causally to earlier tokens of its own
+document only, and the work done is one causal attention per document, so a micro-batch costs
+``~ sum_i l_i^2`` as the ResiHP time model assumes. It does not project, rotate or shard anything;
+megatron-core's ``SelfAttention`` around it still does that.
+
+How document boundaries arrive: the forward step passes
+``packed_seq_params=packed_seq_params_for(tokens, eod)`` to ``GPTModel.forward``. That is a
+``PackedSeqParams`` with ``qkv_format="sbhd"`` (tensors stay [s, b, ...], so megatron-core's
+attention, rotary and THD code paths are untouched) whose ``cu_seqlens_q``/``cu_seqlens_kv``
+mark the segment boundaries over the batch flattened sample by sample, and whose
+``max_seqlen_q``/``max_seqlen_kv`` equal ``s`` (megatron sizes its rotary table from them).
+Without ``packed_seq_params`` the module falls back to one attention over the whole sample,
+using the given mask if any (so it is also a plain drop-in for ``DotProductAttention``).
+
+Limits: no context parallelism, sliding windows or non-vanilla softmax (construction raises);
+attention dropout uses the CUDA RNG tracker like ``DotProductAttention``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+from megatron.training.data.batch import cu_seqlens
+
+
+class DocumentCausalAttention(MegatronModule):
+    """Core attention computing causal attention per document.
+
+    Constructor and forward match ``megatron.core.transformer.dot_product_attention.
+    DotProductAttention``; see the module docstring for what ``packed_seq_params`` must hold.
+
+    Attributes:
+        last_num_attention_calls: Attention kernels launched by the latest forward (one per
+            distinct document length), for observing the cost structure.
+        last_num_score_entries: Query-key pairs scored by the latest forward, per head and
+            sample batch: ``sum_i l_i^2``.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                "document attention does not support --context-parallel-size > 1; drop "
+                "--document-attention or use context parallel size 1"
+            )
+        if config.window_size is not None:
+            raise ValueError("document attention does not support --window-size; drop one of them")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError("document attention supports only --softmax-type vanilla")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        tp_degree = self.tp_group.size()
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, tp_degree)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_degree)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_degree)
+        # DotProductAttention divides by layer_number under apply_query_key_layer_scaling and
+        # multiplies it back inside the softmax; the net scale is this one.
+        self.softmax_scale = (
+            softmax_scale
+            if softmax_scale is not None
+            else 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        )
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.last_num_attention_calls = 0
+        self.last_num_score_entries = 0
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> Tensor:
+        """Attend.
+
+        Args:
+            query: [s, b, heads_per_partition, head_dim].
+            key, value: [s, b, query_groups_per_partition, head_dim].
+            attention_mask: Ignored when ``packed_seq_params`` is given; otherwise a boolean
+                mask broadcastable to [b, heads, s, s] (True = masked out), or None for causal.
+            attn_mask_type: Unused, as in ``DotProductAttention``.
+            attention_bias: Not supported (must be None).
+            packed_seq_params: Document boundaries, from :func:`packed_seq_params_for`.
+
+        Returns:
+            [s, b, hidden_per_partition].
+        """
+        if attention_bias is not None:
+            raise ValueError("document attention does not support attention_bias")
+        seq_length, batch = query.size(0), query.size(1)
+        heads = self.num_attention_heads_per_partition
+        repeat = heads // self.num_query_groups_per_partition
+        if repeat > 1:  # grouped-query attention: share each K/V group among its query heads
+            key = key.repeat_interleave(repeat, dim=2)
+            value = value.repeat_interleave(repeat, dim=2)
+        out_dtype = query.dtype
+        if self.config.attention_softmax_in_fp32 and query.dtype in (torch.float16, torch.bfloat16):
+            query, key, value = query.float(), key.float(), value.float()
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        if packed_seq_params is None:
+            context = self._whole_sample(query, key, value, attention_mask, dropout_p)
+        else:
+            if packed_seq_params.qkv_format not in (None, "sbhd"):
+                raise ValueError(
+                    f"document attention expects packed_seq_params.qkv_format 'sbhd' (tensors "
+                    f"[s, b, ...]); got {packed_seq_params.qkv_format!r}. Build it with "
+                    "packed_seq_params_for(tokens, eod)"
+                )
+            context = self._per_document(
+                query, key, value, packed_seq_params.cu_seqlens_q, dropout_p
+            )
+        # context: [b * s, heads, head_dim] in flat sample-major order -> [s, b, hidden].
+        context = context.view(batch, seq_length, heads * self.hidden_size_per_attention_head)
+        return context.transpose(0, 1).contiguous().to(out_dtype)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float) -> Tensor:
+        """SDPA on [n, heads, l, d]; causal when no mask is given."""
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            # Same RNG stream choice as DotProductAttention: per-TP-rank dropout.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
+                    scale=self.softmax_scale,
+                )
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
+            scale=self.softmax_scale,
+        )
+
+    def _whole_sample(self, query, key, value, attention_mask, dropout_p) -> Tensor:
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # megatron's masks mark positions to hide; SDPA's boolean masks mark positions to keep.
+        mask = None if attention_mask is None else ~attention_mask
+        out = self._sdpa(q, k, v, mask, dropout_p)
+        self.last_num_attention_calls = 1
+        self.last_num_score_entries = q.size(0) * q.size(2) * q.size(2)
+        return out.permute(0, 2, 1, 3).reshape(-1, q.size(1), q.size(3))
+
+    def _per_document(self, query, key, value, cu: Tensor, dropout_p) -> Tensor:
+        seq_length, batch, heads, head_dim = query.shape
+        total = seq_length * batch
+        bounds = cu.tolist() if isinstance(cu, Tensor) else list(cu)
+        if bounds[0] != 0 or bounds[-1] != total or any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(
+                f"packed_seq_params.cu_seqlens_q must rise strictly from 0 to b*s={total}; "
+                f"got {bounds[:4]}...{bounds[-2:]}. Build it with packed_seq_params_for(tokens, eod)"
+            )
+        # Flat sample-major [b * s, h, d], so a document is a contiguous row range.
+        q, k, v = (t.transpose(0, 1).reshape(total, heads, head_dim) for t in (query, key, value))
+        starts_by_length: dict[int, list[int]] = defaultdict(list)
+        for start, end in zip(bounds, bounds[1:]):
+            starts_by_length[end - start].append(start)
+        # Documents of equal length share one batched kernel call: the number of calls is the
+        # number of distinct lengths, and each call scores n * l^2 pairs, never l * s.
+        pieces, rows = [], []
+        for length in sorted(starts_by_length):
+            starts = torch.tensor(starts_by_length[length], device=q.device)
+            index = (starts[:, None] + torch.arange(length, device=q.device)).reshape(-1)
+            n = starts.numel()
+            qs, ks, vs = (
+                t.index_select(0, index).view(n, length, heads, head_dim).transpose(1, 2)
+                for t in (q, k, v)
+            )
+            out = self._sdpa(qs, ks, vs, None, dropout_p)  # [n, h, l, d]
+            pieces.append(out.transpose(1, 2).reshape(n * length, heads, head_dim))
+            rows.append(index)
+        order = torch.cat(rows)
+        gathered = torch.cat(pieces)
+        context = torch.zeros_like(q).index_copy(0, order, gathered)
+        self.last_num_attention_calls = len(starts_by_length)
+        self.last_num_score_entries = sum(l * l * len(s) for l, s in starts_by_length.items())
+        return context
+
+
+def packed_seq_params_for(tokens: Tensor, eod: int) -> PackedSeqParams:
+    """What the forward step passes to ``GPTModel.forward`` as ``packed_seq_params``.
+
+    Args:
+        tokens: LongTensor [b, s] of the micro-batch (the EOD belongs to the document it ends).
+        eod: The tokenizer's EOD id.
+
+    Returns:
+        ``PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+        max_seqlen_q=s, max_seqlen_kv=s)`` with ``cu`` from
+        :func:`megatron.training.data.batch.cu_seqlens`.
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [b, s], got shape {tuple(tokens.shape)}")
+    cu = cu_seqlens(tokens, eod)
+    seq_length = tokens.size(1)
+    # max_seqlen = s (not the longest document): megatron sizes the rotary table from it and
+    # applies it to all s positions of the unpacked [s, b] tensors.
+    return PackedSeqParams(
+        qkv_format="sbhd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=seq_length,
+        max_seqlen_kv=seq_length,
+    )
+
+
+def gpt_layer_spec(document_attention: bool, **local_spec_kwargs) -> ModuleSpec:
+    """megatron-core's local GPT layer spec, with document attention when asked.
+
+    Args:
+        document_attention: Swap ``DotProductAttention`` for :class:`DocumentCausalAttention`.
+        **local_spec_kwargs: Passed to ``get_gpt_layer_local_spec`` (e.g. ``normalization``,
+            ``qk_layernorm``).
+
+    Returns:
+        The layer spec.
+    """
+    spec = get_gpt_layer_local_spec(**local_spec_kwargs)
+    if document_attention:
+        if local_spec_kwargs.get("multi_latent_attention") or local_spec_kwargs.get("num_experts"):
+            raise ValueError("document attention supports dense, non-MLA GPT layers only")
+        spec.submodules.self_attention.submodules.core_attention = DocumentCausalAttention
+    return spec

@@ -1,0 +1,152 @@
+"""Document attention equals block-diagonal causal attention, at a per-document cost."""
+
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.training import cpu_mode  # noqa: E402
+from megatron.training.models.document_attention import (  # noqa: E402
+    DocumentCausalAttention,
+    gpt_layer_spec,
+    packed_seq_params_for,
+)
+
+EOD = 0
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A 1-rank gloo world with megatron's parallel state (TP=PP=1) on CPU."""
+    created = not dist.is_initialized()
+    if created:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    cpu_mode.enable()
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    yield
+    parallel_state.destroy_model_parallel()
+    cpu_mode.disable()
+    if created:
+        dist.destroy_process_group()
+
+
+def _config(**kw):
+    base = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+        attention_dropout=0.0, hidden_dropout=0.0,
+    )
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _tokens(b, s, eod_positions, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 100, (b, s), generator=g)
+    for row, cols in eod_positions.items():
+        tokens[row, cols] = EOD
+    return tokens
+
+
+def _block_causal_mask(tokens):
+    """megatron's reset_attention_mask mask, [b, 1, s, s], True = hidden."""
+    return torch.stack(
+        [_get_ltor_masks_and_position_ids(t, EOD, False, True, False, True)[0] for t in tokens]
+    )
+
+
+@pytest.mark.parametrize("num_query_groups", [4, 2])
+def test_matches_dot_product_attention_with_block_mask(one_rank, num_query_groups):
+    config = _config(num_query_groups=num_query_groups)
+    ref = DotProductAttention(config, 1, AttnMaskType.causal, "self")
+    doc = DocumentCausalAttention(config, 1, AttnMaskType.causal, "self")
+    s, b = 48, 3
+    tokens = _tokens(b, s, {0: [5, 6, 20], 1: [47], 2: [0, 9, 18, 27, 36]})
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(s, b, 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(s, b, num_query_groups, 16, generator=g, requires_grad=True)
+    v = torch.randn(s, b, num_query_groups, 16, generator=g, requires_grad=True)
+    expected = ref(q, k, v, _block_causal_mask(tokens), AttnMaskType.causal)
+    got = doc(q, k, v, None, AttnMaskType.causal, packed_seq_params=packed_seq_params_for(tokens, EOD))
+    assert got.shape == (s, b, 64)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # Gradients flow through the per-document gather/scatter exactly as through the mask.
+    (grad_ref,) = torch.autograd.grad(expected.square().sum(), q)
+    (grad_doc,) = torch.autograd.grad(got.square().sum(), q)
+    torch.testing.assert_close(grad_doc, grad_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_work_scales_with_sum_of_squares_not_s_squared(one_rank):
+    doc = DocumentCausalAttention(_config(), 1, AttnMaskType.causal, "self")
+    s, b = 256, 2
+    q = k = v = torch.randn(s, b, 4, 16)
+    # 16 documents of 16 tokens per sample: one batched call, 2 * 16 * 16^2 scored pairs.
+    short = _tokens(b, s, {0: list(range(15, s, 16)), 1: list(range(15, s, 16))})
+    doc(q, k, v, None, packed_seq_params=packed_seq_params_for(short, EOD))
+    assert doc.last_num_attention_calls == 1
+    assert doc.last_num_score_entries == 2 * 16 * 16**2
+    # One document per sample: the full s^2.
+    whole = _tokens(b, s, {})
+    doc(q, k, v, None, packed_seq_params=packed_seq_params_for(whole, EOD))
+    assert doc.last_num_score_entries == 2 * s * s
+    # Mixed lengths: one call per distinct length.
+    mixed = _tokens(b, s, {0: [9, 19, 99], 1: [9, 255]})
+    doc(q, k, v, None, packed_seq_params=packed_seq_params_for(mixed, EOD))
+    lengths = [10, 10, 80, 156, 10, 246]
+    assert doc.last_num_attention_calls == len(set(lengths))
+    assert doc.last_num_score_entries == sum(l * l for l in lengths)
+
+
+def test_without_boundaries_it_is_plain_causal(one_rank):
+    config = _config()
+    ref = DotProductAttention(config, 1, AttnMaskType.causal, "self")
+    doc = DocumentCausalAttention(config, 1, AttnMaskType.causal, "self")
+    q, k, v = (torch.randn(16, 2, 4, 16) for _ in range(3))
+    mask = _block_causal_mask(_tokens(2, 16, {}))
+    torch.testing.assert_close(doc(q, k, v, None), ref(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(doc(q, k, v, mask), ref(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_bad_boundaries(one_rank):
+    doc = DocumentCausalAttention(_config(), 1, AttnMaskType.causal, "self")
+    q = torch.randn(8, 1, 4, 16)
+    params = packed_seq_params_for(_tokens(1, 8, {0: [3]}), EOD)
+    params.cu_seqlens_q = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        doc(q, q, q, None, packed_seq_params=params)
+    params.qkv_format = "thd"
+    with pytest.raises(ValueError, match="sbhd"):
+        doc(q, q, q, None, packed_seq_params=params)
+
+
+def test_gpt_model_forward_with_packed_seq_params(one_rank):
+    """Through GPTModel (rotary embeddings on): same logits as the local spec with the mask."""
+    config = _config()
+    kwargs = dict(
+        config=config, vocab_size=128, max_sequence_length=32, position_embedding_type="rope",
+    )
+    torch.manual_seed(0)
+    plain = GPTModel(transformer_layer_spec=gpt_layer_spec(False), **kwargs)
+    document = GPTModel(transformer_layer_spec=gpt_layer_spec(True), **kwargs)
+    document.load_state_dict(plain.state_dict())
+    assert isinstance(
+        document.decoder.layers[0].self_attention.core_attention, DocumentCausalAttention
+    )
+    tokens = _tokens(2, 32, {0: [7, 8, 30], 1: [15]})
+    position_ids = torch.arange(32).expand(2, 32)
+    expected = plain(tokens, position_ids, _block_causal_mask(tokens))
+    got = document(tokens, position_ids, None, packed_seq_params=packed_seq_params_for(tokens, EOD))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
