@@ -23,6 +23,9 @@ class ResiHPConfig:
     event_log: str | None = None
     """Path of a JSONL event log (one object per event: event, iteration, time, ...)."""
 
+    trace: str | None = None
+    """Path of a JSONL trace of every rank's op timings per iteration (input to scripts/bench/detection.py --trace)."""
+
     inject: list[str] = field(default_factory=list)
     """Inject a fault (repeatable): slow:rank=R,factor=F,at=I | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I | hang:rank=R,at=I."""
 
@@ -34,6 +37,12 @@ class ResiHPConfig:
 
     warmup_iters: int = 5
     """Iterations used only to fit the time predictor before the detector starts judging."""
+
+    probe_threshold: float = 1.2
+    """A validation probe this many times the healthy median names its rank or link slow."""
+
+    cleared_cooldown_iters: int = 10
+    """Iterations a group stays unsuspected after its probes cleared it (avoids probe storms)."""
 
     heartbeat_interval_s: float = 0.2
     """Seconds between heartbeats each rank writes to the job's store."""
@@ -50,6 +59,12 @@ class ResiHPConfig:
                 f"--resihp-slowdown-threshold must be > 1.0 (a ratio of observed to predicted time), "
                 f"got {self.slowdown_threshold}"
             )
+        if self.probe_threshold <= 1.0:
+            raise ValueError(
+                f"--resihp-probe-threshold must be > 1.0 (probe time over healthy median), got {self.probe_threshold}"
+            )
+        if self.cleared_cooldown_iters < 0:
+            raise ValueError(f"--resihp-cleared-cooldown-iters must be >= 0, got {self.cleared_cooldown_iters}")
         for name in ("persistence_iters", "warmup_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--resihp-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

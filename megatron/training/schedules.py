@@ -33,6 +33,7 @@ class OpRecorder:
     synchronize: Callable[[], None] = lambda: None
     slowdown_factor: float = 1.0
     active: bool = False
+    iteration_start_s: float = 0.0
     ops: list[OpRecord] = dataclasses.field(default_factory=list)
     features: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     _next_mb: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -40,6 +41,7 @@ class OpRecorder:
     def start_iteration(self) -> None:
         self.ops, self.features, self._next_mb = [], [], {OpKind.FORWARD.value: 0, OpKind.BACKWARD.value: 0}
         self.active = True
+        self.iteration_start_s = time.perf_counter()
 
     def timed(self, kind: OpKind, fn: Callable, *args, **kwargs):
         if not self.active:
@@ -87,6 +89,8 @@ class StepResult:
     skipped: bool
     ops: list[OpRecord]
     features: list[tuple[int, int]]
+    iteration_start_s: float
+    iteration_s: float  # schedule start to optimizer step end, on this rank
 
 
 def train_step(
@@ -131,4 +135,6 @@ def train_step(
         skipped=not update_successful,
         ops=list(RECORDER.ops),
         features=list(RECORDER.features),
+        iteration_start_s=RECORDER.iteration_start_s,
+        iteration_s=time.perf_counter() - RECORDER.iteration_start_s,
     )

@@ -1,0 +1,557 @@
+"""Fail-slow decisions over plain per-iteration observations.
+
+Responsible for judging, once per iteration, whether any pipeline-stage group (the TP ranks of one
+stage of one DP replica) or any pipeline link runs persistently slower than the time predicted
+*for the data it actually processed*, and for turning validation-probe results into a Verdict or
+a Cleared. Because the predictor follows sequence packing (``T = alpha*N + beta*sum l_i^2``), an
+iteration that is slow because its documents were long is not suspect; one that is slow for the
+same data is.
+
+Decisions:
+    * per group: ratio = observed compute seconds / predicted seconds for its micro-batches
+      (median over the group's TP ranks; TP siblings wait for each other inside collectives, so a
+      slow rank stretches all of them and only probes can tell which one it is);
+    * per directed link: ratio = observed transfer gap / its healthy baseline, the gap being the
+      smallest delay between a sender's op end and the receiver's op start over the iteration's
+      micro-batches (the receiver waited at least once, so the minimum is the transfer itself);
+    * a ratio above ``slowdown_threshold`` for ``persistence_iters`` consecutive judged
+      iterations becomes a Suspicion (a single noisy iteration triggers nothing);
+    * ``conclude`` localises with the probes (``resihp_ext.validation``) and returns a Verdict or
+      a Cleared.
+
+The values a suspicion concludes to (``Verdict``, ``Cleared``) and the fail-stop judgement
+(``judge_heartbeats``, ``fail_stop_verdict``) live in ``resihp_ext.validation`` and are
+re-exported here, so callers import the whole detection API from this module.
+
+It must never read clocks, files or process groups, nor time anything: the live loop passes
+observations, ``now`` and probe timings in, and acts on what comes back.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict, deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from resihp_ext.config import ResiHPConfig
+from resihp_ext.predictor import MicrobatchPredictor, predict_replica
+from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of this API)
+    Cleared,
+    ProbeResults,
+    Verdict,
+    fail_stop_verdict,
+    judge_heartbeats,
+    localise,
+)
+
+# A link is only suspect when its transfer also grew by this many seconds in absolute terms, so a
+# sub-millisecond baseline jittering by a few microseconds never looks like a 2x slowdown.
+_MIN_LINK_EXCESS_S = 1e-3
+# Healthy iterations remembered for link baselines and for the iteration overhead estimate.
+_HISTORY = 32
+
+OpRecord = tuple[str, int, float, float]
+GroupId = tuple[int, int]  # (replica, stage)
+LinkId = tuple[int, int]  # (src rank, dst rank)
+
+
+@dataclass(frozen=True, slots=True)
+class RankObservation:
+    """What one rank measured in one iteration; the live loop builds one per rank per iteration.
+
+    Attributes:
+        rank: global rank.
+        replica: data-parallel replica index of the rank.
+        stage: pipeline stage of the rank within its replica.
+        tp_rank: rank within its tensor-parallel group.
+        ops: per forward/backward executed, ``(kind, microbatch, start_s, end_s)`` with kind
+            ``"F"`` or ``"B"``; times in seconds from the rank's iteration start, start taken after
+            the op's inputs arrived (pipeline receive waits are outside the op).
+        features: per micro-batch of the replica, ``(num_tokens, sum_sq)`` of its documents.
+        iteration_s: the rank's wall-clock iteration time.
+    """
+
+    rank: int
+    replica: int
+    stage: int
+    tp_rank: int
+    ops: tuple[OpRecord, ...]
+    features: tuple[tuple[int, int], ...]
+    iteration_s: float
+
+    def __post_init__(self) -> None:
+        if min(self.rank, self.replica, self.stage, self.tp_rank) < 0:
+            raise ValueError(f"rank/replica/stage/tp_rank must be >= 0 in observation of rank {self.rank}")
+        for kind, mb, start, end in self.ops:
+            if kind not in ("F", "B") or not 0 <= mb < len(self.features) or end < start:
+                raise ValueError(
+                    f"rank {self.rank}: bad op {(kind, mb, start, end)}; need kind 'F'|'B', a micro-batch "
+                    f"with features (0..{len(self.features) - 1}) and end_s >= start_s"
+                )
+        if not self.iteration_s > 0:
+            raise ValueError(f"rank {self.rank}: iteration_s must be > 0, got {self.iteration_s}")
+
+
+@dataclass(frozen=True)
+class Suspicion:
+    """A persistent slowdown that needs validation probes before anyone acts on it.
+
+    Attributes:
+        iteration: iteration at which the slowdown became persistent.
+        onset_iteration: first iteration of the slow streak.
+        kind: ``"compute"`` (a stage group) or ``"link"`` (a pipeline transfer).
+        replica: DP replica of the suspect group or link.
+        stage: the suspect stage (for a link, its sending side's lower stage).
+        ranks: suspect ranks.
+        links: suspect directed links ``(src, dst)`` (empty for compute).
+        probe_ranks: ranks that should run the GEMM probe (suspects plus healthy references).
+        probe_links: links that should run the p2p probe (suspects plus healthy references).
+        ratio: observed / predicted at ``iteration``.
+        reason: one readable line.
+    """
+
+    iteration: int
+    onset_iteration: int
+    kind: str
+    replica: int
+    stage: int
+    ranks: tuple[int, ...]
+    links: tuple[LinkId, ...]
+    probe_ranks: tuple[int, ...]
+    probe_links: tuple[LinkId, ...]
+    ratio: float
+    reason: str
+
+    def to_event(self) -> dict:
+        """JSON-ready event (the caller adds ``"time"``)."""
+        return {
+            "event": "suspicion",
+            "kind": self.kind,
+            "iteration": self.iteration,
+            "onset_iteration": self.onset_iteration,
+            "replica": self.replica,
+            "stage": self.stage,
+            "ranks": list(self.ranks),
+            "links": [list(link) for link in self.links],
+            "ratio": round(self.ratio, 4),
+            "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True)
+class DetectorReport:
+    """What the detector computed for one iteration (for logs and benchmarks).
+
+    Attributes:
+        iteration: the iteration.
+        judged: False while warming up (fitting only).
+        stage_ratio: observed / predicted compute per ``(replica, stage)``.
+        rank_ratio: the same per rank, from the rank's own op times (for logs: TP siblings wait
+            for each other, so they look alike and decisions use the group's median).
+        link_ratio: observed / baseline transfer per directed link.
+        predicted_iteration_s: predicted iteration time (None until fitted), made before learning
+            from this iteration.
+        observed_iteration_s: median of the ranks' iteration times.
+    """
+
+    iteration: int
+    judged: bool
+    stage_ratio: Mapping[GroupId, float]
+    rank_ratio: Mapping[int, float]
+    link_ratio: Mapping[LinkId, float]
+    predicted_iteration_s: float | None
+    observed_iteration_s: float
+
+
+def _op_times(obs: RankObservation) -> np.ndarray:
+    """Rows F start, F end, B start, B end, indexed by micro-batch (NaN where not recorded)."""
+    table = np.full((4, len(obs.features)), np.nan)
+    for kind, mb, start, end in obs.ops:
+        row = 0 if kind == "F" else 2
+        table[row, mb] = start
+        table[row + 1, mb] = end
+    return table
+
+
+class _Baselines:
+    """Recent healthy values per id in one ring-buffer array, so all medians cost one call."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.index: dict = {}
+        self.values = np.full((0, size), np.nan)
+        self.count = np.zeros(0, dtype=int)
+
+    def __contains__(self, key) -> bool:
+        return key in self.index
+
+    def __iter__(self):
+        return iter(self.index)
+
+    def medians(self, min_count: int) -> dict:
+        if not self.index:
+            return {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            med = np.nanmedian(self.values, axis=1)
+        return {k: float(med[i]) for k, i in self.index.items() if self.count[i] >= min_count}
+
+    def add(self, key, value: float) -> None:
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = len(self.index)
+            if i >= len(self.values):
+                grow = max(16, len(self.values))
+                self.values = np.vstack([self.values, np.full((grow, self.size), np.nan)])
+                self.count = np.concatenate([self.count, np.zeros(grow, dtype=int)])
+        self.values[i, self.count[i] % self.size] = value
+        self.count[i] += 1
+
+
+class _Streak:
+    """Consecutive iterations above threshold for one group or link."""
+
+    __slots__ = ("count", "onset")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.onset = -1
+
+    def update(self, slow: bool, iteration: int) -> int:
+        if slow:
+            if self.count == 0:
+                self.onset = iteration
+            self.count += 1
+        else:
+            self.count = 0
+        return self.count
+
+
+class FailSlowDetector:
+    """Judges iterations, raises Suspicions, and concludes them from probe results.
+
+    Args:
+        config: thresholds (``slowdown_threshold``, ``persistence_iters``, ``warmup_iters``,
+            ``probe_threshold``, ``cleared_cooldown_iters``); defaults if None.
+        predictor: micro-batch predictor to use (a fresh one if None).
+        stage_signature: ``(replica, stage, tp_degree) -> hashable`` naming the stage
+            configuration whose cost model a group uses; default ``(stage, tp_degree)``, so
+            replicas with the same configuration share (and cross-check) one fit.
+    """
+
+    def __init__(
+        self,
+        config: ResiHPConfig | None = None,
+        predictor: MicrobatchPredictor | None = None,
+        stage_signature: Callable[[int, int, int], Hashable] | None = None,
+    ) -> None:
+        self.config = config or ResiHPConfig()
+        self.predictor = predictor or MicrobatchPredictor()
+        self._signature = stage_signature or (lambda replica, stage, tp: (stage, tp))
+        self.last_report: DetectorReport | None = None
+        self.reset()
+
+    def reset(self, forget_predictor: bool = True) -> None:
+        """Start over after a re-plan: new groups, new costs, warm-up again."""
+        if forget_predictor:
+            self.predictor.reset()
+        self._seen = 0
+        self._group_streak: dict[GroupId, _Streak] = defaultdict(_Streak)
+        self._link_streak: dict[LinkId, _Streak] = defaultdict(_Streak)
+        self._link_history = _Baselines(_HISTORY)
+        self._overhead_history: deque = deque(maxlen=_HISTORY)
+        self._pending: set = set()
+        self._muted: set = set()
+        self._cooldown: dict = {}
+        self._link_base: dict[LinkId, float] = {}
+        self._group_ranks: dict[GroupId, tuple[int, ...]] = {}
+        self._rank_group: dict[int, GroupId] = {}
+
+    # ---------------------------------------------------------------- per-iteration judgement
+
+    def observe(self, iteration: int, observations: Sequence[RankObservation]) -> Suspicion | None:
+        """Judge one iteration; learn from what looks healthy.
+
+        Args:
+            iteration: the training iteration these observations belong to.
+            observations: one ``RankObservation`` per rank that reported.
+
+        Returns:
+            A new Suspicion (the caller should run the probes it names and call ``conclude``),
+            or None.
+        """
+        if not observations:
+            return None
+        groups, feats = self._group(observations)
+        times = {o.rank: _op_times(o) for o in observations}
+        durations = {g: self._op_durations([times[o.rank] for o in obs]) for g, obs in groups.items()}
+        keys = {g: self._keys(g, len(obs)) for g, obs in groups.items()}
+        fitted = all(self.predictor.fitted(k) for ks in keys.values() for k in ks)
+        judged = fitted and self._seen >= self.config.warmup_iters
+        self._seen += 1
+
+        stage_ratio: dict[GroupId, float] = {}
+        rank_ratio: dict[int, float] = {}
+        if fitted:
+            for g, (fwd, bwd) in durations.items():
+                predicted = self._predict_busy(keys[g], feats[g[0]])
+                if predicted <= 0:
+                    continue
+                stage_ratio[g] = float(np.nansum(fwd) + np.nansum(bwd)) / predicted
+                for o in groups[g]:
+                    t = times[o.rank]
+                    rank_ratio[o.rank] = float(np.nansum(t[1] - t[0]) + np.nansum(t[3] - t[2])) / predicted
+        gaps = self._link_gaps(groups, times)
+        link_ratio = {}
+        self._link_base = self._link_history.medians(min_count=3)
+        for link, gap in gaps.items():
+            base = self._link_base.get(link)
+            if base is not None:
+                if gap - base > _MIN_LINK_EXCESS_S:
+                    link_ratio[link] = gap / max(base, 1e-9)
+                else:
+                    link_ratio[link] = min(gap / max(base, 1e-9), 1.0)
+        observed_iter = float(np.median([o.iteration_s for o in observations]))
+        predicted_iter = self._predict_iteration(groups, keys, feats, observed_iter) if fitted else None
+        self.last_report = DetectorReport(
+            iteration, judged, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter
+        )
+
+        threshold = self.config.slowdown_threshold
+        suspicion = None
+        if judged:
+            suspicion = self._decide(iteration, stage_ratio, link_ratio)
+        # Learn only from what is not suspect, so a persistent slowdown never becomes the norm;
+        # never from the first iteration after a (re)start, which pays one-off set-up costs.
+        batches: dict = defaultdict(list)
+        for g, (fwd, bwd) in durations.items():
+            if self._seen == 1 or g in self._muted or g in self._pending or stage_ratio.get(g, 1.0) > threshold:
+                continue
+            for key, dur in zip(keys[g], (fwd, bwd)):
+                batches[key].append(np.column_stack([feats[g[0]], dur]))
+        for key, parts in batches.items():
+            data = np.concatenate(parts)
+            data = data[np.isfinite(data[:, 2]) & (data[:, 2] > 0)]
+            if len(data):
+                self.predictor.observe_batch(key, data[:, 0], data[:, 1], data[:, 2])
+        for link, gap in gaps.items():
+            if link_ratio.get(link, 1.0) <= threshold and link not in self._muted:
+                self._link_history.add(link, gap)
+        return suspicion
+
+    def _decide(self, iteration, stage_ratio, link_ratio) -> Suspicion | None:
+        threshold, need = self.config.slowdown_threshold, self.config.persistence_iters
+        ready = []
+        for g, ratio in stage_ratio.items():
+            count = self._group_streak[g].update(ratio > threshold, iteration)
+            if count >= need and self._eligible(g, iteration):
+                ready.append((ratio, "compute", g))
+        for link, ratio in link_ratio.items():
+            count = self._link_streak[link].update(ratio > threshold, iteration)
+            if count >= need and self._eligible(link, iteration):
+                ready.append((ratio, "link", link))
+        if not ready:
+            return None
+        # Compute first: a slow stage also delays what it sends; among equals, the worst ratio.
+        ratio, kind, what = max(ready, key=lambda item: (item[1] == "compute", item[0]))
+        self._pending.add(what)
+        if kind == "compute":
+            return self._compute_suspicion(iteration, what, ratio)
+        return self._link_suspicion(iteration, what, ratio)
+
+    def _eligible(self, what, iteration: int) -> bool:
+        if what in self._pending or what in self._muted:
+            return False
+        return iteration >= self._cooldown.get(what, -1)
+
+    def _compute_suspicion(self, iteration: int, g: GroupId, ratio: float) -> Suspicion:
+        ranks = self._group_ranks[g]
+        # Healthy reference: the same stage of another replica, else another stage (the GEMM
+        # probe is the same on every rank, so any healthy rank is a fair reference).
+        others = [h for h in self._group_ranks if h != g and h not in self._muted]
+        others.sort(key=lambda h: (h[1] != g[1], h))
+        reference = self._group_ranks[others[0]] if others else ()
+        streak = self._group_streak[g]
+        return Suspicion(
+            iteration=iteration,
+            onset_iteration=streak.onset,
+            kind="compute",
+            replica=g[0],
+            stage=g[1],
+            ranks=ranks,
+            links=(),
+            probe_ranks=tuple(ranks) + tuple(reference),
+            probe_links=(),
+            ratio=ratio,
+            reason=(
+                f"replica {g[0]} stage {g[1]} (ranks {list(ranks)}) ran {ratio:.2f}x its predicted compute time "
+                f"for {streak.count} iterations since {streak.onset} (threshold {self.config.slowdown_threshold})"
+            ),
+        )
+
+    def _link_suspicion(self, iteration: int, link: LinkId, ratio: float) -> Suspicion:
+        g = self._rank_group[link[0]]
+        h = self._rank_group[link[1]]
+        # References: the other links of the same boundary and direction.
+        siblings = [
+            other for other in self._link_history
+            if other != link and self._rank_group.get(other[0]) == g and self._rank_group.get(other[1]) == h
+        ]
+        streak = self._link_streak[link]
+        return Suspicion(
+            iteration=iteration,
+            onset_iteration=streak.onset,
+            kind="link",
+            replica=g[0],
+            stage=min(g[1], h[1]),
+            ranks=tuple(link),
+            links=(link,),
+            probe_ranks=(),
+            probe_links=(link, *sorted(siblings)),
+            ratio=ratio,
+            reason=(
+                f"transfer {link[0]}->{link[1]} took {ratio:.2f}x its healthy time for {streak.count} "
+                f"iterations since {streak.onset}"
+            ),
+        )
+
+    # ---------------------------------------------------------------- validation
+
+    def conclude(self, suspicion: Suspicion, probes: ProbeResults) -> Verdict | Cleared:
+        """Turn a Suspicion and its probe timings into a Verdict or a Cleared.
+
+        Args:
+            suspicion: what ``observe`` returned.
+            probes: timings of the probes ``suspicion.probe_ranks``/``probe_links`` ran.
+
+        Returns:
+            A Verdict naming slow ranks or link with the probe factor, or Cleared.
+        """
+        what = suspicion.links[0] if suspicion.kind == "link" else (suspicion.replica, suspicion.stage)
+        self._pending.discard(what)
+        loc = localise(probes, self.config.probe_threshold)
+        evidence = {
+            "observed_ratio": round(float(suspicion.ratio), 4),
+            "onset_iteration": suspicion.onset_iteration,
+            "suspicion_iteration": suspicion.iteration,
+            "probe_iteration": probes.iteration,
+        }
+        silent = sorted(set(loc.unresponsive) & set(suspicion.ranks))
+        if silent:
+            self._muted.add(what)
+            return Verdict("hang", tuple(silent), None, probes.iteration, evidence,
+                           f"ranks {silent} did not answer validation probes after: {suspicion.reason}")
+        if suspicion.kind == "compute":
+            slow = [r for r in loc.slow_ranks if r in suspicion.ranks]
+            evidence["probe_factors"] = {str(r): round(loc.rank_factors[r], 4) for r in suspicion.ranks if r in loc.rank_factors}
+            if slow:
+                factor = loc.rank_factors[slow[0]]
+                self._muted.add(what)
+                return Verdict("compute", tuple(sorted(slow)), factor, suspicion.onset_iteration, evidence,
+                               f"{loc.reason}; group ran {suspicion.ratio:.2f}x predicted since iteration {suspicion.onset_iteration}")
+        else:
+            slow = [link for link in loc.slow_links if link in suspicion.links]
+            evidence["probe_factors"] = {f"{a}->{b}": round(f, 4) for (a, b), f in loc.link_factors.items()}
+            if slow:
+                self._muted.add(what)
+                return Verdict("link", tuple(slow[0]), loc.link_factors[slow[0]], suspicion.onset_iteration, evidence,
+                               f"{loc.reason}; transfers ran {suspicion.ratio:.2f}x baseline since iteration {suspicion.onset_iteration}")
+        self._cooldown[what] = probes.iteration + self.config.cleared_cooldown_iters
+        return Cleared(probes.iteration, suspicion.ranks, evidence,
+                       f"probes found no slow {'rank' if suspicion.kind == 'compute' else 'link'} ({loc.reason}); "
+                       f"suspicion at iteration {suspicion.iteration} dropped")
+
+    # ---------------------------------------------------------------- helpers
+
+    def _group(self, observations):
+        groups: dict[GroupId, list[RankObservation]] = defaultdict(list)
+        feats: dict[int, np.ndarray] = {}
+        for obs in observations:
+            g = (obs.replica, obs.stage)
+            groups[g].append(obs)
+            if obs.replica not in feats:
+                feats[obs.replica] = np.asarray(obs.features, dtype=float).reshape(-1, 2)
+        for g, obs in groups.items():
+            obs.sort(key=lambda o: o.tp_rank)
+            self._group_ranks[g] = tuple(o.rank for o in obs)
+            for o in obs:
+                self._rank_group[o.rank] = g
+        return groups, feats
+
+    def keys_for(self, replica: int, stage: int, tp_degree: int) -> tuple[Hashable, Hashable]:
+        """The predictor keys ``(forward, backward)`` a group uses (for ``predict_replica``)."""
+        sig = self._signature(replica, stage, tp_degree)
+        return ((sig, "F"), (sig, "B"))
+
+    def _keys(self, g: GroupId, tp_degree: int):
+        return self.keys_for(g[0], g[1], tp_degree)
+
+    @staticmethod
+    def _op_durations(rank_times: list[np.ndarray]):
+        stacked = np.stack(rank_times)  # [tp, 4, microbatch]
+        fwd = stacked[:, 1] - stacked[:, 0]
+        bwd = stacked[:, 3] - stacked[:, 2]
+        # Median over TP siblings: they wait for each other, so the median is the group's time
+        # and one rank's timer glitch cannot move it.
+        if not (np.isnan(fwd).any() or np.isnan(bwd).any()):
+            return np.median(fwd, axis=0), np.median(bwd, axis=0)  # common case, much faster
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN column: op not recorded
+            return np.nanmedian(fwd, axis=0), np.nanmedian(bwd, axis=0)
+
+    def _predict_busy(self, keys, feats: np.ndarray) -> float:
+        total = 0.0
+        for key in keys:
+            c = self.predictor.coefficients(key)
+            total += c.alpha * feats[:, 0].sum() + c.beta * feats[:, 1].sum()
+        return total
+
+    @staticmethod
+    def _link_gaps(groups, times) -> dict[LinkId, float]:
+        gaps: dict[LinkId, float] = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: no common micro-batch
+            for (replica, stage), obs in groups.items():
+                below = groups.get((replica, stage + 1))
+                if not below:
+                    continue
+                by_tp = {o.tp_rank: o.rank for o in below}
+                for o in obs:
+                    peer = by_tp.get(o.tp_rank)
+                    if peer is None:
+                        continue
+                    up, down = times[o.rank], times[peer]
+                    fwd = np.nanmin(down[0] - up[1])  # activation: receiver's F start - sender's F end
+                    bwd = np.nanmin(up[2] - down[3])  # gradient: sender's B start - receiver's B end
+                    if np.isfinite(fwd):
+                        gaps[(o.rank, peer)] = max(float(fwd), 0.0)
+                    if np.isfinite(bwd):
+                        gaps[(peer, o.rank)] = max(float(bwd), 0.0)
+        return gaps
+
+    def _predict_iteration(self, groups, keys, feats, observed_iter: float) -> float | None:
+        replicas = sorted({g[0] for g in groups})
+        spans = []
+        for r in replicas:
+            stages = sorted(s for (rr, s) in groups if rr == r)
+            if stages != list(range(len(stages))):
+                return None  # a replica with missing stages cannot be simulated
+            p2p = []
+            for s in stages[:-1]:
+                # The group waits for its slowest TP pair: use the largest healthy baseline.
+                up, down = self._group_ranks[(r, s)], self._group_ranks[(r, s + 1)]
+                known = [self._link_base[(a, b)] for a, b in zip(up, down) if (a, b) in self._link_base]
+                p2p.append(max(known) if known else 0.0)
+            pred = predict_replica(self.predictor, [keys[(r, s)] for s in stages], feats[r], p2p)
+            spans.append(pred.total_s)
+        span = max(spans)
+        # Work outside the schedule (DP gradient sync, optimizer step) is learnt as the median
+        # residual of recent healthy iterations.
+        overhead = float(np.median(self._overhead_history)) if self._overhead_history else 0.0
+        settled = len(self._overhead_history) >= 3  # before that the estimate itself is unknown
+        if not settled or observed_iter / max(span + overhead, 1e-12) <= self.config.slowdown_threshold:
+            self._overhead_history.append(max(observed_iter - span, 0.0))
+        return span + overhead

@@ -1,0 +1,233 @@
+"""Iteration-time prediction: the longest path through a pipeline schedule's dependency DAG.
+
+Responsible for turning per-op durations (seconds per forward/backward of each micro-batch on each
+stage) plus transfer and gradient-sync costs into the time one DP replica needs for one
+iteration, by walking the schedule description in ``resihp_ext.schedule`` (never a second
+encoding of it). It must never execute ops, read clocks or import ``torch.distributed``: it is
+called inside the planner's search and by the detector, on plain numbers.
+
+DAG edges:
+    * program order within a stage (a stage runs one op at a time, in schedule order);
+    * ``F(s, m) -> F(s+1, m)`` plus the one-way transfer of boundary ``s`` (activations);
+    * ``B(s+1, m) -> B(s, m)`` plus the one-way transfer of boundary ``s`` (gradients);
+    * ``F(last, m) -> B(last, m)`` (the loss needs the last forward).
+Each stage then spends ``allreduce_s`` on data-parallel gradient sync after its last op.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from resihp_ext.schedule import OpKind, Schedule, one_f_one_b
+
+
+@dataclass(frozen=True, slots=True)
+class IterationPrediction:
+    """Predicted timing of one iteration of one replica.
+
+    Attributes:
+        total_s: iteration time: the latest stage finish, gradient sync included.
+        stage_finish_s: per stage, end of its last op plus its gradient sync.
+        op_finish_s: per stage, finish time of each op in schedule order (None if not kept).
+    """
+
+    total_s: float
+    stage_finish_s: tuple[float, ...]
+    op_finish_s: tuple[tuple[float, ...], ...] | None = None
+
+
+def _per_boundary(p2p_s: float | Sequence[float], num_stages: int) -> list[float]:
+    if np.isscalar(p2p_s):
+        value = float(p2p_s)
+        if value < 0:
+            raise ValueError(f"p2p_s must be >= 0 seconds, got {value}")
+        return [value] * max(num_stages - 1, 0)
+    values = [float(x) for x in p2p_s]
+    if len(values) != num_stages - 1:
+        raise ValueError(
+            f"p2p_s must be a float or one value per stage boundary ({num_stages - 1}), got {len(values)}"
+        )
+    if any(v < 0 for v in values):
+        raise ValueError(f"p2p_s must be >= 0 seconds, got {values}")
+    return values
+
+
+def _per_stage(value: float | Sequence[float], num_stages: int, name: str) -> list[float]:
+    if np.isscalar(value):
+        values = [float(value)] * num_stages
+    else:
+        values = [float(x) for x in value]
+        if len(values) != num_stages:
+            raise ValueError(f"{name} must be a float or one value per stage ({num_stages}), got {len(values)}")
+    if any(v < 0 for v in values):
+        raise ValueError(f"{name} must be >= 0 seconds, got {values}")
+    return values
+
+
+def _durations(table, num_stages: int, num_microbatches: int, name: str) -> list[list[float]]:
+    rows = [list(map(float, row)) for row in table]
+    if len(rows) != num_stages or any(len(r) < num_microbatches for r in rows):
+        raise ValueError(
+            f"{name} must be indexed [stage][microbatch] with {num_stages} stages and "
+            f">= {num_microbatches} micro-batches each"
+        )
+    return rows
+
+
+def simulate_iteration(
+    schedule: Schedule,
+    forward_s,
+    backward_s,
+    p2p_s: float | Sequence[float] = 0.0,
+    allreduce_s: float | Sequence[float] = 0.0,
+    keep_ops: bool = True,
+) -> IterationPrediction:
+    """Predict one replica's iteration time as the longest path through the schedule's DAG.
+
+    Args:
+        schedule: per-stage op tuples, e.g. ``one_f_one_b(num_stages, num_microbatches)``.
+        forward_s: ``forward_s[stage][microbatch]`` seconds (nested sequences or a 2-D array).
+        backward_s: ``backward_s[stage][microbatch]`` seconds.
+        p2p_s: one-way transfer seconds, a float or one value per boundary (``num_stages - 1``);
+            boundary ``s`` sits between stages ``s`` and ``s + 1``.
+        allreduce_s: gradient-sync seconds after each stage's last op (float or per stage). It is
+            charged even to a stage with no ops: the replica still joins the collective.
+        keep_ops: also return every op's finish time (slightly slower).
+
+    Returns:
+        An ``IterationPrediction``.
+
+    Raises:
+        ValueError: on mis-shaped inputs, negative times, or a schedule whose dependencies cannot
+            be satisfied (a deadlocked op order).
+    """
+    num_stages = len(schedule)
+    if num_stages < 1:
+        raise ValueError("schedule must have at least one stage; build it with one_f_one_b(P, M)")
+    num_microbatches = 1 + max((op.microbatch for ops in schedule for op in ops), default=-1)
+    fwd = _durations(forward_s, num_stages, num_microbatches, "forward_s")
+    bwd = _durations(backward_s, num_stages, num_microbatches, "backward_s")
+    link = _per_boundary(p2p_s, num_stages)
+    sync = _per_stage(allreduce_s, num_stages, "allreduce_s")
+
+    # Per-stage flattened op lists: (is_forward, microbatch), to keep enum lookups out of the loop.
+    kinds = [[op.kind is OpKind.FORWARD for op in ops] for ops in schedule]
+    mbs = [[op.microbatch for op in ops] for ops in schedule]
+    nan = float("nan")
+    f_end = [[nan] * num_microbatches for _ in range(num_stages)]
+    b_end = [[nan] * num_microbatches for _ in range(num_stages)]
+    op_end = [[0.0] * len(ops) for ops in schedule] if keep_ops else None
+    ptr = [0] * num_stages
+    clock = [0.0] * num_stages
+    last = num_stages - 1
+
+    # Work-list over stages: advance a stage as far as its dependencies allow; finishing an op can
+    # only unblock the neighbour it feeds, so each op is visited O(1) times.
+    pending = list(range(num_stages - 1, -1, -1))
+    while pending:
+        s = pending.pop()
+        ops_kind, ops_mb = kinds[s], mbs[s]
+        n = len(ops_kind)
+        i = ptr[s]
+        t = clock[s]
+        advanced_f = advanced_b = False
+        while i < n:
+            m = ops_mb[i]
+            if ops_kind[i]:
+                if s > 0:
+                    dep = f_end[s - 1][m]
+                    if dep != dep:  # NaN: upstream forward not done yet
+                        break
+                    dep += link[s - 1]
+                    if dep > t:
+                        t = dep
+                t += fwd[s][m]
+                f_end[s][m] = t
+                advanced_f = True
+            else:
+                if s < last:
+                    dep = b_end[s + 1][m]
+                    if dep != dep:
+                        break
+                    dep += link[s]
+                else:
+                    dep = f_end[s][m]
+                    if dep != dep:
+                        break
+                if dep > t:
+                    t = dep
+                t += bwd[s][m]
+                b_end[s][m] = t
+                advanced_b = True
+            if op_end is not None:
+                op_end[s][i] = t
+            i += 1
+        ptr[s] = i
+        clock[s] = t
+        if advanced_f and s < last:
+            pending.append(s + 1)
+        if advanced_b and s > 0:
+            pending.append(s - 1)
+
+    stuck = [s for s in range(num_stages) if ptr[s] < len(kinds[s])]
+    if stuck:
+        raise ValueError(
+            f"schedule deadlocks: stages {stuck} wait on ops that never run; "
+            "build the schedule with resihp_ext.schedule.one_f_one_b"
+        )
+    finish = tuple(clock[s] + sync[s] for s in range(num_stages))
+    return IterationPrediction(
+        total_s=max(finish),
+        stage_finish_s=finish,
+        op_finish_s=tuple(tuple(row) for row in op_end) if op_end is not None else None,
+    )
+
+
+def pipeline_time_s(
+    num_stages: int,
+    num_microbatches: int,
+    stage_forward_s: float | Sequence[float],
+    stage_backward_s: float | Sequence[float],
+    p2p_s: float | Sequence[float] = 0.0,
+) -> float:
+    """1F1B iteration time when every micro-batch costs the same on a given stage.
+
+    Equal to ``simulate_iteration(one_f_one_b(P, M), ...)`` with each stage's time repeated over
+    micro-batches (a unit test checks this). Identical stages without transfer cost use the closed
+    form ``(M + P - 1) * (f + b)``; otherwise the exact walk runs once per distinct input and is
+    memoised, since a planner's search revisits the same stage costs many times.
+
+    Args:
+        num_stages: pipeline degree P (>= 1).
+        num_microbatches: micro-batches M (>= 0).
+        stage_forward_s: forward seconds per micro-batch, a float or one per stage.
+        stage_backward_s: backward seconds per micro-batch, a float or one per stage.
+        p2p_s: one-way transfer seconds, a float or one per boundary.
+
+    Returns:
+        Iteration seconds (no gradient sync).
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_microbatches < 0:
+        raise ValueError(f"num_microbatches must be >= 0, got {num_microbatches}")
+    fwd = tuple(_per_stage(stage_forward_s, num_stages, "stage_forward_s"))
+    bwd = tuple(_per_stage(stage_backward_s, num_stages, "stage_backward_s"))
+    link = tuple(_per_boundary(p2p_s, num_stages))
+    if num_microbatches == 0:
+        return 0.0
+    if len(set(fwd)) == 1 and len(set(bwd)) == 1 and all(v == 0.0 for v in link):
+        return (num_microbatches + num_stages - 1) * (fwd[0] + bwd[0])
+    return _walk_uniform(num_stages, num_microbatches, fwd, bwd, link)
+
+
+@functools.lru_cache(maxsize=65536)
+def _walk_uniform(num_stages, num_microbatches, fwd, bwd, link) -> float:
+    table_f = [[f] * num_microbatches for f in fwd]
+    table_b = [[b] * num_microbatches for b in bwd]
+    schedule = one_f_one_b(num_stages, num_microbatches)
+    return simulate_iteration(schedule, table_f, table_b, list(link), keep_ops=False).total_s

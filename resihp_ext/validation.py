@@ -1,0 +1,201 @@
+"""Validation outcomes: probe localisation, Verdict/Cleared values, fail-stop judgement.
+
+When the detector suspects a group, each suspect rank times a fixed GEMM on its own and each
+suspect link times a fixed p2p transfer, with nothing else running, so data-dependent costs and
+collective waits drop out. This module turns those timings into slow ranks/links and a slowdown
+factor (probe time over the median healthy probe time). It also holds the values a suspicion
+concludes to (``Verdict``, ``Cleared``) and the heartbeat judgement behind fail-stop verdicts,
+so that the detector proper keeps only the per-iteration judgement. Running the probes is the training front
+end's job; this module must never time anything, read clocks or touch process groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ProbeResults:
+    """Timings of one round of validation probes.
+
+    Attributes:
+        iteration: training iteration after which the probes ran.
+        rank_s: seconds of the fixed GEMM probe per rank.
+        link_s: seconds of the fixed p2p probe per directed link ``(src, dst)``.
+        unresponsive: ranks that did not answer the probe round (dead or hung).
+    """
+
+    iteration: int
+    rank_s: Mapping[int, float] = field(default_factory=dict)
+    link_s: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    unresponsive: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        for name, table in (("rank_s", self.rank_s), ("link_s", self.link_s)):
+            bad = {k: v for k, v in table.items() if not (v > 0 and np.isfinite(v))}
+            if bad:
+                raise ValueError(f"probe {name} must be positive finite seconds; bad entries {bad}")
+
+
+@dataclass(frozen=True)
+class Localisation:
+    """What the probes say.
+
+    Attributes:
+        slow_ranks: ranks whose probe is at least ``threshold`` times the healthy median.
+        rank_factors: probe time / healthy median, for every probed rank.
+        slow_links: links whose probe is at least ``threshold`` times the healthy median.
+        link_factors: probe time / healthy median, for every probed link.
+        unresponsive: ranks that did not answer.
+        reason: one readable line.
+    """
+
+    slow_ranks: tuple[int, ...]
+    rank_factors: Mapping[int, float]
+    slow_links: tuple[tuple[int, int], ...]
+    link_factors: Mapping[tuple[int, int], float]
+    unresponsive: tuple[int, ...]
+    reason: str
+
+
+def _factors(times: Mapping, threshold: float, reference_s: float | None) -> tuple[dict, list]:
+    if not times:
+        return {}, []
+    keys = list(times)
+    values = np.array([times[k] for k in keys], dtype=float)
+    if reference_s is None:
+        # Two passes: the first median may include the slow ones; the second uses only probes
+        # within the threshold of it, so one slow rank of two cannot drag the reference.
+        first = float(np.median(values))
+        healthy = values[values < threshold * first]
+        reference_s = float(np.median(healthy)) if healthy.size else first
+    factors = {k: float(v / reference_s) for k, v in zip(keys, values)}
+    slow = sorted((k for k, f in factors.items() if f >= threshold), key=lambda k: -factors[k])
+    return factors, slow
+
+
+def localise(
+    probes: ProbeResults,
+    threshold: float,
+    rank_reference_s: float | None = None,
+    link_reference_s: float | None = None,
+) -> Localisation:
+    """Name the slow ranks and links in one probe round.
+
+    Args:
+        probes: the probe timings.
+        threshold: a probe this many times the healthy median (or more) is slow (> 1).
+        rank_reference_s: known healthy GEMM probe seconds; default: the median of this round's
+            probes (probe a few ranks outside the suspect group so the median is healthy).
+        link_reference_s: known healthy p2p probe seconds; default: median of this round's.
+
+    Returns:
+        A ``Localisation``; slow ranks and links are ordered slowest first.
+    """
+    if threshold <= 1.0:
+        raise ValueError(f"probe threshold must be > 1.0 (a slowdown ratio), got {threshold}")
+    rank_factors, slow_ranks = _factors(probes.rank_s, threshold, rank_reference_s)
+    link_factors, slow_links = _factors(probes.link_s, threshold, link_reference_s)
+    parts = []
+    if slow_ranks:
+        parts.append("slow ranks " + ", ".join(f"{r} ({rank_factors[r]:.2f}x)" for r in slow_ranks))
+    if slow_links:
+        parts.append("slow links " + ", ".join(f"{a}->{b} ({link_factors[(a, b)]:.2f}x)" for a, b in slow_links))
+    if probes.unresponsive:
+        parts.append(f"unresponsive ranks {sorted(probes.unresponsive)}")
+    reason = "; ".join(parts) if parts else (
+        f"all {len(rank_factors)} rank probes and {len(link_factors)} link probes within {threshold:.2f}x of the median"
+    )
+    return Localisation(
+        slow_ranks=tuple(slow_ranks),
+        rank_factors=rank_factors,
+        slow_links=tuple(slow_links),
+        link_factors=link_factors,
+        unresponsive=tuple(sorted(probes.unresponsive)),
+        reason=reason,
+    )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A confirmed failure.
+
+    Attributes:
+        kind: ``"compute"`` | ``"link"`` | ``"dead"`` | ``"hang"``.
+        ranks: afflicted ranks (for a link: sender and receiver).
+        factor: estimated slowdown (probe time / healthy median), None for dead/hang.
+        iteration: iteration the verdict applies from.
+        evidence: numbers behind it (ratios, probe factors), JSON-ready.
+        reason: one readable line.
+    """
+
+    kind: str
+    ranks: tuple[int, ...]
+    factor: float | None
+    iteration: int
+    evidence: Mapping = field(default_factory=dict)
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("compute", "link", "dead", "hang"):
+            raise ValueError(f"verdict kind must be compute|link|dead|hang, got {self.kind!r}")
+
+    def to_event(self) -> dict:
+        """JSON-ready event (the caller adds ``"time"``)."""
+        return {
+            "event": "verdict",
+            "kind": self.kind,
+            "ranks": list(self.ranks),
+            "factor": None if self.factor is None else round(self.factor, 4),
+            "iteration": self.iteration,
+            "reason": self.reason,
+            "evidence": dict(self.evidence),
+        }
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """Validation found nothing: the suspicion is dropped and nobody acts."""
+
+    iteration: int
+    ranks: tuple[int, ...]
+    evidence: Mapping = field(default_factory=dict)
+    reason: str = ""
+
+    def to_event(self) -> dict:
+        """JSON-ready event (the caller adds ``"time"``)."""
+        return {
+            "event": "cleared",
+            "iteration": self.iteration,
+            "ranks": list(self.ranks),
+            "reason": self.reason,
+            "evidence": dict(self.evidence),
+        }
+
+
+def judge_heartbeats(now: float, last_beat: Mapping[int, float], timeout_s: float) -> frozenset[int]:
+    """Ranks whose latest heartbeat is older than ``timeout_s`` at time ``now``.
+
+    Args:
+        now: current time on the same clock as the heartbeats (seconds).
+        last_beat: rank -> timestamp of its latest heartbeat.
+        timeout_s: maximum heartbeat age (``--resihp-heartbeat-timeout-s``).
+
+    Returns:
+        The ranks judged dead.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"--resihp-heartbeat-timeout-s must be > 0, got {timeout_s}")
+    return frozenset(rank for rank, beat in last_beat.items() if now - beat > timeout_s)
+
+
+def fail_stop_verdict(kind: str, ranks: Sequence[int], iteration: int, detail: str = "") -> Verdict:
+    """A ``dead`` (no heartbeat) or ``hang`` (heartbeat but no progress) verdict."""
+    if kind not in ("dead", "hang"):
+        raise ValueError(f"fail-stop verdicts are dead|hang, got {kind!r}")
+    what = "stopped sending heartbeats" if kind == "dead" else "stopped making progress"
+    ranks = tuple(sorted(ranks))
+    return Verdict(kind, ranks, None, iteration, {}, f"ranks {list(ranks)} {what}" + (f" ({detail})" if detail else ""))

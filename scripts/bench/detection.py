@@ -1,0 +1,214 @@
+"""Detection benchmark: false alarms, detection latency and localisation, ours vs baselines.
+
+Runs ResiHP's detector and the Greyhound-style and NVRx-style baselines over the same traces:
+(a) synthetic 256-GPU traces (TP8 x PP4 x DP8) whose iteration time swings with the packed
+document lengths, healthy and with injected fail-slows, and (b) live traces recorded by a training
+run, passed with ``--trace FILE`` (repeatable). Reports, per detector, false alarms per 1,000
+healthy iterations, detection latency (iterations from onset to alarm), localisation accuracy
+(alarm names exactly the faulty rank(s)), and for ResiHP the micro-batch and iteration predictor
+errors and the overhead of its decision logic. Prints only what it measures.
+
+    python scripts/bench/detection.py [--json] [--healthy-iters 1000] [--trace run.jsonl]...
+                                      [--overhead-from hook_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
+from resihp_ext.config import ResiHPConfig
+from resihp_ext.detection_baselines import GreyhoundStyleDetector, NvrxStyleDetector
+from resihp_ext.detector import FailSlowDetector, Verdict
+from resihp_ext.faults import Fault, FaultKind, parse_fault
+from resihp_ext.predictor import MicrobatchPredictor
+from resihp_ext.traces import SyntheticSpec, load_trace, synthetic_probes, synthetic_trace
+
+ONSET = 40
+# TP8 x PP4 x DP8, rank = tp + 8 * (replica + 8 * stage).
+FAULTS = (
+    "slow:rank=37,factor=1.5,at=40",  # replica 4, stage 0
+    "slow:rank=150,factor=1.5,at=40",  # replica 2, stage 2
+    "slow:rank=255,factor=2.0,at=40",  # replica 7, stage 3
+    "slow:rank=100,factor=1.3,at=40",  # replica 4, stage 1
+    "link:src=9,dst=73,factor=4,at=40",  # replica 1, stage 0 -> 1, TP rank 1
+    "link:src=140,dst=204,factor=3,at=40",  # replica 1, stage 2 -> 3, TP rank 4
+)
+NAMES = ("resihp", "greyhound", "nvrx")
+
+
+class _Tally:
+    """Counts for one detector over all runs."""
+
+    def __init__(self) -> None:
+        self.healthy_iters = 0
+        self.false_alarms = 0
+        self.suspicions_healthy = 0
+        self.latencies: list[int] = []
+        self.faults = 0
+        self.localised = 0
+
+    def summary(self) -> dict:
+        return {
+            "false_alarms_per_1000": round(1000.0 * self.false_alarms / max(self.healthy_iters, 1), 3),
+            "detection_latency_iters": statistics.median(self.latencies) if self.latencies else None,
+            "detection_latency_max_iters": max(self.latencies) if self.latencies else None,
+            "detected": f"{len(self.latencies)}/{self.faults}",
+            "localisation_accuracy": round(self.localised / self.faults, 3) if self.faults else None,
+            "healthy_iterations": self.healthy_iters,
+        }
+
+
+def _truth(fault: Fault) -> frozenset[int]:
+    return frozenset((fault.rank, fault.dst)) if fault.kind is FaultKind.LINK else frozenset((fault.rank,))
+
+
+def run_one(iterations, faults, spec, tallies, stats, probes_for) -> None:
+    """Feed one trace to all detectors and add to the tallies."""
+    ours = FailSlowDetector(ResiHPConfig(), MicrobatchPredictor(error_window=10**7))
+    baselines = {"greyhound": GreyhoundStyleDetector(), "nvrx": NvrxStyleDetector()}
+    onset = min((f.at_iteration for f in faults), default=None)
+    truth = _truth(faults[0]) if faults else None
+    first = {name: None for name in NAMES}
+    for name in NAMES:
+        tallies[name].faults += 1 if faults else 0
+    for iteration, observations in iterations:
+        healthy = onset is None or iteration < onset
+        start = time.perf_counter()
+        suspicion = ours.observe(iteration, observations)
+        stats["decision_s"].append(time.perf_counter() - start)
+        report = ours.last_report
+        stats["iteration_s"].append(report.observed_iteration_s)
+        if report.judged and report.predicted_iteration_s and healthy:
+            stats["itp_err"].append(abs(report.predicted_iteration_s - report.observed_iteration_s)
+                                    / report.observed_iteration_s)
+        alarms = {}
+        if suspicion is not None:
+            outcome = ours.conclude(suspicion, probes_for(suspicion))
+            if healthy:
+                tallies["resihp"].suspicions_healthy += 1
+            if isinstance(outcome, Verdict):
+                alarms["resihp"] = frozenset(outcome.ranks)
+        for name, det in baselines.items():
+            alarm = det.observe(iteration, observations)
+            if alarm is not None:
+                alarms[name] = frozenset(alarm.ranks)
+        for name in NAMES:
+            if healthy:
+                tallies[name].healthy_iters += 1
+                tallies[name].false_alarms += name in alarms
+            elif name in alarms and first[name] is None:
+                first[name] = iteration
+                tallies[name].latencies.append(iteration - onset)
+                tallies[name].localised += alarms[name] == truth
+    if ours.predictor.mape() is not None:
+        stats["mtp"].append(ours.predictor.mape())
+
+
+def synthetic(args, tallies, stats) -> None:
+    spec = SyntheticSpec()
+    for seed in range(args.healthy_runs):
+        run_one(synthetic_trace(spec, args.healthy_iters, seed=1000 + seed), [], spec, tallies, stats,
+                lambda s: synthetic_probes(spec, [], s.iteration, s.probe_ranks, s.probe_links))
+    for i, text in enumerate(FAULTS):
+        faults = [parse_fault(text)]
+        run_one(synthetic_trace(spec, args.fault_iters, faults, seed=i), faults, spec, tallies, stats,
+                lambda s, faults=faults: synthetic_probes(spec, faults, s.iteration, s.probe_ranks, s.probe_links))
+
+
+def live(path: str, tallies, stats) -> list[str]:
+    trace = load_trace(path)
+    faults = list(trace.faults())
+    notes = [f"{path}: {len(trace.iterations)} iterations, layout {trace.header.get('layout')}, "
+             f"faults {[f.spec() for f in faults]}, {trace.skipped} malformed lines skipped"]
+    spec = SyntheticSpec()
+
+    def probes_for(suspicion):
+        later = sorted(i for i in trace.probes if i >= suspicion.iteration)
+        if later:
+            return trace.probes[later[0]]
+        notes.append(f"{path}: no recorded probes after iteration {suspicion.iteration}; "
+                     "probe timings simulated from the header's faults")
+        return synthetic_probes(spec, faults, suspicion.iteration, suspicion.probe_ranks, suspicion.probe_links)
+
+    run_one(sorted(trace.iterations.items()), faults, spec, tallies, stats, probes_for)
+    return notes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--healthy-iters", type=int, default=1000, help="iterations per healthy synthetic run")
+    parser.add_argument("--healthy-runs", type=int, default=1, help="healthy synthetic runs (different seeds)")
+    parser.add_argument("--fault-iters", type=int, default=80, help=f"iterations per fault run (onset {ONSET})")
+    parser.add_argument("--trace", action="append", default=[], help="live trace JSONL (repeatable)")
+    parser.add_argument("--overhead-from", help="JSON with the live hook overhead ({'overhead_pct': x})")
+    args = parser.parse_args()
+    if args.fault_iters <= ONSET:
+        parser.error(f"--fault-iters must exceed the fault onset ({ONSET})")
+
+    results = {}
+    notes = []
+    sources = [("synthetic", None)] + [("live", p) for p in args.trace]
+    if not args.trace:
+        notes.append("no --trace given: live traces skipped")
+    for kind, path in sources:
+        tallies = {name: _Tally() for name in NAMES}
+        stats = {"decision_s": [], "iteration_s": [], "itp_err": [], "mtp": []}
+        if kind == "synthetic":
+            synthetic(args, tallies, stats)
+        else:
+            notes.extend(live(path, tallies, stats))
+        block = {name: tallies[name].summary() for name in NAMES}
+        decision_pct = 100.0 * statistics.mean(stats["decision_s"]) / statistics.mean(stats["iteration_s"])
+        block["resihp"].update(
+            suspicions_per_1000_healthy=round(1000.0 * tallies["resihp"].suspicions_healthy
+                                              / max(tallies["resihp"].healthy_iters, 1), 3),
+            mtp_mape=round(statistics.mean(stats["mtp"]), 3) if stats["mtp"] else None,
+            itp_mape=round(100.0 * statistics.mean(stats["itp_err"]), 3) if stats["itp_err"] else None,
+            decision_ms_per_iter=round(1000.0 * statistics.mean(stats["decision_s"]), 3),
+            decision_overhead_pct=round(decision_pct, 4),
+            overhead_pct=round(decision_pct, 4),
+        )
+        results[kind if path is None else path] = block
+    if args.overhead_from:
+        hook = json.loads(Path(args.overhead_from).read_text())
+        hook_pct = hook.get("overhead_pct", hook.get("resihp", {}).get("overhead_pct"))
+        if hook_pct is not None:
+            for block in results.values():
+                block["resihp"]["hook_overhead_pct"] = hook_pct
+                block["resihp"]["overhead_pct"] = round(hook_pct + block["resihp"]["decision_overhead_pct"], 4)
+
+    if args.json:
+        # Top level: the synthetic results per detector; live traces under "live".
+        out = dict(results.pop("synthetic"))
+        if results:
+            out["live"] = results
+        out["notes"] = notes
+        print(json.dumps(out))
+        return
+    for source, block in results.items():
+        print(f"\n== {source} ==")
+        print(f"{'detector':<10} {'FA/1000':>8} {'latency':>8} {'max':>5} {'detected':>9} {'localised':>9}")
+        for name in NAMES:
+            row = block[name]
+            fmt = lambda v: "-" if v is None else f"{v:g}"  # noqa: E731
+            print(f"{name:<10} {row['false_alarms_per_1000']:>8.2f} {fmt(row['detection_latency_iters']):>8} "
+                  f"{fmt(row['detection_latency_max_iters']):>5} {row['detected']:>9} "
+                  f"{fmt(row['localisation_accuracy']):>9}")
+        r = block["resihp"]
+        print(f"resihp: suspicions/1000 healthy {r['suspicions_per_1000_healthy']}, mtp_mape {r['mtp_mape']}%, "
+              f"itp_mape {r['itp_mape']}%, decision {r['decision_ms_per_iter']} ms/iter "
+              f"({r['decision_overhead_pct']}% of iteration), overhead_pct {r['overhead_pct']}")
+    for note in notes:
+        print("note:", note)
+
+
+if __name__ == "__main__":
+    main()

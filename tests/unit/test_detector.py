@@ -1,0 +1,174 @@
+"""Detector: silent on healthy variable-length runs, fast and precise on persistent slowdowns."""
+
+import dataclasses
+import functools
+import json
+
+import numpy as np
+import pytest
+
+from resihp_ext.config import ResiHPConfig
+from resihp_ext.detector import Cleared, FailSlowDetector, RankObservation, Verdict, judge_heartbeats
+from resihp_ext.faults import parse_fault
+from resihp_ext.traces import SyntheticSpec, load_trace, save_trace, synthetic_probes, synthetic_trace
+from resihp_ext.validation import ProbeResults, fail_stop_verdict, localise
+
+# TP2 x PP2 x DP2: rank = tp + 2 * (replica + 2 * stage); rank 5 is replica 0, stage 1, TP rank 1.
+SPEC = SyntheticSpec(tp_degree=2, pp_degree=2, dp_degree=2, num_microbatches=4, seq_length=4096)
+
+
+@functools.lru_cache(maxsize=None)
+def _trace(num_iterations, faults=(), seed=5):
+    return tuple(synthetic_trace(SPEC, num_iterations, [parse_fault(f) for f in faults], seed=seed))
+
+
+def _run(trace, faults=(), detector=None):
+    det = detector or FailSlowDetector()
+    events = []
+    for iteration, obs in trace:
+        suspicion = det.observe(iteration, obs)
+        if suspicion is not None:
+            probes = synthetic_probes(SPEC, [parse_fault(f) for f in faults], iteration,
+                                      suspicion.probe_ranks, suspicion.probe_links)
+            events.append((suspicion, det.conclude(suspicion, probes)))
+    return det, events
+
+
+def _stretch(obs, ranks, factor):
+    """The group's ops take ``factor`` longer (starts kept, ends pushed)."""
+    out = []
+    for o in obs:
+        if o.rank in ranks:
+            o = dataclasses.replace(o, ops=tuple((k, m, a, a + factor * (b - a)) for k, m, a, b in o.ops))
+        out.append(o)
+    return tuple(out)
+
+
+def test_no_suspicion_on_healthy_variable_length_run():
+    trace = _trace(1000)
+    times = np.array([obs[0].iteration_s for _, obs in trace[1:]])
+    assert times.max() / times.min() > 1.2  # the data really does swing iteration time
+    det, events = _run(trace)
+    assert events == []
+    assert det.predictor.mape() < 4.0
+
+
+@pytest.mark.parametrize("rank", [5, 2])
+def test_detects_one_point_five_x_slow_rank_within_three_iterations(rank):
+    fault = f"slow:rank={rank},factor=1.5,at=60"
+    det, events = _run(_trace(80, (fault,)), (fault,))
+    assert len(events) == 1
+    suspicion, outcome = events[0]
+    assert suspicion.kind == "compute" and rank in suspicion.ranks
+    assert 60 <= suspicion.iteration <= 62  # within 3 iterations of onset (60, 61, 62)
+    assert isinstance(outcome, Verdict)
+    assert outcome.kind == "compute" and outcome.ranks == (rank,)
+    assert outcome.factor == pytest.approx(1.5, rel=0.2)
+    # Wall-clock op times cannot tell TP siblings apart: both look ~1.5x slow.
+    sibling = rank ^ 1
+    assert det.last_report.rank_ratio[rank] > 1.3 and det.last_report.rank_ratio[sibling] > 1.3
+    event = outcome.to_event()
+    assert event["event"] == "verdict" and event["ranks"] == [rank] and event["iteration"] == 60
+    json.dumps(event)
+
+
+def test_single_noisy_iteration_raises_nothing():
+    trace = list(_trace(60))
+    trace[40] = (trace[40][0], _stretch(trace[40][1], {4, 5}, 1.6))
+    assert _run(trace)[1] == []
+
+
+def test_transient_blip_is_cleared_by_probes():
+    trace = list(_trace(80))
+    for i in (40, 41, 42):
+        trace[i] = (trace[i][0], _stretch(trace[i][1], {4, 5}, 1.6))
+    det, events = _run(trace)  # probes run on healthy hardware: the blip is gone
+    assert len(events) == 1
+    suspicion, outcome = events[0]
+    assert suspicion.ranks == (4, 5)
+    assert isinstance(outcome, Cleared)
+    assert outcome.to_event()["event"] == "cleared"
+
+
+def test_detects_and_localises_slow_link():
+    fault = "link:src=1,dst=5,factor=4,at=50"
+    det, events = _run(_trace(70, (fault,)), (fault,))
+    assert events, "slow link not suspected"
+    suspicion, outcome = events[0]
+    assert suspicion.kind == "link" and suspicion.iteration <= 52
+    assert isinstance(outcome, Verdict) and outcome.kind == "link"
+    assert set(outcome.ranks) == {1, 5}
+    assert outcome.factor == pytest.approx(4.0, rel=0.2)
+
+
+def test_no_repeat_suspicion_after_verdict_until_reset():
+    fault = "slow:rank=5,factor=2.0,at=30"
+    det, events = _run(_trace(60, (fault,)), (fault,))
+    assert len(events) == 1  # 30 more slow iterations after the verdict, no second suspicion
+    assert det.predictor.fitted(((1, 2), "F"))
+    det.reset()  # after a re-plan: forget fits, warm up again
+    assert not det.predictor.fitted(((1, 2), "F"))
+
+
+def test_heartbeats_and_fail_stop_verdicts():
+    dead = judge_heartbeats(10.0, {0: 9.9, 1: 8.0, 2: 9.0}, timeout_s=1.5)
+    assert dead == frozenset({1})
+    verdict = fail_stop_verdict("dead", sorted(dead), iteration=12)
+    assert verdict.to_event()["kind"] == "dead" and verdict.factor is None
+    with pytest.raises(ValueError):
+        judge_heartbeats(1.0, {}, timeout_s=0)
+    with pytest.raises(ValueError):
+        fail_stop_verdict("slow", [1], 3)
+
+
+def test_unresponsive_rank_in_probes_is_a_hang():
+    fault = "slow:rank=5,factor=1.5,at=30"
+    det = FailSlowDetector()
+    for iteration, obs in _trace(40, (fault,)):
+        suspicion = det.observe(iteration, obs)
+        if suspicion:
+            break
+    outcome = det.conclude(suspicion, ProbeResults(iteration, {4: 0.01}, unresponsive=frozenset({5})))
+    assert outcome.kind == "hang" and outcome.ranks == (5,)
+
+
+def test_localise_names_slow_rank_and_factor():
+    loc = localise(ProbeResults(1, {0: 0.010, 1: 0.0101, 2: 0.0302, 3: 0.0099}), threshold=1.2)
+    assert loc.slow_ranks == (2,)
+    assert loc.rank_factors[2] == pytest.approx(3.0, rel=0.02)
+    with pytest.raises(ValueError, match="threshold"):
+        localise(ProbeResults(1, {0: 1.0}), threshold=1.0)
+
+
+def test_observation_validation():
+    with pytest.raises(ValueError, match="bad op"):
+        RankObservation(0, 0, 0, 0, (("X", 0, 0.0, 1.0),), ((10, 100),), 1.0)
+    with pytest.raises(ValueError, match="iteration_s"):
+        RankObservation(0, 0, 0, 0, (), (), 0.0)
+
+
+def test_trace_round_trip_and_tolerant_loader(tmp_path):
+    trace = _trace(8)
+    path = tmp_path / "t.jsonl"
+    save_trace(str(path), SPEC.header(), trace, [ProbeResults(3, {1: 0.01}, {(1, 5): 0.004})])
+    with open(path, "a") as f:
+        f.write("\n# a comment\nnot json\n{\"iteration\": 9}\n")
+    loaded = load_trace(str(path))
+    assert loaded.skipped == 2
+    assert sorted(loaded.iterations) == list(range(1, 9))
+    original, back = trace[2][1][0], loaded.iterations[3][0]
+    assert (back.rank, back.replica, back.stage, back.tp_rank) == (original.rank, original.replica, original.stage, original.tp_rank)
+    assert back.features == original.features
+    assert np.allclose([op[2:] for op in back.ops], [op[2:] for op in original.ops], atol=1e-6)
+    assert loaded.probes[3].link_s[(1, 5)] == pytest.approx(0.004)
+    assert loaded.header["layout"] == {"tp": 2, "pp": 2, "dp": 2}
+    # Without a header the layout is inferred from the rows.
+    rows = path.read_text().splitlines()[1:]
+    path.write_text("\n".join(rows))
+    assert load_trace(str(path)).header["layout"] == {"tp": 2, "pp": 2, "dp": 2}
+
+
+def test_config_thresholds_are_used():
+    fault = "slow:rank=5,factor=1.5,at=30"
+    strict = FailSlowDetector(ResiHPConfig(slowdown_threshold=1.6))
+    assert _run(_trace(45, (fault,)), (fault,), strict)[1] == []
