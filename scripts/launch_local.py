@@ -1,0 +1,200 @@
+#!/usr/bin/env python
+"""Single-node launcher whose surviving ranks keep running when one rank dies.
+
+Responsible for: hosting the job's torch ``TCPStore`` in the launcher process (so the store
+outlives every rank), starting ``--nproc-per-node`` independent worker processes with the
+environment torchrun gives its workers, letting their output through unprefixed, forwarding
+SIGINT/SIGTERM to them, and reporting each rank's end.
+
+It must never kill the other ranks when one exits non-zero or is killed: in-place recovery needs
+the survivors alive. (torchrun's agent does the opposite: it tears down every local worker as soon
+as one fails, and restarts the whole group if asked to.)
+
+Usage::
+
+    python scripts/launch_local.py --nproc-per-node N [--master-addr 127.0.0.1] \
+        [--master-port P] SCRIPT [ARGS...]
+
+Exit code: 0 when every rank that was not killed by a signal exited 0 and at least one rank
+finished that way (a job that survived its failed ranks succeeds); otherwise the first non-zero
+code a rank returned, or 128 + signal number when every rank was killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+# Workers read this to know that a dead peer does not take them down with it.
+LAUNCHER_ENV = "RESIHP_LAUNCHER"
+# How often the launcher looks at its workers; a rank's end is reported within this.
+_POLL_S = 0.05
+# After forwarding SIGINT/SIGTERM, workers get this long to exit before SIGKILL (torchrun waits
+# a similar grace period before escalating).
+_GRACE_S = 15.0
+_PR_SET_PDEATHSIG = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # exit 2 with the fix, not just the complaint
+        self.print_usage(sys.stderr)
+        self.exit(2, f"launch_local: error: {message}\n")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(
+        prog="launch_local.py",
+        description="Start N ranks of SCRIPT on this node; survivors keep running when a rank dies.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, required=True,
+                        help="number of ranks (worker processes) to start")
+    parser.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
+                        help="address the job's TCPStore listens on (default 127.0.0.1)")
+    parser.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=0,
+                        help="port of the job's TCPStore (default: a free port chosen by the OS)")
+    parser.add_argument("script", help="training script to run on every rank")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    args = parser.parse_args(argv)
+    if args.nproc_per_node < 1:
+        parser.error(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}; pass the number of ranks to start")
+    if not 0 <= args.master_port < 2**16:
+        parser.error(f"--master-port must be in 0..65535, got {args.master_port}; omit it to pick a free port")
+    if not os.path.isfile(args.script):
+        parser.error(f"SCRIPT {args.script!r} is not a file; pass the path of the training script after the flags")
+    return args
+
+
+def worker_env(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """The environment torchrun gives a worker, for a single node."""
+    env = dict(os.environ)
+    env.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        # torch's env:// rendezvous then makes every rank, rank 0 included, a client of the
+        # launcher's store instead of having rank 0 host it (the store would die with rank 0).
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        LAUNCHER_ENV: "launch_local",
+    })
+    return env
+
+
+def _die_with_launcher() -> None:
+    # Runs in the child before exec: if the launcher is SIGKILLed its store is gone and the ranks
+    # cannot recover, so they should not linger as orphans. Linux only; elsewhere a no-op.
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class _Job:
+    procs: list[subprocess.Popen]
+    codes: dict[int, int] = field(default_factory=dict)  # rank -> returncode (negative: signal)
+    order: list[int] = field(default_factory=list)  # ranks in the order they ended
+
+    def running(self) -> list[int]:
+        return [r for r in range(len(self.procs)) if r not in self.codes]
+
+    def signal_running(self, sig: int) -> None:
+        for r in self.running():
+            try:
+                self.procs[r].send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def exit_code(codes: dict[int, int], order: list[int]) -> int:
+    """The launcher's exit code from each rank's return code (negative = killed by that signal)."""
+    finished = [r for r in order if codes[r] >= 0]
+    failed = [r for r in finished if codes[r] != 0]
+    if finished and not failed:
+        return 0
+    if failed:
+        return codes[failed[0]]
+    first = codes[order[0]] if order else 1
+    return 128 - first if first < 0 else (first or 1)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from torch.distributed import TCPStore  # imported late so --help and CLI errors stay fast
+
+    # The store lives here, not in rank 0: it must outlive any rank for survivors to re-form.
+    store = TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(minutes=30))
+    port = store.port
+    world_size = args.nproc_per_node
+    cmd = [sys.executable, "-u", args.script, *args.script_args]
+
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        # A second signal means "now": skip the grace period.
+        job.signal_running(signal.SIGKILL if len(received) > 1 else signum)
+
+    procs = []
+    job = _Job(procs)
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for rank in range(world_size):
+            # Own process group: a terminal's Ctrl-C reaches the launcher only, which forwards it
+            # once, instead of every rank receiving it twice.
+            procs.append(subprocess.Popen(cmd, env=worker_env(rank, world_size, args.master_addr, port),
+                                          process_group=0, preexec_fn=_die_with_launcher))
+        deadline = None
+        while job.running():
+            for rank in job.running():
+                code = procs[rank].poll()
+                if code is None:
+                    continue
+                job.codes[rank] = code
+                job.order.append(rank)
+                if code != 0:
+                    print(f"launch_local: rank {rank} exited with {_describe(code)}; "
+                          f"{len(job.running())} ranks still running", file=sys.stderr, flush=True)
+            if received and deadline is None:
+                deadline = time.monotonic() + _GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                job.signal_running(signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(_POLL_S)
+    finally:
+        job.signal_running(signal.SIGKILL)  # only reached with ranks left on a launcher error
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return exit_code(job.codes, job.order)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

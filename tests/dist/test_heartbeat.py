@@ -1,0 +1,128 @@
+"""HeartbeatMonitor over real processes under scripts/launch_local.py: a SIGKILLed rank is named
+dead by every survivor within 2 s; a rank that stops making progress is named hung."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megatron.training.heartbeat import judge_progress
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "scripts" / "launch_local.py"
+WORLD = 4
+
+# Each rank joins a gloo world (so heartbeats share the store with a live process group), starts
+# a monitor on its own store client, "trains" by calling beat() every 50 ms, and records what its
+# callbacks saw. In "hang" mode rank 1 stops calling beat() after a while but stays alive.
+WORKER = r'''
+import json, os, sys, time
+import torch, torch.distributed as dist
+from megatron.training.heartbeat import HeartbeatMonitor
+out, mode = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+dist.barrier()
+seen = {"dead": [], "hung": []}
+record = lambda kind: lambda ranks, now: seen[kind].append({"ranks": sorted(ranks), "at": now})
+mon = HeartbeatMonitor.from_env(on_dead=record("dead"), on_hang=record("hung"), hang_timeout_s=2.0).start()
+with open(os.path.join(out, f"ready{rank}.json"), "w") as f:
+    json.dump({"pid": os.getpid()}, f)
+step, stopped_at, deadline = 0, None, time.time() + 20
+while time.time() < deadline and not (seen["dead"] or seen["hung"]):
+    if mode == "hang" and rank == 1 and step >= 30:
+        stopped_at = stopped_at or time.time()
+        if time.time() > stopped_at + 4.0:  # the others have judged it by now
+            break
+    else:
+        step += 1
+        mon.beat(step)
+    time.sleep(0.05)
+time.sleep(0.5)  # let a late second report show up if the monitor would make one
+mon.stop()
+with open(os.path.join(out, f"result{rank}.json"), "w") as f:
+    json.dump({**seen, "stopped_at": stopped_at, "dead_ranks": sorted(mon.dead_ranks),
+               "hung_ranks": sorted(mon.hung_ranks)}, f)
+'''
+
+
+def start(tmp_path: Path, mode: str) -> subprocess.Popen:
+    (tmp_path / "worker.py").write_text(WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, str(LAUNCHER), "--nproc-per-node", str(WORLD), "worker.py",
+                             str(tmp_path), mode], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_ready(proc: subprocess.Popen, tmp_path: Path) -> dict[int, int]:
+    deadline = time.monotonic() + 40
+    while len(list(tmp_path.glob("ready*.json"))) < WORLD:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "ranks did not start their monitors"
+        time.sleep(0.05)
+    time.sleep(0.05)  # the last file may be mid-write
+    return {r: json.loads((tmp_path / f"ready{r}.json").read_text())["pid"] for r in range(WORLD)}
+
+
+def results(proc: subprocess.Popen, tmp_path: Path) -> tuple[int, str, dict[int, dict]]:
+    output = proc.communicate(timeout=40)[0]
+    return proc.returncode, output, {int(p.stem[6:]): json.loads(p.read_text()) for p in tmp_path.glob("result*.json")}
+
+
+def test_sigkilled_rank_is_named_dead_by_every_survivor_within_2s(tmp_path):
+    proc = start(tmp_path, "kill")
+    try:
+        pids = wait_ready(proc, tmp_path)
+        time.sleep(1.0)  # heartbeats flowing, no one judged yet
+        killed_at = time.time()
+        os.kill(pids[2], signal.SIGKILL)
+        code, output, res = results(proc, tmp_path)
+    finally:
+        proc.kill()
+    assert sorted(res) == [0, 1, 3], output
+    latencies = []
+    for rank, r in res.items():
+        assert [e["ranks"] for e in r["dead"]] == [[2]], (rank, r)  # once, naming rank 2 only
+        assert r["hung"] == [] and r["hung_ranks"] == [], (rank, r)
+        latencies.append(r["dead"][0]["at"] - killed_at)
+    print(f"detection latency per survivor: {[round(x, 3) for x in latencies]}")
+    assert all(0 < x < 2.0 for x in latencies), latencies
+    assert "launch_local: rank 2 exited with signal SIGKILL; 3 ranks still running" in output
+    assert code == 0, output
+
+
+def test_rank_without_progress_is_named_hung(tmp_path):
+    proc = start(tmp_path, "hang")
+    try:
+        wait_ready(proc, tmp_path)
+        code, output, res = results(proc, tmp_path)
+    finally:
+        proc.kill()
+    assert code == 0, output
+    assert sorted(res) == [0, 1, 2, 3], output
+    stopped_at = res[1]["stopped_at"]
+    assert stopped_at is not None
+    for rank in (0, 2, 3):
+        r = res[rank]
+        assert [e["ranks"] for e in r["hung"]] == [[1]], (rank, r)
+        assert r["dead"] == [], (rank, r)  # its heartbeat thread kept beating
+        latency = r["hung"][0]["at"] - stopped_at
+        print(f"rank {rank} named rank 1 hung {latency:.3f} s after its last beat()")
+        # hang_timeout_s=2.0, plus one beat interval to publish and one poll to notice.
+        assert 2.0 < latency < 3.0, (rank, latency)
+
+
+def test_judge_progress_names_only_ranks_left_behind():
+    now = 100.0
+    moving = {0: (50, 99.9), 1: (50, 99.8), 2: (41, 90.0)}
+    assert judge_progress(now, moving, 5.0) == frozenset({2})
+    # Everyone stalled at the same point (eval, checkpoint, a blocked collective): nobody named.
+    assert judge_progress(now, {0: (50, 90.0), 1: (50, 91.0)}, 5.0) == frozenset()
+    # Everyone stalled, one behind: the laggard is what the others wait for.
+    assert judge_progress(now, {0: (50, 90.0), 1: (49, 91.0)}, 5.0) == frozenset({1})
+    assert judge_progress(now, {0: (50, 96.0), 1: (49, 96.0)}, 5.0) == frozenset()
