@@ -1,0 +1,116 @@
+"""Live fail-slow detection: gather every rank's op timings, run validation probes, report.
+
+Responsible for the collective side of detection: each rank turns its recorded ops into a
+``RankObservation``, all ranks all-gather them, and every rank runs the same pure
+``FailSlowDetector`` on the same data, so all reach the same suspicion without a broadcast.
+A suspicion triggers a probe round (a fixed GEMM timed on every rank, stretched like real compute
+when a slowdown is injected), whose timings are gathered the same way and concluded by the
+detector. Decisions are never made here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.schedules import RECORDER
+from resihp_ext.detector import FailSlowDetector, RankObservation
+from resihp_ext.validation import Cleared, ProbeResults, Verdict
+
+_PROBE_SIZE = 256
+_PROBE_REPEATS = 8
+
+
+def gemm_probe_s(device: torch.device, slowdown_factor: float) -> float:
+    """Seconds of a fixed GEMM workload on this rank (median of 3), as slow as its real compute."""
+    a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, device=device)
+    b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, device=device)
+    samples = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(_PROBE_REPEATS):
+            a = torch.tanh(a @ b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if slowdown_factor > 1.0:
+            time.sleep((slowdown_factor - 1.0) * elapsed)
+            elapsed *= slowdown_factor
+        samples.append(elapsed)
+    return sorted(samples)[1]
+
+
+def job_clock_offset() -> float:
+    """Offset turning this rank's ``perf_counter`` into seconds since a job-wide origin.
+
+    Link gaps compare one rank's op end with another's op start, so all ranks' op times must share
+    an origin. Wall clocks agree exactly on one host and to NTP precision across hosts; rank 0's
+    wall time at start-up is the origin (collective).
+    """
+    origin = [time.time()]
+    dist.broadcast_object_list(origin, src=0)
+    return (time.time() - time.perf_counter()) - origin[0]
+
+
+class LiveDetector:
+    """One per rank; call ``observe`` after every iteration (collective over the world group)."""
+
+    def __init__(self, config, rank: int, replica: int, stage: int, tp_rank: int, device: torch.device):
+        self.config = config
+        self.rank, self.replica, self.stage, self.tp_rank = rank, replica, stage, tp_rank
+        self.device = device
+        self.detector = FailSlowDetector(config)
+        self.decision_s = 0.0  # time spent in the pure decision logic (for the overhead figure)
+        self.clock_offset_s = job_clock_offset()
+
+    def observation(self, iteration_s: float, ops, features) -> RankObservation:
+        shift = self.clock_offset_s
+        return RankObservation(
+            rank=self.rank, replica=self.replica, stage=self.stage, tp_rank=self.tp_rank,
+            ops=tuple((k, mb, s + shift, e + shift) for k, mb, s, e in ops),
+            features=tuple(tuple(f) for f in features), iteration_s=iteration_s,
+        )
+
+    def observe(self, iteration: int, mine: RankObservation) -> tuple[list[RankObservation], object | None]:
+        """All-gather observations, judge, and probe if suspicious.
+
+        Returns:
+            (every rank's observation, a Verdict / Cleared / None).
+        """
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        start = time.perf_counter()
+        suspicion = self.detector.observe(iteration, gathered)
+        self.decision_s += time.perf_counter() - start
+        if suspicion is None:
+            return gathered, None
+        probes = ProbeResults(iteration=iteration, rank_s=self._probe_ranks(suspicion.probe_ranks))
+        outcome = self.detector.conclude(suspicion, probes)
+        return gathered, (suspicion, outcome)
+
+
+    def _probe_ranks(self, ranks) -> dict[int, float]:
+        """GEMM probe on each listed rank, one rank at a time (collective).
+
+        One at a time because ranks may share cores or a power budget (always on CPU): probing
+        concurrently would measure contention between them, not each device's speed.
+        """
+        mine = 0.0
+        for rank in sorted(ranks):
+            if rank == self.rank:
+                mine = gemm_probe_s(self.device, RECORDER.slowdown_factor)
+            dist.barrier()
+        times: list = [None] * dist.get_world_size()
+        dist.all_gather_object(times, mine)
+        return {r: times[r] for r in sorted(ranks)}
+
+
+def describe(outcome: Verdict | Cleared) -> str:
+    if isinstance(outcome, Verdict):
+        factor = "" if outcome.factor is None else f" factor {outcome.factor:.2f}x"
+        return f"verdict {outcome.kind} ranks {list(outcome.ranks)}{factor}: {outcome.reason}"
+    return f"cleared ranks {list(outcome.ranks)}: {outcome.reason}"
