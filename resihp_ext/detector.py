@@ -50,7 +50,7 @@ from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of t
 # A link is only suspect when its transfer also grew by this many seconds in absolute terms, so a
 # sub-millisecond baseline jittering by a few microseconds never looks like a 2x slowdown.
 _MIN_LINK_EXCESS_S = 1e-3
-_MIN_LINK_EXCESS_FRACTION = 0.05  # of the iteration time
+_MIN_LINK_EXCESS_FRACTION = 0.01  # of the iteration time
 # Healthy iterations remembered for link baselines and for the iteration overhead estimate.
 _HISTORY = 32
 
