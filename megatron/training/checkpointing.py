@@ -90,18 +90,24 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: 
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank():05d}.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump({"iteration": iteration, "consumed_samples": consumed_samples, **_metadata(args)}, f)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        tracker_tmp = os.path.join(args.save, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(args.save, TRACKER))
+        finalize_checkpoint(args, args.save, tmp, final, iteration, consumed_samples)
     dist.barrier()
     return final
+
+
+def finalize_checkpoint(args: argparse.Namespace, root: str, tmp: str, final: str, iteration: int,
+                        consumed_samples: int) -> None:
+    """One rank, after every shard is in ``tmp``: metadata, rename, then the tracker file."""
+    with open(os.path.join(tmp, "metadata.json"), "w") as f:
+        json.dump({"iteration": iteration, "consumed_samples": consumed_samples, **_metadata(args)}, f)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
 
 
 def latest_iteration(root: str) -> int | None:

@@ -30,6 +30,9 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         torch.set_num_threads(int(os.environ.get("RESIHP_CPU_THREADS", "1")))
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if args.resihp.enable:
+        # Survivors of a fail-stop learn of it from a failed collective: bound every wait.
+        args.distributed_timeout_minutes = args.resihp.collective_timeout_s / 60.0
     if not dist.is_initialized():
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rendezvous = {}

@@ -13,13 +13,17 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.training import recovery
+from megatron.training.data_samplers import even_quotas
 from megatron.training.detection import LiveDetector, describe
+from megatron.training.heartbeat import HeartbeatMonitor, connect_store
 from megatron.training.logging_utils import EventLog, log_line
 from megatron.training.schedules import RECORDER
 from resihp_ext.faults import FaultKind
@@ -28,7 +32,18 @@ from resihp_ext.planner.baselines import dp_only
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
 from resihp_ext.traces import observation_to_dict
-from resihp_ext.validation import Verdict
+from resihp_ext.validation import Verdict, fail_stop_verdict
+
+# Exit code of a survivor that saved a checkpoint because no in-place plan existed.
+EXIT_NEEDS_RESTART = 3
+
+
+class StopTraining(Exception):
+    """Raised by recovery when this process leaves the job (spare, or checkpoint fallback)."""
+
+    def __init__(self, exit_code: int, message: str):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def current_layout(args: argparse.Namespace) -> Layout:
@@ -39,6 +54,22 @@ def current_layout(args: argparse.Namespace) -> Layout:
     )
     return Layout.uniform(model, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                           args.data_parallel_size, tuple(args.layers_per_stage))
+
+
+def resume_command(argv: list[str], nproc: int, checkpoint_root: str) -> str:
+    """The launch that resumes this job from ``checkpoint_root``: same flags, minus any earlier
+    ``--load`` and any injected faults (those were tests of this run, not part of the job)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--load", "--resihp-inject"):
+            skip = "=" not in arg
+            continue
+        kept.append(arg)
+    return " ".join(["python", "scripts/launch_local.py", f"--nproc-per-node {nproc}", *kept, "--load", checkpoint_root])
 
 
 class ResilienceHooks:
@@ -57,6 +88,12 @@ class ResilienceHooks:
                 self.cfg, self.rank, self.replica_index, parallel_state.get_pipeline_model_parallel_rank(),
                 parallel_state.get_tensor_model_parallel_rank(), device,
             )
+        self.generation = 0
+        self.store = None
+        self.monitor = None
+        if self.cfg.detection_on and "MASTER_ADDR" in os.environ:
+            self.store = connect_store(timeout_s=max(60.0, 3 * self.cfg.collective_timeout_s))
+            self._start_monitor()
         self.trace = None
         if self.cfg.trace and self.rank == 0:
             self.trace = open(self.cfg.trace, "w", encoding="utf-8")
@@ -64,6 +101,22 @@ class ResilienceHooks:
                       "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
                       "faults": [f.spec() for f in self.cfg.faults]}
             self.trace.write(json.dumps(header) + "\n")
+
+    def _start_monitor(self) -> None:
+        self.monitor = HeartbeatMonitor(
+            self.store, dist.get_rank(), dist.get_world_size(),
+            interval_s=self.cfg.heartbeat_interval_s, timeout_s=self.cfg.heartbeat_timeout_s,
+            prefix=f"resihp/hb/gen{self.generation}/", on_dead=self._on_failed("dead"),
+            on_hang=self._on_failed("hang"), hang_timeout_s=self.cfg.collective_timeout_s,
+        ).start()
+
+    def _on_failed(self, kind: str):
+        def callback(ranks, now) -> None:  # runs on the heartbeat thread
+            verdict = fail_stop_verdict(kind, sorted(ranks), self.iteration)
+            event = verdict.to_event()
+            self.events.emit("verdict", self.iteration, **{k: v for k, v in event.items() if k not in ("event", "iteration")})
+            log_line(f" resihp: rank {dist.get_rank()} sees {describe(verdict)}")
+        return callback
 
     def _apply_faults(self, iteration: int) -> None:
         for fault in self.faults:
@@ -79,9 +132,107 @@ class ResilienceHooks:
                 while True:  # a hung rank: alive, holding its sockets, making no progress
                     time.sleep(3600)
 
+    iteration = 0
+
     def before_iteration(self, iteration: int, objects, quotas):
+        self.iteration = iteration
+        if self.monitor is not None:
+            self.monitor.beat(iteration)
         self._apply_faults(iteration)
         return objects, quotas
+
+    @property
+    def can_recover(self) -> bool:
+        return self.cfg.enable and self.monitor is not None
+
+    def recover(self, iteration: int, error: Exception, objects, consumed_samples: int):
+        """A collective failed: find who died, agree on a plan, continue in place or leave.
+
+        Returns:
+            (objects, quotas) rebuilt on the new groups, to redo ``iteration``.
+
+        Raises:
+            StopTraining: this process is a spare, or no in-place plan exists (after saving).
+            The original error, when the heartbeats name no failed rank.
+        """
+        start = time.perf_counter()
+        old_rank = dist.get_rank()
+        log_line(f" resihp: rank {old_rank}: iteration {iteration} failed: {str(error).splitlines()[0][:160]}")
+        failed = recovery.await_failed_ranks(self.monitor, wait_s=4 * self.cfg.heartbeat_timeout_s)
+        if not failed:
+            raise error
+        self.generation += 1
+        plan, failed, preferred = recovery.agree_on_plan(
+            self.store, self.generation, old_rank, self.layout, failed, self._preferred_plan,
+            wait_s=3 * self.cfg.collective_timeout_s,
+        )
+        self.monitor.stop()
+        if old_rank == min(set(self.layout.world_ranks) - failed):
+            self.events.emit("plan", iteration, action=plan.action, reason=plan.reason, executed=plan.to_dict(),
+                             preferred=preferred)
+        log_line(f" resihp: plan ({plan.action}): {plan.reason}")
+        backend = "gloo" if self.args.device == "cpu" else "nccl"
+        if plan.action != "adapt":
+            self._fallback_checkpoint(iteration, plan, objects, consumed_samples, failed, backend)
+        if old_rank not in plan.new_rank:
+            dist.destroy_process_group()
+            raise StopTraining(0, f"rank {old_rank} is a spare after the adaptation (its replica lost a rank)")
+        args = self.args
+        new_layout = Layout.uniform(self.layout.model, args.tensor_model_parallel_size,
+                                    args.pipeline_model_parallel_size, len(plan.kept_replicas),
+                                    tuple(args.layers_per_stage))
+        recovery.reform_for_plan(self.store, self.generation, plan.new_rank[old_rank], plan.new_world_size,
+                                 backend, self.cfg.collective_timeout_s, new_layout)
+        objects = recovery.rebuild_objects(args, objects)
+        args.data_parallel_size = len(plan.kept_replicas)
+        args.world_size = plan.new_world_size
+        args.rank = self.rank = dist.get_rank()
+        self.layout = new_layout
+        self.replica_index = parallel_state.get_data_parallel_rank()
+        quotas = even_quotas(args.global_batch_size // args.micro_batch_size, args.data_parallel_size)
+        if self.live is not None:
+            self.live = LiveDetector(self.cfg, self.rank, self.replica_index,
+                                     parallel_state.get_pipeline_model_parallel_rank(),
+                                     parallel_state.get_tensor_model_parallel_rank(), self.live.device)
+        self.faults = [f for f in self.faults if f.at_iteration > iteration]  # faults follow the process
+        self._start_monitor()
+        duration = time.perf_counter() - start
+        if self.rank == 0:
+            self.events.emit("adapted", iteration, world_size=dist.get_world_size(), duration_s=duration,
+                             data_parallel_size=args.data_parallel_size, quotas=quotas, failed_ranks=sorted(failed))
+        log_line(f" resihp: rank {old_rank} -> {self.rank}: adapted in place, world {dist.get_world_size()}, "
+                 f"DP {args.data_parallel_size}, redoing iteration {iteration} ({duration:.2f} s since the failure surfaced)")
+        return objects, quotas
+
+    def _preferred_plan(self, failed) -> dict:
+        """What the joint planner would do with unrestricted execution (logged for comparison)."""
+        plan = plan_adaptation(self.layout, Health(dead=frozenset(failed)))
+        return {"action": plan.action, "policy": plan.policy, "reason": plan.reason}
+
+    def _fallback_checkpoint(self, iteration, plan, objects, consumed_samples, failed, backend):
+        """No replica is whole: survivors assemble a checkpoint if every shard survived, then stop."""
+        old_rank = dist.get_rank()
+        survivors = sorted(set(self.layout.world_ranks) - failed)
+        root = self.args.save or os.path.abspath("resihp_fallback_checkpoint")
+        completed = iteration - 1
+        saved = None
+        if not plan.missing_shards and completed > 0:
+            recovery.reform_for_plan(self.store, self.generation, survivors.index(old_rank), len(survivors),
+                                     backend, self.cfg.collective_timeout_s, None)
+            position = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
+            writer = plan.checkpoint_writers.get(position) == old_rank
+            saved = recovery.save_assembled_checkpoint(self.args, root, completed, consumed_samples, objects,
+                                                       position, writer)
+        resume = resume_command(sys.argv, len(self.layout.world_ranks), root) if saved else None
+        reason = plan.reason + (f"; saved iteration {completed} to {saved}" if saved else "; nothing saved")
+        if old_rank == survivors[0]:
+            self.events.emit("fallback_checkpoint", iteration, reason=reason, resume_command=resume, path=saved)
+            log_line(f" resihp: no in-place plan: {reason}")
+            if resume:
+                log_line(f" resihp: resume with: {resume}")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise StopTraining(EXIT_NEEDS_RESTART, reason)
 
     def after_iteration(self, iteration: int, elapsed_s: float, result, objects, quotas):
         if self.live is None:
@@ -137,6 +288,8 @@ class ResilienceHooks:
         return new_quotas
 
     def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
         if self.trace is not None:
             self.trace.close()
         if self.live is not None and self.rank == 0:

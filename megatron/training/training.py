@@ -23,6 +23,7 @@ from megatron.training.data_samplers import GlobalBatchSampler, even_quotas, mic
 from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.logging_utils import EventLog, TensorBoard, iteration_line, log_line
 from megatron.training.model_builder import build_training_objects
+from megatron.training.resilience import StopTraining
 from megatron.training.schedules import install_hooks, train_step
 
 
@@ -116,20 +117,41 @@ def pretrain(
             objects, quotas = resilience.before_iteration(iteration, objects, quotas)
             dp_rank = resilience.replica_index
         start = time.perf_counter()
-        batches = microbatches(train_ds, sampler.microbatch_indices(quotas, dp_rank))
-        result = train_step(
-            forward_step_func, iter(batches), objects, quotas[dp_rank],
-            args.seq_length, args.micro_batch_size, args.global_batch_size,
-        )
+        stepped = False
+        try:
+            batches = microbatches(train_ds, sampler.microbatch_indices(quotas, dp_rank))
+            result = train_step(
+                forward_step_func, iter(batches), objects, quotas[dp_rank],
+                args.seq_length, args.micro_batch_size, args.global_batch_size,
+            )
+            stepped = True
+            loss_sum, num_tokens = _reduce_loss(result.loss_sum, result.num_tokens)
+            elapsed_s = time.perf_counter() - start
+            if resilience is not None:
+                objects, quotas = resilience.after_iteration(iteration, elapsed_s, result, objects, quotas)
+        except RuntimeError as error:  # torch.distributed reports a dead or stuck peer this way
+            if resilience is None or not resilience.can_recover:
+                raise
+            if stepped:
+                # Every rank's optimizer step needed its DP group's all-reduce, which the failed rank
+                # joined: all ranks stepped, so this iteration is done and is not redone.
+                sampler.advance()
+            try:
+                objects, quotas = resilience.recover(iteration, error, objects, sampler.consumed_samples)
+            except StopTraining as stop:
+                events.emit("exit", iteration, exit_code=stop.exit_code, reason=str(stop))
+                events.close()
+                board.close()
+                raise SystemExit(stop.exit_code) from None
+            dp_rank, num_replicas = resilience.replica_index, parallel_state.get_data_parallel_world_size()
+            if not stepped:
+                iteration -= 1  # the same global batch again, on the new layout
+            continue
         sampler.advance()
-        loss_sum, num_tokens = _reduce_loss(result.loss_sum, result.num_tokens)
-        elapsed_s = time.perf_counter() - start
         skipped += result.skipped
         loss = loss_sum / max(num_tokens, 1)
         nan += not math.isfinite(loss)
         last_loss = loss
-        if resilience is not None:
-            objects, quotas = resilience.after_iteration(iteration, elapsed_s, result, objects, quotas)
         interval_iters += 1
         if _is_last_rank():
             lr = objects.optimizer.param_groups[0]["lr"]

@@ -1,0 +1,118 @@
+"""In-place fail-stop recovery: the executor's life cycle, one function per step.
+
+    await_failed_ranks -> agree_on_plan -> reform_for_plan -> rebuild_objects -> (resume)
+                                        \-> save_assembled_checkpoint (no in-place plan)
+
+Responsible for carrying out a ``SurvivorPlan`` (``resihp_ext/planner/survivors.py``) in the
+surviving processes: the plan is decided once, by the lowest surviving rank, and published through
+the job's store, so every survivor applies the same one. State never comes from a checkpoint when
+a whole replica survives: kept ranks already hold their shards, model and optimizer, and copy them
+into the objects rebuilt on the new groups. Nothing here decides what to keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.training import checkpointing
+from megatron.training.model_builder import TrainingObjects, build_training_objects
+from megatron.training.parallel_state_patch import build_groups, install, reform_world
+from resihp_ext.layout import Layout
+from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors
+
+
+def await_failed_ranks(monitor, wait_s: float, poll_s: float = 0.05) -> frozenset[int]:
+    """Ranks the heartbeat monitor names dead or hung, waiting up to ``wait_s`` for a name."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        failed = monitor.dead_ranks | monitor.hung_ranks
+        if failed or time.monotonic() > deadline:
+            return frozenset(failed)
+        time.sleep(poll_s)
+
+
+def _wait_for_key(store, key: str, wait_s: float, poll_s: float = 0.02) -> None:
+    # Poll rather than store.wait(): a blocking wait holds the GIL, which silences this process's
+    # heartbeat thread and gets it declared dead by the others.
+    deadline = time.monotonic() + wait_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {key!r} in the job store after {wait_s:.0f} s")
+        time.sleep(poll_s)
+
+
+def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: frozenset[int],
+                  describe_preferred, wait_s: float) -> tuple[SurvivorPlan, frozenset[int], dict]:
+    """The lowest surviving rank decides and publishes; everyone reads the same plan back.
+
+    Returns:
+        (the plan, the failed ranks it was made for, the joint planner's preferred plan).
+    """
+    key = f"resihp/gen{generation}/plan"
+    leader = min(set(layout.world_ranks) - failed)
+    if rank == leader:
+        plan = plan_survivors(layout, failed)
+        store.set(key, json.dumps({"plan": plan.to_dict(), "failed": sorted(failed),
+                                   "preferred": describe_preferred(failed)}))
+    _wait_for_key(store, key, wait_s)
+    published = json.loads(store.get(key))
+    return SurvivorPlan.from_dict(published["plan"]), frozenset(published["failed"]), published["preferred"]
+
+
+def reform_for_plan(store, generation: int, new_rank: int, new_world_size: int, backend: str,
+                    timeout_s: float, layout: Layout | None):
+    """Join the new world and install its groups for megatron-core (kept ranks only)."""
+    reform_world(store, new_rank, new_world_size, generation, backend=backend, timeout=timeout_s)
+    if layout is None:
+        return None
+    groups = build_groups(layout, new_rank, timeout=timeout_s)
+    install(groups)
+    return groups
+
+
+def rebuild_objects(args: argparse.Namespace, old: TrainingObjects) -> TrainingObjects:
+    """Model, DDP, optimizer and LR schedule on the installed groups, holding the old state.
+
+    Modules capture their groups at construction, so everything is rebuilt; the kept rank's
+    shards have the same shapes as before, so its own tensors are copied in without moving.
+    """
+    new = build_training_objects(args, old.layers_per_stage)
+    new.model.load_state_dict(old.model.state_dict())
+    new.optimizer.load_state_dict(old.optimizer.state_dict())
+    new.scheduler.load_state_dict(old.scheduler.state_dict())
+    return new
+
+
+def save_assembled_checkpoint(args: argparse.Namespace, root: str, iteration: int, consumed_samples: int,
+                              objects: TrainingObjects, position: tuple[int, int], writer: bool) -> str:
+    """Collective over the survivors' world: each writer saves the (TP, PP) shard it holds.
+
+    Same on-disk layout and atomic protocol as ``checkpointing.save_checkpoint``, but shards come
+    from whichever survivor holds them, across replicas.
+    """
+    final = os.path.join(root, f"iter_{iteration:07d}")
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"))
+    dist.barrier()
+    stage, tp_rank = position
+    if writer:
+        shard = os.path.join(tmp, f"mp_rank_{tp_rank:02d}_{stage:03d}")
+        os.makedirs(shard, exist_ok=True)
+        torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
+                    "model": objects.model.state_dict(), "optimizer": objects.optimizer.state_dict(),
+                    "scheduler": objects.scheduler.state_dict()},
+                   os.path.join(shard, "model_optim_rng.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        checkpointing.finalize_checkpoint(args, root, tmp, final, iteration, consumed_samples)
+    dist.barrier()
+    return final
