@@ -217,9 +217,9 @@ class ResilienceHooks:
         completed = iteration - 1
         saved = None
         if not plan.missing_shards and completed > 0:
+            position = (self.layout.stage_of(old_rank)[1], self.layout.tp_rank_of(old_rank))
             recovery.reform_for_plan(self.store, self.generation, survivors.index(old_rank), len(survivors),
                                      backend, self.cfg.collective_timeout_s, None)
-            position = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
             writer = plan.checkpoint_writers.get(position) == old_rank
             saved = recovery.save_assembled_checkpoint(self.args, root, completed, consumed_samples, objects,
                                                        position, writer)

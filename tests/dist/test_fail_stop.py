@@ -1,0 +1,118 @@
+"""Fail-stop survived in place: real processes, a real SIGKILL, the launcher that keeps survivors.
+
+The reference is a failure-free run of the same model fed the same global batches; per-token loss
+makes the gradient independent of how micro-batches are spread over replicas, so parameters
+after recovery must equal the reference's.
+"""
+
+import shlex
+import subprocess
+
+import pytest
+import torch
+
+from tests.dist.launch import REPO, check, iteration_losses, read_events, run_job
+
+MODEL = [
+    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--lr", "1e-3",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "1",
+    "--hidden-dropout", "0", "--attention-dropout", "0",
+]
+RESILIENT = ["--resihp-enable", "--resihp-collective-timeout-s", "5"]
+
+
+def _params(checkpoint, iteration):
+    shards = {}
+    for path in sorted((checkpoint / f"iter_{iteration:07d}").glob("mp_rank_*/model_optim_rng.pt")):
+        state = torch.load(path, weights_only=False)
+        shards[path.parent.name] = state
+    return shards
+
+
+def _assert_same_params(a, b, tol=1e-5):
+    assert a.keys() == b.keys() and a
+    for shard in a:
+        assert a[shard]["consumed_samples"] == b[shard]["consumed_samples"]
+        for name, value in a[shard]["model"].items():
+            if torch.is_tensor(value) and value.is_floating_point():
+                torch.testing.assert_close(b[shard]["model"][name], value, rtol=0, atol=tol, msg=f"{shard} {name}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """TP2 x PP2, failure-free, 8 iterations of global batch 16."""
+    tmp = tmp_path_factory.mktemp("reference")
+    log = tmp / "events.jsonl"
+    check(run_job(4, [*MODEL, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                      "--global-batch-size", "16", "--train-iters", "8", "--save", str(tmp / "ckpt"),
+                      "--resihp-event-log", str(log)]))
+    return tmp / "ckpt", iteration_losses(log)
+
+
+def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference):
+    ref_ckpt, ref_losses = reference
+    log = tmp_path / "events.jsonl"
+    proc = run_job(8, [*MODEL, *RESILIENT, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--global-batch-size", "16", "--train-iters", "8", "--save", str(tmp_path / "ckpt"),
+                       "--resihp-event-log", str(log), "--resihp-inject", "kill:rank=5,at=4"], launcher="local")
+    check(proc)
+    assert "rank 5 exited with signal SIGKILL" in proc.stdout + proc.stderr
+    # Every survivor names the dead rank within 2 s of the kill.
+    killed_at = read_events(log, "inject")[0]["time"]
+    first_seen = {}
+    for v in read_events(log, "verdict"):
+        if v["kind"] == "dead" and v["ranks"] == [5]:
+            first_seen.setdefault(v["rank"], v["time"] - killed_at)
+    assert sorted(first_seen) == [0, 1, 2, 3, 4, 6, 7]
+    assert max(first_seen.values()) < 2.0
+    adapted = read_events(log, "adapted")
+    assert len(adapted) == 1 and adapted[0]["iteration"] == 4 and adapted[0]["world_size"] == 4
+    # Same iterations, same losses, same parameters, exact consumed samples.
+    losses = iteration_losses(log)
+    assert sorted(losses) == list(range(1, 9))
+    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
+    ours = _params(tmp_path / "ckpt", 8)
+    assert {s["consumed_samples"] for s in ours.values()} == {8 * 16}
+    _assert_same_params(_params(ref_ckpt, 8), ours)
+
+
+def test_second_failure_after_an_adaptation_is_survived(tmp_path):
+    # TP1 x PP2 x DP3: rank = replica + 3 * stage. Rank 1 (replica 1) dies at 4, rank 5 (replica 2)
+    # right after the first adaptation, at 6: the job ends on replica 0 alone.
+    shape = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12", "--train-iters", "8"]
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
+    check(run_job(2, [*MODEL, *shape, "--resihp-event-log", str(ref_log)]))
+    check(run_job(6, [*MODEL, *RESILIENT, *shape, "--resihp-event-log", str(log),
+                      "--resihp-inject", "kill:rank=1,at=4", "--resihp-inject", "kill:rank=5,at=6"], launcher="local"))
+    adapted = read_events(log, "adapted")
+    assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 4), (6, 2)]
+    losses, ref = iteration_losses(log), iteration_losses(ref_log)
+    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
+
+
+def test_no_in_place_plan_saves_from_survivors_and_resumes(tmp_path, reference):
+    ref_ckpt, ref_losses = reference
+    ckpt, log = tmp_path / "ckpt", tmp_path / "events.jsonl"
+    args = [*MODEL, *RESILIENT, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--global-batch-size", "16", "--train-iters", "8", "--save", str(ckpt), "--resihp-event-log", str(log)]
+    # One rank of each replica dies: no replica is whole, but every (stage, TP) shard survives.
+    proc = run_job(8, [*args, "--resihp-inject", "kill:rank=2,at=4", "--resihp-inject", "kill:rank=5,at=4"],
+                   launcher="local")
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-3000:]
+    fallback = read_events(log, "fallback_checkpoint")
+    assert len(fallback) == 1
+    assert "no data-parallel replica whole" in fallback[0]["reason"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert not list(ckpt.glob("*.tmp"))
+    resume = fallback[0]["resume_command"]
+    assert "--resihp-inject" not in resume and resume.endswith(f"--load {ckpt}")
+    resumed_log = tmp_path / "resumed.jsonl"
+    cmd = shlex.split(resume.replace(str(log), str(resumed_log)))
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    check(done)
+    resumed = iteration_losses(resumed_log)
+    assert sorted(resumed) == list(range(4, 9))
+    assert [resumed[i] for i in range(4, 9)] == pytest.approx([ref_losses[i] for i in range(4, 9)], rel=1e-5)
+    _assert_same_params(_params(ref_ckpt, 8), _params(ckpt, 8))
