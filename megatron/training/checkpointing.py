@@ -57,10 +57,13 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _metadata(args: argparse.Namespace) -> dict:
+    # The shape of replica 0, which writes the shards (after a re-plan it may differ from the flags).
+    layout = getattr(args, "layout", None)
+    replica = layout.replicas[0] if layout is not None else None
     return {
-        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "tensor_model_parallel_size": replica.stages[0].tp_degree if replica else args.tensor_model_parallel_size,
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-        "layers_per_stage": list(args.layers_per_stage),
+        "layers_per_stage": list(replica.layers_per_stage if replica else args.layers_per_stage),
         "num_layers": args.num_layers,
         "hidden_size": args.hidden_size,
     }
@@ -74,7 +77,8 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: 
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    if parallel_state.get_data_parallel_rank() == 0:
+    # Replica 0 writes the shards (after a heterogeneous re-plan DP groups no longer span replicas).
+    if getattr(args, "replica_index", parallel_state.get_data_parallel_rank()) == 0:
         shard = os.path.join(tmp, _shard_name())
         os.makedirs(shard, exist_ok=True)
         torch.save(

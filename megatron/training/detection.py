@@ -59,11 +59,18 @@ def job_clock_offset() -> float:
 class LiveDetector:
     """One per rank; call ``observe`` after every iteration (collective over the world group)."""
 
-    def __init__(self, config, rank: int, replica: int, stage: int, tp_rank: int, device: torch.device):
+    def __init__(self, config, rank: int, replica: int, stage: int, tp_rank: int, device: torch.device,
+                 layout_getter):
         self.config = config
         self.rank, self.replica, self.stage, self.tp_rank = rank, replica, stage, tp_rank
         self.device = device
-        self.detector = FailSlowDetector(config)
+        self.layout_getter = layout_getter
+
+        def signature(replica: int, stage: int, tp_degree: int):
+            # Stages that run the same number of layers at the same TP degree share one cost fit.
+            return (stage, tp_degree, layout_getter().replicas[replica].stages[stage].num_layers)
+
+        self.detector = FailSlowDetector(config, stage_signature=signature)
         self.decision_s = 0.0  # time spent in the pure decision logic (for the overhead figure)
         self.clock_offset_s = job_clock_offset()
 

@@ -51,11 +51,25 @@ def initialize_distributed(args: argparse.Namespace) -> None:
             **rendezvous,
         )
     args.rank = dist.get_rank()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    # The same group builder every later re-plan uses (memberships equal initialize_model_parallel's).
+    from megatron.training.parallel_state_patch import build_groups, install
+
+    args.layout = initial_layout(args)
+    args.groups = build_groups(args.layout, args.rank, timeout=args.distributed_timeout_minutes * 60.0)
+    install(args.groups)
+
+
+def initial_layout(args: argparse.Namespace):
+    """The Layout the flags describe: megatron-core's rank order (tp fastest, then dp, then pp)."""
+    from resihp_ext.layout import Layout, ModelSpec
+
+    model = ModelSpec(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
     )
+    return Layout.uniform(model, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                          args.data_parallel_size, tuple(args.layers_per_stage))
 
 
 def set_random_seed(seed: int) -> None:

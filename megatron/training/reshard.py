@@ -67,3 +67,87 @@ def copy_stage_state_from_replica(
 
 
 __all__ = ["copy_stage_state_from_replica"]
+
+
+def _torch_optimizers(optimizer) -> list:
+    chained = getattr(optimizer, "chained_optimizers", None)
+    return [o.optimizer for o in (chained if chained is not None else [optimizer])]
+
+
+def _adam_state(optimizer, param: torch.nn.Parameter, create_like: dict | None) -> dict | None:
+    for opt in _torch_optimizers(optimizer):
+        if any(param is p for group in opt.param_groups for p in group["params"]):
+            if param not in opt.state and create_like is not None:
+                opt.state[param] = {k: (v.clone() if k == "step" else torch.zeros_like(param))
+                                    for k, v in create_like.items()}
+            return opt.state.get(param)
+    return None
+
+
+@torch.no_grad()
+def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, new_objects) -> int:
+    """Fill the rebuilt model and optimizer of this rank from wherever each unit lives now.
+
+    Every rank passes the same ``transfers`` (``resihp_ext.shard_map.transfers``); each unit of
+    every tensor of an item (weights, Adam moments) is copied locally when this rank already held
+    it, or sent point-to-point over the default group otherwise. All sends and receives are posted
+    at once, so no ordering between pairs can deadlock.
+
+    Returns:
+        Bytes this rank sent.
+    """
+    from resihp_ext.shard_map import Holding, holders, unit_range
+
+    from megatron.training.layer_sync import param_slots, unit_view
+
+    old_slots = param_slots(old_objects.model.module) if old_objects is not None else []
+    new_slots = param_slots(new_objects.model.module)
+    old_holders, new_holders = holders(old_layout), holders(new_layout)
+    # Every rank has stepped the same number of times: any Adam state of ours serves as template.
+    template = next((s for slot in old_slots for s in [_adam_state(old_objects.optimizer, slot.param, None)] if s), None)
+
+    def views(slots, objects, holding: Holding, t) -> list[torch.Tensor]:
+        out = []
+        for slot in slots:
+            if slot.item != t.item or (slot.partition_dim is None) != t.replicated:
+                continue
+            state = _adam_state(objects.optimizer, slot.param, template)
+            tensors = [slot.param.data] + ([state["exp_avg"], state["exp_avg_sq"]] if state else [])
+            for tensor in tensors:
+                if t.replicated:
+                    out.append(tensor)
+                else:
+                    held = unit_range(holding, t.grid)
+                    out.append(unit_view(tensor, slot.partition_dim, held.start, t.unit, len(held)))
+        return out
+
+    ops, receives, sent = [], [], 0
+    for t in transfers:
+        if rank not in (t.src, t.dst):
+            continue
+        if t.src == rank:
+            src_holding = next(h for h in old_holders[t.item] if h.rank == rank)
+            payload = views(old_slots, old_objects, src_holding, t)
+        if t.dst == rank:
+            dst_holding = next(h for h in new_holders[t.item] if h.rank == rank)
+            target = views(new_slots, new_objects, dst_holding, t)
+        if t.src == rank and t.dst == rank:
+            for a, b in zip(payload, target):
+                b.copy_(a)
+        elif t.src == rank:
+            flat = torch.cat([v.reshape(-1) for v in payload])
+            ops.append(dist.P2POp(dist.isend, flat, t.dst))
+            sent += flat.numel() * flat.element_size()
+        else:
+            flat = torch.empty(sum(v.numel() for v in target), dtype=target[0].dtype)
+            ops.append(dist.P2POp(dist.irecv, flat, t.src))
+            receives.append((flat, target))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for flat, target in receives:
+        offset = 0
+        for view in target:
+            view.copy_(flat[offset:offset + view.numel()].view_as(view))
+            offset += view.numel()
+    return sent

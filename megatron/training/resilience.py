@@ -21,6 +21,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron.training import recovery
+from megatron.training.layer_sync import LayoutGradSync
+from megatron.training.model_builder import build_training_objects
+from megatron.training.parallel_state_patch import build_groups, install, teardown
+from megatron.training.reshard import apply_transfers
 from megatron.training.data_samplers import even_quotas
 from megatron.training.detection import LiveDetector, describe
 from megatron.training.heartbeat import HeartbeatMonitor, connect_store
@@ -29,8 +33,10 @@ from megatron.training.schedules import RECORDER
 from resihp_ext.faults import FaultKind
 from resihp_ext.layout import Layout, ModelSpec
 from resihp_ext.planner.baselines import dp_only
+from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
+from resihp_ext.shard_map import transfers as plan_transfers
 from resihp_ext.traces import observation_to_dict
 from resihp_ext.validation import Verdict, fail_stop_verdict
 
@@ -44,16 +50,6 @@ class StopTraining(Exception):
     def __init__(self, exit_code: int, message: str):
         super().__init__(message)
         self.exit_code = exit_code
-
-
-def current_layout(args: argparse.Namespace) -> Layout:
-    model = ModelSpec(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-    )
-    return Layout.uniform(model, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                          args.data_parallel_size, tuple(args.layers_per_stage))
 
 
 def resume_command(argv: list[str], nproc: int, checkpoint_root: str) -> str:
@@ -80,13 +76,15 @@ class ResilienceHooks:
         self.rank = dist.get_rank()
         self.replica_index = parallel_state.get_data_parallel_rank()
         self.faults = [f for f in self.cfg.faults if f.rank == self.rank]
-        self.layout = current_layout(args)
+        args.replica_index = self.replica_index
+        self.sync: LayoutGradSync | None = None
+        self.last_observations: list = []
         self.live = None
         if self.cfg.detection_on:
             device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
             self.live = LiveDetector(
                 self.cfg, self.rank, self.replica_index, parallel_state.get_pipeline_model_parallel_rank(),
-                parallel_state.get_tensor_model_parallel_rank(), device,
+                parallel_state.get_tensor_model_parallel_rank(), device, lambda: self.layout,
             )
         self.generation = 0
         self.store = None
@@ -101,6 +99,14 @@ class ResilienceHooks:
                       "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
                       "faults": [f.spec() for f in self.cfg.faults]}
             self.trace.write(json.dumps(header) + "\n")
+
+    @property
+    def layout(self) -> Layout:
+        return self.args.layout
+
+    @layout.setter
+    def layout(self, value: Layout) -> None:
+        self.args.layout = value
 
     def _start_monitor(self) -> None:
         self.monitor = HeartbeatMonitor(
@@ -181,19 +187,21 @@ class ResilienceHooks:
         new_layout = Layout.uniform(self.layout.model, args.tensor_model_parallel_size,
                                     args.pipeline_model_parallel_size, len(plan.kept_replicas),
                                     tuple(args.layers_per_stage))
-        recovery.reform_for_plan(self.store, self.generation, plan.new_rank[old_rank], plan.new_world_size,
-                                 backend, self.cfg.collective_timeout_s, new_layout)
+        args.groups = recovery.reform_for_plan(self.store, self.generation, plan.new_rank[old_rank],
+                                               plan.new_world_size, backend, self.cfg.collective_timeout_s, new_layout)
+        self.sync = None  # its groups belonged to the old world
         objects = recovery.rebuild_objects(args, objects)
         args.data_parallel_size = len(plan.kept_replicas)
         args.world_size = plan.new_world_size
         args.rank = self.rank = dist.get_rank()
         self.layout = new_layout
-        self.replica_index = parallel_state.get_data_parallel_rank()
+        self.replica_index = args.replica_index = parallel_state.get_data_parallel_rank()
         quotas = even_quotas(args.global_batch_size // args.micro_batch_size, args.data_parallel_size)
         if self.live is not None:
             self.live = LiveDetector(self.cfg, self.rank, self.replica_index,
                                      parallel_state.get_pipeline_model_parallel_rank(),
-                                     parallel_state.get_tensor_model_parallel_rank(), self.live.device)
+                                     parallel_state.get_tensor_model_parallel_rank(), self.live.device,
+                                     lambda: self.layout)
         self.faults = [f for f in self.faults if f.at_iteration > iteration]  # faults follow the process
         self._start_monitor()
         duration = time.perf_counter() - start
@@ -239,6 +247,7 @@ class ResilienceHooks:
             return objects, quotas
         mine = self.live.observation(result.iteration_s, result.ops, result.features)
         gathered, found = self.live.observe(iteration, mine)
+        self.last_observations = gathered
         if self.trace is not None:
             for obs in gathered:
                 self.trace.write(json.dumps(observation_to_dict(iteration, obs)) + "\n")
@@ -250,42 +259,91 @@ class ResilienceHooks:
             self._emit(outcome.to_event())
             log_line(f" resihp: suspicion at iteration {iteration}: {suspicion.reason}")
             log_line(f" resihp: {describe(outcome)}")
-        if isinstance(outcome, Verdict) and self.cfg.enable:
-            quotas = self._replan_quotas(iteration, outcome, quotas)
+        if isinstance(outcome, Verdict) and self.cfg.enable and outcome.kind == "compute":
+            objects, quotas = self._replan(iteration, outcome, objects, quotas)
         return objects, quotas
 
     def _emit(self, event: dict) -> None:
         event = dict(event)
         self.events.emit(event.pop("event"), event.pop("iteration"), **event)
 
-    def _replan_quotas(self, iteration: int, verdict: Verdict, quotas):
-        """Apply the part of a plan that needs no regrouping: micro-batch quotas per replica.
+    def _calibrated_hardware(self) -> HardwareModel:
+        """The planner's cost model fitted to this job: per-layer forward seconds and backward/forward
+        ratio from the healthiest stage's measured ops in the last iteration."""
+        per_layer, ratios = [], []
+        for obs in self.last_observations:
+            stage = self.layout.replicas[obs.replica].stages[obs.stage]
+            fwd = sorted(e - s for k, _, s, e in obs.ops if k == "F")
+            bwd = sorted(e - s for k, _, s, e in obs.ops if k == "B")
+            if fwd and bwd:
+                f, b = fwd[len(fwd) // 2], bwd[len(bwd) // 2]
+                per_layer.append(f * stage.tp_degree / stage.num_layers)
+                ratios.append(b / f)
+        return HardwareModel(layer_forward_s=min(per_layer), backward_factor=sorted(ratios)[len(ratios) // 2],
+                             tp_efficiency=1.0, include_embedding_cost=False, regroup_s=0.5)
 
-        Every rank computes the same plan from the same verdict (pure, deterministic), so no
-        agreement round is needed for it.
+    def _replan(self, iteration: int, verdict: Verdict, objects, quotas):
+        """Fail-slow: plan with the calibrated cost model and apply it in place.
+
+        Every rank computes the same plan from the same gathered observations and verdict (pure,
+        deterministic), so no agreement round is needed.
         """
         start = time.perf_counter()
         health = Health(speed={r: 1.0 / max(verdict.factor or 1.0, 1.0) for r in verdict.ranks})
-        plan = plan_adaptation(self.layout, health, current_quotas=tuple(quotas))
-        if plan.action == "adapt" and plan.layout != self.layout:
-            # Layout changes (TP exclusion, PP repartition) need regrouping and resharding,
-            # which this loop does not execute yet: apply the quota-only plan instead.
-            plan = dp_only(self.layout, health, current_quotas=tuple(quotas))
-        new_quotas = list(plan.quotas) if plan.action == "adapt" else list(quotas)
-        duration = time.perf_counter() - start
+        horizon = max(self.args.train_iters - iteration, 1)
+        plan = plan_adaptation(self.layout, health, self._calibrated_hardware(), current_quotas=tuple(quotas),
+                               horizon_iters=horizon, uniform_tp_per_replica=True)
+        if plan.action == "adapt" and plan.spare_ranks:
+            # Leaving ranks idle would need a smaller world; keep everyone and rebalance instead.
+            plan = dp_only(self.layout, health, self._calibrated_hardware(), current_quotas=tuple(quotas))
         if self.rank == 0:
             self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
-                             quotas=new_quotas, predicted_iteration_s_before=plan.iteration_s_before,
+                             quotas=list(plan.quotas), predicted_iteration_s_before=plan.iteration_s_before,
                              predicted_iteration_s_after=plan.iteration_s_after)
             log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
-        if new_quotas != list(quotas):
-            if self.rank == 0:
-                self.events.emit("adapted", iteration, world_size=dist.get_world_size(), quotas=new_quotas,
-                                 duration_s=duration)
-                log_line(f" resihp: adapted in place at iteration {iteration}: micro-batch quotas "
-                         f"{list(quotas)} -> {new_quotas} ({duration * 1000:.1f} ms)")
-            self.live.detector.reset(forget_predictor=False)
-        return new_quotas
+        if plan.action != "adapt":
+            return objects, quotas
+        moved = 0
+        if plan.layout != self.layout:
+            objects, moved = self._apply_layout(plan.layout, objects)
+        quotas = list(plan.quotas)
+        duration = time.perf_counter() - start
+        # Refit: the known slow device is the new normal; only a further change should alarm.
+        self.live.detector.reset(forget_predictor=True)
+        if self.rank == 0:
+            self.events.emit("adapted", iteration, world_size=dist.get_world_size(), quotas=quotas,
+                             layers_per_replica=[list(r.layers_per_stage) for r in self.layout.replicas],
+                             duration_s=duration)
+            log_line(f" resihp: adapted in place at iteration {iteration}: layers per replica "
+                     f"{[list(r.layers_per_stage) for r in self.layout.replicas]}, micro-batch quotas {quotas} "
+                     f"({duration * 1000:.0f} ms)")
+        return objects, quotas
+
+    def _apply_layout(self, new_layout: Layout, objects):
+        """Same world, new layout: new groups, rebuilt objects, state moved, old groups torn down."""
+        args = self.args
+        timeout = self.cfg.collective_timeout_s
+        old_layout, old_groups, old_sync = self.layout, args.groups, self.sync
+        args.groups = build_groups(new_layout, self.rank, timeout=timeout)
+        install(args.groups)
+        identical = len({r.layers_per_stage for r in new_layout.replicas}) == 1 and \
+            len({tuple(s.tp_degree for s in r.stages) for r in new_layout.replicas}) == 1
+        self.sync = None if identical else LayoutGradSync(new_layout, self.rank, timeout)
+        replica, _ = new_layout.stage_of(self.rank)
+        rng = torch.get_rng_state()  # building modules draws from the CPU generator; keep dropout streams
+        new_objects = build_training_objects(args, new_layout.replicas[replica].layers_per_stage)
+        torch.set_rng_state(rng)
+        if self.sync is not None:
+            new_objects.config.finalize_model_grads_func = self.sync
+        sent = apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank,
+                               objects, new_objects)
+        new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
+        teardown(old_groups)
+        if old_sync is not None:
+            old_sync.destroy()
+        self.layout = new_layout
+        self.replica_index = args.replica_index = replica
+        return new_objects, sent
 
     def close(self) -> None:
         if self.monitor is not None:

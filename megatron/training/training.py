@@ -32,10 +32,14 @@ def _is_last_rank() -> bool:
 
 
 def _reduce_loss(loss_sum: float, num_tokens: int) -> tuple[float, int]:
-    """Sum loss and tokens over DP replicas; meaningful on last-stage ranks."""
-    totals = torch.tensor([loss_sum, float(num_tokens)], dtype=torch.float64)
-    if parallel_state.is_pipeline_last_stage():
-        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    """Sum loss and tokens over the whole job: each replica's last stage, TP rank 0, counts once.
+
+    Over the world rather than a DP group, because after a re-plan replicas may differ and a DP
+    group then no longer spans every replica.
+    """
+    counts = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    totals = torch.tensor([loss_sum, float(num_tokens)] if counts else [0.0, 0.0], dtype=torch.float64)
+    dist.all_reduce(totals)
     return float(totals[0]), int(totals[1])
 
 

@@ -47,6 +47,7 @@ class _Candidate:
 
 def _replica_candidates(
     layout: Layout, index: int, health: Health, hw: HardwareModel, num_microbatches: int,
+    uniform_tp: bool = False,
 ) -> list[_Candidate]:
     model = layout.model
     rep = layout.replicas[index]
@@ -76,6 +77,8 @@ def _replica_candidates(
     seen: set[ReplicaSpec] = {rep} if not has_dead else set()
     layer_s = (hw.layer_forward_tp1_s(model),) * model.num_layers
     for label, choice in variants.items():
+        if uniform_tp and len({c.tp_degree for c in choice}) > 1:
+            continue  # stages of one replica at different TP degrees need activation resharding
         part = partition_layers(
             layer_s, [c.s_per_tp1_s for c in choice], last_extra=hw.output_forward_tp1_s(model),
             max_layers=[c.max_layers for c in choice], prefer=rep.layers_per_stage,
@@ -121,6 +124,7 @@ def plan_adaptation(
     num_microbatches: int | None = None,
     horizon_iters: int = 500,
     current_quotas: tuple[int, ...] | None = None,
+    uniform_tp_per_replica: bool = False,
 ) -> Plan:
     """Re-plan ``layout`` for ``health``: the ResiHP policy.
 
@@ -131,6 +135,8 @@ def plan_adaptation(
         num_microbatches: micro-batches per global batch (default: ``layout.model.num_microbatches``).
         horizon_iters: iterations over which an adaptation's one-time cost must pay off.
         current_quotas: quotas running now (default: equal split).
+        uniform_tp_per_replica: only propose replicas whose stages share one TP degree (what an
+            executor without activation resharding between stages can run).
 
     Returns:
         A Plan: "keep", "adapt" (new layout, quotas, moves) or "checkpoint-restart" with a reason.
@@ -160,7 +166,7 @@ def plan_adaptation(
     options: list[list[_Candidate]] = []
     for r, rep in enumerate(layout.replicas):
         if r in affected:
-            options.append(_replica_candidates(layout, r, health, hw, num_mb))
+            options.append(_replica_candidates(layout, r, health, hw, num_mb, uniform_tp_per_replica))
             continue
         key = tuple((st.num_layers, st.tp_degree) for st in rep.stages)
         if key not in shared:

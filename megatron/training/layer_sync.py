@@ -1,0 +1,143 @@
+"""Gradient synchronisation derived from a Layout, for replicas that differ.
+
+Responsible for replacing megatron-core's per-replica DP all-reduce when replicas are not alike
+(different layer splits or TP degrees): every parameter is addressed by its item and TP units
+(``resihp_ext.shard_map``), and its gradient is summed over exactly the ranks that hold the same
+units, whichever stage or TP degree they run it at. It also owns the parameter addressing the
+resharder uses. Groups are created here, on every rank, in one canonical order; this module never
+decides a layout.
+
+Per-token loss stays exact: the token count is summed once per replica over the whole job and
+every gradient is divided by it, as megatron-core's own finalize does within one DP group.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed.finalize_model_grads import _allreduce_word_embedding_grads
+
+from resihp_ext.layout import Layout
+from resihp_ext.shard_map import finest_degree, holders, replicated_sync_set, sync_sets, unit_range
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one local parameter sits in the unsharded model."""
+
+    name: str  # global name (layer indices as in the unsharded model)
+    item: tuple
+    partition_dim: int | None  # None: replicated across TP ranks
+    param: torch.nn.Parameter
+
+
+def _item_of(global_name: str, layer: int | None) -> tuple:
+    if layer is not None:
+        return ("layer", layer)
+    if global_name.startswith("embedding."):
+        return ("first",)
+    return ("last",)  # decoder.final_layernorm.*, output_layer.*
+
+
+def param_slots(gpt_model: torch.nn.Module) -> list[ParamSlot]:
+    """Every local parameter with its global name and item, sorted by global name."""
+    layers = getattr(getattr(gpt_model, "decoder", None), "layers", [])
+    local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+    slots = []
+    for name, param in gpt_model.named_parameters():
+        parts = name.split(".")
+        layer = None
+        if "layers" in parts:
+            k = parts.index("layers") + 1
+            layer = local_to_global[int(parts[k])]
+            parts[k] = str(layer)
+        global_name = ".".join(parts)
+        partition_dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+        slots.append(ParamSlot(global_name, _item_of(global_name, layer), partition_dim, param))
+    return sorted(slots, key=lambda s: s.name)
+
+
+def unit_view(tensor: torch.Tensor, partition_dim: int, first_unit: int, unit: int, units_held: int) -> torch.Tensor:
+    """The slice of a local TP shard that is global unit ``unit`` (the shard starts at ``first_unit``)."""
+    return tensor.chunk(units_held, dim=partition_dim)[unit - first_unit]
+
+
+class LayoutGradSync:
+    """The ``finalize_model_grads_func`` for a Layout; build it on every rank after install."""
+
+    def __init__(self, layout: Layout, rank: int, timeout):
+        self.layout = layout
+        self.rank = rank
+        self.holders = holders(layout)
+        rank_sets = set(sync_sets(layout).values())
+        rank_sets |= {replicated_sync_set(layout, item) for item in self.holders}
+        self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        for ranks in sorted(s for s in rank_sets if len(s) > 1):
+            # every rank creates every group, in this order
+            group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout))
+            self.groups[ranks] = group if rank in ranks else None
+        mine = [h for hs in self.holders.values() for h in hs if h.rank == rank]
+        self.me = mine[0] if mine else None
+
+    def destroy(self) -> None:
+        for group in self.groups.values():
+            if group is not None:
+                dist.destroy_process_group(group)
+        self.groups.clear()
+
+    def _buckets(self, slots: list[ParamSlot]) -> dict[tuple[int, ...], list[tuple[torch.Tensor, float]]]:
+        """Gradient views to sum per rank set, each with the factor this rank contributes it at."""
+        buckets: dict[tuple[int, ...], list[tuple[torch.Tensor, float]]] = {}
+        for slot in slots:
+            grad = slot.param.main_grad
+            hs = self.holders[slot.item]
+            mine = next(h for h in hs if h.rank == self.rank)
+            if slot.partition_dim is None:
+                ranks = replicated_sync_set(self.layout, slot.item)
+                # Every TP rank of a stage holds the same replicated gradient: count each replica once.
+                buckets.setdefault(ranks, []).append((grad, 1.0 / mine.tp_degree))
+                continue
+            grid = finest_degree(hs)
+            held = unit_range(mine, grid)
+            for unit in held:
+                ranks = tuple(sorted(h.rank for h in hs if unit in unit_range(h, grid)))
+                view = unit_view(grad, slot.partition_dim, held.start, unit, len(held))
+                buckets.setdefault(ranks, []).append((view, 1.0))
+        return buckets
+
+    def __call__(self, model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        ddp = model[0]
+        config = ddp.config
+        # Tied word embedding: first and last stage of this replica share one gradient.
+        _allreduce_word_embedding_grads(model, config, parallel_state.get_embedding_group(),
+                                        parallel_state.get_pipeline_model_parallel_group())
+        slots = param_slots(ddp.module)
+        buckets = self._buckets(slots)
+        for ranks in sorted(buckets):  # one canonical order on every rank: no cross-group deadlock
+            group = self.groups.get(ranks)
+            if group is None:
+                continue  # held by this rank alone: nothing to sum
+            views = buckets[ranks]
+            flat = torch.cat([v.reshape(-1) * f for v, f in views])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for view, _ in views:
+                view.copy_(flat[offset:offset + view.numel()].view_as(view))
+                offset += view.numel()
+        if num_tokens is not None:
+            total = total_tokens(num_tokens)
+            for slot in slots:
+                slot.param.main_grad.div_(total)
+
+
+def total_tokens(num_tokens: torch.Tensor) -> torch.Tensor:
+    """Tokens of the whole global batch: each replica's last stage, TP rank 0, contributes once."""
+    mine = num_tokens.to(torch.float64).clone()
+    if not (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0):
+        mine.zero_()
+    dist.all_reduce(mine)
+    return mine.to(torch.float32).clamp(min=1.0)
