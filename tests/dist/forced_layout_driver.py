@@ -1,0 +1,59 @@
+"""Runs pretrain_gpt_resilient.py's job, switching to a given Layout at a given iteration.
+
+Lets a test drive the in-place executor (groups, state moves, layer-wise gradient sync) through a
+known heterogeneous layout, independent of what the planner would choose on a noisy machine.
+Extra flags, removed before the job's own parsing:
+    --forced-layout JSON   ``[[layers of stage 0, layers of stage 1, ...] per replica]``
+    --forced-at N          iteration after which to switch
+    --forced-quotas A,B    micro-batches per replica from then on
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pretrain_gpt_resilient as entry  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.resilience import ResilienceHooks  # noqa: E402
+from megatron.training.training import pretrain  # noqa: E402
+from resihp_ext.layout import Layout, ReplicaSpec, StageSpec  # noqa: E402
+
+
+def _pop(argv: list[str], flag: str) -> str:
+    i = argv.index(flag)
+    value = argv[i + 1]
+    del argv[i:i + 2]
+    return value
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    layers = json.loads(_pop(argv, "--forced-layout"))
+    at = int(_pop(argv, "--forced-at"))
+    quotas = [int(q) for q in _pop(argv, "--forced-quotas").split(",")]
+    args = entry.ARGS = parse_args(argv)
+
+    class ForcedLayout(ResilienceHooks):
+        def after_iteration(self, iteration, elapsed_s, result, objects, current):
+            objects, current = super().after_iteration(iteration, elapsed_s, result, objects, current)
+            if iteration != at:
+                return objects, current
+            replicas = []
+            for old, counts in zip(self.layout.replicas, layers):
+                first, stages = 0, []
+                for stage, n in zip(old.stages, counts):
+                    stages.append(StageSpec(first, n, stage.ranks))
+                    first += n
+                replicas.append(ReplicaSpec(tuple(stages)))
+            objects, sent = self._apply_layout(Layout(tuple(replicas), self.layout.model), objects)
+            self.events.emit("forced_layout", iteration, layers=layers, quotas=quotas, bytes_sent=sent)
+            return objects, quotas
+
+    pretrain(args, entry.datasets_provider, entry.forward_step,
+             resilience_factory=lambda a, events, objects: ForcedLayout(a, events))
+
+
+if __name__ == "__main__":
+    main()
