@@ -84,6 +84,96 @@ def _adam_state(optimizer, param: torch.nn.Parameter, create_like: dict | None) 
     return None
 
 
+def _unit_views(slots, optimizer, holding, t, template) -> list[torch.Tensor]:
+    """Canonical tensor list of one transfer on one side: per slot (by name) weight, then Adam moments."""
+    from resihp_ext.shard_map import unit_range
+
+    from megatron.training.layer_sync import unit_view
+
+    out = []
+    for slot in slots:
+        if slot.item != t.item or (slot.partition_dim is None) != t.replicated:
+            continue
+        state = _adam_state(optimizer, slot.param, template) if optimizer is not None else None
+        tensors = [slot.param.data] + ([state["exp_avg"], state["exp_avg_sq"]] if state else [])
+        for tensor in tensors:
+            if t.replicated:
+                out.append(tensor)
+            else:
+                held = unit_range(holding, t.grid)
+                out.append(unit_view(tensor, slot.partition_dim, held.start, t.unit, len(held)))
+    return out
+
+
+@torch.no_grad()
+def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank) -> dict:
+    """Phase 1 of a move that changes the world: send what others need, receive into flat buffers.
+
+    Runs in a world holding every source and destination (spares included); ``peer_rank`` maps a
+    layout rank to its rank in that world. Sizes travel first, so receivers need no model yet.
+
+    Returns:
+        ``{transfer index: flat tensor}`` for what this rank received (local copies excluded).
+    """
+    from resihp_ext.shard_map import holders
+
+    from megatron.training.layer_sync import param_slots
+
+    old_slots = param_slots(old_objects.model.module)
+    old_holders = holders(old_layout)
+    template = next((s for slot in old_slots for s in [_adam_state(old_objects.optimizer, slot.param, None)] if s), None)
+    payloads, sizes, incoming = {}, [], {}
+    for i, t in enumerate(transfers):
+        if t.src == rank and t.dst != rank:
+            holding = next(h for h in old_holders[t.item] if h.rank == rank)
+            flat = torch.cat([v.reshape(-1) for v in _unit_views(old_slots, old_objects.optimizer, holding, t, template)])
+            payloads[i] = flat
+            sizes.append(dist.P2POp(dist.isend, torch.tensor([flat.numel()], dtype=torch.int64), peer_rank(t.dst)))
+        elif t.dst == rank and t.src != rank:
+            incoming[i] = torch.zeros(1, dtype=torch.int64)
+            sizes.append(dist.P2POp(dist.irecv, incoming[i], peer_rank(t.src)))
+    for work in dist.batch_isend_irecv(sizes) if sizes else []:
+        work.wait()
+    data, received = [], {}
+    for i, t in enumerate(transfers):
+        if i in payloads:
+            data.append(dist.P2POp(dist.isend, payloads[i], peer_rank(t.dst)))
+        elif i in incoming:
+            received[i] = torch.empty(int(incoming[i]), dtype=torch.float32)
+            data.append(dist.P2POp(dist.irecv, received[i], peer_rank(t.src)))
+    for work in dist.batch_isend_irecv(data) if data else []:
+        work.wait()
+    return received
+
+
+@torch.no_grad()
+def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects, new_objects, received) -> None:
+    """Phase 2: fill the rebuilt model and optimizer from local state and the staged buffers."""
+    from resihp_ext.shard_map import holders
+
+    from megatron.training.layer_sync import param_slots
+
+    old_slots = param_slots(old_objects.model.module)
+    new_slots = param_slots(new_objects.model.module)
+    old_holders, new_holders = holders(old_layout), holders(new_layout)
+    template = next((s for slot in old_slots for s in [_adam_state(old_objects.optimizer, slot.param, None)] if s), None)
+    for i, t in enumerate(transfers):
+        if t.dst != rank:
+            continue
+        target = _unit_views(new_slots, new_objects.optimizer, next(h for h in new_holders[t.item] if h.rank == rank),
+                             t, template)
+        if t.src == rank:
+            source = _unit_views(old_slots, old_objects.optimizer,
+                                 next(h for h in old_holders[t.item] if h.rank == rank), t, template)
+            for a, b in zip(source, target):
+                b.copy_(a)
+            continue
+        flat, offset = received[i], 0
+        for view in target:
+            view.copy_(flat[offset:offset + view.numel()].view_as(view))
+            offset += view.numel()
+
+
 @torch.no_grad()
 def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, new_objects) -> int:
     """Fill the rebuilt model and optimizer of this rank from wherever each unit lives now.
@@ -94,7 +184,7 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
     at once, so no ordering between pairs can deadlock.
 
     Returns:
-        Bytes this rank sent.
+        Bytes this rank sent or received.
     """
     from resihp_ext.shard_map import Holding, holders, unit_range
 
@@ -121,7 +211,7 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
                     out.append(unit_view(tensor, slot.partition_dim, held.start, t.unit, len(held)))
         return out
 
-    ops, receives, sent = [], [], 0
+    ops, receives, sent = [], [], 0  # sent: bytes through this rank, both directions
     for t in transfers:
         if rank not in (t.src, t.dst):
             continue
@@ -142,6 +232,7 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
             flat = torch.empty(sum(v.numel() for v in target), dtype=target[0].dtype)
             ops.append(dist.P2POp(dist.irecv, flat, t.src))
             receives.append((flat, target))
+            sent += flat.numel() * flat.element_size()
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()

@@ -24,15 +24,14 @@ from megatron.training import recovery
 from megatron.training.layer_sync import LayoutGradSync
 from megatron.training.model_builder import build_training_objects
 from megatron.training.parallel_state_patch import build_groups, install, teardown
-from megatron.training.reshard import apply_transfers
+from megatron.training.reshard import apply_transfers, stage_transfers, unstage_transfers
 from megatron.training.data_samplers import even_quotas
 from megatron.training.detection import LiveDetector, describe
 from megatron.training.heartbeat import HeartbeatMonitor, connect_store
 from megatron.training.logging_utils import EventLog, log_line
 from megatron.training.schedules import RECORDER
 from resihp_ext.faults import FaultKind
-from resihp_ext.layout import Layout, ModelSpec
-from resihp_ext.planner.baselines import dp_only
+from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
@@ -66,6 +65,12 @@ def resume_command(argv: list[str], nproc: int, checkpoint_root: str) -> str:
             continue
         kept.append(arg)
     return " ".join(["python", "scripts/launch_local.py", f"--nproc-per-node {nproc}", *kept, "--load", checkpoint_root])
+
+
+def relabel(layout: Layout, new_rank: dict[int, int]) -> Layout:
+    """The same layout with every rank renamed (after the world is re-formed densely)."""
+    return Layout(tuple(ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, tuple(new_rank[r] for r in s.ranks))
+                                          for s in rep.stages)) for rep in layout.replicas), layout.model)
 
 
 class ResilienceHooks:
@@ -293,9 +298,6 @@ class ResilienceHooks:
         horizon = max(self.args.train_iters - iteration, 1)
         plan = plan_adaptation(self.layout, health, self._calibrated_hardware(), current_quotas=tuple(quotas),
                                horizon_iters=horizon, uniform_tp_per_replica=True)
-        if plan.action == "adapt" and plan.spare_ranks:
-            # Leaving ranks idle would need a smaller world; keep everyone and rebalance instead.
-            plan = dp_only(self.layout, health, self._calibrated_hardware(), current_quotas=tuple(quotas))
         if self.rank == 0:
             self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
                              quotas=list(plan.quotas), predicted_iteration_s_before=plan.iteration_s_before,
@@ -320,7 +322,13 @@ class ResilienceHooks:
         return objects, quotas
 
     def _apply_layout(self, new_layout: Layout, objects):
-        """Same world, new layout: new groups, rebuilt objects, state moved, old groups torn down."""
+        """Same world, new layout: new groups, rebuilt objects, state moved, old groups torn down.
+
+        A layout that leaves ranks out (they become spares) goes through ``_apply_shrinking_layout``.
+        Returns (new objects, bytes this rank sent or received).
+        """
+        if set(new_layout.world_ranks) != set(self.layout.world_ranks):
+            return self._apply_shrinking_layout(new_layout, objects)
         args = self.args
         timeout = self.cfg.collective_timeout_s
         old_layout, old_groups, old_sync = self.layout, args.groups, self.sync
@@ -344,6 +352,50 @@ class ResilienceHooks:
         self.layout = new_layout
         self.replica_index = args.replica_index = replica
         return new_objects, sent
+
+    def _apply_shrinking_layout(self, new_layout: Layout, objects):
+        """Spares leave: move state while they are still members, then re-form without them.
+
+        Raises:
+            StopTraining: on a spare, after it has sent what the kept ranks need from it.
+        """
+        args, old_layout, old_rank = self.args, self.layout, self.rank
+        moves = plan_transfers(old_layout, new_layout)
+        received = stage_transfers(moves, old_layout, old_rank, objects, peer_rank=lambda r: r)
+        moved = sum(flat.numel() * flat.element_size() for flat in received.values())
+        kept = sorted(new_layout.world_ranks)
+        self.generation += 1
+        if self.monitor is not None:
+            self.monitor.stop()
+        if old_rank not in kept:
+            dist.destroy_process_group()
+            raise StopTraining(0, f"rank {old_rank} is a spare after the re-plan; its shards were handed over")
+        dense = {old: new for new, old in enumerate(kept)}
+        relabeled = relabel(new_layout, dense)
+        backend = "gloo" if args.device == "cpu" else "nccl"
+        args.groups = recovery.reform_for_plan(self.store, self.generation, dense[old_rank], len(kept), backend,
+                                               self.cfg.collective_timeout_s, relabeled)
+        self.rank = args.rank = dist.get_rank()
+        identical = len({(r.layers_per_stage, tuple(s.tp_degree for s in r.stages)) for r in relabeled.replicas}) == 1
+        self.sync = None if identical else LayoutGradSync(relabeled, self.rank, self.cfg.collective_timeout_s)
+        replica, _ = relabeled.stage_of(self.rank)
+        rng = torch.get_rng_state()
+        new_objects = build_training_objects(args, relabeled.replicas[replica].layers_per_stage)
+        torch.set_rng_state(rng)
+        if self.sync is not None:
+            new_objects.config.finalize_model_grads_func = self.sync
+        unstage_transfers(moves, old_layout, new_layout, old_rank, objects, new_objects, received)
+        new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
+        self.layout = relabeled
+        self.replica_index = args.replica_index = replica
+        args.data_parallel_size = relabeled.num_replicas
+        if self.live is not None:
+            stage = relabeled.stage_of(self.rank)[1]
+            self.live = LiveDetector(self.cfg, self.rank, replica, stage, relabeled.tp_rank_of(self.rank),
+                                     self.live.device, lambda: self.layout)
+        if self.store is not None:
+            self._start_monitor()
+        return new_objects, moved
 
     def close(self) -> None:
         if self.monitor is not None:

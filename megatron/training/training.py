@@ -43,6 +43,15 @@ def _reduce_loss(loss_sum: float, num_tokens: int) -> tuple[float, int]:
     return float(totals[0]), int(totals[1])
 
 
+def _leave(stop: StopTraining, iteration: int, events: EventLog, board: TensorBoard) -> None:
+    """This process leaves the job (spare, or saved for a restart) with the stop's exit code."""
+    log_line(f" resihp: rank leaving at iteration {iteration}: {stop}")
+    events.emit("exit", iteration, exit_code=stop.exit_code, reason=str(stop))
+    events.close()
+    board.close()
+    raise SystemExit(stop.exit_code)
+
+
 def evaluate(args, forward_step_func, dataset, objects, iteration: int, num_replicas: int, dp_rank: int) -> float | None:
     """Mean per-token validation loss over --eval-iters global batches (forward only)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -132,7 +141,11 @@ def pretrain(
             loss_sum, num_tokens = _reduce_loss(result.loss_sum, result.num_tokens)
             elapsed_s = time.perf_counter() - start
             if resilience is not None:
-                objects, quotas = resilience.after_iteration(iteration, elapsed_s, result, objects, quotas)
+                try:
+                    objects, quotas = resilience.after_iteration(iteration, elapsed_s, result, objects, quotas)
+                except StopTraining as stop:  # this rank became a spare of a re-plan
+                    _leave(stop, iteration, events, board)
+                dp_rank = resilience.replica_index
         except RuntimeError as error:  # torch.distributed reports a dead or stuck peer this way
             if resilience is None or not resilience.can_recover:
                 raise
@@ -143,10 +156,7 @@ def pretrain(
             try:
                 objects, quotas = resilience.recover(iteration, error, objects, sampler.consumed_samples)
             except StopTraining as stop:
-                events.emit("exit", iteration, exit_code=stop.exit_code, reason=str(stop))
-                events.close()
-                board.close()
-                raise SystemExit(stop.exit_code) from None
+                _leave(stop, iteration, events, board)
             dp_rank, num_replicas = resilience.replica_index, parallel_state.get_data_parallel_world_size()
             if not stepped:
                 iteration -= 1  # the same global batch again, on the new layout

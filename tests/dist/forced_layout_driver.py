@@ -6,6 +6,8 @@ Extra flags, removed before the job's own parsing:
     --forced-layout JSON   ``[[layers of stage 0, layers of stage 1, ...] per replica]``
     --forced-at N          iteration after which to switch
     --forced-quotas A,B    micro-batches per replica from then on
+    --forced-tp JSON       optional ``[[TP degree of each stage] per replica]``; a stage keeps the
+                           first ranks of its old TP group, the others become spares and leave
 """
 
 import json
@@ -33,6 +35,7 @@ def main() -> None:
     layers = json.loads(_pop(argv, "--forced-layout"))
     at = int(_pop(argv, "--forced-at"))
     quotas = [int(q) for q in _pop(argv, "--forced-quotas").split(",")]
+    tp = json.loads(_pop(argv, "--forced-tp")) if "--forced-tp" in argv else None
     args = entry.ARGS = parse_args(argv)
 
     class ForcedLayout(ResilienceHooks):
@@ -41,14 +44,15 @@ def main() -> None:
             if iteration != at:
                 return objects, current
             replicas = []
-            for old, counts in zip(self.layout.replicas, layers):
+            for r, (old, counts) in enumerate(zip(self.layout.replicas, layers)):
                 first, stages = 0, []
-                for stage, n in zip(old.stages, counts):
-                    stages.append(StageSpec(first, n, stage.ranks))
+                for p, (stage, n) in enumerate(zip(old.stages, counts)):
+                    degree = tp[r][p] if tp else stage.tp_degree
+                    stages.append(StageSpec(first, n, stage.ranks[:degree]))
                     first += n
                 replicas.append(ReplicaSpec(tuple(stages)))
-            objects, sent = self._apply_layout(Layout(tuple(replicas), self.layout.model), objects)
-            self.events.emit("forced_layout", iteration, layers=layers, quotas=quotas, bytes_sent=sent)
+            objects, moved = self._apply_layout(Layout(tuple(replicas), self.layout.model), objects)
+            self.events.emit("forced_layout", iteration, layers=layers, quotas=quotas, bytes_moved=moved)
             return objects, quotas
 
     pretrain(args, entry.datasets_provider, entry.forward_step,

@@ -47,17 +47,21 @@ def _model_state(ckpt):
     return out
 
 
-@pytest.mark.parametrize("layers, quotas", [([[3, 1], [1, 3]], "5,3"), ([[2, 2], [1, 3]], "2,6")],
-                         ids=["both-replicas-repartitioned", "one-replica-repartitioned"])
-def test_heterogeneous_replan_matches_reference(tmp_path, layers, quotas):
+@pytest.mark.parametrize(
+    "layers, quotas, tp",
+    [([[3, 1], [1, 3]], "5,3", None), ([[2, 2], [1, 3]], "2,6", None), ([[2, 2], [2, 2]], "5,3", [[2, 2], [1, 1]])],
+    ids=["both-replicas-repartitioned", "one-replica-repartitioned", "one-replica-at-smaller-tp"],
+)
+def test_heterogeneous_replan_matches_reference(tmp_path, layers, quotas, tp):
     ref_log, log = tmp_path / "ref.jsonl", tmp_path / "forced.jsonl"
     check(_run(4, REPO / "pretrain_gpt_resilient.py",
                [*MODEL, "--save", str(tmp_path / "ref"), "--resihp-event-log", str(ref_log)], tmp_path))
     check(_run(8, REPO / "tests" / "dist" / "forced_layout_driver.py",
                [*MODEL, "--save", str(tmp_path / "ours"), "--resihp-event-log", str(log), "--resihp-detect-only",
-                "--forced-layout", json.dumps(layers), "--forced-at", "3", "--forced-quotas", quotas], tmp_path))
+                "--forced-layout", json.dumps(layers), "--forced-at", "3", "--forced-quotas", quotas,
+                *(["--forced-tp", json.dumps(tp)] if tp else [])], tmp_path))
     forced = read_events(log, "forced_layout")
-    assert forced and max(e["bytes_sent"] for e in forced) > 0  # layers really moved between ranks
+    assert forced and max(e["bytes_moved"] for e in forced) > 0  # layers really moved between ranks
     ours, ref = iteration_losses(log), iteration_losses(ref_log)
     assert [ours[i] for i in range(1, 7)] == pytest.approx([ref[i] for i in range(1, 7)], rel=1e-5)
     a, b = _model_state(tmp_path / "ref"), _model_state(tmp_path / "ours")
