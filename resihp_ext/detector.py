@@ -31,12 +31,19 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict, deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
 from resihp_ext.config import ResiHPConfig
+from resihp_ext.observations import (  # noqa: F401  (part of this module's API)
+    DetectorReport,
+    GroupId,
+    LinkId,
+    OpRecord,
+    RankObservation,
+    Suspicion,
+)
 from resihp_ext.predictor import MicrobatchPredictor, predict_replica
 from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of this API)
     Cleared,
@@ -53,119 +60,6 @@ _MIN_LINK_EXCESS_S = 1e-3
 _MIN_LINK_EXCESS_FRACTION = 0.01  # of the iteration time
 # Healthy iterations remembered for link baselines and for the iteration overhead estimate.
 _HISTORY = 32
-
-OpRecord = tuple[str, int, float, float]
-GroupId = tuple[int, int]  # (replica, stage)
-LinkId = tuple[int, int]  # (src rank, dst rank)
-
-
-@dataclass(frozen=True, slots=True)
-class RankObservation:
-    """What one rank measured in one iteration; the live loop builds one per rank per iteration.
-
-    Attributes:
-        rank: global rank.
-        replica: data-parallel replica index of the rank.
-        stage: pipeline stage of the rank within its replica.
-        tp_rank: rank within its tensor-parallel group.
-        ops: per forward/backward executed, ``(kind, microbatch, start_s, end_s)`` with kind
-            ``"F"`` or ``"B"``; times in seconds from the rank's iteration start, start taken after
-            the op's inputs arrived (pipeline receive waits are outside the op).
-        features: per micro-batch of the replica, ``(num_tokens, sum_sq)`` of its documents.
-        iteration_s: the rank's wall-clock iteration time.
-    """
-
-    rank: int
-    replica: int
-    stage: int
-    tp_rank: int
-    ops: tuple[OpRecord, ...]
-    features: tuple[tuple[int, int], ...]
-    iteration_s: float
-
-    def __post_init__(self) -> None:
-        if min(self.rank, self.replica, self.stage, self.tp_rank) < 0:
-            raise ValueError(f"rank/replica/stage/tp_rank must be >= 0 in observation of rank {self.rank}")
-        for kind, mb, start, end in self.ops:
-            if kind not in ("F", "B") or not 0 <= mb < len(self.features) or end < start:
-                raise ValueError(
-                    f"rank {self.rank}: bad op {(kind, mb, start, end)}; need kind 'F'|'B', a micro-batch "
-                    f"with features (0..{len(self.features) - 1}) and end_s >= start_s"
-                )
-        if not self.iteration_s > 0:
-            raise ValueError(f"rank {self.rank}: iteration_s must be > 0, got {self.iteration_s}")
-
-
-@dataclass(frozen=True)
-class Suspicion:
-    """A persistent slowdown that needs validation probes before anyone acts on it.
-
-    Attributes:
-        iteration: iteration at which the slowdown became persistent.
-        onset_iteration: first iteration of the slow streak.
-        kind: ``"compute"`` (a stage group) or ``"link"`` (a pipeline transfer).
-        replica: DP replica of the suspect group or link.
-        stage: the suspect stage (for a link, its sending side's lower stage).
-        ranks: suspect ranks.
-        links: suspect directed links ``(src, dst)`` (empty for compute).
-        probe_ranks: ranks that should run the GEMM probe (suspects plus healthy references).
-        probe_links: links that should run the p2p probe (suspects plus healthy references).
-        ratio: observed / predicted at ``iteration``.
-        reason: one readable line.
-    """
-
-    iteration: int
-    onset_iteration: int
-    kind: str
-    replica: int
-    stage: int
-    ranks: tuple[int, ...]
-    links: tuple[LinkId, ...]
-    probe_ranks: tuple[int, ...]
-    probe_links: tuple[LinkId, ...]
-    ratio: float
-    reason: str
-
-    def to_event(self) -> dict:
-        """JSON-ready event (the caller adds ``"time"``)."""
-        return {
-            "event": "suspicion",
-            "kind": self.kind,
-            "iteration": self.iteration,
-            "onset_iteration": self.onset_iteration,
-            "replica": self.replica,
-            "stage": self.stage,
-            "ranks": list(self.ranks),
-            "links": [list(link) for link in self.links],
-            "ratio": round(self.ratio, 4),
-            "reason": self.reason,
-        }
-
-
-@dataclass(frozen=True)
-class DetectorReport:
-    """What the detector computed for one iteration (for logs and benchmarks).
-
-    Attributes:
-        iteration: the iteration.
-        judged: False while warming up (fitting only).
-        stage_ratio: observed / predicted compute per ``(replica, stage)``.
-        rank_ratio: the same per rank, from the rank's own op times (for logs: TP siblings wait
-            for each other, so they look alike and decisions use the group's median).
-        link_ratio: observed / baseline transfer per directed link.
-        predicted_iteration_s: predicted iteration time (None until fitted), made before learning
-            from this iteration.
-        observed_iteration_s: median of the ranks' iteration times.
-    """
-
-    iteration: int
-    judged: bool
-    stage_ratio: Mapping[GroupId, float]
-    rank_ratio: Mapping[int, float]
-    link_ratio: Mapping[LinkId, float]
-    predicted_iteration_s: float | None
-    observed_iteration_s: float
-
 
 def _op_times(obs: RankObservation) -> np.ndarray:
     """Rows F start, F end, B start, B end, indexed by micro-batch (NaN where not recorded)."""

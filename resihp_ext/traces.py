@@ -292,7 +292,7 @@ def synthetic_trace(
     job_long = bool(rng.random() < spec.long_fraction)
     deviant = [bool(rng.random() < spec.replica_deviation) for _ in range(spec.dp_degree)]
     switch = 1.0 / spec.block_iters
-    P, M, T = spec.pp_degree, spec.num_microbatches, spec.tp_degree
+    P, M = spec.pp_degree, spec.num_microbatches
     schedule = one_f_one_b(P, M)
     for iteration in range(1, num_iterations + 1):
         active = [f for f in faults if f.active(iteration)]

@@ -59,7 +59,6 @@ import dataclasses
 import datetime
 from typing import Iterable
 
-import torch
 import torch.distributed as dist
 from megatron.core import package_info
 from megatron.core import parallel_state as ps

@@ -17,7 +17,6 @@ import functools
 import time
 from typing import Callable, Iterator
 
-import torch
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
