@@ -23,12 +23,16 @@ _PROBE_SIZE = 256
 _PROBE_REPEATS = 8
 
 
-def gemm_probe_s(device: torch.device, slowdown_factor: float) -> float:
-    """Seconds of a fixed GEMM workload on this rank (median of 3), as slow as its real compute."""
+def gemm_probe_s(device: torch.device, slowdown_factor: float, samples: int = 5) -> float:
+    """Seconds of a fixed GEMM workload on this rank, as slow as its real compute.
+
+    The minimum over ``samples`` runs: the work is fixed, so interference (other processes on the
+    host, the OS) can only add time, and the fastest run is the device's own speed.
+    """
     a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, device=device)
     b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, device=device)
-    samples = []
-    for _ in range(3):
+    times = []
+    for _ in range(samples):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -40,8 +44,8 @@ def gemm_probe_s(device: torch.device, slowdown_factor: float) -> float:
         if slowdown_factor > 1.0:
             time.sleep((slowdown_factor - 1.0) * elapsed)
             elapsed *= slowdown_factor
-        samples.append(elapsed)
-    return sorted(samples)[1]
+        times.append(elapsed)
+    return min(times)
 
 
 def job_clock_offset() -> float:
@@ -73,6 +77,7 @@ class LiveDetector:
         self.detector = FailSlowDetector(config, stage_signature=signature)
         self.decision_s = 0.0  # time spent in the pure decision logic (for the overhead figure)
         self.clock_offset_s = job_clock_offset()
+        self.last_probes: ProbeResults | None = None
 
     def observation(self, iteration_s: float, ops, features) -> RankObservation:
         shift = self.clock_offset_s
@@ -95,7 +100,7 @@ class LiveDetector:
         self.decision_s += time.perf_counter() - start
         if suspicion is None:
             return gathered, None
-        probes = ProbeResults(iteration=iteration, rank_s=self._probe_ranks(suspicion.probe_ranks))
+        probes = self.last_probes = ProbeResults(iteration=iteration, rank_s=self._probe_ranks(suspicion.probe_ranks))
         outcome = self.detector.conclude(suspicion, probes)
         return gathered, (suspicion, outcome)
 

@@ -36,7 +36,7 @@ from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
 from resihp_ext.shard_map import transfers as plan_transfers
-from resihp_ext.traces import observation_to_dict
+from resihp_ext.traces import observation_to_dict, probe_to_dict
 from resihp_ext.validation import Verdict, fail_stop_verdict
 
 # Exit code of a survivor that saved a checkpoint because no in-place plan existed.
@@ -100,8 +100,10 @@ class ResilienceHooks:
         self.trace = None
         if self.cfg.trace and self.rank == 0:
             self.trace = open(self.cfg.trace, "w", encoding="utf-8")
-            header = {"format": "resihp-trace", "version": 1, "source": "live", "tp": args.tensor_model_parallel_size,
-                      "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
+            header = {"format": "resihp-trace", "version": 1, "source": "live",
+                      "layout": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
+                                 "dp": args.data_parallel_size},
+                      "num_microbatches": args.global_batch_size // args.micro_batch_size,
                       "faults": [f.spec() for f in self.cfg.faults]}
             self.trace.write(json.dumps(header) + "\n")
 
@@ -259,6 +261,8 @@ class ResilienceHooks:
         if found is None:
             return objects, quotas
         suspicion, outcome = found
+        if self.trace is not None and self.live.last_probes is not None:
+            self.trace.write(json.dumps(probe_to_dict(self.live.last_probes)) + "\n")
         if self.rank == 0:
             self._emit(suspicion.to_event())
             self._emit(outcome.to_event())
@@ -294,7 +298,9 @@ class ResilienceHooks:
         deterministic), so no agreement round is needed.
         """
         start = time.perf_counter()
-        health = Health(speed={r: 1.0 / max(verdict.factor or 1.0, 1.0) for r in verdict.ranks})
+        factors = verdict.evidence.get("probe_factors", {})
+        health = Health(speed={r: 1.0 / max(float(factors.get(str(r), verdict.factor or 1.0)), 1.0)
+                               for r in verdict.ranks})
         horizon = max(self.args.train_iters - iteration, 1)
         plan = plan_adaptation(self.layout, health, self._calibrated_hardware(), current_quotas=tuple(quotas),
                                horizon_iters=horizon, uniform_tp_per_replica=True)

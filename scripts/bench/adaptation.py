@@ -1,0 +1,215 @@
+"""Adaptation benchmark on CPU: throughput under a slow rank, and time from a dead rank to training.
+
+Measured in one invocation on a TP2 x PP2 x DP2 CPU job (8 gloo processes, packed variable-length
+documents):
+
+(i) throughput (samples/s = global batch / median iteration ``elapsed_s``) of
+    * a healthy run (``--resihp-detect-only``, so detection costs the same in every run),
+    * rank 3 slowed ``--factor`` x at ``--slow-at`` without adaptation (``--resihp-detect-only``),
+    * the same with ``--resihp-enable`` (the loop re-plans DP micro-batch quotas in place);
+    each as a fraction of a capacity bound: healthy x (W - 1 + 1/factor) / W for W ranks, one of
+    them at 1/factor speed (the throughput if the lost compute were spread perfectly);
+(ii) fail-stop, rank 5 SIGKILLed at ``--kill-at``:
+    * in place: ``scripts/launch_local.py`` + ``--resihp-enable --resihp-collective-timeout-s 5``;
+      time from the ``inject`` event (written just before the kill) to the first ``iteration``
+      event after the ``adapted`` event;
+    * checkpoint-restart of the same job under torchrun, saving every iteration: time from the
+      kill until torchrun has torn the job down (torchrun notices the exit itself, so that
+      includes detection on one node), plus a relaunch with ``--load`` until its first iteration
+      completes. Assumes the relaunch starts at once (no scheduler queue) and, because it saves
+      every iteration, loses no completed iteration (the per-iteration saving cost is reported
+      separately, not added).
+
+    python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+NPROC, TP, PP = 8, 2, 2
+GLOBAL_BATCH = 16
+SLOW_RANK, KILL_RANK = 3, 5
+
+MODEL = [
+    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+    "--global-batch-size", str(GLOBAL_BATCH), "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "512", "--log-interval", "10", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--tensor-model-parallel-size", str(TP), "--pipeline-model-parallel-size", str(PP),
+    "--mock-doc-lengths", "lognormal:median=48,sigma=1.0,min=8,max=1024",
+    "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
+]
+
+
+def launch(args: list[str], launcher: str = "torchrun", check: bool = True, timeout_s: float = 900):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}"]
+    else:
+        cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), f"--nproc-per-node={NPROC}"]
+    start = time.time()
+    proc = subprocess.run([*cmd, str(REPO / "pretrain_gpt_resilient.py"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    end = time.time()
+    if check and proc.returncode:
+        raise SystemExit(f"job failed ({proc.returncode}): {' '.join(args)}\n{proc.stderr[-3000:]}")
+    return proc, start, end
+
+
+def events(path: Path, kind: str | None = None) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if kind is None or r["event"] == kind]
+
+
+def throughput(args, work: Path) -> dict:
+    slow = ["--resihp-inject", f"slow:rank={SLOW_RANK},factor={args.factor},at={args.slow_at}"]
+    runs = {"healthy": ["--resihp-detect-only"], "slow_unadapted": ["--resihp-detect-only", *slow],
+            "slow_adapted": ["--resihp-enable", *slow]}
+    out = {}
+    for name, extra in runs.items():
+        log = work / f"{name}.events.jsonl"
+        log.unlink(missing_ok=True)
+        launch([*MODEL, "--train-iters", str(args.iters), "--resihp-event-log", str(log), *extra])
+        adapted = events(log, "adapted")
+        # Steady state: after the onset (and after the re-plan, when there is one) plus one iteration.
+        start = 3 if name == "healthy" else args.slow_at + 1
+        iteration_events = events(log, "iteration")
+        if adapted:
+            after_replan = max(start, max(a["iteration"] for a in adapted) + 1)
+            if sum(e["iteration"] > after_replan for e in iteration_events) >= 3:
+                start = after_replan  # else too few iterations after the last re-plan: measure from onset
+        times = [e["elapsed_s"] for e in iteration_events if e["iteration"] > start]
+        med = statistics.median(times)
+        out[name] = {
+            "median_iteration_s": round(med, 4), "samples_per_s": round(GLOBAL_BATCH / med, 3),
+            "measured_iterations": len(times), "from_iteration": start + 1,
+            "verdicts": [{k: v.get(k) for k in ("iteration", "kind", "ranks", "factor")} for v in events(log, "verdict")],
+            "adapted": [{k: a.get(k) for k in ("iteration", "quotas", "duration_s")} for a in adapted],
+            "plans": [{k: p.get(k) for k in ("iteration", "policy", "action", "quotas")} for p in events(log, "plan")],
+            "loadavg_after": os.getloadavg(),
+        }
+    healthy = out["healthy"]["samples_per_s"]
+    bound = healthy * (NPROC - 1 + 1.0 / args.factor) / NPROC
+    out["capacity_bound"] = {"samples_per_s": round(bound, 3),
+                             "definition": f"healthy x ({NPROC - 1} + 1/{args.factor}) / {NPROC}"}
+    for name in ("healthy", "slow_unadapted", "slow_adapted"):
+        out[name]["fraction_of_bound"] = round(out[name]["samples_per_s"] / bound, 4)
+    out["adapted_over_unadapted"] = round(out["slow_adapted"]["samples_per_s"] / out["slow_unadapted"]["samples_per_s"], 4)
+    return out
+
+
+def fail_stop(args, work: Path) -> dict:
+    k = args.kill_at
+    iters = k + 3
+    # In place.
+    log = work / "inplace.events.jsonl"
+    log.unlink(missing_ok=True)
+    launch([*MODEL, "--train-iters", str(iters), "--resihp-event-log", str(log), "--resihp-enable",
+            "--resihp-collective-timeout-s", "5", "--resihp-inject", f"kill:rank={KILL_RANK},at={k}"], launcher="local")
+    inject = events(log, "inject")[0]["time"]
+    adapted = events(log, "adapted")
+    if not adapted:
+        raise SystemExit(f"in-place run did not adapt; events: {[e for e in events(log) if e['event'] != 'iteration']}")
+    after = [e for e in events(log, "iteration") if e["time"] > adapted[0]["time"]]
+    dead = [v["time"] for v in events(log, "verdict") if v["kind"] == "dead"]
+    pre = [e["elapsed_s"] for e in events(log, "iteration") if 2 < e["iteration"] < k]
+    inplace = {
+        "kill_to_first_dead_verdict_s": round(min(dead) - inject, 3) if dead else None,
+        "kill_to_adapted_s": round(adapted[0]["time"] - inject, 3),
+        "adapted_duration_s": round(adapted[0]["duration_s"], 3),
+        "kill_to_first_iteration_after_s": round(after[0]["time"] - inject, 3),
+        "first_iteration_after": after[0]["iteration"],
+        "world_size_after": adapted[0]["world_size"],
+        "median_iteration_s_before": round(statistics.median(pre), 4) if pre else None,
+        "loadavg_after": os.getloadavg(),
+    }
+    # Checkpoint-restart of the same job: save every iteration, kill at the same point under torchrun.
+    ckpt = work / "ckpt"
+    log = work / "restart_killed.events.jsonl"
+    log.unlink(missing_ok=True)
+    common = [*MODEL, "--train-iters", str(iters), "--save", str(ckpt), "--save-interval", "1"]
+    proc, _, killed_end = launch([*common, "--resihp-event-log", str(log),
+                                  "--resihp-inject", f"kill:rank={KILL_RANK},at={k}"], check=False)
+    inject = events(log, "inject")[0]["time"]
+    last_saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    save_pre = [e["time"] for e in events(log, "iteration") if e["rank"] == NPROC - 1 and 2 < e["iteration"] < k]
+    log2 = work / "restart_resumed.events.jsonl"
+    log2.unlink(missing_ok=True)
+    _, resume_start, _ = launch([*common, "--load", str(ckpt), "--resihp-event-log", str(log2)])
+    first = min(events(log2, "iteration"), key=lambda e: e["iteration"])
+    teardown = killed_end - inject
+    relaunch = first["time"] - resume_start
+    restart = {
+        "killed_job_exit_code": proc.returncode,
+        "last_checkpoint": last_saved,
+        "kill_to_teardown_s": round(teardown, 3),
+        "relaunch_to_first_iteration_s": round(relaunch, 3),
+        "first_iteration_after": first["iteration"],
+        "kill_to_first_iteration_after_s": round(teardown + relaunch, 3),
+        "iteration_interval_with_save_every_iteration_s": round(statistics.median(
+            b - a for a, b in zip(save_pre, save_pre[1:])), 4) if len(save_pre) > 1 else None,
+        "assumptions": "relaunch starts immediately after teardown (no scheduler queue); detection = torchrun "
+                       "noticing the worker's exit, included in teardown; no completed iteration lost "
+                       "(checkpoint every iteration)",
+        "loadavg_after": os.getloadavg(),
+    }
+    ratio = restart["kill_to_first_iteration_after_s"] / inplace["kill_to_first_iteration_after_s"]
+    return {"kill_at": k, "in_place": inplace, "checkpoint_restart": restart,
+            "restart_over_in_place": round(ratio, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--iters", type=int, default=40, help="iterations per throughput run")
+    parser.add_argument("--factor", type=float, default=2.0, help="slowdown of rank 3")
+    parser.add_argument("--slow-at", type=int, default=8)
+    parser.add_argument("--kill-at", type=int, default=6)
+    parser.add_argument("--skip", choices=("throughput", "fail_stop"), action="append", default=[])
+    parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="adaptation_"))
+    work.mkdir(parents=True, exist_ok=True)
+    out = {"shape": f"TP{TP} x PP{PP} x DP{NPROC // (TP * PP)} ({NPROC} processes, CPU)", "cpu_count": os.cpu_count(),
+           "loadavg_start": os.getloadavg(), "workdir": str(work)}
+    if "throughput" not in args.skip:
+        out["throughput"] = throughput(args, work)
+    if "fail_stop" not in args.skip:
+        out["fail_stop"] = fail_stop(args, work)
+    out["loadavg_end"] = os.getloadavg()
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"{out['shape']}, {out['cpu_count']} CPUs, load average at start {out['loadavg_start']}")
+    if "throughput" in out:
+        t = out["throughput"]
+        print(f"capacity bound {t['capacity_bound']['samples_per_s']} samples/s = {t['capacity_bound']['definition']}")
+        for name in ("healthy", "slow_unadapted", "slow_adapted"):
+            r = t[name]
+            print(f"  {name:<15} {r['samples_per_s']:>8} samples/s ({r['median_iteration_s']} s/it, from it. "
+                  f"{r['from_iteration']}, n={r['measured_iterations']})  {r['fraction_of_bound']:.3f} of bound  "
+                  f"verdicts {r['verdicts']} adapted {r['adapted']}")
+        print(f"  adapted / unadapted = {t['adapted_over_unadapted']}")
+    if "fail_stop" in out:
+        f = out["fail_stop"]
+        print(f"fail-stop (rank {KILL_RANK} SIGKILLed at iteration {f['kill_at']}):")
+        print(f"  in place:           {f['in_place']}")
+        print(f"  checkpoint-restart: {f['checkpoint_restart']}")
+        print(f"  restart / in place = {f['restart_over_in_place']}")
+    print(f"load average at end {out['loadavg_end']}")
+
+
+if __name__ == "__main__":
+    main()

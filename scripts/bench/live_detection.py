@@ -1,0 +1,193 @@
+"""Live detection benchmark: real CPU training runs, their op timings, and every detector on them.
+
+Runs pretrain_gpt_resilient.py on CPU (gloo, packed variable-length documents with per-document
+attention) and measures, in one invocation:
+
+(a) a healthy run of ``--healthy-iters`` iterations with ``--resihp-detect-only --resihp-trace``;
+(b) the same job with ``slow:rank=3,factor=1.5,at=10`` injected;
+(c) the op-timing hooks' cost: runs with hooks on and off (``RESIHP_DISABLE_OP_HOOKS=1``), no
+    detection, alternated ``--overhead-repeats`` times; ratio of median iteration times.
+
+Both traces then go through ``scripts/bench/detection.py --trace`` (ours vs the Greyhound-style and
+NVRx-style baselines on the same live timings; that script simulates probe timings from the
+trace header because live traces hold no probe rows, so its "false alarms" for ours count
+suspicions whose simulated probes blamed a rank). Our own live suspicions, clearances and verdicts
+(with real probes) are counted from the event logs. Prints only what it measured.
+
+    python scripts/bench/live_detection.py [--json] [--healthy-iters 200] [--shape tp2pp2dp2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+SHAPES = {"tp2pp2dp2": (2, 2, 2), "tp1pp2dp2": (1, 2, 2)}
+SLOW_RANK, FACTOR, ONSET = 3, 1.5, 10
+
+
+def model_args(tp: int, pp: int) -> list[str]:
+    return [
+        "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+        "--global-batch-size", "16", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "512", "--log-interval", "10",
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--mock-doc-lengths", "lognormal:median=48,sigma=1.0,min=8,max=1024",
+        "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
+    ]
+
+
+def launch(nproc: int, args: list[str], env_extra: dict | None = None, timeout_s: float = 1200) -> float:
+    env = {k: v for k, v in os.environ.items() if k != "RESIHP_DISABLE_OP_HOOKS"}
+    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(REPO / "pretrain_gpt_resilient.py"), *args]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode:
+        raise SystemExit(f"job failed ({proc.returncode}): {' '.join(args)}\n{proc.stderr[-3000:]}")
+    return time.time() - start
+
+
+def events(path: Path, kind: str | None = None) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if kind is None or r["event"] == kind]
+
+
+def median_iteration_s(log: Path, skip: int) -> float:
+    return statistics.median(e["elapsed_s"] for e in events(log, "iteration") if e["iteration"] > skip)
+
+
+def event_counts(log: Path, onset: int | None) -> dict:
+    sus, clr, ver = events(log, "suspicion"), events(log, "cleared"), events(log, "verdict")
+    judged_before = [e for e in events(log, "iteration") if onset is None or e["iteration"] < onset]
+    out = {
+        "iterations": len(events(log, "iteration")),
+        "suspicions": len(sus), "cleared": len(clr), "verdicts": len(ver),
+        "healthy_iterations": len(judged_before),
+        "suspicions_healthy": sum(1 for s in sus if onset is None or s["iteration"] < onset),
+        "verdicts_healthy": sum(1 for v in ver if onset is None or v["evidence"]["suspicion_iteration"] < onset),
+        "verdict_list": [{"iteration": v["iteration"], "suspicion_iteration": v["evidence"].get("suspicion_iteration"),
+                          "kind": v["kind"], "ranks": v["ranks"], "factor": v["factor"]} for v in ver],
+        "suspicion_ratios": [round(s["ratio"], 3) for s in sus],
+    }
+    n = max(out["healthy_iterations"], 1)
+    out["suspicions_per_1000_healthy"] = round(1000.0 * out["suspicions_healthy"] / n, 2)
+    out["verdicts_per_1000_healthy"] = round(1000.0 * out["verdicts_healthy"] / n, 2)
+    if onset is not None:
+        right = [v for v in ver if v["kind"] == "compute" and v["ranks"] == [SLOW_RANK]
+                 and v["evidence"].get("suspicion_iteration", -1) >= onset]
+        if right:
+            v = right[0]
+            out["detected"] = {"suspicion_iteration": v["evidence"]["suspicion_iteration"],
+                               "latency_iters": v["evidence"]["suspicion_iteration"] - onset,
+                               "factor": v["factor"], "first_verdict_is_it": ver[0] is v}
+        else:
+            out["detected"] = None
+    decision = events(log, "detector_overhead")
+    if decision:
+        out["decision_s_total"] = round(decision[0]["decision_s"], 4)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tp2pp2dp2")
+    parser.add_argument("--healthy-iters", type=int, default=200)
+    parser.add_argument("--slow-iters", type=int, default=40)
+    parser.add_argument("--overhead-iters", type=int, default=20)
+    parser.add_argument("--overhead-repeats", type=int, default=3)
+    parser.add_argument("--workdir", help="keep logs and traces here (default: a temporary folder)")
+    parser.add_argument("--overhead-only", action="store_true", help="only the hooks on/off measurement")
+    args = parser.parse_args()
+    tp, pp, dp = SHAPES[args.shape]
+    nproc = tp * pp * dp
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="live_detection_"))
+    work.mkdir(parents=True, exist_ok=True)
+    base = model_args(tp, pp)
+    out: dict = {"shape": f"TP{tp} x PP{pp} x DP{dp} ({nproc} processes)", "cpu_count": os.cpu_count(),
+                 "loadavg_start": os.getloadavg(), "workdir": str(work)}
+
+    runs = {"healthy": (args.healthy_iters, []),
+            "slow": (args.slow_iters, ["--resihp-inject", f"slow:rank={SLOW_RANK},factor={FACTOR},at={ONSET}"])}
+    for name, (iters, extra) in ({} if args.overhead_only else runs).items():
+        log, trace = work / f"{name}.events.jsonl", work / f"{name}.trace.jsonl"
+        log.unlink(missing_ok=True)
+        wall = launch(nproc, [*base, "--train-iters", str(iters), "--resihp-detect-only",
+                              "--resihp-event-log", str(log), "--resihp-trace", str(trace), *extra])
+        out[name] = {"wall_s": round(wall, 1), "median_iteration_s": round(median_iteration_s(log, 3), 4),
+                     **event_counts(log, ONSET if extra else None), "loadavg_after": os.getloadavg()}
+
+    # Hook overhead: hooks on vs off, detection off, alternated; skip the first 3 iterations.
+    medians = {"on": [], "off": []}
+    for repeat in range(args.overhead_repeats):
+        for mode in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
+            log = work / f"overhead_{mode}_{repeat}.events.jsonl"
+            log.unlink(missing_ok=True)
+            launch(nproc, [*base, "--train-iters", str(args.overhead_iters), "--resihp-event-log", str(log)],
+                   {"RESIHP_DISABLE_OP_HOOKS": "1"} if mode == "off" else None)
+            medians[mode].append(median_iteration_s(log, 3))
+    on, off = statistics.median(medians["on"]), statistics.median(medians["off"])
+    out["hook_overhead"] = {"median_iteration_s_on": round(on, 4), "median_iteration_s_off": round(off, 4),
+                            "ratio_on_off": round(on / off, 4),
+                            "per_repeat_on": [round(x, 4) for x in medians["on"]],
+                            "per_repeat_off": [round(x, 4) for x in medians["off"]],
+                            "loadavg_after": os.getloadavg()}
+
+    if args.overhead_only:
+        out["loadavg_end"] = os.getloadavg()
+        print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+        return
+    det = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "detection.py"), "--json",
+                          "--healthy-iters", "20", "--fault-iters", "41",
+                          "--trace", str(work / "healthy.trace.jsonl"), "--trace", str(work / "slow.trace.jsonl")],
+                         cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if det.returncode:
+        raise SystemExit(f"detection.py failed:\n{det.stderr[-3000:]}")
+    live = json.loads(det.stdout)["live"]
+    out["replay"] = {name: live[str(work / f"{name}.trace.jsonl")] for name in ("healthy", "slow")}
+    out["loadavg_end"] = os.getloadavg()
+
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"shape {out['shape']}, {out['cpu_count']} CPUs, load average at start {out['loadavg_start']}")
+    for name in ("healthy", "slow"):
+        r = out[name]
+        print(f"\n[{name}] {r['iterations']} iterations, median {r['median_iteration_s']} s/iteration, wall {r['wall_s']} s, "
+              f"load after {r['loadavg_after']}")
+        print(f"  live events: {r['suspicions']} suspicions, {r['cleared']} cleared, {r['verdicts']} verdicts; "
+              f"before onset: {r['suspicions_per_1000_healthy']} suspicions / 1000, {r['verdicts_per_1000_healthy']} verdicts / 1000")
+        for v in r["verdict_list"]:
+            print(f"    verdict {v}")
+        if name == "slow":
+            print(f"  rank {SLOW_RANK} named: {r['detected']}")
+        for det_name in ("resihp", "greyhound", "nvrx"):
+            b = out["replay"][name][det_name]
+            print(f"  replay {det_name:<9} FA/1000 {b['false_alarms_per_1000']:>7} detected {b['detected']} "
+                  f"latency {b['detection_latency_iters']} localisation {b['localisation_accuracy']}")
+        ours = out["replay"][name]["resihp"]
+        print(f"  predictor MAPE: micro-batch {ours['mtp_mape']}%, iteration {ours['itp_mape']}%; "
+              f"decision {ours['decision_ms_per_iter']} ms/iteration")
+    h = out["hook_overhead"]
+    print(f"\nhooks on/off: {h['median_iteration_s_on']} / {h['median_iteration_s_off']} s = {h['ratio_on_off']} "
+          f"(per repeat on {h['per_repeat_on']}, off {h['per_repeat_off']})")
+    print(f"load average at end {out['loadavg_end']}")
+
+
+if __name__ == "__main__":
+    main()
