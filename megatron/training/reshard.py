@@ -84,6 +84,18 @@ def _adam_state(optimizer, param: torch.nn.Parameter, create_like: dict | None) 
     return None
 
 
+def _adam_template(objects, slots) -> dict | None:
+    """Any Adam state of this rank: every rank has stepped equally often, so it shapes new states."""
+    return next((s for slot in slots for s in [_adam_state(objects.optimizer, slot.param, None)] if s), None)
+
+
+def _unpack(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
+    offset = 0
+    for view in views:
+        view.copy_(flat[offset:offset + view.numel()].view_as(view))
+        offset += view.numel()
+
+
 def _unit_views(slots, optimizer, holding, t, template) -> list[torch.Tensor]:
     """Canonical tensor list of one transfer on one side: per slot (by name) weight, then Adam moments."""
     from resihp_ext.shard_map import unit_range
@@ -121,7 +133,7 @@ def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank) ->
 
     old_slots = param_slots(old_objects.model.module)
     old_holders = holders(old_layout)
-    template = next((s for slot in old_slots for s in [_adam_state(old_objects.optimizer, slot.param, None)] if s), None)
+    template = _adam_template(old_objects, old_slots)
     payloads, sizes, incoming = {}, [], {}
     for i, t in enumerate(transfers):
         if t.src == rank and t.dst != rank:
@@ -156,7 +168,7 @@ def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects,
     old_slots = param_slots(old_objects.model.module)
     new_slots = param_slots(new_objects.model.module)
     old_holders, new_holders = holders(old_layout), holders(new_layout)
-    template = next((s for slot in old_slots for s in [_adam_state(old_objects.optimizer, slot.param, None)] if s), None)
+    template = _adam_template(old_objects, old_slots)
     for i, t in enumerate(transfers):
         if t.dst != rank:
             continue
@@ -168,10 +180,7 @@ def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects,
             for a, b in zip(source, target):
                 b.copy_(a)
             continue
-        flat, offset = received[i], 0
-        for view in target:
-            view.copy_(flat[offset:offset + view.numel()].view_as(view))
-            offset += view.numel()
+        _unpack(received[i], target)
 
 
 @torch.no_grad()
@@ -186,41 +195,25 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
     Returns:
         Bytes this rank sent or received.
     """
-    from resihp_ext.shard_map import Holding, holders, unit_range
+    from resihp_ext.shard_map import holders
 
-    from megatron.training.layer_sync import param_slots, unit_view
+    from megatron.training.layer_sync import param_slots
 
-    old_slots = param_slots(old_objects.model.module) if old_objects is not None else []
+    old_slots = param_slots(old_objects.model.module)
     new_slots = param_slots(new_objects.model.module)
     old_holders, new_holders = holders(old_layout), holders(new_layout)
-    # Every rank has stepped the same number of times: any Adam state of ours serves as template.
-    template = next((s for slot in old_slots for s in [_adam_state(old_objects.optimizer, slot.param, None)] if s), None)
-
-    def views(slots, objects, holding: Holding, t) -> list[torch.Tensor]:
-        out = []
-        for slot in slots:
-            if slot.item != t.item or (slot.partition_dim is None) != t.replicated:
-                continue
-            state = _adam_state(objects.optimizer, slot.param, template)
-            tensors = [slot.param.data] + ([state["exp_avg"], state["exp_avg_sq"]] if state else [])
-            for tensor in tensors:
-                if t.replicated:
-                    out.append(tensor)
-                else:
-                    held = unit_range(holding, t.grid)
-                    out.append(unit_view(tensor, slot.partition_dim, held.start, t.unit, len(held)))
-        return out
+    template = _adam_template(old_objects, old_slots)
 
     ops, receives, sent = [], [], 0  # sent: bytes through this rank, both directions
     for t in transfers:
         if rank not in (t.src, t.dst):
             continue
         if t.src == rank:
-            src_holding = next(h for h in old_holders[t.item] if h.rank == rank)
-            payload = views(old_slots, old_objects, src_holding, t)
+            payload = _unit_views(old_slots, old_objects.optimizer,
+                                  next(h for h in old_holders[t.item] if h.rank == rank), t, template)
         if t.dst == rank:
-            dst_holding = next(h for h in new_holders[t.item] if h.rank == rank)
-            target = views(new_slots, new_objects, dst_holding, t)
+            target = _unit_views(new_slots, new_objects.optimizer,
+                                 next(h for h in new_holders[t.item] if h.rank == rank), t, template)
         if t.src == rank and t.dst == rank:
             for a, b in zip(payload, target):
                 b.copy_(a)
@@ -237,8 +230,5 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     for flat, target in receives:
-        offset = 0
-        for view in target:
-            view.copy_(flat[offset:offset + view.numel()].view_as(view))
-            offset += view.numel()
+        _unpack(flat, target)
     return sent
