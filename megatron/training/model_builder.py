@@ -23,7 +23,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.training.initialize import initialize_parameters
 
 try:
-    from megatron.core.extensions.transformer_engine import TENorm  # noqa: F401
+    from megatron.core.extensions.transformer_engine import TENorm  # noqa: F401  (probe only)
 
     HAVE_TE = True
 except ImportError:

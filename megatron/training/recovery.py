@@ -1,7 +1,7 @@
 """In-place fail-stop recovery: the executor's life cycle, one function per step.
 
-    await_failed_ranks -> agree_on_plan -> reform_for_plan -> rebuild_objects -> (resume)
-                                        \-> save_assembled_checkpoint (no in-place plan)
+    await_failed_ranks -> agree_on_plan -> reform_for_plan -> (rebuild, in relayout) -> resume
+                                        or -> save_assembled_checkpoint (no in-place plan)
 
 Responsible for carrying out a ``SurvivorPlan`` (``resihp_ext/planner/survivors.py``) in the
 surviving processes: the plan is decided once, by the lowest surviving rank, and published through
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training import checkpointing
-from megatron.training.model_builder import TrainingObjects, build_training_objects
+from megatron.training.model_builder import TrainingObjects
 from megatron.training.parallel_state_patch import build_groups, install, reform_world
 from resihp_ext.layout import Layout
 from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors
@@ -75,19 +75,6 @@ def reform_for_plan(store, generation: int, new_rank: int, new_world_size: int, 
     groups = build_groups(layout, new_rank, timeout=timeout_s)
     install(groups)
     return groups
-
-
-def rebuild_objects(args: argparse.Namespace, old: TrainingObjects) -> TrainingObjects:
-    """Model, DDP, optimizer and LR schedule on the installed groups, holding the old state.
-
-    Modules capture their groups at construction, so everything is rebuilt; the kept rank's
-    shards have the same shapes as before, so its own tensors are copied in without moving.
-    """
-    new = build_training_objects(args, old.layers_per_stage)
-    new.model.load_state_dict(old.model.state_dict())
-    new.optimizer.load_state_dict(old.optimizer.state_dict())
-    new.scheduler.load_state_dict(old.scheduler.state_dict())
-    return new
 
 
 def save_assembled_checkpoint(args: argparse.Namespace, root: str, iteration: int, consumed_samples: int,

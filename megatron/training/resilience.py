@@ -21,34 +21,22 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron.training import recovery
-from megatron.training.layer_sync import LayoutGradSync
-from megatron.training.model_builder import build_training_objects
-from megatron.training.parallel_state_patch import build_groups, install, teardown
-from megatron.training.reshard import apply_transfers, stage_transfers, unstage_transfers
 from megatron.training.data_samplers import even_quotas
 from megatron.training.detection import LiveDetector, describe
 from megatron.training.heartbeat import HeartbeatMonitor, connect_store
 from megatron.training.logging_utils import EventLog, log_line
+from megatron.training.relayout import LayoutChanges, StopTraining
 from megatron.training.schedules import RECORDER
 from resihp_ext.faults import FaultKind
-from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
-from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.layout import Layout
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
-from resihp_ext.shard_map import transfers as plan_transfers
+from resihp_ext.planner.survivors import surviving_layout
 from resihp_ext.traces import observation_to_dict, probe_to_dict
 from resihp_ext.validation import Verdict, fail_stop_verdict
 
 # Exit code of a survivor that saved a checkpoint because no in-place plan existed.
 EXIT_NEEDS_RESTART = 3
-
-
-class StopTraining(Exception):
-    """Raised by recovery when this process leaves the job (spare, or checkpoint fallback)."""
-
-    def __init__(self, exit_code: int, message: str):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def resume_command(argv: list[str], nproc: int, checkpoint_root: str) -> str:
@@ -67,13 +55,7 @@ def resume_command(argv: list[str], nproc: int, checkpoint_root: str) -> str:
     return " ".join(["python", "scripts/launch_local.py", f"--nproc-per-node {nproc}", *kept, "--load", checkpoint_root])
 
 
-def relabel(layout: Layout, new_rank: dict[int, int]) -> Layout:
-    """The same layout with every rank renamed (after the world is re-formed densely)."""
-    return Layout(tuple(ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, tuple(new_rank[r] for r in s.ranks))
-                                          for s in rep.stages)) for rep in layout.replicas), layout.model)
-
-
-class ResilienceHooks:
+class ResilienceHooks(LayoutChanges):
     def __init__(self, args: argparse.Namespace, events: EventLog):
         self.args = args
         self.cfg = args.resihp
@@ -82,7 +64,7 @@ class ResilienceHooks:
         self.replica_index = parallel_state.get_data_parallel_rank()
         self.faults = [f for f in self.cfg.faults if f.rank == self.rank]
         args.replica_index = self.replica_index
-        self.sync: LayoutGradSync | None = None
+        self.sync = None  # LayoutGradSync while replicas differ
         self.last_observations: list = []
         self.live = None
         if self.cfg.detection_on:
@@ -184,33 +166,24 @@ class ResilienceHooks:
             self.events.emit("plan", iteration, action=plan.action, reason=plan.reason, executed=plan.to_dict(),
                              preferred=preferred)
         log_line(f" resihp: plan ({plan.action}): {plan.reason}")
-        backend = "gloo" if self.args.device == "cpu" else "nccl"
         if plan.action != "adapt":
-            self._fallback_checkpoint(iteration, plan, objects, consumed_samples, failed, backend)
+            self._fallback_checkpoint(iteration, plan, objects, consumed_samples, failed, self.backend)
         if old_rank not in plan.new_rank:
             dist.destroy_process_group()
             raise StopTraining(0, f"rank {old_rank} is a spare after the adaptation (its replica lost a rank)")
-        args = self.args
-        new_layout = Layout.uniform(self.layout.model, args.tensor_model_parallel_size,
-                                    args.pipeline_model_parallel_size, len(plan.kept_replicas),
-                                    tuple(args.layers_per_stage))
-        args.groups = recovery.reform_for_plan(self.store, self.generation, plan.new_rank[old_rank],
-                                               plan.new_world_size, backend, self.cfg.collective_timeout_s, new_layout)
+        new_layout = surviving_layout(self.layout, plan)
+        groups = recovery.reform_for_plan(self.store, self.generation, plan.new_rank[old_rank], plan.new_world_size,
+                                          self.backend, self.cfg.collective_timeout_s, new_layout)
         self.sync = None  # its groups belonged to the old world
-        objects = recovery.rebuild_objects(args, objects)
-        args.data_parallel_size = len(plan.kept_replicas)
-        args.world_size = plan.new_world_size
-        args.rank = self.rank = dist.get_rank()
-        self.layout = new_layout
-        self.replica_index = args.replica_index = parallel_state.get_data_parallel_rank()
+        self._adopt(new_layout, groups, world_changed=True)
+        # Kept ranks hold whole replicas: their own state, same shapes, is all they need.
+        new_objects = self._rebuild(new_layout)
+        new_objects.model.load_state_dict(objects.model.state_dict())
+        new_objects.optimizer.load_state_dict(objects.optimizer.state_dict())
+        new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
+        objects, args = new_objects, self.args
         quotas = even_quotas(args.global_batch_size // args.micro_batch_size, args.data_parallel_size)
-        if self.live is not None:
-            self.live = LiveDetector(self.cfg, self.rank, self.replica_index,
-                                     parallel_state.get_pipeline_model_parallel_rank(),
-                                     parallel_state.get_tensor_model_parallel_rank(), self.live.device,
-                                     lambda: self.layout)
         self.faults = [f for f in self.faults if f.at_iteration > iteration]  # faults follow the process
-        self._start_monitor()
         duration = time.perf_counter() - start
         if self.rank == 0:
             self.events.emit("adapted", iteration, world_size=dist.get_world_size(), duration_s=duration,
@@ -276,136 +249,12 @@ class ResilienceHooks:
         event = dict(event)
         self.events.emit(event.pop("event"), event.pop("iteration"), **event)
 
-    def _calibrated_hardware(self) -> HardwareModel:
-        """The planner's cost model fitted to this job: per-layer forward seconds and backward/forward
-        ratio from the healthiest stage's measured ops in the last iteration."""
-        per_layer, ratios = [], []
-        for obs in self.last_observations:
-            stage = self.layout.replicas[obs.replica].stages[obs.stage]
-            fwd = sorted(e - s for k, _, s, e in obs.ops if k == "F")
-            bwd = sorted(e - s for k, _, s, e in obs.ops if k == "B")
-            if fwd and bwd:
-                f, b = fwd[len(fwd) // 2], bwd[len(bwd) // 2]
-                per_layer.append(f * stage.tp_degree / stage.num_layers)
-                ratios.append(b / f)
-        return HardwareModel(layer_forward_s=min(per_layer), backward_factor=sorted(ratios)[len(ratios) // 2],
-                             tp_efficiency=1.0, include_embedding_cost=False, regroup_s=0.5)
-
-    def _replan(self, iteration: int, verdict: Verdict, objects, quotas):
-        """Fail-slow: plan with the calibrated cost model and apply it in place.
-
-        Every rank computes the same plan from the same gathered observations and verdict (pure,
-        deterministic), so no agreement round is needed.
-        """
-        start = time.perf_counter()
-        factors = verdict.evidence.get("probe_factors", {})
-        health = Health(speed={r: 1.0 / max(float(factors.get(str(r), verdict.factor or 1.0)), 1.0)
-                               for r in verdict.ranks})
-        horizon = max(self.args.train_iters - iteration, 1)
-        plan = plan_adaptation(self.layout, health, self._calibrated_hardware(), current_quotas=tuple(quotas),
-                               horizon_iters=horizon, uniform_tp_per_replica=True)
-        if self.rank == 0:
-            self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
-                             quotas=list(plan.quotas), predicted_iteration_s_before=plan.iteration_s_before,
-                             predicted_iteration_s_after=plan.iteration_s_after)
-            log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
-        if plan.action != "adapt":
-            return objects, quotas
-        moved = 0
-        if plan.layout != self.layout:
-            objects, moved = self._apply_layout(plan.layout, objects)
-        quotas = list(plan.quotas)
-        duration = time.perf_counter() - start
-        # Refit: the known slow device is the new normal; only a further change should alarm.
-        self.live.detector.reset(forget_predictor=True)
-        if self.rank == 0:
-            self.events.emit("adapted", iteration, world_size=dist.get_world_size(), quotas=quotas,
-                             layers_per_replica=[list(r.layers_per_stage) for r in self.layout.replicas],
-                             duration_s=duration)
-            log_line(f" resihp: adapted in place at iteration {iteration}: layers per replica "
-                     f"{[list(r.layers_per_stage) for r in self.layout.replicas]}, micro-batch quotas {quotas} "
-                     f"({duration * 1000:.0f} ms)")
-        return objects, quotas
-
-    def _apply_layout(self, new_layout: Layout, objects):
-        """Same world, new layout: new groups, rebuilt objects, state moved, old groups torn down.
-
-        A layout that leaves ranks out (they become spares) goes through ``_apply_shrinking_layout``.
-        Returns (new objects, bytes this rank sent or received).
-        """
-        if set(new_layout.world_ranks) != set(self.layout.world_ranks):
-            return self._apply_shrinking_layout(new_layout, objects)
-        args = self.args
-        timeout = self.cfg.collective_timeout_s
-        old_layout, old_groups, old_sync = self.layout, args.groups, self.sync
-        args.groups = build_groups(new_layout, self.rank, timeout=timeout)
-        install(args.groups)
-        identical = len({r.layers_per_stage for r in new_layout.replicas}) == 1 and \
-            len({tuple(s.tp_degree for s in r.stages) for r in new_layout.replicas}) == 1
-        self.sync = None if identical else LayoutGradSync(new_layout, self.rank, timeout)
-        replica, _ = new_layout.stage_of(self.rank)
-        rng = torch.get_rng_state()  # building modules draws from the CPU generator; keep dropout streams
-        new_objects = build_training_objects(args, new_layout.replicas[replica].layers_per_stage)
-        torch.set_rng_state(rng)
-        if self.sync is not None:
-            new_objects.config.finalize_model_grads_func = self.sync
-        sent = apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank,
-                               objects, new_objects)
-        new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
-        teardown(old_groups)
-        if old_sync is not None:
-            old_sync.destroy()
-        self.layout = new_layout
-        self.replica_index = args.replica_index = replica
-        return new_objects, sent
-
-    def _apply_shrinking_layout(self, new_layout: Layout, objects):
-        """Spares leave: move state while they are still members, then re-form without them.
-
-        Raises:
-            StopTraining: on a spare, after it has sent what the kept ranks need from it.
-        """
-        args, old_layout, old_rank = self.args, self.layout, self.rank
-        moves = plan_transfers(old_layout, new_layout)
-        received = stage_transfers(moves, old_layout, old_rank, objects, peer_rank=lambda r: r)
-        moved = sum(flat.numel() * flat.element_size() for flat in received.values())
-        kept = sorted(new_layout.world_ranks)
-        self.generation += 1
-        if self.monitor is not None:
-            self.monitor.stop()
-        if old_rank not in kept:
-            dist.destroy_process_group()
-            raise StopTraining(0, f"rank {old_rank} is a spare after the re-plan; its shards were handed over")
-        dense = {old: new for new, old in enumerate(kept)}
-        relabeled = relabel(new_layout, dense)
-        backend = "gloo" if args.device == "cpu" else "nccl"
-        args.groups = recovery.reform_for_plan(self.store, self.generation, dense[old_rank], len(kept), backend,
-                                               self.cfg.collective_timeout_s, relabeled)
-        self.rank = args.rank = dist.get_rank()
-        identical = len({(r.layers_per_stage, tuple(s.tp_degree for s in r.stages)) for r in relabeled.replicas}) == 1
-        self.sync = None if identical else LayoutGradSync(relabeled, self.rank, self.cfg.collective_timeout_s)
-        replica, _ = relabeled.stage_of(self.rank)
-        rng = torch.get_rng_state()
-        new_objects = build_training_objects(args, relabeled.replicas[replica].layers_per_stage)
-        torch.set_rng_state(rng)
-        if self.sync is not None:
-            new_objects.config.finalize_model_grads_func = self.sync
-        unstage_transfers(moves, old_layout, new_layout, old_rank, objects, new_objects, received)
-        new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
-        self.layout = relabeled
-        self.replica_index = args.replica_index = replica
-        args.data_parallel_size = relabeled.num_replicas
-        if self.live is not None:
-            stage = relabeled.stage_of(self.rank)[1]
-            self.live = LiveDetector(self.cfg, self.rank, replica, stage, relabeled.tp_rank_of(self.rank),
-                                     self.live.device, lambda: self.layout)
-        if self.store is not None:
-            self._start_monitor()
-        return new_objects, moved
-
     def close(self) -> None:
         if self.monitor is not None:
             self.monitor.stop()
+        if self.sync is not None:
+            self.sync.destroy()
+            self.sync = None
         if self.trace is not None:
             self.trace.close()
         if self.live is not None and self.rank == 0:

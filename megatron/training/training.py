@@ -43,6 +43,17 @@ def _reduce_loss(loss_sum: float, num_tokens: int) -> tuple[float, int]:
     return float(totals[0]), int(totals[1])
 
 
+def shutdown(args: argparse.Namespace) -> None:
+    """Leave together and destroy every group explicitly: letting gloo tear groups down at
+    interpreter exit can abort a process that finished its work."""
+    from megatron.training.parallel_state_patch import teardown
+
+    dist.barrier()
+    if getattr(args, "groups", None) is not None:
+        teardown(args.groups)
+    dist.destroy_process_group()
+
+
 def _leave(stop: StopTraining, iteration: int, events: EventLog, board: TensorBoard) -> None:
     """This process leaves the job (spare, or saved for a restart) with the stop's exit code."""
     log_line(f" resihp: rank leaving at iteration {iteration}: {stop}")
@@ -195,4 +206,5 @@ def pretrain(
         resilience.close()
     board.close()
     events.close()
+    shutdown(args)
     return {"iteration": iteration, "lm_loss": last_loss, "consumed_samples": sampler.consumed_samples}

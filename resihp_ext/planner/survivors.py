@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from resihp_ext.layout import Layout
+from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
 
 
 @dataclass(frozen=True)
@@ -62,27 +62,33 @@ class SurvivorPlan:
         )
 
 
-def _uniform_shape(layout: Layout) -> tuple[int, ...]:
-    first = layout.replicas[0]
-    shape = tuple((s.first_layer, s.num_layers, s.tp_degree) for s in first.stages)
-    for replica in layout.replicas[1:]:
-        if tuple((s.first_layer, s.num_layers, s.tp_degree) for s in replica.stages) != shape:
-            raise ValueError("survivor planning needs replicas of one shape (same stages, layers and TP degrees)")
-    return shape
+def _one_shape(layout: Layout) -> bool:
+    shapes = {tuple((s.first_layer, s.num_layers, s.tp_degree) for s in r.stages) for r in layout.replicas}
+    return len(shapes) == 1
+
+
+def surviving_layout(layout: Layout, plan: SurvivorPlan) -> Layout:
+    """The kept replicas of ``layout``, ranks renamed as ``plan.new_rank`` says."""
+    return Layout(tuple(
+        ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, tuple(plan.new_rank[r] for r in s.ranks))
+                          for s in layout.replicas[i].stages))
+        for i in plan.kept_replicas), layout.model)
 
 
 def plan_survivors(layout: Layout, dead: frozenset[int]) -> SurvivorPlan:
     """Keep every replica none of whose ranks died; renumber; name spares and checkpoint writers.
 
+    Kept ranks are renumbered densely in ascending old rank, which is megatron-core's rank order
+    over the kept replicas whenever the old layout was in that order.
+
     Args:
-        layout: the layout that was running (replicas of one shape).
+        layout: the layout that was running (replicas may differ).
         dead: ranks that failed stop.
 
     Returns:
         A SurvivorPlan. "adapt" needs at least one whole replica; otherwise "checkpoint-restart",
         with the writers of a checkpoint assembled from survivors when every shard survives.
     """
-    _uniform_shape(layout)
     unknown = set(dead) - set(layout.world_ranks)
     if unknown:
         raise ValueError(f"dead ranks {sorted(unknown)} are not in the layout")
@@ -94,7 +100,8 @@ def plan_survivors(layout: Layout, dead: frozenset[int]) -> SurvivorPlan:
                 if rank not in dead:
                     writers.setdefault((stage_index, tp_rank), rank)
     positions = [(s, t) for s, stage in enumerate(layout.replicas[0].stages) for t in range(stage.tp_degree)]
-    missing = tuple(p for p in positions if p not in writers)
+    # Assembling one checkpoint from several replicas needs them to share a shape.
+    missing = tuple(p for p in positions if p not in writers) if _one_shape(layout) else tuple(positions)
     survivors = sorted(set(layout.world_ranks) - dead)
     if not kept:
         what = (f"survivors still hold every shard; a checkpoint can be assembled from ranks {sorted(set(writers.values()))}"
@@ -106,11 +113,8 @@ def plan_survivors(layout: Layout, dead: frozenset[int]) -> SurvivorPlan:
         )
     shape = layout.replicas[0]
     num_kept = len(kept)
-    new_rank: dict[int, int] = {}
-    for new_d, old_d in enumerate(kept):
-        for p, stage in enumerate(layout.replicas[old_d].stages):
-            for t, rank in enumerate(stage.ranks):
-                new_rank[rank] = t + stage.tp_degree * (new_d + num_kept * p)
+    kept_ranks = sorted(r for i in kept for r in layout.replicas[i].ranks)
+    new_rank = {old: new for new, old in enumerate(kept_ranks)}
     spares = tuple(r for r in survivors if r not in new_rank)
     lost = [i for i in range(layout.num_replicas) if i not in kept]
     return SurvivorPlan(

@@ -1,0 +1,185 @@
+"""Executing layout changes in place: fail-slow re-plans and the re-forms that follow a fail-stop.
+
+Responsible for the "act" half of an adaptation once a plan exists: calibrating the planner's
+cost model for fail-slow plans, building and installing the new groups, rebuilding model, DDP and
+optimizer, moving state (``reshard``), choosing the gradient sync (megatron-core's DDP when
+replicas are alike, ``LayoutGradSync`` when they differ), and adopting the new world's rank,
+replica and detector. ``LayoutChanges`` is mixed into ``ResilienceHooks`` and works on its state;
+it never decides a plan itself.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.training import recovery
+from megatron.training.detection import LiveDetector
+from megatron.training.layer_sync import LayoutGradSync
+from megatron.training.logging_utils import log_line
+from megatron.training.model_builder import TrainingObjects, build_training_objects
+from megatron.training.parallel_state_patch import build_groups, install, teardown
+from megatron.training.reshard import apply_transfers, stage_transfers, unstage_transfers
+from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
+from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.health import Health
+from resihp_ext.planner.joint import plan_adaptation
+from resihp_ext.shard_map import transfers as plan_transfers
+from resihp_ext.validation import Verdict
+
+
+class StopTraining(Exception):
+    """Raised when this process leaves the job (spare, or checkpoint fallback)."""
+
+    def __init__(self, exit_code: int, message: str):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def relabel(layout: Layout, new_rank: dict[int, int]) -> Layout:
+    """The same layout with every rank renamed (after the world is re-formed densely)."""
+    return Layout(tuple(ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, tuple(new_rank[r] for r in s.ranks))
+                                          for s in rep.stages)) for rep in layout.replicas), layout.model)
+
+
+def replicas_alike(layout: Layout) -> bool:
+    return len({(r.layers_per_stage, tuple(s.tp_degree for s in r.stages)) for r in layout.replicas}) == 1
+
+
+class LayoutChanges:
+    """Mixin: expects ``args``, ``cfg``, ``events``, ``rank``, ``layout``, ``sync``, ``live``,
+    ``store``, ``generation`` and ``_start_monitor`` on the object it is mixed into."""
+
+    # ------------------------------------------------------------------ shared steps
+    def _rebuild(self, layout: Layout) -> TrainingObjects:
+        """Model, DDP, optimizer and LR schedule for this rank's replica of ``layout``."""
+        replica, _ = layout.stage_of(self.rank)
+        rng = torch.get_rng_state()  # building modules draws from the CPU generator; keep dropout streams
+        objects = build_training_objects(self.args, layout.replicas[replica].layers_per_stage)
+        torch.set_rng_state(rng)
+        if self.sync is not None:
+            objects.config.finalize_model_grads_func = self.sync
+        return objects
+
+    def _adopt(self, layout: Layout, groups, world_changed: bool) -> None:
+        """Make ``layout`` (in current-world ranks) this process's: rank, replica, sync, detector."""
+        args = self.args
+        args.groups = groups
+        self.rank = args.rank = dist.get_rank()
+        self.layout = layout
+        replica, stage = layout.stage_of(self.rank)
+        self.replica_index = args.replica_index = replica
+        args.data_parallel_size = layout.num_replicas
+        args.world_size = dist.get_world_size()
+        self.sync = None if replicas_alike(layout) else LayoutGradSync(layout, self.rank, self.cfg.collective_timeout_s)
+        if self.live is not None and world_changed:
+            self.live = LiveDetector(self.cfg, self.rank, replica, stage, layout.tp_rank_of(self.rank),
+                                     self.live.device, lambda: self.layout)
+        if world_changed and self.store is not None:
+            self._start_monitor()
+
+    # ------------------------------------------------------------------ fail-slow
+    def _calibrated_hardware(self) -> HardwareModel:
+        """The planner's cost model fitted to this job: per-layer forward seconds and backward/forward
+        ratio from the healthiest stage's measured ops in the last iteration."""
+        per_layer, ratios = [], []
+        for obs in self.last_observations:
+            stage = self.layout.replicas[obs.replica].stages[obs.stage]
+            fwd = sorted(e - s for k, _, s, e in obs.ops if k == "F")
+            bwd = sorted(e - s for k, _, s, e in obs.ops if k == "B")
+            if fwd and bwd:
+                f, b = fwd[len(fwd) // 2], bwd[len(bwd) // 2]
+                per_layer.append(f * stage.tp_degree / stage.num_layers)
+                ratios.append(b / f)
+        return HardwareModel(layer_forward_s=min(per_layer), backward_factor=sorted(ratios)[len(ratios) // 2],
+                             tp_efficiency=1.0, include_embedding_cost=False, regroup_s=0.5)
+
+    def _replan(self, iteration: int, verdict: Verdict, objects, quotas):
+        """Fail-slow: plan with the calibrated cost model and apply it in place.
+
+        Every rank computes the same plan from the same gathered observations and verdict (pure,
+        deterministic), so no agreement round is needed.
+        """
+        start = time.perf_counter()
+        factors = verdict.evidence.get("probe_factors", {})
+        health = Health(speed={r: 1.0 / max(float(factors.get(str(r), verdict.factor or 1.0)), 1.0)
+                               for r in verdict.ranks})
+        horizon = max(self.args.train_iters - iteration, 1)
+        plan = plan_adaptation(self.layout, health, self._calibrated_hardware(), current_quotas=tuple(quotas),
+                               horizon_iters=horizon, uniform_tp_per_replica=True)
+        if self.rank == 0:
+            self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
+                             quotas=list(plan.quotas), predicted_iteration_s_before=plan.iteration_s_before,
+                             predicted_iteration_s_after=plan.iteration_s_after)
+            log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
+        if plan.action != "adapt":
+            return objects, quotas
+        if plan.layout != self.layout:
+            objects, _ = self._apply_layout(plan.layout, objects)
+        quotas = list(plan.quotas)
+        duration = time.perf_counter() - start
+        # Refit: the known slow device is the new normal; only a further change should alarm.
+        self.live.detector.reset(forget_predictor=True)
+        if self.rank == 0:
+            self.events.emit("adapted", iteration, world_size=dist.get_world_size(), quotas=quotas,
+                             layers_per_replica=[list(r.layers_per_stage) for r in self.layout.replicas],
+                             duration_s=duration)
+            log_line(f" resihp: adapted in place at iteration {iteration}: layers per replica "
+                     f"{[list(r.layers_per_stage) for r in self.layout.replicas]}, micro-batch quotas {quotas} "
+                     f"({duration * 1000:.0f} ms)")
+        return objects, quotas
+
+    # ------------------------------------------------------------------ executing a new layout
+    def _apply_layout(self, new_layout: Layout, objects):
+        """New layout over the same processes; returns (new objects, bytes this rank moved).
+
+        Same world: new groups, rebuilt objects, state moved point-to-point, old groups torn down.
+        A layout that leaves ranks out (they become spares) goes through ``_apply_shrinking_layout``.
+        """
+        if set(new_layout.world_ranks) != set(self.layout.world_ranks):
+            return self._apply_shrinking_layout(new_layout, objects)
+        old_layout, old_groups, old_sync = self.layout, self.args.groups, self.sync
+        groups = build_groups(new_layout, self.rank, timeout=self.cfg.collective_timeout_s)
+        install(groups)
+        self._adopt(new_layout, groups, world_changed=False)
+        new_objects = self._rebuild(new_layout)
+        moved = apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank,
+                                objects, new_objects)
+        new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
+        teardown(old_groups)
+        if old_sync is not None:
+            old_sync.destroy()
+        return new_objects, moved
+
+    def _apply_shrinking_layout(self, new_layout: Layout, objects):
+        """Spares leave: move state while they are still members, then re-form without them.
+
+        Raises:
+            StopTraining: on a spare, after it has sent what the kept ranks need from it.
+        """
+        old_layout, old_rank = self.layout, self.rank
+        moves = plan_transfers(old_layout, new_layout)
+        received = stage_transfers(moves, old_layout, old_rank, objects, peer_rank=lambda r: r)
+        moved = sum(flat.numel() * flat.element_size() for flat in received.values())
+        kept = sorted(new_layout.world_ranks)
+        self.generation += 1
+        if self.monitor is not None:
+            self.monitor.stop()
+        if old_rank not in kept:
+            dist.destroy_process_group()
+            raise StopTraining(0, f"rank {old_rank} is a spare after the re-plan; its shards were handed over")
+        dense = {old: new for new, old in enumerate(kept)}
+        relabeled = relabel(new_layout, dense)
+        groups = recovery.reform_for_plan(self.store, self.generation, dense[old_rank], len(kept), self.backend,
+                                          self.cfg.collective_timeout_s, relabeled)
+        self._adopt(relabeled, groups, world_changed=True)
+        new_objects = self._rebuild(relabeled)
+        unstage_transfers(moves, old_layout, new_layout, old_rank, objects, new_objects, received)
+        new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
+        return new_objects, moved
+
+    @property
+    def backend(self) -> str:
+        return "gloo" if self.args.device == "cpu" else "nccl"
