@@ -69,3 +69,22 @@ def test_heterogeneous_replan_matches_reference(tmp_path, layers, quotas, tp):
     for key, value in a.items():
         if torch.is_tensor(value) and value.is_floating_point():
             torch.testing.assert_close(b[key], value, rtol=0, atol=1e-5, msg=str(key))
+
+
+def test_fail_stop_after_a_heterogeneous_replan_continues_on_the_surviving_replica(tmp_path):
+    # Replica 1 is repartitioned to [1, 3] at iteration 3; rank 0 (replica 0) dies at 5. The
+    # survivors keep replica 1 as it is, re-formed densely, and training stays exact.
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
+    check(_run(4, REPO / "pretrain_gpt_resilient.py", [*MODEL, "--resihp-event-log", str(ref_log)], tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--nproc-per-node", "8",
+         str(REPO / "tests" / "dist" / "forced_layout_driver.py"), *MODEL, "--resihp-enable",
+         "--resihp-collective-timeout-s", "5", "--resihp-event-log", str(log), "--resihp-inject", "kill:rank=0,at=5",
+         "--forced-layout", json.dumps([[2, 2], [1, 3]]), "--forced-at", "3", "--forced-quotas", "4,4"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    check(proc)
+    adapted = read_events(log, "adapted")
+    assert [(a["iteration"], a["world_size"]) for a in adapted] == [(5, 4)]
+    ours, ref = iteration_losses(log), iteration_losses(ref_log)
+    assert [ours[i] for i in range(1, 7)] == pytest.approx([ref[i] for i in range(1, 7)], rel=1e-5)
