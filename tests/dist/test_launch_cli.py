@@ -63,3 +63,15 @@ def test_recognised_megatron_flags_warn_once_and_run(tmp_path):
     check(proc)
     warnings = [line for line in proc.stderr.splitlines() if "ignoring Megatron-LM flags" in line]
     assert len(warnings) == 1 and "--use-flash-attn" in warnings[0] and "--transformer-impl" in warnings[0]
+
+
+def test_tensorboard_scalars_are_written(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is an optional extra (pip install tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = tmp_path / "tb"
+    check(run_job(1, [*TINY_GPT, "--train-iters", "3", "--tensorboard-dir", str(board)]))
+    events = EventAccumulator(str(board))
+    events.Reload()
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3]
+    assert {"learning-rate", "grad-norm", "iteration-time"} <= set(events.Tags()["scalars"])
