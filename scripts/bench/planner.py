@@ -75,12 +75,17 @@ def bench_quality(horizon_iters: int) -> list[dict]:
     layout = Layout.uniform(model_for(256, 64), TP, PP, 256 // (TP * PP))
     for name, health in scenarios().items():
         result = compare(layout, health, HardwareModel(), horizon_iters=horizon_iters)
+        # What the live executor can run today: every stage of a replica at one TP degree.
+        executable = plan_adaptation(layout, health, HardwareModel(), horizon_iters=horizon_iters,
+                                     uniform_tp_per_replica=True)
+        uniform = compare(layout, health, HardwareModel(), plan=executable, horizon_iters=horizon_iters)
         bound = result.capacity_bound
         rows.append({
             "scenario": name,
             "action": result.plan.action,
             "capacity_bound_samples_s": bound,
             "resihp": result.predicted_throughput / bound,
+            "resihp-uniform-tp": uniform.predicted_throughput / bound,
             **{policy: value / bound for policy, value in result.baselines.items()},
         })
     return rows
