@@ -41,7 +41,7 @@ class ResiHPConfig:
     probe_threshold: float = 1.2
     """A validation probe this many times the healthy median names its rank or link slow."""
 
-    cleared_cooldown_iters: int = 10
+    cleared_cooldown_iters: int = 3
     """Iterations a group stays unsuspected after its probes cleared it (avoids probe storms)."""
 
     heartbeat_interval_s: float = 0.2

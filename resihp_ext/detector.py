@@ -358,14 +358,9 @@ class FailSlowDetector:
                 return Verdict("link", tuple(slow[0]), loc.link_factors[slow[0]], suspicion.onset_iteration, evidence,
                                f"{loc.reason}; transfers ran {suspicion.ratio:.2f}x baseline since iteration {suspicion.onset_iteration}")
         self._cooldown[what] = probes.iteration + self.config.cleared_cooldown_iters
-        # The probes say the devices are fine, so the slowdown belongs to the environment (e.g. a
-        # busy host): start the persistence count over, and let a compute group relearn its cost
-        # at the speed it now runs, instead of being re-suspected for the same cause every cooldown.
-        if suspicion.kind == "compute":
-            self._group_streak.pop(what, None)
-            self.predictor.reset(self._keys(what, len(suspicion.ranks)))
-        else:
-            self._link_streak.pop(what, None)
+        # The probes say the devices are fine: start the persistence count over. The cost model is
+        # not relearned here: a real fault starting during the cooldown would be learned as normal.
+        (self._group_streak if suspicion.kind == "compute" else self._link_streak).pop(what, None)
         return Cleared(probes.iteration, suspicion.ranks, evidence,
                        f"probes found no slow {'rank' if suspicion.kind == 'compute' else 'link'} ({loc.reason}); "
                        f"suspicion at iteration {suspicion.iteration} dropped")
