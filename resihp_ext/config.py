@@ -53,6 +53,9 @@ class ResiHPConfig:
     collective_timeout_s: float = 30.0
     """Upper bound on any collective, so a dead peer cannot block survivors forever."""
 
+    hang_timeout_s: float | None = None
+    """A rank alive but without progress this long while others reach recovery is hung (default: twice the collective timeout)."""
+
     def __post_init__(self) -> None:
         if self.slowdown_threshold <= 1.0:
             raise ValueError(
@@ -76,6 +79,11 @@ class ResiHPConfig:
                 "--resihp-heartbeat-timeout-s must exceed --resihp-heartbeat-interval-s "
                 f"({self.heartbeat_timeout_s} <= {self.heartbeat_interval_s})"
             )
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= self.collective_timeout_s:
+            raise ValueError(
+                f"--resihp-hang-timeout-s must exceed --resihp-collective-timeout-s ({self.collective_timeout_s}), "
+                f"got {self.hang_timeout_s}: ranks blocked on a hung peer must reach recovery before it is judged"
+            )
         if self.enable and self.detect_only:
             raise ValueError("--resihp-enable and --resihp-detect-only exclude each other; pass one")
         self.faults  # parse now so a bad --resihp-inject fails at start-up, not at iteration 30
@@ -83,6 +91,10 @@ class ResiHPConfig:
     @property
     def faults(self) -> tuple[Fault, ...]:
         return tuple(parse_fault(spec) for spec in self.inject)
+
+    @property
+    def effective_hang_timeout_s(self) -> float:
+        return self.hang_timeout_s if self.hang_timeout_s is not None else 2 * self.collective_timeout_s
 
     @property
     def detection_on(self) -> bool:

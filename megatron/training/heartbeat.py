@@ -10,8 +10,16 @@ rank's key (one ``multi_get`` per poll), and reports
   called at each iteration boundary) stopped for ``hang_timeout_s`` while other ranks moved on,
   judged by ``judge_progress`` below.
 
+A death stalls the survivors too: each sits in a collective with the dead rank (or with a rank
+that does) until the collective times out. So once a monitor has seen a death, stall clocks start
+again at that moment and run ``failure_grace_s`` longer, and a rank that has reached its recovery
+code (``mark_recovering()``) is never called hung: it is alive and doing what it should, and it
+counts as ahead of every rank still training, so a rank that never gets there is named.
+
 A rank that stops its monitor cleanly (``stop()``) publishes an exit mark, so finishing training
-first is never mistaken for dying.
+first is never mistaken for dying. Survivors that leave a rank behind ``evict()`` it: the evicted
+rank's own watchdog sees the mark and calls ``on_evicted``, so a hung process can be fenced (it
+still holds its device and sockets) instead of lingering after the job re-formed without it.
 
 It must never touch a process group or the store client of one: the watchdog uses its own
 TCPStore connection (``connect_store`` / ``HeartbeatMonitor.from_env``), so a collective that is
@@ -42,38 +50,53 @@ DEFAULT_PREFIX = "resihp/hb/"
 # declared dead after this long.
 DEFAULT_STARTUP_GRACE_S = 60.0
 _EXIT_MARK = "exit"
+_RECOVERING_MARK = "recovering"
 
 RankCallback = Callable[[frozenset[int], float], None]
 
 
-def judge_progress(now: float, progress: Mapping[int, tuple[int, float]], hang_timeout_s: float) -> frozenset[int]:
+def judge_progress(now: float, progress: Mapping[int, tuple[int, float]], hang_timeout_s: float,
+                   recovering: frozenset[int] = frozenset(), failure_seen_at: float | None = None,
+                   failure_grace_s: float = 0.0) -> frozenset[int]:
     """Ranks whose training progress stopped while the job as a whole did not.
 
     A rank is *stalled* when its progress value has not changed for more than ``hang_timeout_s``.
-    A stalled rank is hung when another rank is still advancing, or when it is behind the most
-    advanced rank. When every rank stalled at the same progress (an evaluation, a checkpoint, or a
-    hang inside a collective that blocks everyone), nobody is named: progress alone cannot tell
-    who is at fault there, and validation probes must.
+    A stalled rank is hung when another rank is still advancing or recovering, or when it is
+    behind the most advanced rank. When every rank stalled at the same progress (an evaluation, a
+    checkpoint, or a hang inside a collective that blocks everyone), nobody is named: progress
+    alone cannot tell who is at fault there. Once the others' collectives time out they reach their
+    recovery code, and the one left stalled is named.
 
     Args:
         now: current time, same clock as the change times.
         progress: rank -> (latest progress value, time that value was first seen), for ranks
             whose heartbeat is alive.
-        hang_timeout_s: how long progress may stand still (``--resihp-hang-timeout-s``).
+        hang_timeout_s: how long progress may stand still; choose it above the collective
+            timeout, so ranks blocked on a hung peer have reached recovery by then.
+        recovering: ranks that announced they are in their recovery code: never hung, and ahead
+            of every rank still in training.
+        failure_seen_at: when a dead rank was first seen, if one was. A survivor blocked in a
+            collective with it only returns when the collective times out, so no stall is counted
+            from before ``failure_seen_at + failure_grace_s``.
+        failure_grace_s: how long a blocked collective may take to time out.
 
     Returns:
         The ranks judged hung.
     """
     if hang_timeout_s <= 0:
         raise ValueError(f"--resihp-hang-timeout-s must be > 0, got {hang_timeout_s}")
-    if not progress:
+    training = {r: p for r, p in progress.items() if r not in recovering}
+    if not training:
         return frozenset()
-    stalled = {r for r, (_, changed) in progress.items() if now - changed > hang_timeout_s}
+    if failure_seen_at is not None:
+        restart = failure_seen_at + failure_grace_s
+        training = {r: (value, max(changed, restart)) for r, (value, changed) in training.items()}
+    stalled = {r for r, (_, changed) in training.items() if now - changed > hang_timeout_s}
     if not stalled:
         return frozenset()
-    someone_advancing = len(stalled) < len(progress)
-    top = max(value for value, _ in progress.values())
-    return frozenset(r for r in stalled if someone_advancing or progress[r][0] < top)
+    someone_moving = len(stalled) < len(training) or len(training) < len(progress)
+    top = max(value for value, _ in training.values())
+    return frozenset(r for r in stalled if someone_moving or training[r][0] < top)
 
 
 def connect_store(host: str | None = None, port: int | None = None, timeout_s: float = 10.0):
@@ -114,7 +137,10 @@ class HeartbeatMonitor:
         hang_timeout_s: a rank whose progress stood still this long while others moved on is hung;
             None disables hang detection. Choose several iteration times.
         on_hang: like ``on_dead``, for the set of hung ranks.
+        on_evicted: called once, on the watchdog thread, when another rank ``evict()``s this one.
         startup_grace_s: how long a rank may take to publish its first heartbeat.
+        failure_grace_s: after a death, how long survivors may stall before a hang is counted
+            (the collective timeout: that is how long a survivor blocked on the dead rank waits).
         clock: wall clock shared by all ranks (tests may pass their own).
     """
 
@@ -130,7 +156,9 @@ class HeartbeatMonitor:
         *,
         hang_timeout_s: float | None = None,
         on_hang: RankCallback | None = None,
+        on_evicted: Callable[[], None] | None = None,
         startup_grace_s: float = DEFAULT_STARTUP_GRACE_S,
+        failure_grace_s: float = 0.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not 0 <= rank < world_size:
@@ -149,10 +177,16 @@ class HeartbeatMonitor:
         self.hang_timeout_s = hang_timeout_s
         self.prefix = prefix
         self.startup_grace_s = startup_grace_s
+        self.failure_grace_s = failure_grace_s
         self._on_dead = on_dead
         self._on_hang = on_hang
+        self._on_evicted = on_evicted
+        self._evicted = False
         self._clock = clock
         self._progress = -1  # written by the training thread, read by the watchdog (an int: atomic)
+        self._recovering = False  # likewise
+        self._failure_seen_at: float | None = None
+        self._recovering_ranks: set[int] = set()
         self._lock = threading.Lock()
         self._dead: frozenset[int] = frozenset()
         self._hung: frozenset[int] = frozenset()
@@ -187,6 +221,14 @@ class HeartbeatMonitor:
         """
         self._progress = int(progress)
 
+    def mark_recovering(self) -> None:
+        """Tell the other ranks this one has left training for its recovery code.
+
+        From the next heartbeat on, nobody judges this rank hung (it is alive and busy recovering);
+        it can still be judged dead.
+        """
+        self._recovering = True
+
     def start(self) -> HeartbeatMonitor:
         """Publish the first heartbeat and start the watchdog thread."""
         if self._thread is not None:
@@ -206,6 +248,11 @@ class HeartbeatMonitor:
             self._publish(self._clock(), exited=True)
         except Exception as err:  # the store may be gone at shutdown; nothing left to tell
             logger.warning("heartbeat: could not publish exit of rank %d: %s", self.rank, err)
+
+    def evict(self, ranks) -> None:
+        """Mark ranks as left behind by the survivors; their watchdogs call ``on_evicted``."""
+        for r in ranks:
+            self.store.set(self._evicted_key(r), "1")
 
     @property
     def dead_ranks(self) -> frozenset[int]:
@@ -234,8 +281,12 @@ class HeartbeatMonitor:
     def _key(self, rank: int) -> str:
         return f"{self.prefix}{rank}"
 
+    def _evicted_key(self, rank: int) -> str:
+        return f"{self.prefix}evicted/{rank}"
+
     def _publish(self, now: float, exited: bool = False) -> None:
-        value = f"{now:.6f}:{self._progress}" + (f":{_EXIT_MARK}" if exited else "")
+        mark = _EXIT_MARK if exited else _RECOVERING_MARK if self._recovering else ""
+        value = f"{now:.6f}:{self._progress}" + (f":{mark}" if mark else "")
         self.store.set(self._key(self.rank), value)
 
     def _run(self) -> None:
@@ -277,9 +328,16 @@ class HeartbeatMonitor:
             if len(parts) > 2 and parts[2] == _EXIT_MARK:
                 exited.add(r)
                 continue
+            if len(parts) > 2 and parts[2] == _RECOVERING_MARK:
+                self._recovering_ranks.add(r)
             self._last_beat[r] = beat_at
             if self._seen_progress.get(r, (None, 0.0))[0] != progress:
                 self._seen_progress[r] = (progress, now)
+        if not self._evicted and self.store.check([self._evicted_key(self.rank)]):
+            self._evicted = True
+            logger.warning("heartbeat: rank %d was evicted by the other ranks", self.rank)
+            if self._on_evicted is not None:
+                self._on_evicted()
         own = self._seen_progress.get(self.rank)
         if own is None or own[0] != self._progress:
             self._seen_progress[self.rank] = (self._progress, now)
@@ -288,11 +346,15 @@ class HeartbeatMonitor:
         last_beat = {r: self._last_beat.get(r, self._started_at + self.startup_grace_s - self.timeout_s)
                      for r in others if r not in exited}
         dead = judge_heartbeats(now, last_beat, self.timeout_s)
+        if dead and self._failure_seen_at is None:
+            self._failure_seen_at = now
         hung: frozenset[int] = frozenset()
         if self.hang_timeout_s is not None:
-            watched = {r: p for r, p in self._seen_progress.items()
-                       if r not in dead and r not in self._dead and r not in exited and r not in self._exited}
-            hung = judge_progress(now, watched, self.hang_timeout_s) - {self.rank}
+            gone = dead | self._dead | exited | self._exited
+            watched = {r: p for r, p in self._seen_progress.items() if r not in gone}
+            recovering = frozenset(self._recovering_ranks) | ({self.rank} if self._recovering else set())
+            hung = judge_progress(now, watched, self.hang_timeout_s, recovering, self._failure_seen_at,
+                                  self.failure_grace_s) - {self.rank}
 
         with self._lock:
             self._exited = self._exited | exited

@@ -102,8 +102,15 @@ class ResilienceHooks(LayoutChanges):
             self.store, dist.get_rank(), dist.get_world_size(),
             interval_s=self.cfg.heartbeat_interval_s, timeout_s=self.cfg.heartbeat_timeout_s,
             prefix=f"resihp/hb/gen{self.generation}/", on_dead=self._on_failed("dead"),
-            on_hang=self._on_failed("hang"), hang_timeout_s=self.cfg.collective_timeout_s,
+            on_hang=self._on_failed("hang"), hang_timeout_s=self.cfg.effective_hang_timeout_s,
+            failure_grace_s=self.cfg.collective_timeout_s, on_evicted=self._on_evicted,
         ).start()
+
+    def _on_evicted(self) -> None:  # runs on the heartbeat thread
+        # The others re-formed without this rank (judged hung); it still holds its device and
+        # sockets, so it fences itself rather than linger.
+        log_line(f" resihp: rank {dist.get_rank()} was left behind by the other ranks (judged hung); exiting")
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _on_failed(self, kind: str):
         def callback(ranks, now) -> None:  # runs on the heartbeat thread
@@ -153,7 +160,10 @@ class ResilienceHooks(LayoutChanges):
         start = time.perf_counter()
         old_rank = dist.get_rank()
         log_line(f" resihp: rank {old_rank}: iteration {iteration} failed: {str(error).splitlines()[0][:160]}")
-        failed = recovery.await_failed_ranks(self.monitor, wait_s=4 * self.cfg.heartbeat_timeout_s)
+        self.monitor.mark_recovering()
+        # A hung peer is only named once its stall passes the hang timeout.
+        failed = recovery.await_failed_ranks(
+            self.monitor, wait_s=self.cfg.effective_hang_timeout_s + 4 * self.cfg.heartbeat_timeout_s)
         if not failed:
             raise error
         self.generation += 1
@@ -161,6 +171,8 @@ class ResilienceHooks(LayoutChanges):
             self.store, self.generation, old_rank, self.layout, failed, self._preferred_plan,
             wait_s=3 * self.cfg.collective_timeout_s,
         )
+        if old_rank == min(set(self.layout.world_ranks) - failed):
+            self.monitor.evict(failed)
         self.monitor.stop()
         if old_rank == min(set(self.layout.world_ranks) - failed):
             self.events.emit("plan", iteration, action=plan.action, reason=plan.reason, executed=plan.to_dict(),

@@ -77,6 +77,27 @@ def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference)
     _assert_same_params(_params(ref_ckpt, 8), ours)
 
 
+def test_hung_rank_is_named_fenced_and_survived_in_place(tmp_path, reference):
+    ref_ckpt, ref_losses = reference
+    log = tmp_path / "events.jsonl"
+    proc = run_job(8, [*MODEL, *RESILIENT, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--global-batch-size", "16", "--train-iters", "8", "--save", str(tmp_path / "ckpt"),
+                       "--resihp-event-log", str(log), "--resihp-inject", "hang:rank=5,at=4"], launcher="local")
+    check(proc)
+    output = proc.stdout + proc.stderr
+    # Alive but stuck: named hung (never dead), left behind, and it fences itself.
+    verdicts = read_events(log, "verdict")
+    assert {v["kind"] for v in verdicts} == {"hang"}, verdicts
+    assert all(v["ranks"] == [5] for v in verdicts), verdicts
+    assert "rank 5 was left behind by the other ranks (judged hung); exiting" in output
+    assert "rank 5 exited with signal SIGKILL" in output
+    adapted = read_events(log, "adapted")
+    assert len(adapted) == 1 and adapted[0]["world_size"] == 4 and adapted[0]["failed_ranks"] == [5]
+    losses = iteration_losses(log)
+    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
+    _assert_same_params(_params(ref_ckpt, 8), _params(tmp_path / "ckpt", 8))
+
+
 def test_second_failure_after_an_adaptation_is_survived(tmp_path):
     # TP1 x PP2 x DP3: rank = replica + 3 * stage. Rank 1 (replica 1) dies at 4, rank 5 (replica 2)
     # right after the first adaptation, at 6: the job ends on replica 0 alone.

@@ -28,21 +28,36 @@ out, mode = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 dist.barrier()
-seen = {"dead": [], "hung": []}
+seen = {"dead": [], "hung": [], "evicted": []}
 record = lambda kind: lambda ranks, now: seen[kind].append({"ranks": sorted(ranks), "at": now})
-mon = HeartbeatMonitor.from_env(on_dead=record("dead"), on_hang=record("hung"), hang_timeout_s=2.0).start()
+mon = HeartbeatMonitor.from_env(on_dead=record("dead"), on_hang=record("hung"), hang_timeout_s=2.0,
+                                failure_grace_s=2.0, on_evicted=lambda: seen["evicted"].append(time.time())).start()
 with open(os.path.join(out, f"ready{rank}.json"), "w") as f:
     json.dump({"pid": os.getpid()}, f)
 step, stopped_at, deadline = 0, None, time.time() + 20
-while time.time() < deadline and not (seen["dead"] or seen["hung"]):
-    if mode == "hang" and rank == 1 and step >= 30:
+def done():
+    if mode == "stall":  # watch for a while after the death: no one may be named hung
+        return bool(seen["hung"]) or (seen["dead"] and time.time() > seen["dead"][0]["at"] + 6.0)
+    if mode == "evict" and rank == 1:
+        return bool(seen["evicted"])
+    return bool(seen["dead"] or seen["hung"])
+while time.time() < deadline and not done():
+    if mode in ("hang", "evict") and rank == 1 and step >= 30:
         stopped_at = stopped_at or time.time()
-        if time.time() > stopped_at + 4.0:  # the others have judged it by now
+        if mode == "hang" and time.time() > stopped_at + 4.0:  # the others have judged it by now
             break
+    elif mode == "stall" and mon.dead_ranks:
+        # Rank 1 sits in a collective with the dead rank for 3 s (longer than the hang timeout)
+        # before its recovery starts; the others get there at once.
+        stopped_at = stopped_at or time.time()
+        if rank != 1 or time.time() > stopped_at + 3.0:
+            mon.mark_recovering()
     else:
         step += 1
         mon.beat(step)
     time.sleep(0.05)
+if mode == "evict" and rank == 0 and seen["hung"]:
+    mon.evict(seen["hung"][0]["ranks"])
 time.sleep(0.5)  # let a late second report show up if the monitor would make one
 mon.stop()
 with open(os.path.join(out, f"result{rank}.json"), "w") as f:
@@ -117,6 +132,35 @@ def test_rank_without_progress_is_named_hung(tmp_path):
         assert 2.0 < latency < 3.0, (rank, latency)
 
 
+def test_survivor_blocked_after_a_death_is_not_named_hung(tmp_path):
+    proc = start(tmp_path, "stall")
+    try:
+        pids = wait_ready(proc, tmp_path)
+        time.sleep(1.0)
+        os.kill(pids[2], signal.SIGKILL)
+        code, output, res = results(proc, tmp_path)
+    finally:
+        proc.kill()
+    assert sorted(res) == [0, 1, 3], output
+    for rank, r in res.items():
+        assert [e["ranks"] for e in r["dead"]] == [[2]], (rank, r)
+        # Rank 1 made no progress for 3 s (hang timeout 2 s) but only because the death held it.
+        assert r["hung"] == [], (rank, r)
+
+
+def test_evicted_rank_is_told(tmp_path):
+    proc = start(tmp_path, "evict")
+    try:
+        wait_ready(proc, tmp_path)
+        code, output, res = results(proc, tmp_path)
+    finally:
+        proc.kill()
+    assert code == 0, output
+    assert [e["ranks"] for e in res[0]["hung"]] == [[1]], res[0]
+    assert len(res[1]["evicted"]) == 1, res[1]
+    assert all(res[r]["evicted"] == [] for r in (0, 2, 3)), res
+
+
 def test_judge_progress_names_only_ranks_left_behind():
     now = 100.0
     moving = {0: (50, 99.9), 1: (50, 99.8), 2: (41, 90.0)}
@@ -126,3 +170,25 @@ def test_judge_progress_names_only_ranks_left_behind():
     # Everyone stalled, one behind: the laggard is what the others wait for.
     assert judge_progress(now, {0: (50, 90.0), 1: (49, 91.0)}, 5.0) == frozenset({1})
     assert judge_progress(now, {0: (50, 96.0), 1: (49, 96.0)}, 5.0) == frozenset()
+
+
+def test_judge_progress_counts_recovering_ranks_as_ahead():
+    now = 100.0
+    # Everyone stalled at 50, but ranks 0 and 1 reached their recovery code: rank 2 is left.
+    stalled = {0: (50, 80.0), 1: (50, 80.0), 2: (50, 80.0)}
+    assert judge_progress(now, stalled, 5.0, recovering=frozenset({0, 1})) == frozenset({2})
+    # A recovering rank is never named, however long it has been still.
+    assert judge_progress(now, stalled, 5.0, recovering=frozenset({0, 1, 2})) == frozenset()
+
+
+def test_judge_progress_waits_out_collectives_blocked_on_a_dead_rank():
+    # A rank died at t=100; survivors block in collectives until they time out (grace 5 s).
+    progress = {0: (4, 99.0), 1: (4, 99.0), 2: (4, 99.5)}
+    recovering = frozenset({0})
+    assert judge_progress(104.0, progress, 3.0, recovering, failure_seen_at=100.0, failure_grace_s=5.0) == frozenset()
+    assert judge_progress(107.9, progress, 3.0, recovering, failure_seen_at=100.0, failure_grace_s=5.0) == frozenset()
+    # The grace is bounded: still stalled 3 s after it ran out is a hang.
+    assert judge_progress(108.1, progress, 3.0, recovering, failure_seen_at=100.0,
+                          failure_grace_s=5.0) == frozenset({1, 2})
+    # Without the grace, the same survivors would have been named while still blocked.
+    assert judge_progress(104.0, progress, 3.0, recovering) == frozenset({1, 2})
