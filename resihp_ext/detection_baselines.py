@@ -9,6 +9,7 @@
   window, compared among ranks that run the same section; a score under 0.75 flags the rank).
   Replicas that read different data differ in op time for the same section, so it is fooled too.
 
+Both read per-op times as the ops' busy times (``RankObservation.op_busy``), the signal ours reads.
 Both are written from those descriptions, not from their code, and are deliberately simple. They
 must never be used to make decisions in training; they exist to be measured against.
 """
@@ -67,7 +68,7 @@ class GreyhoundStyleDetector:
         if not observations or self._seen <= self.warmup_iters:
             return None
         self._times.append(float(np.median([o.iteration_s for o in observations])))
-        self._busy.append({o.rank: sum(e - s for _, _, s, e in o.ops) for o in observations})
+        self._busy.append({o.rank: sum(o.op_busy()) for o in observations})
         if len(self._times) < self._times.maxlen:
             return None
         values = np.array(self._times)
@@ -121,7 +122,7 @@ class NvrxStyleDetector:
             return None
         for o in observations:
             self._section[o.rank] = o.stage  # same stage = same layers = same section
-            self._op_times[o.rank].extend(e - s for kind, _, s, e in o.ops if kind == "F")
+            self._op_times[o.rank].extend(b for (kind, *_), b in zip(o.ops, o.op_busy()) if kind == "F")
         if (self._seen - self.warmup_iters) % self.report_iters:
             return None
         medians = {r: float(np.median(v)) for r, v in self._op_times.items() if v}

@@ -62,12 +62,14 @@ _MIN_LINK_EXCESS_FRACTION = 0.01  # of the iteration time
 _HISTORY = 32
 
 def _op_times(obs: RankObservation) -> np.ndarray:
-    """Rows F start, F end, B start, B end, indexed by micro-batch (NaN where not recorded)."""
-    table = np.full((4, len(obs.features)), np.nan)
-    for kind, mb, start, end in obs.ops:
+    """Rows F start, F end, B start, B end, F busy, B busy, indexed by micro-batch (NaN where not
+    recorded). Start and end place ops on the timeline; busy is what the device spent on them."""
+    table = np.full((6, len(obs.features)), np.nan)
+    for (kind, mb, start, end), busy in zip(obs.ops, obs.op_busy()):
         row = 0 if kind == "F" else 2
         table[row, mb] = start
         table[row + 1, mb] = end
+        table[4 if kind == "F" else 5, mb] = busy
     return table
 
 
@@ -158,6 +160,7 @@ class FailSlowDetector:
         self._link_streak: dict[LinkId, _Streak] = defaultdict(_Streak)
         self._link_history = _Baselines(_HISTORY)
         self._overhead_history: deque = deque(maxlen=_HISTORY)
+        self._contention_history: deque = deque(maxlen=_HISTORY)
         self._pending: set = set()
         self._muted: set = set()
         self._cooldown: dict = {}
@@ -198,7 +201,7 @@ class FailSlowDetector:
                 stage_ratio[g] = float(np.nansum(fwd) + np.nansum(bwd)) / predicted
                 for o in groups[g]:
                     t = times[o.rank]
-                    rank_ratio[o.rank] = float(np.nansum(t[1] - t[0]) + np.nansum(t[3] - t[2])) / predicted
+                    rank_ratio[o.rank] = float(np.nansum(t[4]) + np.nansum(t[5])) / predicted
         gaps = self._link_gaps(groups, times)
         link_ratio = {}
         self._link_base = self._link_history.medians(min_count=3)
@@ -213,7 +216,10 @@ class FailSlowDetector:
                     link_ratio[link] = gap / max(base, 1e-9)
                 else:
                     link_ratio[link] = min(gap / max(base, 1e-9), 1.0)
-        predicted_iter = self._predict_iteration(groups, keys, feats, observed_iter) if fitted else None
+        wall = sum(float(np.nansum(t[1] - t[0]) + np.nansum(t[3] - t[2])) for t in times.values())
+        busy = sum(float(np.nansum(t[4]) + np.nansum(t[5])) for t in times.values())
+        contention = wall / busy if busy > 0 else 1.0
+        predicted_iter = self._predict_iteration(groups, keys, feats, observed_iter, contention) if fitted else None
         self.last_report = DetectorReport(
             iteration, judged, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter
         )
@@ -392,16 +398,15 @@ class FailSlowDetector:
 
     @staticmethod
     def _op_durations(rank_times: list[np.ndarray]):
-        stacked = np.stack(rank_times)  # [tp, 4, microbatch]
-        fwd = stacked[:, 1] - stacked[:, 0]
-        bwd = stacked[:, 3] - stacked[:, 2]
-        # Median over TP siblings: they wait for each other, so the median is the group's time
-        # and one rank's timer glitch cannot move it.
+        stacked = np.stack(rank_times)  # [tp, 6, microbatch]
+        fwd, bwd = stacked[:, 4], stacked[:, 5]
+        # TP siblings meet in every op's all-reduce, so the group runs at its slowest member's
+        # pace: the group's busy time is the largest.
         if not (np.isnan(fwd).any() or np.isnan(bwd).any()):
-            return np.median(fwd, axis=0), np.median(bwd, axis=0)  # common case, much faster
+            return fwd.max(axis=0), bwd.max(axis=0)  # common case, much faster
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN column: op not recorded
-            return np.nanmedian(fwd, axis=0), np.nanmedian(bwd, axis=0)
+            return np.nanmax(fwd, axis=0), np.nanmax(bwd, axis=0)
 
     def _predict_busy(self, keys, feats: np.ndarray) -> float:
         total = 0.0
@@ -433,7 +438,16 @@ class FailSlowDetector:
                         gaps[(peer, o.rank)] = max(float(bwd), 0.0)
         return gaps
 
-    def _predict_iteration(self, groups, keys, feats, observed_iter: float) -> float | None:
+    def _predict_iteration(self, groups, keys, feats, observed_iter: float, contention: float) -> float | None:
+        """The iteration's wall time from the predicted busy time of its ops.
+
+        ``contention`` is this iteration's wall seconds per busy second over all ops. Ops take
+        longer than their busy time when ranks share a device (CPU cores); the median over recent
+        healthy iterations turns predicted busy times into wall times (1 on a dedicated device).
+        """
+        if not self._contention_history:
+            self._contention_history.append(contention)
+        scale = float(np.median(self._contention_history))
         replicas = sorted({g[0] for g in groups})
         spans = []
         for r in replicas:
@@ -446,7 +460,7 @@ class FailSlowDetector:
                 up, down = self._group_ranks[(r, s)], self._group_ranks[(r, s + 1)]
                 known = [self._link_base[(a, b)] for a, b in zip(up, down) if (a, b) in self._link_base]
                 p2p.append(max(known) if known else 0.0)
-            pred = predict_replica(self.predictor, [keys[(r, s)] for s in stages], feats[r], p2p)
+            pred = predict_replica(self.predictor, [keys[(r, s)] for s in stages], feats[r], p2p, op_scale=scale)
             spans.append(pred.total_s)
         span = max(spans)
         # Work outside the schedule (DP gradient sync, optimizer step) is learnt as the median
@@ -455,4 +469,5 @@ class FailSlowDetector:
         settled = len(self._overhead_history) >= 3  # before that the estimate itself is unknown
         if not settled or observed_iter / max(span + overhead, 1e-12) <= self.config.slowdown_threshold:
             self._overhead_history.append(max(observed_iter - span, 0.0))
+            self._contention_history.append(contention)
         return span + overhead

@@ -30,6 +30,8 @@ class RankObservation:
             the op's inputs arrived (pipeline receive waits are outside the op).
         features: per micro-batch of the replica, ``(num_tokens, sum_sq)`` of its documents.
         iteration_s: the rank's wall-clock iteration time.
+        busy: per op in ``ops``, the seconds the device worked on it (CPU time of the rank's
+            thread when ranks share CPU cores). Empty: the op's wall duration is its busy time.
     """
 
     rank: int
@@ -39,6 +41,7 @@ class RankObservation:
     ops: tuple[OpRecord, ...]
     features: tuple[tuple[int, int], ...]
     iteration_s: float
+    busy: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if min(self.rank, self.replica, self.stage, self.tp_rank) < 0:
@@ -51,6 +54,13 @@ class RankObservation:
                 )
         if not self.iteration_s > 0:
             raise ValueError(f"rank {self.rank}: iteration_s must be > 0, got {self.iteration_s}")
+        if self.busy and (len(self.busy) != len(self.ops) or min(self.busy) < 0):
+            raise ValueError(f"rank {self.rank}: busy needs one time >= 0 per op ({len(self.ops)}), "
+                             f"got {len(self.busy)}")
+
+    def op_busy(self) -> tuple[float, ...]:
+        """Per op, the device seconds it took (its wall duration when no busy time was measured)."""
+        return self.busy or tuple(end - start for _, _, start, end in self.ops)
 
 
 @dataclass(frozen=True)

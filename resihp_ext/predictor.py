@@ -281,6 +281,7 @@ def predict_replica(
     p2p_s: float | Sequence[float] = 0.0,
     allreduce_s: float | Sequence[float] = 0.0,
     overhead_s: float = 0.0,
+    op_scale: float = 1.0,
 ) -> ReplicaPrediction:
     """Predict one replica's iteration from its micro-batch features under 1F1B.
 
@@ -291,6 +292,8 @@ def predict_replica(
         p2p_s: one-way transfer seconds (float or per boundary).
         allreduce_s: gradient-sync seconds (float or per stage).
         overhead_s: seconds added to the total for work outside the schedule (optimizer step).
+        op_scale: wall seconds per predicted op second (1 on a dedicated device; more when ranks
+            share cores, so an op's wall time exceeds the busy time the predictor fits).
 
     Returns:
         A ``ReplicaPrediction``.
@@ -302,8 +305,8 @@ def predict_replica(
         cf, cb = predictor.coefficients(fkey), predictor.coefficients(bkey)
         if cf is None or cb is None:
             raise KeyError(f"stage keys {fkey!r}/{bkey!r} are not fitted yet")
-        fwd.append(tuple(cf.alpha * feats[:, 0] + cf.beta * feats[:, 1]))
-        bwd.append(tuple(cb.alpha * feats[:, 0] + cb.beta * feats[:, 1]))
+        fwd.append(tuple(op_scale * (cf.alpha * feats[:, 0] + cf.beta * feats[:, 1])))
+        bwd.append(tuple(op_scale * (cb.alpha * feats[:, 0] + cb.beta * feats[:, 1])))
     sim = simulate_iteration(one_f_one_b(num_stages, len(feats)), fwd, bwd, p2p_s, allreduce_s, keep_ops=False)
     if overhead_s:
         sim = IterationPrediction(sim.total_s + overhead_s, tuple(t + overhead_s for t in sim.stage_finish_s))

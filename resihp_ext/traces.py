@@ -12,7 +12,8 @@ Format (one JSON object per line, UTF-8):
      "link_s": [[3, 11, 0.0049]], "unresponsive": []}                            <- optional
 
 ``ops`` items are ``[kind, microbatch, start_s, end_s]`` (or objects with those keys),
-``features`` items ``[num_tokens, sum_sq]`` (or objects with those keys). The loader is
+``features`` items ``[num_tokens, sum_sq]`` (or objects with those keys); the optional ``busy``
+holds each op's device seconds (see ``RankObservation.busy``). The loader is
 tolerant: blank lines and lines starting with ``#`` are skipped, unknown keys are ignored, the
 header is optional (the layout is then inferred from the rows), and malformed rows are counted in
 ``Trace.skipped`` instead of aborting the load.
@@ -77,6 +78,7 @@ def observation_to_dict(iteration: int, obs: RankObservation) -> dict:
         "ops": [[k, m, round(a, 7), round(b, 7)] for k, m, a, b in obs.ops],
         "features": [[int(n), int(s)] for n, s in obs.features],
         "iteration_s": obs.iteration_s,
+        **({"busy": [round(b, 7) for b in obs.busy]} if obs.busy else {}),
     }
 
 
@@ -102,6 +104,7 @@ def observation_from_dict(row: dict) -> tuple[int, RankObservation]:
             ops=tuple(ops),
             features=tuple(features),
             iteration_s=float(row["iteration_s"]),
+            busy=tuple(float(b) for b in row.get("busy", ())),
         )
         return int(row["iteration"]), obs
     except (KeyError, TypeError, IndexError) as exc:

@@ -23,28 +23,24 @@ _PROBE_SIZE = 256
 _PROBE_REPEATS = 8
 
 
-def gemm_probe_s(device: torch.device, slowdown_factor: float, samples: int = 5) -> float:
-    """Seconds of a fixed GEMM workload on this rank, as slow as its real compute.
+def gemm_probe_s(device: torch.device, samples: int = 5) -> float:
+    """Busy seconds of a fixed GEMM workload on this rank, as slow as its real compute.
 
-    The minimum over ``samples`` runs: the work is fixed, so interference (other processes on the
-    host, the OS) can only add time, and the fastest run is the device's own speed.
+    Timed like the training ops (``RECORDER``'s busy clock, stretched by an injected slowdown).
+    The minimum over ``samples`` runs: the work is fixed, so interference can only add time, and
+    the fastest run is the device's own speed.
     """
     a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, device=device)
     b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, device=device)
     times = []
     for _ in range(samples):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+        RECORDER.synchronize()
+        start = RECORDER.busy_clock()
         for _ in range(_PROBE_REPEATS):
             a = torch.tanh(a @ b)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        if slowdown_factor > 1.0:
-            time.sleep((slowdown_factor - 1.0) * elapsed)
-            elapsed *= slowdown_factor
-        times.append(elapsed)
+        RECORDER.synchronize()
+        RECORDER.stretch(RECORDER.busy_clock() - start)
+        times.append(RECORDER.busy_clock() - start)
     return min(times)
 
 
@@ -79,12 +75,12 @@ class LiveDetector:
         self.clock_offset_s = job_clock_offset()
         self.last_probes: ProbeResults | None = None
 
-    def observation(self, iteration_s: float, ops, features) -> RankObservation:
+    def observation(self, iteration_s: float, ops, features, busy=()) -> RankObservation:
         shift = self.clock_offset_s
         return RankObservation(
             rank=self.rank, replica=self.replica, stage=self.stage, tp_rank=self.tp_rank,
             ops=tuple((k, mb, s + shift, e + shift) for k, mb, s, e in ops),
-            features=tuple(tuple(f) for f in features), iteration_s=iteration_s,
+            features=tuple(tuple(f) for f in features), iteration_s=iteration_s, busy=tuple(busy),
         )
 
     def observe(self, iteration: int, mine: RankObservation) -> tuple[list[RankObservation], object | None]:
@@ -114,7 +110,7 @@ class LiveDetector:
         mine = 0.0
         for rank in sorted(ranks):
             if rank == self.rank:
-                mine = gemm_probe_s(self.device, RECORDER.slowdown_factor)
+                mine = gemm_probe_s(self.device)
             dist.barrier()
         times: list = [None] * dist.get_world_size()
         dist.all_gather_object(times, mine)

@@ -237,7 +237,7 @@ class ResilienceHooks(LayoutChanges):
     def after_iteration(self, iteration: int, elapsed_s: float, result, objects, quotas):
         if self.live is None:
             return objects, quotas
-        mine = self.live.observation(result.iteration_s, result.ops, result.features)
+        mine = self.live.observation(result.iteration_s, result.ops, result.features, result.busy)
         gathered, found = self.live.observe(iteration, mine)
         self.last_observations = gathered
         if self.trace is not None:

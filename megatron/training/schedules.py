@@ -5,6 +5,14 @@ on this rank (the detector's raw input), for stretching them when a compute slow
 and for running megatron-core's own 1F1B schedule with this replica's micro-batch count. It never
 decides anything: timings go out as plain tuples.
 
+Each op gets two times. Its wall-clock start and end place it on the job's timeline (pipeline
+transfers are the gaps between ops). Its *busy* time is how long the device worked on it, which
+is what a device's speed changes. On CUDA the two agree (the op is bracketed by synchronizes). On
+CPU they do not when ranks share cores: a rank's op takes as long in wall time as the scheduler
+lets it, so busy time is the main thread's CPU time (``time.thread_time``; torch runs one thread
+per rank). Measured on a 2-core host with 8 processes running a fixed GEMM: wall time 3.8x the
+one-process figure with 13% spread, CPU time 1.04x with 4% spread, the same spread as alone.
+
 The hooks wrap the module-level ``forward_step`` / ``backward_step`` functions that
 ``megatron.core.pipeline_parallel.schedules`` calls by name, so the order they record is exactly
 the order megatron-core executes (asserted against ``resihp_ext.schedule`` in tests).
@@ -30,15 +38,43 @@ class OpRecorder:
     """Collects this rank's op timings for one iteration; inactive outside ``train_step``."""
 
     synchronize: Callable[[], None] = lambda: None
+    busy_clock: Callable[[], float] = time.thread_time
     slowdown_factor: float = 1.0
     active: bool = False
     iteration_start_s: float = 0.0
     ops: list[OpRecord] = dataclasses.field(default_factory=list)
+    busy: list[float] = dataclasses.field(default_factory=list)  # per op in ``ops``, device seconds
     features: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     _next_mb: dict[str, int] = dataclasses.field(default_factory=dict)
 
+    def use_device(self, device_type: str) -> None:
+        """Time ops the way ``device_type`` (``"cuda"`` or ``"cpu"``) measures device work."""
+        if device_type == "cuda":
+            import torch
+
+            self.synchronize, self.busy_clock = torch.cuda.synchronize, time.perf_counter
+        else:
+            self.synchronize, self.busy_clock = (lambda: None), time.thread_time
+
+    def stretch(self, busy_s: float) -> None:
+        """Make the device work ``(slowdown_factor - 1) * busy_s`` longer (an injected slowdown).
+
+        On CPU the rank computes for that long, so the extra time is busy time, as it is for a
+        throttled device; elsewhere the host waits, as it would for a slow GPU.
+        """
+        extra = (self.slowdown_factor - 1.0) * busy_s
+        if extra <= 0:
+            return
+        if self.busy_clock is time.thread_time:
+            until = time.thread_time() + extra
+            while time.thread_time() < until:
+                pass
+        else:
+            time.sleep(extra)
+
     def start_iteration(self) -> None:
-        self.ops, self.features, self._next_mb = [], [], {OpKind.FORWARD.value: 0, OpKind.BACKWARD.value: 0}
+        self.ops, self.busy, self.features = [], [], []
+        self._next_mb = {OpKind.FORWARD.value: 0, OpKind.BACKWARD.value: 0}
         self.active = True
         self.iteration_start_s = time.perf_counter()
 
@@ -46,17 +82,16 @@ class OpRecorder:
         if not self.active:
             return fn(*args, **kwargs)
         self.synchronize()
-        start = time.perf_counter()
+        start, busy_start = time.perf_counter(), self.busy_clock()
         result = fn(*args, **kwargs)
         self.synchronize()
-        end = time.perf_counter()
         if self.slowdown_factor > 1.0:
-            # An injected compute slowdown: the op takes factor x its real time.
-            time.sleep((self.slowdown_factor - 1.0) * (end - start))
-            end = time.perf_counter()
+            self.stretch(self.busy_clock() - busy_start)
+        busy, end = self.busy_clock() - busy_start, time.perf_counter()
         mb = self._next_mb[kind.value]
         self._next_mb[kind.value] = mb + 1
         self.ops.append((kind.value, mb, start, end))
+        self.busy.append(busy)
         return result
 
 
@@ -87,6 +122,7 @@ class StepResult:
     grad_norm: float | None
     skipped: bool
     ops: list[OpRecord]
+    busy: list[float]  # per op, device seconds (see the module docstring)
     features: list[tuple[int, int]]
     iteration_start_s: float
     iteration_s: float  # schedule start to optimizer step end, on this rank
@@ -133,6 +169,7 @@ def train_step(
         grad_norm=None if grad_norm is None else float(grad_norm),
         skipped=not update_successful,
         ops=list(RECORDER.ops),
+        busy=list(RECORDER.busy),
         features=list(RECORDER.features),
         iteration_start_s=RECORDER.iteration_start_s,
         iteration_s=time.perf_counter() - RECORDER.iteration_start_s,

@@ -24,7 +24,7 @@ from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.logging_utils import EventLog, TensorBoard, iteration_line, log_line
 from megatron.training.model_builder import build_training_objects
 from megatron.training.resilience import StopTraining
-from megatron.training.schedules import install_hooks, train_step
+from megatron.training.schedules import RECORDER, install_hooks, train_step
 
 
 def _is_last_rank() -> bool:
@@ -109,6 +109,7 @@ def pretrain(
     objects = build_training_objects(args, args.layers_per_stage)
     if not os.environ.get("RESIHP_DISABLE_OP_HOOKS"):  # only for measuring the hooks' own cost
         install_hooks()
+    RECORDER.use_device("cuda" if args.device == "cuda" else "cpu")
     iteration, consumed = checkpointing.load_checkpoint(args, objects) if args.load else (0, 0)
     if iteration and _is_last_rank():
         log_line(f" loaded checkpoint from {args.load} at iteration {iteration} (consumed samples {consumed})")
