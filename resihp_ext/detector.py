@@ -57,7 +57,10 @@ from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of t
 # A link is only suspect when its transfer also grew by this many seconds in absolute terms, so a
 # sub-millisecond baseline jittering by a few microseconds never looks like a 2x slowdown.
 _MIN_LINK_EXCESS_S = 1e-3
-_MIN_LINK_EXCESS_FRACTION = 0.01  # of the iteration time
+_MIN_LINK_EXCESS_FRACTION = 0.01  # of the iteration time, summed over the link's transfers
+# Wall seconds per busy second of ops above which ranks share devices (CPU cores): a transfer's
+# gap then measures the OS scheduler more than the link, and links are not judged.
+_SHARED_DEVICE_CONTENTION = 1.5
 # Healthy iterations remembered for link baselines and for the iteration overhead estimate.
 _HISTORY = 32
 
@@ -202,23 +205,26 @@ class FailSlowDetector:
                 for o in groups[g]:
                     t = times[o.rank]
                     rank_ratio[o.rank] = float(np.nansum(t[4]) + np.nansum(t[5])) / predicted
+        wall = sum(float(np.nansum(t[1] - t[0]) + np.nansum(t[3] - t[2])) for t in times.values())
+        busy = sum(float(np.nansum(t[4]) + np.nansum(t[5])) for t in times.values())
+        contention = wall / busy if busy > 0 else 1.0
         gaps = self._link_gaps(groups, times)
         link_ratio = {}
         self._link_base = self._link_history.medians(min_count=3)
         observed_iter = float(np.median([o.iteration_s for o in observations]))
-        # A transfer is only suspect when its excess matters to the iteration: on a busy host the
-        # OS scheduler alone moves sub-millisecond gaps by large factors.
+        # A transfer is only suspect when its excess, over all the link's transfers in the
+        # iteration, matters to the iteration: a sub-millisecond baseline jittering by a few
+        # microseconds is not a 2x slowdown.
         min_excess_s = max(_MIN_LINK_EXCESS_S, _MIN_LINK_EXCESS_FRACTION * observed_iter)
-        for link, gap in gaps.items():
+        shared = float(np.median(self._contention_history or [contention])) >= _SHARED_DEVICE_CONTENTION
+        for link, (gap, transfers) in gaps.items():
             base = self._link_base.get(link)
-            if base is not None:
-                if gap - base > min_excess_s:
-                    link_ratio[link] = gap / max(base, 1e-9)
-                else:
-                    link_ratio[link] = min(gap / max(base, 1e-9), 1.0)
-        wall = sum(float(np.nansum(t[1] - t[0]) + np.nansum(t[3] - t[2])) for t in times.values())
-        busy = sum(float(np.nansum(t[4]) + np.nansum(t[5])) for t in times.values())
-        contention = wall / busy if busy > 0 else 1.0
+            if base is None or shared:
+                continue
+            if (gap - base) * transfers > min_excess_s:
+                link_ratio[link] = gap / max(base, 1e-9)
+            else:
+                link_ratio[link] = min(gap / max(base, 1e-9), 1.0)
         predicted_iter = self._predict_iteration(groups, keys, feats, observed_iter, contention) if fitted else None
         self.last_report = DetectorReport(
             iteration, judged, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter
@@ -241,7 +247,7 @@ class FailSlowDetector:
             data = data[np.isfinite(data[:, 2]) & (data[:, 2] > 0)]
             if len(data):
                 self.predictor.observe_batch(key, data[:, 0], data[:, 1], data[:, 2])
-        for link, gap in gaps.items():
+        for link, (gap, _) in gaps.items():
             if link_ratio.get(link, 1.0) <= threshold and link not in self._muted:
                 self._link_history.add(link, gap)
         return suspicion
@@ -416,8 +422,13 @@ class FailSlowDetector:
         return total
 
     @staticmethod
-    def _link_gaps(groups, times) -> dict[LinkId, float]:
-        gaps: dict[LinkId, float] = {}
+    def _link_gaps(groups, times) -> dict[LinkId, tuple[float, int]]:
+        """Per directed link, (its smallest gap this iteration, how many transfers it made).
+
+        A gap (receiver's op start - sender's op end) is an upper bound of the transfer time, as
+        the receiver's op starts after its input arrived; the smallest is the tightest.
+        """
+        gaps: dict[LinkId, tuple[float, int]] = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: no common micro-batch
             for (replica, stage), obs in groups.items():
@@ -430,12 +441,12 @@ class FailSlowDetector:
                     if peer is None:
                         continue
                     up, down = times[o.rank], times[peer]
-                    fwd = np.nanmin(down[0] - up[1])  # activation: receiver's F start - sender's F end
-                    bwd = np.nanmin(up[2] - down[3])  # gradient: sender's B start - receiver's B end
-                    if np.isfinite(fwd):
-                        gaps[(o.rank, peer)] = max(float(fwd), 0.0)
-                    if np.isfinite(bwd):
-                        gaps[(peer, o.rank)] = max(float(bwd), 0.0)
+                    fwd = down[0] - up[1]  # activation: receiver's F start - sender's F end
+                    bwd = up[2] - down[3]  # gradient: sender's B start - receiver's B end
+                    for link, gap in (((o.rank, peer), fwd), ((peer, o.rank), bwd)):
+                        count = int(np.isfinite(gap).sum())
+                        if count:
+                            gaps[link] = (max(float(np.nanmin(gap)), 0.0), count)
         return gaps
 
     def _predict_iteration(self, groups, keys, feats, observed_iter: float, contention: float) -> float | None:
