@@ -63,6 +63,9 @@ class ResilienceHooks(LayoutChanges):
         self.rank = dist.get_rank()
         self.replica_index = parallel_state.get_data_parallel_rank()
         self.faults = [f for f in self.cfg.faults if f.rank == self.rank]
+        if any(f.kind is FaultKind.LINK for f in self.faults):
+            log_line(f" resihp: warning: rank {self.rank}: link faults are not applied to live transfers yet "
+                     "(they drive synthetic traces only); this one is ignored")
         args.replica_index = self.replica_index
         self.sync = None  # LayoutGradSync while replicas differ
         self.last_observations: list = []
