@@ -61,7 +61,7 @@ def forward_step(data_iterator, model):
     if args.reset_attention_mask:
         RECORDER.features.append(microbatch_features(tokens, args.tokenizer.eod))
     else:  # attention spans the whole sample: one "document" of seq_length per sample
-        RECORDER.features.append((tokens.numel(), tokens.shape[0] * tokens.shape[1] ** 2))
+        RECORDER.features.append((tokens.numel(), tokens.shape[0] * tokens.shape[1] ** 2, tokens.shape[0]))
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     tokens = tokens.to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)

@@ -44,7 +44,7 @@ from resihp_ext.observations import (  # noqa: F401  (part of this module's API)
     RankObservation,
     Suspicion,
 )
-from resihp_ext.predictor import MicrobatchPredictor, predict_replica
+from resihp_ext.predictor import MicrobatchPredictor, as_feature_array, predict_replica
 from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of this API)
     Cleared,
     ProbeResults,
@@ -243,10 +243,10 @@ class FailSlowDetector:
             for key, dur in zip(keys[g], (fwd, bwd)):
                 batches[key].append(np.column_stack([feats[g[0]], dur]))
         for key, parts in batches.items():
-            data = np.concatenate(parts)
-            data = data[np.isfinite(data[:, 2]) & (data[:, 2] > 0)]
+            data = np.concatenate(parts)  # columns: tokens, sum_sq, documents, seconds
+            data = data[np.isfinite(data[:, 3]) & (data[:, 3] > 0)]
             if len(data):
-                self.predictor.observe_batch(key, data[:, 0], data[:, 1], data[:, 2])
+                self.predictor.observe_batch(key, data[:, 0], data[:, 1], data[:, 3], num_docs=data[:, 2])
         for link, (gap, _) in gaps.items():
             if link_ratio.get(link, 1.0) <= threshold and link not in self._muted:
                 self._link_history.add(link, gap)
@@ -386,7 +386,7 @@ class FailSlowDetector:
             g = (obs.replica, obs.stage)
             groups[g].append(obs)
             if obs.replica not in feats:
-                feats[obs.replica] = np.asarray(obs.features, dtype=float).reshape(-1, 2)
+                feats[obs.replica] = as_feature_array(obs.features)
         for g, obs in groups.items():
             obs.sort(key=lambda o: o.tp_rank)
             self._group_ranks[g] = tuple(o.rank for o in obs)
@@ -418,7 +418,7 @@ class FailSlowDetector:
         total = 0.0
         for key in keys:
             c = self.predictor.coefficients(key)
-            total += c.alpha * feats[:, 0].sum() + c.beta * feats[:, 1].sum()
+            total += float(c.predict(feats[:, 0], feats[:, 1], feats[:, 2]).sum())
         return total
 
     @staticmethod

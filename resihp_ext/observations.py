@@ -28,7 +28,8 @@ class RankObservation:
         ops: per forward/backward executed, ``(kind, microbatch, start_s, end_s)`` with kind
             ``"F"`` or ``"B"``; times in seconds from the rank's iteration start, start taken after
             the op's inputs arrived (pipeline receive waits are outside the op).
-        features: per micro-batch of the replica, ``(num_tokens, sum_sq)`` of its documents.
+        features: per micro-batch of the replica, ``(num_tokens, sum_sq, num_docs)`` of its
+            documents (``(num_tokens, sum_sq)`` is read as having no document count).
         iteration_s: the rank's wall-clock iteration time.
         busy: per op in ``ops``, the seconds the device worked on it (CPU time of the rank's
             thread when ranks share CPU cores). Empty: the op's wall duration is its busy time.
@@ -39,7 +40,7 @@ class RankObservation:
     stage: int
     tp_rank: int
     ops: tuple[OpRecord, ...]
-    features: tuple[tuple[int, int], ...]
+    features: tuple[tuple[int, ...], ...]
     iteration_s: float
     busy: tuple[float, ...] = ()
 
@@ -54,6 +55,8 @@ class RankObservation:
                 )
         if not self.iteration_s > 0:
             raise ValueError(f"rank {self.rank}: iteration_s must be > 0, got {self.iteration_s}")
+        if any(len(f) not in (2, 3) for f in self.features):
+            raise ValueError(f"rank {self.rank}: micro-batch features are (num_tokens, sum_sq[, num_docs])")
         if self.busy and (len(self.busy) != len(self.ops) or min(self.busy) < 0):
             raise ValueError(f"rank {self.rank}: busy needs one time >= 0 per op ({len(self.ops)}), "
                              f"got {len(self.busy)}")

@@ -1,14 +1,19 @@
 """Time prediction from data: the micro-batch cost model and the iteration predictor built on it.
 
 Responsible for learning, online, how long one forward or backward of one micro-batch takes on a
-given stage configuration, ``T = alpha * N + beta * sum_i l_i^2`` (``N`` tokens, ``l_i`` the lengths
-of the documents packed into the micro-batch), and for turning an iteration's micro-batch features
-into a predicted iteration time by walking the pipeline schedule (``resihp_ext.simulator``).
+given stage configuration, ``T = alpha * N + beta * sum_i l_i^2 + gamma * D`` (``N`` tokens, ``l_i``
+the lengths of the ``D`` documents packed into the micro-batch), and for turning an iteration's
+micro-batch features into a predicted iteration time by walking the pipeline schedule
+(``resihp_ext.simulator``).
+
+Why ``gamma * D``: attention runs once per document, and each run has a fixed cost. On a small
+model it outweighs the quadratic term: measured on live CPU runs (hidden 64, sequence 64), op time
+fell as ``sum l^2`` grew, because fewer, longer documents mean fewer attention runs.
 
 Why no intercept: with fixed-length packing every micro-batch holds the same ``N`` tokens, so an
 intercept and ``alpha * N`` are the same column and the fit would be singular; a fixed per-op cost
-is absorbed by ``alpha`` instead. A tiny ridge term keeps the 2x2 solve stable while a key has
-seen only one ``N``.
+is absorbed by ``alpha`` instead. A tiny ridge term keeps the solve stable while a key has seen
+only one ``N`` (or no document counts: callers that pass none fit ``gamma = 0``).
 
 It must never read clocks, files or process groups; the caller decides which observations are
 healthy enough to learn from (a fail-slow must not be learnt as the new normal).
@@ -16,6 +21,7 @@ healthy enough to learn from (a fail-slow must not be learnt as the new normal).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,22 +35,42 @@ from resihp_ext.simulator import IterationPrediction, simulate_iteration
 # whatever the units (N ~ 1e4 tokens, sum_sq ~ 1e8 tokens^2).
 _N_SCALE = 1e-4
 _S_SCALE = 1e-8
+_D_SCALE = 1e-2
+_SCALES = np.array([_N_SCALE, _S_SCALE, _D_SCALE])
+# The robust first fit solves through subsets of samples; at most this many subsets are tried.
+_MAX_SUBSETS = 512
 # During the first fit a sample more than ~20% off the robust fit is treated as warm-up.
 _TRIM_LOG_ERROR = 0.18
 # Consecutive rejected samples (in multiples of ``min_samples``) after which a fit is rebuilt.
 _REFIT_AFTER = 3
 
 
+def as_feature_array(features) -> np.ndarray:
+    """Micro-batch features as a float array ``[micro-batch, 3]``: (tokens, sum_sq, documents).
+
+    Features given without a document count get 0 there.
+    """
+    feats = np.asarray(features, dtype=float)
+    feats = feats.reshape(-1, feats.shape[-1] if feats.size else 3)
+    if feats.shape[1] == 2:
+        feats = np.column_stack([feats, np.zeros(len(feats))])
+    if feats.shape[1] != 3:
+        raise ValueError(f"micro-batch features are (num_tokens, sum_sq[, num_docs]), got {feats.shape[1]} values")
+    return feats
+
+
 @dataclass(frozen=True, slots=True)
 class Coefficients:
-    """A fitted micro-batch model: ``seconds = alpha * num_tokens + beta * sum_sq``."""
+    """A fitted micro-batch model: ``seconds = alpha * num_tokens + beta * sum_sq + gamma * num_docs``."""
 
     alpha: float
     beta: float
     num_samples: int
+    gamma: float = 0.0
 
-    def predict(self, num_tokens: float, sum_sq: float) -> float:
-        return self.alpha * num_tokens + self.beta * sum_sq
+    def predict(self, num_tokens, sum_sq, num_docs=0.0):
+        """Seconds for scalars or numpy arrays of features."""
+        return self.alpha * num_tokens + self.beta * sum_sq + self.gamma * num_docs
 
 
 class _KeyModel:
@@ -54,17 +80,17 @@ class _KeyModel:
         self.min_samples = min_samples
         self.outlier_ratio = outlier_ratio
         self.ridge = ridge
-        self.xtx = np.zeros((2, 2))
-        self.xty = np.zeros(2)
+        self.xtx = np.zeros((3, 3))
+        self.xty = np.zeros(3)
         self.count = 0
         self.rejected = 0
-        self.buffer: list[tuple[float, float, float]] = []
+        self.buffer: list[tuple[float, float, float, float]] = []  # (n, s, d, seconds)
         self.coef: Coefficients | None = None
         # Recent consecutive rejections: when there are many in a row the fit itself is stale
         # (e.g. it was made on warm-up samples only), so it is rebuilt from them.
-        self.recent_rejected: list[tuple[float, float, float]] = []
+        self.recent_rejected: list[tuple[float, float, float, float]] = []
 
-    def _note_rejected(self, samples: list[tuple[float, float, float]]) -> None:
+    def _note_rejected(self, samples: list[tuple[float, float, float, float]]) -> None:
         self.rejected += len(samples)
         self.recent_rejected.extend(samples)
         if len(self.recent_rejected) >= _REFIT_AFTER * self.min_samples:
@@ -74,79 +100,75 @@ class _KeyModel:
             self._first_fit()
 
     def _solve(self) -> None:
-        a = self.xtx + self.ridge * np.eye(2)
-        w = np.linalg.solve(a, self.xty)
-        self.coef = Coefficients(float(w[0]) * _N_SCALE, float(w[1]) * _S_SCALE, self.count)
+        w = np.linalg.solve(self.xtx + self.ridge * np.eye(3), self.xty) * _SCALES
+        self.coef = Coefficients(float(w[0]), float(w[1]), self.count, float(w[2]))
 
-    def _accumulate(self, n: float, s: float, y: float) -> None:
-        x = np.array([n * _N_SCALE, s * _S_SCALE])
-        self.xtx += np.outer(x, x)
-        self.xty += x * y
-        self.count += 1
-
-    def add(self, n: float, s: float, y: float) -> bool:
+    def add(self, n: float, s: float, d: float, y: float) -> bool:
         if self.coef is None:
-            self.buffer.append((n, s, y))
+            self.buffer.append((n, s, d, y))
             if len(self.buffer) >= self.min_samples:
                 self._first_fit()
             return True
-        predicted = self.coef.predict(n, s)
+        predicted = self.coef.predict(n, s, d)
         if predicted > 0 and not (1.0 / self.outlier_ratio <= y / predicted <= self.outlier_ratio):
-            self._note_rejected([(n, s, y)])
+            self._note_rejected([(n, s, d, y)])
             return False
         self.recent_rejected = []
-        self._accumulate(n, s, y)
+        self._accumulate(np.array([[n, s, d]]), np.array([y]))
         self._solve()
         return True
 
-    def add_batch(self, n: np.ndarray, s: np.ndarray, y: np.ndarray) -> int:
+    def _accumulate(self, features: np.ndarray, y: np.ndarray) -> None:
+        x = features * _SCALES
+        self.xtx += x.T @ x
+        self.xty += x.T @ y
+        self.count += len(y)
+
+    def add_batch(self, n: np.ndarray, s: np.ndarray, d: np.ndarray, y: np.ndarray) -> int:
         """Vectorised ``add`` (one solve per batch); returns how many samples were learnt."""
         if self.coef is None:
-            for row in zip(n, s, y):
+            for row in zip(n, s, d, y):
                 self.add(*map(float, row))
             return len(y)
-        predicted = self.coef.alpha * n + self.coef.beta * s
-        ratio = y / np.maximum(predicted, 1e-12)
+        ratio = y / np.maximum(self.coef.predict(n, s, d), 1e-12)
         keep = (ratio >= 1.0 / self.outlier_ratio) & (ratio <= self.outlier_ratio)
-        if keep.any():
-            self.recent_rejected = []
-        else:
-            self._note_rejected(list(zip(n.tolist(), s.tolist(), y.tolist())))
+        if not keep.any():
+            self._note_rejected(list(zip(n.tolist(), s.tolist(), d.tolist(), y.tolist())))
             return 0
+        self.recent_rejected = []
         self.rejected += int((~keep).sum())
-        if keep.any():
-            x = np.stack([n[keep] * _N_SCALE, s[keep] * _S_SCALE], axis=1)
-            self.xtx += x.T @ x
-            self.xty += x.T @ y[keep]
-            self.count += int(keep.sum())
-            self._solve()
+        self._accumulate(np.stack([n[keep], s[keep], d[keep]], axis=1), y[keep])
+        self._solve()
         return int(keep.sum())
 
     def _first_fit(self) -> None:
-        # Least median of squares: solve exactly through every pair of samples and keep the fit
-        # whose median error is smallest, so up to half the buffer may be warm-up outliers (first
-        # iteration, allocator growth) without bending the fit; then refit by least squares on
-        # the samples that fit agrees with.
+        # Least median of squares: solve exactly through subsets of as many samples as there are
+        # features in use and keep the fit whose median error is smallest, so up to half the
+        # buffer may be warm-up outliers (first iteration, allocator growth) without bending the
+        # fit; then refit by least squares on the samples that fit agrees with.
         data = np.array(self.buffer)
-        x = data[:, :2] * np.array([_N_SCALE, _S_SCALE])
-        y = np.maximum(data[:, 2], 1e-12)
+        x_all = data[:, :3] * _SCALES
+        y = np.maximum(data[:, 3], 1e-12)
+        used = [c for c in range(3) if np.any(x_all[:, c] != 0)]  # no document counts: 2 features
+        x = x_all[:, used]
+        subsets = list(itertools.combinations(range(len(y)), len(used)))
+        if len(subsets) > _MAX_SUBSETS:
+            picks = np.random.default_rng(0).choice(len(subsets), _MAX_SUBSETS, replace=False)
+            subsets = [subsets[i] for i in sorted(picks)]
         best, best_error = None, np.inf
-        for i in range(len(y)):
-            for j in range(i + 1, len(y)):
-                pair = x[[i, j]]
-                if abs(np.linalg.det(pair)) < 1e-12:
-                    continue
-                w = np.linalg.solve(pair, y[[i, j]])
-                error = np.median(np.abs(np.log(np.maximum(x @ w, 1e-12) / y)))
-                if error < best_error:
-                    best, best_error = w, error
-        if best is None:  # every pair degenerate (one distinct feature vector): plain ridge fit
-            best = np.linalg.solve(x.T @ x + self.ridge * np.eye(2), x.T @ y)
+        for rows in subsets:
+            pick = x[list(rows)]
+            if abs(np.linalg.det(pick)) < 1e-12:
+                continue
+            w = np.linalg.solve(pick, y[list(rows)])
+            error = np.median(np.abs(np.log(np.maximum(x @ w, 1e-12) / y)))
+            if error < best_error:
+                best, best_error = w, error
+        if best is None:  # every subset degenerate (too few distinct feature vectors): ridge fit
+            best = np.linalg.solve(x.T @ x + self.ridge * np.eye(len(used)), x.T @ y)
         error = np.abs(np.log(np.maximum(x @ best, 1e-12) / y))
         keep = error <= max(_TRIM_LOG_ERROR, 3.0 * float(np.median(error)))
-        for (n, s, yy), k in zip(self.buffer, keep):
-            if k:
-                self._accumulate(n, s, yy)
+        self._accumulate(data[keep, :3], data[keep, 3])
         self.rejected += int((~keep).sum())
         self.buffer = []
         self._solve()
@@ -203,7 +225,7 @@ class MicrobatchPredictor:
         model = self._models.get(key)
         return None if model is None else model.coef
 
-    def predict(self, key: Hashable, num_tokens: float, sum_sq: float) -> float:
+    def predict(self, key: Hashable, num_tokens: float, sum_sq: float, num_docs: float = 0.0) -> float:
         """Predicted seconds of one op with these features.
 
         Raises:
@@ -212,24 +234,26 @@ class MicrobatchPredictor:
         coef = self.coefficients(key)
         if coef is None:
             raise KeyError(f"no fit for key {key!r} yet; observe at least {self.min_samples} samples first")
-        return coef.predict(num_tokens, sum_sq)
+        return coef.predict(num_tokens, sum_sq, num_docs)
 
-    def observe(self, key: Hashable, num_tokens: float, sum_sq: float, seconds: float) -> bool:
+    def observe(self, key: Hashable, num_tokens: float, sum_sq: float, seconds: float,
+                num_docs: float = 0.0) -> bool:
         """Score the model on one measured op, then learn from it.
 
         Returns:
             True if the sample was learnt from, False if rejected as an outlier.
         """
-        if seconds <= 0 or num_tokens < 0 or sum_sq < 0:
-            raise ValueError(f"need seconds > 0 and non-negative features, got {seconds}, {num_tokens}, {sum_sq}")
+        if seconds <= 0 or num_tokens < 0 or sum_sq < 0 or num_docs < 0:
+            raise ValueError(f"need seconds > 0 and non-negative features, got {seconds}, {num_tokens}, "
+                             f"{sum_sq}, {num_docs}")
         model = self._models.get(key)
         if model is None:
             model = self._models[key] = _KeyModel(self.min_samples, self.outlier_ratio, self.ridge)
         if model.coef is not None:
-            self._errors.append(abs(model.coef.predict(num_tokens, sum_sq) - seconds) / seconds)
-        return model.add(float(num_tokens), float(sum_sq), float(seconds))
+            self._errors.append(abs(model.coef.predict(num_tokens, sum_sq, num_docs) - seconds) / seconds)
+        return model.add(float(num_tokens), float(sum_sq), float(num_docs), float(seconds))
 
-    def observe_batch(self, key: Hashable, num_tokens, sum_sq, seconds) -> int:
+    def observe_batch(self, key: Hashable, num_tokens, sum_sq, seconds, num_docs=None) -> int:
         """``observe`` for many samples of one key at once (same semantics, one solve).
 
         Returns:
@@ -238,15 +262,16 @@ class MicrobatchPredictor:
         n = np.asarray(num_tokens, dtype=float)
         s = np.asarray(sum_sq, dtype=float)
         y = np.asarray(seconds, dtype=float)
-        if not (n.shape == s.shape == y.shape) or (y <= 0).any() or (n < 0).any() or (s < 0).any():
+        d = np.zeros_like(n) if num_docs is None else np.asarray(num_docs, dtype=float)
+        if not (n.shape == s.shape == d.shape == y.shape) or (y <= 0).any() or (n < 0).any() or (s < 0).any() \
+                or (d < 0).any():
             raise ValueError("need equal-length feature/time arrays with seconds > 0 and features >= 0")
         model = self._models.get(key)
         if model is None:
             model = self._models[key] = _KeyModel(self.min_samples, self.outlier_ratio, self.ridge)
         if model.coef is not None:
-            predicted = model.coef.alpha * n + model.coef.beta * s
-            self._errors.extend((np.abs(predicted - y) / y).tolist())
-        return model.add_batch(n, s, y)
+            self._errors.extend((np.abs(model.coef.predict(n, s, d) - y) / y).tolist())
+        return model.add_batch(n, s, d, y)
 
     def mape(self) -> float | None:
         """Mean absolute percentage error (in %) over recent held-out predictions, or None."""
@@ -277,7 +302,7 @@ class ReplicaPrediction:
 def predict_replica(
     predictor: MicrobatchPredictor,
     stage_keys: Sequence[tuple[Hashable, Hashable]],
-    features: Sequence[tuple[float, float]],
+    features: Sequence[tuple[float, ...]],
     p2p_s: float | Sequence[float] = 0.0,
     allreduce_s: float | Sequence[float] = 0.0,
     overhead_s: float = 0.0,
@@ -288,7 +313,7 @@ def predict_replica(
     Args:
         predictor: fitted micro-batch predictor.
         stage_keys: per stage, ``(forward_key, backward_key)`` into ``predictor``.
-        features: per micro-batch ``(num_tokens, sum_sq)``, the same on every stage.
+        features: per micro-batch ``(num_tokens, sum_sq[, num_docs])``, the same on every stage.
         p2p_s: one-way transfer seconds (float or per boundary).
         allreduce_s: gradient-sync seconds (float or per stage).
         overhead_s: seconds added to the total for work outside the schedule (optimizer step).
@@ -299,14 +324,14 @@ def predict_replica(
         A ``ReplicaPrediction``.
     """
     num_stages = len(stage_keys)
-    feats = np.asarray(features, dtype=float).reshape(-1, 2)
+    feats = as_feature_array(features)
     fwd, bwd = [], []
     for fkey, bkey in stage_keys:
         cf, cb = predictor.coefficients(fkey), predictor.coefficients(bkey)
         if cf is None or cb is None:
             raise KeyError(f"stage keys {fkey!r}/{bkey!r} are not fitted yet")
-        fwd.append(tuple(op_scale * (cf.alpha * feats[:, 0] + cf.beta * feats[:, 1])))
-        bwd.append(tuple(op_scale * (cb.alpha * feats[:, 0] + cb.beta * feats[:, 1])))
+        fwd.append(tuple(op_scale * cf.predict(feats[:, 0], feats[:, 1], feats[:, 2])))
+        bwd.append(tuple(op_scale * cb.predict(feats[:, 0], feats[:, 1], feats[:, 2])))
     sim = simulate_iteration(one_f_one_b(num_stages, len(feats)), fwd, bwd, p2p_s, allreduce_s, keep_ops=False)
     if overhead_s:
         sim = IterationPrediction(sim.total_s + overhead_s, tuple(t + overhead_s for t in sim.stage_finish_s))

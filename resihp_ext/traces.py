@@ -5,14 +5,15 @@ Format (one JSON object per line, UTF-8):
     {"format": "resihp-trace", "version": 1, "layout": {"tp": 8, "pp": 4, "dp": 8},
      "num_microbatches": 8, "faults": ["slow:rank=3,factor=1.5,at=200"], ...}      <- header
     {"iteration": 17, "rank": 3, "replica": 0, "stage": 0, "tp_rank": 3,
-     "ops": [["F", 0, 0.0012, 0.0523], ...], "features": [[8192, 2310412], ...],
+     "ops": [["F", 0, 0.0012, 0.0523], ...], "features": [[8192, 2310412, 97], ...],
      "iteration_s": 1.734}                                                       <- one per rank
 
     {"event": "probe", "iteration": 19, "rank_s": {"3": 0.0151, "4": 0.0101},
      "link_s": [[3, 11, 0.0049]], "unresponsive": []}                            <- optional
 
 ``ops`` items are ``[kind, microbatch, start_s, end_s]`` (or objects with those keys),
-``features`` items ``[num_tokens, sum_sq]`` (or objects with those keys); the optional ``busy``
+``features`` items ``[num_tokens, sum_sq, num_docs]`` (or objects with those keys; traces without
+the document count are read with 0 there); the optional ``busy``
 holds each op's device seconds (see ``RankObservation.busy``). The loader is
 tolerant: blank lines and lines starting with ``#`` are skipped, unknown keys are ignored, the
 header is optional (the layout is then inferred from the rows), and malformed rows are counted in
@@ -76,7 +77,7 @@ def observation_to_dict(iteration: int, obs: RankObservation) -> dict:
         "stage": obs.stage,
         "tp_rank": obs.tp_rank,
         "ops": [[k, m, round(a, 7), round(b, 7)] for k, m, a, b in obs.ops],
-        "features": [[int(n), int(s)] for n, s in obs.features],
+        "features": [[int(x) for x in f] for f in obs.features],
         "iteration_s": obs.iteration_s,
         **({"busy": [round(b, 7) for b in obs.busy]} if obs.busy else {}),
     }
@@ -94,8 +95,8 @@ def observation_from_dict(row: dict) -> tuple[int, RankObservation]:
         features = []
         for item in row["features"]:
             if isinstance(item, dict):
-                item = (item["num_tokens"], item["sum_sq"])
-            features.append((int(item[0]), int(item[1])))
+                item = (item["num_tokens"], item["sum_sq"], item.get("num_docs", 0))
+            features.append(tuple(int(x) for x in item[:3]))
         obs = RankObservation(
             rank=int(row["rank"]),
             replica=int(row.get("replica", 0)),
@@ -315,12 +316,12 @@ def synthetic_trace(
             samples = sample_packed_workload(rng, dist, M * spec.micro_batch_size, spec.seq_length)
             per_mb = [samples[m * spec.micro_batch_size:(m + 1) * spec.micro_batch_size] for m in range(M)]
             feats = np.array([microbatch_features(mb) for mb in per_mb], dtype=float)
-            num_docs = np.array([sum(len(sample) for sample in mb) for mb in per_mb], dtype=float)
+            num_docs = feats[:, 2]
             replicas.append(_simulate_replica(spec, rng, r, feats, num_docs, schedule, slow, slow_links, iteration))
         iteration_s = max(span for span, _, _ in replicas) + spec.allreduce_s + spec.optimizer_s
         observations = []
         for r, (_, rank_ops, feats) in enumerate(replicas):
-            features = tuple((int(n), int(s)) for n, s in feats)
+            features = tuple((int(n), int(s), int(d)) for n, s, d in feats)
             for (stage, tp_rank), ops in rank_ops.items():
                 rank = spec.rank(r, stage, tp_rank)
                 if rank in silent:

@@ -245,19 +245,20 @@ def sample_packed_workload(
     return pack_documents(all_lengths, seq_length)[:num_samples]
 
 
-def microbatch_features(samples_doc_lengths: Sequence[Sequence[int]]) -> tuple[int, int]:
+def microbatch_features(samples_doc_lengths: Sequence[Sequence[int]]) -> tuple[int, int, int]:
     """The cost-model features of one micro-batch.
 
     Args:
         samples_doc_lengths: Per sample of the micro-batch, the lengths of its documents.
 
     Returns:
-        ``(num_tokens, sum_sq)``: total tokens and the sum of squared document lengths.
+        ``(num_tokens, sum_sq, num_docs)``: total tokens, the sum of squared document lengths,
+        and the number of documents (attention runs once per document).
     """
-    num_tokens = 0
-    sum_sq = 0
+    num_tokens = sum_sq = num_docs = 0
     for sample in samples_doc_lengths:
         for length in sample:
             num_tokens += int(length)
             sum_sq += int(length) * int(length)
-    return num_tokens, sum_sq
+            num_docs += 1
+    return num_tokens, sum_sq, num_docs

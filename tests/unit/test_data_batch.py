@@ -31,4 +31,4 @@ def test_cu_seqlens_flattens_sample_by_sample():
 
 def test_microbatch_features():
     tokens = torch.tensor([[1, 2, EOD, 3, EOD, 4, 5, 6], [EOD, 1, 1, 1, 1, 1, 1, EOD]])
-    assert microbatch_features(tokens, EOD) == (16, 9 + 4 + 9 + 1 + 49)
+    assert microbatch_features(tokens, EOD) == (16, 9 + 4 + 9 + 1 + 49, 5)

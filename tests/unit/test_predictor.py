@@ -14,7 +14,8 @@ ALPHA, BETA = 5e-6, 6e-10
 def _features(rng, n, seq_length=4096, per_mb=2):
     dist = LengthDistribution.parse("lognormal:median=300,sigma=1.3,min=16,max=4096")
     samples = sample_packed_workload(rng, dist, n * per_mb, seq_length)
-    return np.array([microbatch_features(samples[i * per_mb:(i + 1) * per_mb]) for i in range(n)], dtype=float)
+    # (tokens, sum_sq): the tests below check the two-feature model callers get without document counts.
+    return np.array([microbatch_features(samples[i * per_mb:(i + 1) * per_mb])[:2] for i in range(n)], dtype=float)
 
 
 def test_recovers_alpha_beta_from_noisy_packed_data():
@@ -30,6 +31,26 @@ def test_recovers_alpha_beta_from_noisy_packed_data():
     assert coef.alpha == pytest.approx(ALPHA, rel=0.03)
     assert coef.beta == pytest.approx(BETA, rel=0.05)
     assert pred.mape() < 3.0
+
+
+def test_recovers_per_document_cost_when_it_outweighs_attention():
+    # Small model: one attention run per document costs more than the quadratic term, so op time
+    # falls as sum l^2 grows (what live CPU runs at hidden 64 show). The document count fixes it.
+    rng = np.random.default_rng(2)
+    dist = LengthDistribution.parse("lognormal:median=48,sigma=1.0,min=8,max=1024")
+    samples = sample_packed_workload(rng, dist, 800, 64)
+    feats = np.array([microbatch_features(samples[2 * i:2 * i + 2]) for i in range(400)], dtype=float)
+    gamma = 1e-3
+    y = (2e-5 * feats[:, 0] + 1e-8 * feats[:, 1] + gamma * feats[:, 2]) * rng.lognormal(0, 0.02, len(feats))
+    assert np.corrcoef(feats[:, 1], y)[0, 1] < 0
+    with_docs, without = MicrobatchPredictor(), MicrobatchPredictor()
+    for part in (slice(0, 40), slice(40, None)):  # the second batch is scored before it is learnt
+        f = feats[part]
+        with_docs.observe_batch("k", f[:, 0], f[:, 1], y[part], num_docs=f[:, 2])
+        without.observe_batch("k", f[:, 0], f[:, 1], y[part])
+    assert with_docs.coefficients("k").gamma == pytest.approx(gamma, rel=0.05)
+    assert without.coefficients("k").gamma == 0.0
+    assert with_docs.mape() < 3.0 < without.mape()
 
 
 def test_recovers_with_varying_token_counts():

@@ -112,7 +112,7 @@ def test_sample_packed_workload_returns_exactly_n_samples():
 
 
 def test_microbatch_features():
-    assert microbatch_features([[3, 1], [4]]) == (8, 9 + 1 + 16)
-    assert microbatch_features([]) == (0, 0)
+    assert microbatch_features([[3, 1], [4]]) == (8, 9 + 1 + 16, 3)
+    assert microbatch_features([]) == (0, 0, 0)
     # One long document costs more attention than many short ones with the same tokens.
     assert microbatch_features([[64]])[1] > microbatch_features([[8] * 8])[1]

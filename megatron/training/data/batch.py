@@ -67,7 +67,7 @@ def cu_seqlens(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     return torch.tensor(bounds, dtype=torch.int32, device=tokens.device)
 
 
-def microbatch_features(tokens: torch.Tensor, eod: int) -> tuple[int, int]:
+def microbatch_features(tokens: torch.Tensor, eod: int) -> tuple[int, int, int]:
     """Cost-model features of one micro-batch.
 
     Args:
@@ -75,6 +75,7 @@ def microbatch_features(tokens: torch.Tensor, eod: int) -> tuple[int, int]:
         eod: The end-of-document id.
 
     Returns:
-        ``(num_tokens, sum_sq)``: ``b * s`` and the sum of squared segment lengths.
+        ``(num_tokens, sum_sq, num_docs)``: ``b * s``, the sum of squared segment lengths and the
+        number of segments.
     """
     return _features_from_lengths(document_lengths(tokens, eod))
