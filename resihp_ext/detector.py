@@ -456,9 +456,7 @@ class FailSlowDetector:
         longer than their busy time when ranks share a device (CPU cores); the median over recent
         healthy iterations turns predicted busy times into wall times (1 on a dedicated device).
         """
-        if not self._contention_history:
-            self._contention_history.append(contention)
-        scale = float(np.median(self._contention_history))
+        scale = float(np.median(self._contention_history)) if self._contention_history else contention
         replicas = sorted({g[0] for g in groups})
         spans = []
         for r in replicas:

@@ -174,10 +174,11 @@ class ResilienceHooks(LayoutChanges):
             self.store, self.generation, old_rank, self.layout, failed, self._preferred_plan,
             wait_s=3 * self.cfg.collective_timeout_s,
         )
-        if old_rank == min(set(self.layout.world_ranks) - failed):
-            self.monitor.evict(failed)
+        leader = old_rank == min(set(self.layout.world_ranks) - failed)
+        if leader:
+            self.monitor.evict(failed)  # a hung rank among them fences itself
         self.monitor.stop()
-        if old_rank == min(set(self.layout.world_ranks) - failed):
+        if leader:
             self.events.emit("plan", iteration, action=plan.action, reason=plan.reason, executed=plan.to_dict(),
                              preferred=preferred)
         log_line(f" resihp: plan ({plan.action}): {plan.reason}")

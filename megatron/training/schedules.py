@@ -9,8 +9,8 @@ Each op gets two times. Its wall-clock start and end place it on the job's timel
 transfers are the gaps between ops). Its *busy* time is how long the device worked on it, which
 is what a device's speed changes. On CUDA the two agree (the op is bracketed by synchronizes). On
 CPU they do not when ranks share cores: a rank's op takes as long in wall time as the scheduler
-lets it, so busy time is the main thread's CPU time (``time.thread_time``; torch runs one thread
-per rank). Measured on a 2-core host with 8 processes running a fixed GEMM: wall time 3.8x the
+lets it, so busy time is the main thread's CPU time (``time.thread_time``; with more than one
+torch thread per rank, the process's). Measured on a 2-core host with 8 processes running a fixed GEMM: wall time 3.8x the
 one-process figure with 13% spread, CPU time 1.04x with 4% spread, the same spread as alone.
 
 The hooks wrap the module-level ``forward_step`` / ``backward_step`` functions that
@@ -49,12 +49,16 @@ class OpRecorder:
 
     def use_device(self, device_type: str) -> None:
         """Time ops the way ``device_type`` (``"cuda"`` or ``"cpu"``) measures device work."""
-        if device_type == "cuda":
-            import torch
+        import torch
 
+        if device_type == "cuda":
             self.synchronize, self.busy_clock = torch.cuda.synchronize, time.perf_counter
         else:
-            self.synchronize, self.busy_clock = (lambda: None), time.thread_time
+            # With intra-op threads (RESIHP_CPU_THREADS > 1) the work is spread over them, so the
+            # whole process's CPU time is the closer measure (it also counts the small heartbeat
+            # and gloo threads).
+            clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
+            self.synchronize, self.busy_clock = (lambda: None), clock
 
     def stretch(self, busy_s: float) -> None:
         """Make the device work ``(slowdown_factor - 1) * busy_s`` longer (an injected slowdown).
@@ -65,9 +69,9 @@ class OpRecorder:
         extra = (self.slowdown_factor - 1.0) * busy_s
         if extra <= 0:
             return
-        if self.busy_clock is time.thread_time:
-            until = time.thread_time() + extra
-            while time.thread_time() < until:
+        if self.busy_clock is not time.perf_counter:  # CPU time: compute for that long
+            until = self.busy_clock() + extra
+            while self.busy_clock() < until:
                 pass
         else:
             time.sleep(extra)

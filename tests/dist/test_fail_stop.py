@@ -50,13 +50,19 @@ def reference(tmp_path_factory):
     return tmp / "ckpt", iteration_losses(log)
 
 
-def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference):
-    ref_ckpt, ref_losses = reference
+def _run_tp2pp2dp2(tmp_path, fault: str):
+    """The reference's job on 8 ranks (DP2) with one fault injected, under the local launcher."""
     log = tmp_path / "events.jsonl"
     proc = run_job(8, [*MODEL, *RESILIENT, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                        "--global-batch-size", "16", "--train-iters", "8", "--save", str(tmp_path / "ckpt"),
-                       "--resihp-event-log", str(log), "--resihp-inject", "kill:rank=5,at=4"], launcher="local")
+                       "--resihp-event-log", str(log), "--resihp-inject", fault], launcher="local")
     check(proc)
+    return proc, log
+
+
+def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference):
+    ref_ckpt, ref_losses = reference
+    proc, log = _run_tp2pp2dp2(tmp_path, "kill:rank=5,at=4")
     assert "rank 5 exited with signal SIGKILL" in proc.stdout + proc.stderr
     # Every survivor names the dead rank within 2 s of the kill.
     killed_at = read_events(log, "inject")[0]["time"]
@@ -79,11 +85,7 @@ def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference)
 
 def test_hung_rank_is_named_fenced_and_survived_in_place(tmp_path, reference):
     ref_ckpt, ref_losses = reference
-    log = tmp_path / "events.jsonl"
-    proc = run_job(8, [*MODEL, *RESILIENT, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                       "--global-batch-size", "16", "--train-iters", "8", "--save", str(tmp_path / "ckpt"),
-                       "--resihp-event-log", str(log), "--resihp-inject", "hang:rank=5,at=4"], launcher="local")
-    check(proc)
+    proc, log = _run_tp2pp2dp2(tmp_path, "hang:rank=5,at=4")
     output = proc.stdout + proc.stderr
     # Alive but stuck: named hung (never dead), left behind, and it fences itself.
     verdicts = read_events(log, "verdict")

@@ -89,16 +89,25 @@ def results(proc: subprocess.Popen, tmp_path: Path) -> tuple[int, str, dict[int,
     return proc.returncode, output, {int(p.stem[6:]): json.loads(p.read_text()) for p in tmp_path.glob("result*.json")}
 
 
-def test_sigkilled_rank_is_named_dead_by_every_survivor_within_2s(tmp_path):
-    proc = start(tmp_path, "kill")
+def run_worker(tmp_path: Path, mode: str, kill: int | None = None) -> tuple[int, str, dict[int, dict], float | None]:
+    """Run the worker in ``mode``; SIGKILL rank ``kill`` once heartbeats flow. Returns
+    (exit code, output, per-rank results, kill time)."""
+    proc = start(tmp_path, mode)
+    killed_at = None
     try:
         pids = wait_ready(proc, tmp_path)
-        time.sleep(1.0)  # heartbeats flowing, no one judged yet
-        killed_at = time.time()
-        os.kill(pids[2], signal.SIGKILL)
+        if kill is not None:
+            time.sleep(1.0)  # heartbeats flowing, no one judged yet
+            killed_at = time.time()
+            os.kill(pids[kill], signal.SIGKILL)
         code, output, res = results(proc, tmp_path)
     finally:
         proc.kill()
+    return code, output, res, killed_at
+
+
+def test_sigkilled_rank_is_named_dead_by_every_survivor_within_2s(tmp_path):
+    code, output, res, killed_at = run_worker(tmp_path, "kill", kill=2)
     assert sorted(res) == [0, 1, 3], output
     latencies = []
     for rank, r in res.items():
@@ -112,12 +121,7 @@ def test_sigkilled_rank_is_named_dead_by_every_survivor_within_2s(tmp_path):
 
 
 def test_rank_without_progress_is_named_hung(tmp_path):
-    proc = start(tmp_path, "hang")
-    try:
-        wait_ready(proc, tmp_path)
-        code, output, res = results(proc, tmp_path)
-    finally:
-        proc.kill()
+    code, output, res, _ = run_worker(tmp_path, "hang")
     assert code == 0, output
     assert sorted(res) == [0, 1, 2, 3], output
     stopped_at = res[1]["stopped_at"]
@@ -133,14 +137,7 @@ def test_rank_without_progress_is_named_hung(tmp_path):
 
 
 def test_survivor_blocked_after_a_death_is_not_named_hung(tmp_path):
-    proc = start(tmp_path, "stall")
-    try:
-        pids = wait_ready(proc, tmp_path)
-        time.sleep(1.0)
-        os.kill(pids[2], signal.SIGKILL)
-        code, output, res = results(proc, tmp_path)
-    finally:
-        proc.kill()
+    code, output, res, _ = run_worker(tmp_path, "stall", kill=2)
     assert sorted(res) == [0, 1, 3], output
     for rank, r in res.items():
         assert [e["ranks"] for e in r["dead"]] == [[2]], (rank, r)
@@ -149,12 +146,7 @@ def test_survivor_blocked_after_a_death_is_not_named_hung(tmp_path):
 
 
 def test_evicted_rank_is_told(tmp_path):
-    proc = start(tmp_path, "evict")
-    try:
-        wait_ready(proc, tmp_path)
-        code, output, res = results(proc, tmp_path)
-    finally:
-        proc.kill()
+    code, output, res, _ = run_worker(tmp_path, "evict")
     assert code == 0, output
     assert [e["ranks"] for e in res[0]["hung"]] == [[1]], res[0]
     assert len(res[1]["evicted"]) == 1, res[1]
