@@ -205,8 +205,9 @@ class FailSlowDetector:
                 for o in groups[g]:
                     t = times[o.rank]
                     rank_ratio[o.rank] = float(np.nansum(t[4]) + np.nansum(t[5])) / predicted
-        wall = sum(float(np.nansum(t[1] - t[0]) + np.nansum(t[3] - t[2])) for t in times.values())
-        busy = sum(float(np.nansum(t[4]) + np.nansum(t[5])) for t in times.values())
+        every_op = np.concatenate(list(times.values()), axis=1)  # one table for all ranks: one pass
+        wall = float(np.nansum(every_op[1] - every_op[0]) + np.nansum(every_op[3] - every_op[2]))
+        busy = float(np.nansum(every_op[4:6]))
         contention = wall / busy if busy > 0 else 1.0
         gaps = self._link_gaps(groups, times)
         link_ratio = {}
