@@ -5,6 +5,8 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
     slow:rank=3,factor=2.0,at=20      compute on rank 3 takes 2x as long from iteration 20
     link:src=1,dst=3,factor=4,at=20   transfers from rank 1 to rank 3 take 4x as long
     kill:rank=5,at=30                 rank 5 is SIGKILLed at iteration 30
+    kill:rank=1,at=4,during=reform    rank 1 is SIGKILLed as it is about to join the world that
+                                      survivors re-form after a failure at iteration >= 4
     hang:rank=2,at=40                 rank 2 stops making progress at iteration 40
 
 Executing a fault (sleeping, killing) is the training front end's job, never this module's.
@@ -28,9 +30,11 @@ class FaultKind(str, enum.Enum):
 _KEYS = {
     FaultKind.SLOW: {"rank", "factor", "at"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},
-    FaultKind.KILL: {"rank", "at"},
+    FaultKind.KILL: {"rank", "at", "during"},
     FaultKind.HANG: {"rank", "at"},
 }
+# Phases of an in-place recovery a kill can be aimed at (a second failure during an adaptation).
+PHASES = ("reform",)
 _REQUIRED = {
     FaultKind.SLOW: {"rank", "factor", "at"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},
@@ -45,7 +49,8 @@ class Fault:
 
     ``rank`` is the afflicted rank (for ``link``, the sender ``src``); ``dst`` is set only for
     ``link``. ``factor`` is the slowdown (2.0 = twice as slow); 1.0 for kill/hang.
-    ``at_iteration`` is the 1-based training iteration at whose start the fault begins.
+    ``at_iteration`` is the 1-based training iteration at whose start the fault begins; with
+    ``during`` (kill only), the fault waits instead for that phase of a recovery at or after it.
     """
 
     kind: FaultKind
@@ -53,6 +58,7 @@ class Fault:
     at_iteration: int
     factor: float = 1.0
     dst: int | None = None
+    during: str | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 0 or (self.dst is not None and self.dst < 0):
@@ -61,6 +67,9 @@ class Fault:
             raise ValueError(f"{FLAG}: at= must be an iteration >= 1 in {self.spec()}")
         if self.kind in (FaultKind.SLOW, FaultKind.LINK) and not self.factor >= 1.0:
             raise ValueError(f"{FLAG}: factor= must be >= 1.0 (a slowdown) in {self.spec()}")
+        if self.during is not None and (self.kind is not FaultKind.KILL or self.during not in PHASES):
+            raise ValueError(f"{FLAG}: during= is for kill faults and takes one of {list(PHASES)}; got "
+                             f"{self.kind.value} with during={self.during}")
         if self.kind is FaultKind.LINK and self.dst == self.rank:
             raise ValueError(f"{FLAG}: a link needs two different ranks, got src=dst={self.rank}")
 
@@ -77,7 +86,8 @@ class Fault:
             return f"link:src={self.rank},dst={self.dst},factor={self.factor:g},at={self.at_iteration}"
         if self.kind is FaultKind.SLOW:
             return f"slow:rank={self.rank},factor={self.factor:g},at={self.at_iteration}"
-        return f"{self.kind.value}:rank={self.rank},at={self.at_iteration}"
+        during = f",during={self.during}" if self.during else ""
+        return f"{self.kind.value}:rank={self.rank},at={self.at_iteration}{during}"
 
 
 def parse_fault(spec: str) -> Fault:
@@ -88,7 +98,8 @@ def parse_fault(spec: str) -> Fault:
     except ValueError:
         raise ValueError(
             f"{FLAG} {spec!r}: unknown fault kind {kind_text!r}; use one of "
-            "slow:rank=R,factor=F,at=I | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I | hang:rank=R,at=I"
+            "slow:rank=R,factor=F,at=I | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I[,during=reform] | "
+            "hang:rank=R,at=I"
         ) from None
     fields: dict[str, str] = {}
     for item in filter(None, body.split(",")) if sep else []:
@@ -111,4 +122,4 @@ def parse_fault(spec: str) -> Fault:
         factor = float(fields.get("factor", 1.0))
     except ValueError as exc:
         raise ValueError(f"{FLAG} {spec!r}: {exc}; ranks and at= are integers, factor= a number") from None
-    return Fault(kind=kind, rank=rank, at_iteration=at, factor=factor, dst=dst)
+    return Fault(kind=kind, rank=rank, at_iteration=at, factor=factor, dst=dst, during=fields.get("during"))

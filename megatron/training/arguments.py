@@ -98,6 +98,11 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     g.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default cuda when available; cpu runs on gloo (see README, CPU mode)")
+    g.add_argument("--cpu-device-time-scale", type=float, default=0.0, metavar="K",
+                   help="CPU mode: every rank acts as a dedicated device K times slower than one core "
+                        "(each forward/backward is padded with sleep to K x its CPU time), so ranks that "
+                        "share cores stop slowing each other down; timing only, numerics unchanged. "
+                        "Use K >= ranks per core; 0 (default) is off")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -302,6 +307,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.cpu_device_time_scale and (args.device != "cpu" or args.cpu_device_time_scale < 1):
+        raise ValueError(f"--cpu-device-time-scale {args.cpu_device_time_scale:g} needs --device cpu and a "
+                         "value >= 1 (0 turns it off)")
     if args.device == "cpu" and (args.bf16 or args.fp16):
         raise ValueError("--bf16/--fp16 need --device cuda; CPU mode trains in fp32 (drop the flag)")
     if args.save_interval is not None and not args.save:

@@ -26,7 +26,7 @@ _PROBE_REPEATS = 8
 def gemm_probe_s(device: torch.device, samples: int = 5) -> float:
     """Busy seconds of a fixed GEMM workload on this rank, as slow as its real compute.
 
-    Timed like the training ops (``RECORDER``'s busy clock, stretched by an injected slowdown).
+    Timed like the training ops (``RECORDER.finish_op``: busy clock, injected slowdown, emulated device).
     The minimum over ``samples`` runs: the work is fixed, so interference can only add time, and
     the fastest run is the device's own speed.
     """
@@ -35,12 +35,10 @@ def gemm_probe_s(device: torch.device, samples: int = 5) -> float:
     times = []
     for _ in range(samples):
         RECORDER.synchronize()
-        start = RECORDER.busy_clock()
+        start, busy_start = time.perf_counter(), RECORDER.busy_clock()
         for _ in range(_PROBE_REPEATS):
             a = torch.tanh(a @ b)
-        RECORDER.synchronize()
-        RECORDER.stretch(RECORDER.busy_clock() - start)
-        times.append(RECORDER.busy_clock() - start)
+        times.append(RECORDER.finish_op(start, busy_start))
     return min(times)
 
 

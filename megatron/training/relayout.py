@@ -82,19 +82,30 @@ class LayoutChanges:
 
     # ------------------------------------------------------------------ fail-slow
     def _calibrated_hardware(self) -> HardwareModel:
-        """The planner's cost model fitted to this job: per-layer forward seconds and backward/forward
-        ratio from the healthiest stage's measured ops in the last iteration."""
-        per_layer, ratios = [], []
+        """The planner's cost model fitted to this job from the last iteration's measured ops (device
+        time, so a shared host's scheduling does not count as compute): per-layer forward seconds
+        from the healthiest stage that holds only transformer layers' work (not the last one), the
+        output layer + loss from what the healthiest last stage spends beyond its layers, and the
+        backward/forward ratio."""
+        per_layer, last_stage, ratios = [], [], []
         for obs in self.last_observations:
-            stage = self.layout.replicas[obs.replica].stages[obs.stage]
-            fwd = sorted(e - s for k, _, s, e in obs.ops if k == "F")
-            bwd = sorted(e - s for k, _, s, e in obs.ops if k == "B")
+            replica = self.layout.replicas[obs.replica]
+            stage = replica.stages[obs.stage]
+            busy = obs.op_busy()
+            fwd = sorted(t for (k, *_), t in zip(obs.ops, busy) if k == "F")
+            bwd = sorted(t for (k, *_), t in zip(obs.ops, busy) if k == "B")
             if fwd and bwd:
                 f, b = fwd[len(fwd) // 2], bwd[len(bwd) // 2]
-                per_layer.append(f * stage.tp_degree / stage.num_layers)
+                is_last = obs.stage == len(replica.stages) - 1
+                (last_stage if is_last else per_layer).append((f * stage.tp_degree, stage.num_layers))
                 ratios.append(b / f)
-        return HardwareModel(layer_forward_s=min(per_layer), backward_factor=sorted(ratios)[len(ratios) // 2],
-                             tp_efficiency=1.0, include_embedding_cost=False, regroup_s=0.5)
+        if per_layer:
+            layer_s = min(t / n for t, n in per_layer)
+            output_s = min(max(t - n * layer_s, 0.0) for t, n in last_stage)
+            hw = dict(layer_forward_s=layer_s, output_forward_s=output_s, include_embedding_cost=True)
+        else:  # one stage: layers and output cannot be told apart
+            hw = dict(layer_forward_s=min(t / n for t, n in last_stage), include_embedding_cost=False)
+        return HardwareModel(backward_factor=sorted(ratios)[len(ratios) // 2], tp_efficiency=1.0, regroup_s=0.5, **hw)
 
     def _replan(self, iteration: int, verdict: Verdict, objects, quotas):
         """Fail-slow: plan with the calibrated cost model and apply it in place.

@@ -37,6 +37,9 @@ from resihp_ext.validation import Verdict, fail_stop_verdict
 
 # Exit code of a survivor that saved a checkpoint because no in-place plan existed.
 EXIT_NEEDS_RESTART = 3
+# Worlds a recovery tries to form before giving up: each failed attempt means another rank left
+# while the survivors were re-forming, and each retry plans without it.
+_REFORM_ATTEMPTS = 3
 
 
 def resume_command(argv: list[str], nproc: int, checkpoint_root: str) -> str:
@@ -80,7 +83,12 @@ class ResilienceHooks(LayoutChanges):
         self.store = None
         self.monitor = None
         if self.cfg.detection_on and "MASTER_ADDR" in os.environ:
-            self.store = connect_store(timeout_s=max(60.0, 3 * self.cfg.collective_timeout_s))
+            timeout_s = max(60.0, 3 * self.cfg.collective_timeout_s)
+            self.store = connect_store(timeout_s=timeout_s)
+            # The heartbeat gets a connection of its own: a store client serves one request at a
+            # time, and forming a world blocks it while peers are missing, which would silence
+            # this rank's beats exactly when another rank failed during a re-form.
+            self.heartbeat_store = connect_store(timeout_s=timeout_s)
             self._start_monitor()
         self.trace = None
         if self.cfg.trace and self.rank == 0:
@@ -102,7 +110,7 @@ class ResilienceHooks(LayoutChanges):
 
     def _start_monitor(self) -> None:
         self.monitor = HeartbeatMonitor(
-            self.store, dist.get_rank(), dist.get_world_size(),
+            self.heartbeat_store, dist.get_rank(), dist.get_world_size(),
             interval_s=self.cfg.heartbeat_interval_s, timeout_s=self.cfg.heartbeat_timeout_s,
             prefix=f"resihp/hb/gen{self.generation}/", on_dead=self._on_failed("dead"),
             on_hang=self._on_failed("hang"), hang_timeout_s=self.cfg.effective_hang_timeout_s,
@@ -123,9 +131,17 @@ class ResilienceHooks(LayoutChanges):
             log_line(f" resihp: rank {dist.get_rank()} sees {describe(verdict)}")
         return callback
 
+    def _apply_recovery_faults(self, iteration: int, phase: str) -> None:
+        """Injected kills aimed at a phase of a recovery (a second failure during an adaptation)."""
+        for fault in self.faults:
+            if fault.during == phase and fault.active(iteration):
+                self.events.emit("inject", iteration, fault=fault.spec())
+                log_line(f" rank {self.rank}: injecting {fault.spec()}")
+                os.kill(os.getpid(), signal.SIGKILL)
+
     def _apply_faults(self, iteration: int) -> None:
         for fault in self.faults:
-            if fault.at_iteration != iteration:
+            if fault.at_iteration != iteration or fault.during is not None:
                 continue
             self.events.emit("inject", iteration, fault=fault.spec())
             log_line(f" rank {self.rank}: injecting {fault.spec()}")
@@ -164,32 +180,47 @@ class ResilienceHooks(LayoutChanges):
         old_rank = dist.get_rank()
         log_line(f" resihp: rank {old_rank}: iteration {iteration} failed: {str(error).splitlines()[0][:160]}")
         self.monitor.mark_recovering()
-        # A hung peer is only named once its stall passes the hang timeout.
-        failed = recovery.await_failed_ranks(
-            self.monitor, wait_s=self.cfg.effective_hang_timeout_s + 4 * self.cfg.heartbeat_timeout_s)
-        if not failed:
-            raise error
-        self.generation += 1
-        plan, failed, preferred = recovery.agree_on_plan(
-            self.store, self.generation, old_rank, self.layout, failed, self._preferred_plan,
-            wait_s=3 * self.cfg.collective_timeout_s,
-        )
-        leader = old_rank == min(set(self.layout.world_ranks) - failed)
-        if leader:
-            self.monitor.evict(failed)  # a hung rank among them fences itself
+        failed = frozenset()
+        for attempt in range(1, _REFORM_ATTEMPTS + 1):
+            # A hung peer is only named once its stall passes the hang timeout.
+            named = recovery.await_failed_ranks(
+                self.monitor, wait_s=self.cfg.effective_hang_timeout_s + 4 * self.cfg.heartbeat_timeout_s)
+            if not named - failed:
+                raise error
+            self.generation += 1
+            plan, failed, preferred = recovery.agree_on_plan(
+                self.store, self.generation, old_rank, self.layout, named | failed, self._preferred_plan,
+                wait_s=3 * self.cfg.collective_timeout_s,
+            )
+            leader = old_rank == min(set(self.layout.world_ranks) - failed)
+            if leader:
+                self.monitor.evict(failed)  # a hung rank among them fences itself
+                self.events.emit("plan", iteration, action=plan.action, reason=plan.reason, executed=plan.to_dict(),
+                                 preferred=preferred, attempt=attempt)
+            log_line(f" resihp: plan ({plan.action}): {plan.reason}")
+            if plan.action != "adapt":
+                self.monitor.stop()
+                self._fallback_checkpoint(old_rank, iteration, plan, objects, consumed_samples, failed, self.backend)
+            if old_rank not in plan.new_rank:
+                self.monitor.stop()
+                if dist.is_initialized():  # not after a failed re-form
+                    dist.destroy_process_group()
+                raise StopTraining(0, f"rank {old_rank} is a spare after the adaptation (its replica lost a rank)")
+            self._apply_recovery_faults(iteration, "reform")
+            new_layout = surviving_layout(self.layout, plan)
+            try:
+                groups = recovery.reform_for_plan(self.store, self.generation, plan.new_rank[old_rank],
+                                                  plan.new_world_size, self.backend, self.cfg.collective_timeout_s,
+                                                  new_layout)
+                break
+            except Exception as exc:  # noqa: BLE001 - any failure to form the new world: find out who left
+                # The old world's heartbeats are still watched, so a rank that died while the new
+                # world formed is named like the first; the next attempt plans without it.
+                if attempt == _REFORM_ATTEMPTS:
+                    raise
+                log_line(f" resihp: rank {old_rank}: re-forming world {self.generation} failed "
+                         f"({str(exc).splitlines()[0][:120]}); planning again with the ranks the heartbeats name")
         self.monitor.stop()
-        if leader:
-            self.events.emit("plan", iteration, action=plan.action, reason=plan.reason, executed=plan.to_dict(),
-                             preferred=preferred)
-        log_line(f" resihp: plan ({plan.action}): {plan.reason}")
-        if plan.action != "adapt":
-            self._fallback_checkpoint(iteration, plan, objects, consumed_samples, failed, self.backend)
-        if old_rank not in plan.new_rank:
-            dist.destroy_process_group()
-            raise StopTraining(0, f"rank {old_rank} is a spare after the adaptation (its replica lost a rank)")
-        new_layout = surviving_layout(self.layout, plan)
-        groups = recovery.reform_for_plan(self.store, self.generation, plan.new_rank[old_rank], plan.new_world_size,
-                                          self.backend, self.cfg.collective_timeout_s, new_layout)
         self.sync = None  # its groups belonged to the old world
         self._adopt(new_layout, groups, world_changed=True)
         # Kept ranks hold whole replicas: their own state, same shapes, is all they need.
@@ -213,9 +244,8 @@ class ResilienceHooks(LayoutChanges):
         plan = plan_adaptation(self.layout, Health(dead=frozenset(failed)))
         return {"action": plan.action, "policy": plan.policy, "reason": plan.reason}
 
-    def _fallback_checkpoint(self, iteration, plan, objects, consumed_samples, failed, backend):
+    def _fallback_checkpoint(self, old_rank, iteration, plan, objects, consumed_samples, failed, backend):
         """No replica is whole: survivors assemble a checkpoint if every shard survived, then stop."""
-        old_rank = dist.get_rank()
         survivors = sorted(set(self.layout.world_ranks) - failed)
         root = self.args.save or os.path.abspath("resihp_fallback_checkpoint")
         completed = iteration - 1

@@ -13,6 +13,14 @@ lets it, so busy time is the main thread's CPU time (``time.thread_time``; with 
 torch thread per rank, the process's). Measured on a 2-core host with 8 processes running a fixed GEMM: wall time 3.8x the
 one-process figure with 13% spread, CPU time 1.04x with 4% spread, the same spread as alone.
 
+Busy time fixes what the detector sees, not how the job runs: ranks sharing cores still slow each
+other down, so a pipeline on a small host is bound by its cores, not by its slowest rank. For
+measuring what a schedule or a re-plan does to throughput, ``--cpu-device-time-scale K`` makes
+every rank act as a dedicated device K times slower than one core: each op's device time is K x
+its CPU time (times an injected slowdown), and the host sleeps until the op has taken that long.
+With K at least the number of ranks per core, the cores are idle most of the time and the ranks
+run as they would on devices of their own. Numerics are unchanged.
+
 The hooks wrap the module-level ``forward_step`` / ``backward_step`` functions that
 ``megatron.core.pipeline_parallel.schedules`` calls by name, so the order they record is exactly
 the order megatron-core executes (asserted against ``resihp_ext.schedule`` in tests).
@@ -40,6 +48,7 @@ class OpRecorder:
     synchronize: Callable[[], None] = lambda: None
     busy_clock: Callable[[], float] = time.thread_time
     slowdown_factor: float = 1.0
+    device_time_scale: float = 0.0  # > 0: emulate a dedicated device this many times slower than a core
     active: bool = False
     iteration_start_s: float = 0.0
     ops: list[OpRecord] = dataclasses.field(default_factory=list)
@@ -47,10 +56,11 @@ class OpRecorder:
     features: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     _next_mb: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def use_device(self, device_type: str) -> None:
+    def use_device(self, device_type: str, cpu_device_time_scale: float = 0.0) -> None:
         """Time ops the way ``device_type`` (``"cuda"`` or ``"cpu"``) measures device work."""
         import torch
 
+        self.device_time_scale = cpu_device_time_scale if device_type == "cpu" else 0.0
         if device_type == "cuda":
             self.synchronize, self.busy_clock = torch.cuda.synchronize, time.perf_counter
         else:
@@ -76,6 +86,25 @@ class OpRecorder:
         else:
             time.sleep(extra)
 
+    def finish_op(self, start_s: float, busy_start: float) -> float:
+        """End an op begun at ``perf_counter() == start_s``; return its device seconds.
+
+        Applies an injected slowdown, and on an emulated device (``device_time_scale``) waits out
+        the rest of the op's device time.
+        """
+        self.synchronize()
+        busy = self.busy_clock() - busy_start
+        if self.device_time_scale > 0:
+            device_s = self.device_time_scale * busy * max(self.slowdown_factor, 1.0)
+            remaining = start_s + device_s - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+            return device_s
+        if self.slowdown_factor > 1.0:
+            self.stretch(busy)
+            busy = self.busy_clock() - busy_start
+        return busy
+
     def start_iteration(self) -> None:
         self.ops, self.busy, self.features = [], [], []
         self._next_mb = {OpKind.FORWARD.value: 0, OpKind.BACKWARD.value: 0}
@@ -88,10 +117,8 @@ class OpRecorder:
         self.synchronize()
         start, busy_start = time.perf_counter(), self.busy_clock()
         result = fn(*args, **kwargs)
-        self.synchronize()
-        if self.slowdown_factor > 1.0:
-            self.stretch(self.busy_clock() - busy_start)
-        busy, end = self.busy_clock() - busy_start, time.perf_counter()
+        busy = self.finish_op(start, busy_start)
+        end = time.perf_counter()
         mb = self._next_mb[kind.value]
         self._next_mb[kind.value] = mb + 1
         self.ops.append((kind.value, mb, start, end))

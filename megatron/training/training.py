@@ -109,7 +109,7 @@ def pretrain(
     objects = build_training_objects(args, args.layers_per_stage)
     if not os.environ.get("RESIHP_DISABLE_OP_HOOKS"):  # only for measuring the hooks' own cost
         install_hooks()
-    RECORDER.use_device("cuda" if args.device == "cuda" else "cpu")
+    RECORDER.use_device("cuda" if args.device == "cuda" else "cpu", args.cpu_device_time_scale)
     iteration, consumed = checkpointing.load_checkpoint(args, objects) if args.load else (0, 0)
     if iteration and _is_last_rank():
         log_line(f" loaded checkpoint from {args.load} at iteration {iteration} (consumed samples {consumed})")

@@ -26,6 +26,8 @@ class HardwareModel:
             ``k * tp_efficiency**log2(k)`` times faster than TP=1); the lost share is communication.
         include_embedding_cost: charge the output layer + loss to the last stage's time (the
             embedding lookup on the first stage is memory-bound and counted as free).
+        output_forward_s: forward seconds of the output layer + loss for one micro-batch at TP=1
+            (measured); None derives it from ``layer_forward_s`` by the FLOP ratio.
         link_bandwidth_Bps: bytes/s of one inter-node link (p2p, state moves, gradient sync).
         device_memory_bytes: usable memory of one device.
         state_bytes_per_param: bf16 weight + fp32 grad + fp32 master + Adam m, v.
@@ -40,6 +42,7 @@ class HardwareModel:
     backward_factor: float = 2.0
     tp_efficiency: float = 0.93
     include_embedding_cost: bool = True
+    output_forward_s: float | None = None
     link_bandwidth_Bps: float = 25e9
     device_memory_bytes: float = 80e9
     state_bytes_per_param: float = 18.0
@@ -60,6 +63,8 @@ class HardwareModel:
                 raise ValueError(f"HardwareModel.{name} must be >= 0, got {getattr(self, name)}")
         if self.layer_forward_s is not None and self.layer_forward_s <= 0:
             raise ValueError(f"HardwareModel.layer_forward_s must be > 0 or None, got {self.layer_forward_s}")
+        if self.output_forward_s is not None and self.output_forward_s < 0:
+            raise ValueError(f"HardwareModel.output_forward_s must be >= 0 or None, got {self.output_forward_s}")
 
     # ------------------------------------------------------------------ model-derived quantities
     @staticmethod
@@ -85,6 +90,8 @@ class HardwareModel:
         """Output projection + loss forward seconds at TP=1 (0 when embedding cost is excluded)."""
         if not self.include_embedding_cost:
             return 0.0
+        if self.output_forward_s is not None:
+            return self.output_forward_s
         # the output projection is a hidden x vocab matmul; scale the layer's time by the FLOP ratio
         ratio = model.vocab_size / (4 * model.hidden_size + 2 * model.ffn_hidden_size)
         return self.layer_forward_tp1_s(model) * ratio

@@ -5,10 +5,14 @@ documents):
 
 (i) throughput (samples/s = global batch / median iteration ``elapsed_s``) of
     * a healthy run (``--resihp-detect-only``, so detection costs the same in every run),
-    * rank 3 slowed ``--factor`` x at ``--slow-at`` without adaptation (``--resihp-detect-only``),
-    * the same with ``--resihp-enable`` (the loop re-plans DP micro-batch quotas in place);
+    * ``--slow-rank`` slowed ``--factor`` x at ``--slow-at`` without adaptation
+      (``--resihp-detect-only``),
+    * the same with ``--resihp-enable`` (the loop re-plans layers and micro-batch quotas in place);
     each as a fraction of a capacity bound: healthy x (W - 1 + 1/factor) / W for W ranks, one of
-    them at 1/factor speed (the throughput if the lost compute were spread perfectly);
+    them at 1/factor speed (the throughput if the lost compute were spread perfectly).
+    These runs emulate one device per rank (``--cpu-device-time-scale``, default 16): on a host
+    with fewer cores than ranks the cores, not the slowest rank, would bound throughput, and no
+    plan could win anything back;
 (ii) fail-stop, rank 5 SIGKILLed at ``--kill-at``:
     * in place: ``scripts/launch_local.py`` + ``--resihp-enable --resihp-collective-timeout-s 5``;
       time from the ``inject`` event (written just before the kill) to the first ``iteration``
@@ -20,7 +24,7 @@ documents):
       every iteration, loses no completed iteration (the per-iteration saving cost is reported
       separately, not added).
 
-    python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0]
+    python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0] [--slow-rank 7]
 """
 
 from __future__ import annotations
@@ -37,13 +41,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 NPROC, TP, PP = 8, 2, 2
-GLOBAL_BATCH = 16
-SLOW_RANK, KILL_RANK = 3, 5
+GLOBAL_BATCH = 16  # fail-stop runs; the throughput runs take --global-batch
+KILL_RANK = 5
 
 MODEL = [
     "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
-    "--global-batch-size", str(GLOBAL_BATCH), "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
     "--vocab-size", "512", "--log-interval", "10", "--hidden-dropout", "0", "--attention-dropout", "0",
     "--tensor-model-parallel-size", str(TP), "--pipeline-model-parallel-size", str(PP),
     "--mock-doc-lengths", "lognormal:median=48,sigma=1.0,min=8,max=1024",
@@ -74,14 +78,16 @@ def events(path: Path, kind: str | None = None) -> list[dict]:
 
 
 def throughput(args, work: Path) -> dict:
-    slow = ["--resihp-inject", f"slow:rank={SLOW_RANK},factor={args.factor},at={args.slow_at}"]
+    slow = ["--resihp-inject", f"slow:rank={args.slow_rank},factor={args.factor},at={args.slow_at}"]
+    device = ["--cpu-device-time-scale", str(args.device_time_scale)] if args.device_time_scale else []
     runs = {"healthy": ["--resihp-detect-only"], "slow_unadapted": ["--resihp-detect-only", *slow],
             "slow_adapted": ["--resihp-enable", *slow]}
     out = {}
     for name, extra in runs.items():
         log = work / f"{name}.events.jsonl"
         log.unlink(missing_ok=True)
-        launch([*MODEL, "--train-iters", str(args.iters), "--resihp-event-log", str(log), *extra])
+        launch([*MODEL, "--global-batch-size", str(args.global_batch), *device, "--train-iters", str(args.iters),
+                "--resihp-event-log", str(log), *extra])
         adapted = events(log, "adapted")
         # Steady state: after the onset (and after the re-plan, when there is one) plus one iteration.
         start = 3 if name == "healthy" else args.slow_at + 1
@@ -93,7 +99,7 @@ def throughput(args, work: Path) -> dict:
         times = [e["elapsed_s"] for e in iteration_events if e["iteration"] > start]
         med = statistics.median(times)
         out[name] = {
-            "median_iteration_s": round(med, 4), "samples_per_s": round(GLOBAL_BATCH / med, 3),
+            "median_iteration_s": round(med, 4), "samples_per_s": round(args.global_batch / med, 3),
             "measured_iterations": len(times), "from_iteration": start + 1,
             "verdicts": [{k: v.get(k) for k in ("iteration", "kind", "ranks", "factor")} for v in events(log, "verdict")],
             "adapted": [{k: a.get(k) for k in ("iteration", "quotas", "duration_s")} for a in adapted],
@@ -116,7 +122,8 @@ def fail_stop(args, work: Path) -> dict:
     # In place.
     log = work / "inplace.events.jsonl"
     log.unlink(missing_ok=True)
-    launch([*MODEL, "--train-iters", str(iters), "--resihp-event-log", str(log), "--resihp-enable",
+    launch([*MODEL, "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters), "--resihp-event-log",
+            str(log), "--resihp-enable",
             "--resihp-collective-timeout-s", "5", "--resihp-inject", f"kill:rank={KILL_RANK},at={k}"], launcher="local")
     inject = events(log, "inject")[0]["time"]
     adapted = events(log, "adapted")
@@ -139,7 +146,7 @@ def fail_stop(args, work: Path) -> dict:
     ckpt = work / "ckpt"
     log = work / "restart_killed.events.jsonl"
     log.unlink(missing_ok=True)
-    common = [*MODEL, "--train-iters", str(iters), "--save", str(ckpt), "--save-interval", "1"]
+    common = [*MODEL, "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters), "--save", str(ckpt), "--save-interval", "1"]
     proc, _, killed_end = launch([*common, "--resihp-event-log", str(log),
                                   "--resihp-inject", f"kill:rank={KILL_RANK},at={k}"], check=False)
     inject = events(log, "inject")[0]["time"]
@@ -174,8 +181,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--iters", type=int, default=40, help="iterations per throughput run")
-    parser.add_argument("--factor", type=float, default=2.0, help="slowdown of rank 3")
-    parser.add_argument("--slow-at", type=int, default=8)
+    parser.add_argument("--factor", type=float, default=2.0, help="slowdown of --slow-rank")
+    parser.add_argument("--slow-rank", type=int, default=7,
+                        help="rank slowed in the throughput runs (7: TP rank 1 of the last stage of replica 1)")
+    parser.add_argument("--slow-at", type=int, default=10)
+    parser.add_argument("--global-batch", type=int, default=32,
+                        help="global batch of the throughput runs (8 micro-batches per replica)")
+    parser.add_argument("--device-time-scale", type=float, default=16.0,
+                        help="--cpu-device-time-scale of the throughput runs (one emulated device per rank; "
+                             "0 runs on the shared cores as they are)")
     parser.add_argument("--kill-at", type=int, default=6)
     parser.add_argument("--skip", choices=("throughput", "fail_stop"), action="append", default=[])
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
@@ -183,6 +197,7 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="adaptation_"))
     work.mkdir(parents=True, exist_ok=True)
     out = {"shape": f"TP{TP} x PP{PP} x DP{NPROC // (TP * PP)} ({NPROC} processes, CPU)", "cpu_count": os.cpu_count(),
+           "cpu_device_time_scale": args.device_time_scale,
            "loadavg_start": os.getloadavg(), "workdir": str(work)}
     if "throughput" not in args.skip:
         out["throughput"] = throughput(args, work)
@@ -193,6 +208,9 @@ def main() -> None:
         print(json.dumps(out))
         return
     print(f"{out['shape']}, {out['cpu_count']} CPUs, load average at start {out['loadavg_start']}")
+    if "throughput" in out:
+        print(f"throughput runs: rank {args.slow_rank} slowed {args.factor}x at iteration {args.slow_at}, global batch "
+              f"{args.global_batch}, --cpu-device-time-scale {args.device_time_scale:g}")
     if "throughput" in out:
         t = out["throughput"]
         print(f"capacity bound {t['capacity_bound']['samples_per_s']} samples/s = {t['capacity_bound']['definition']}")

@@ -139,3 +139,26 @@ def test_no_in_place_plan_saves_from_survivors_and_resumes(tmp_path, reference):
     assert sorted(resumed) == list(range(4, 9))
     assert [resumed[i] for i in range(4, 9)] == pytest.approx([ref_losses[i] for i in range(4, 9)], rel=1e-5)
     _assert_same_params(_params(ref_ckpt, 8), _params(ckpt, 8))
+
+
+def test_failure_while_the_survivors_reform_is_survived(tmp_path):
+    # TP1 x PP2 x DP3: rank = replica + 3 * stage. Rank 2 (replica 2) dies at 4; rank 1 (replica 1)
+    # dies as it is about to join the re-formed world, so that world never forms. The survivors
+    # name rank 1 through the old world's heartbeats, plan again, and finish on replica 0.
+    shape = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12", "--train-iters", "8"]
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
+    check(run_job(2, [*MODEL, *shape, "--resihp-event-log", str(ref_log)]))
+    proc = run_job(6, [*MODEL, *RESILIENT, *shape, "--resihp-event-log", str(log), "--resihp-inject",
+                       "kill:rank=2,at=4", "--resihp-inject", "kill:rank=1,at=4,during=reform"], launcher="local")
+    check(proc)
+    output = proc.stdout + proc.stderr
+    assert "rank 1: injecting kill:rank=1,at=4,during=reform" in output
+    assert "re-forming world 1 failed" in output
+    plans = read_events(log, "plan")
+    assert [(p["attempt"], sorted(p["executed"]["new_rank"])) for p in plans] == [(1, ["0", "1", "3", "4"]),
+                                                                                  (2, ["0", "3"])], plans
+    adapted = read_events(log, "adapted")
+    assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 2)], adapted
+    assert {1, 2} <= set(adapted[0]["failed_ranks"]) <= {1, 2, 5}  # 5: the first plan's spare, gone by then
+    losses, ref = iteration_losses(log), iteration_losses(ref_log)
+    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)

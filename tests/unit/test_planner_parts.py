@@ -128,3 +128,14 @@ def test_dp_quotas_sum_and_are_optimal(replicas, num_microbatches):
         if sum(split) == num_microbatches
     )
     assert makespan_s(fill, per, quotas) == pytest.approx(best)
+
+
+# ---------------------------------------------------------------- measured output layer
+def test_measured_output_layer_cost_replaces_the_flop_estimate():
+    derived = HardwareModel(layer_forward_s=0.01)
+    assert derived.output_forward_tp1_s(MODEL) == pytest.approx(
+        0.01 * MODEL.vocab_size / (4 * MODEL.hidden_size + 2 * MODEL.ffn_hidden_size))
+    assert HardwareModel(layer_forward_s=0.01, output_forward_s=0.003).output_forward_tp1_s(MODEL) == 0.003
+    assert HardwareModel(output_forward_s=0.003, include_embedding_cost=False).output_forward_tp1_s(MODEL) == 0.0
+    with pytest.raises(ValueError, match="output_forward_s"):
+        HardwareModel(output_forward_s=-1.0)

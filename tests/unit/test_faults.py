@@ -1,0 +1,48 @@
+"""The --resihp-inject grammar: every kind parses, round-trips, and bad input names the fix."""
+
+import pytest
+
+from resihp_ext.faults import Fault, FaultKind, parse_fault
+
+
+@pytest.mark.parametrize("spec", [
+    "slow:rank=3,factor=2,at=20",
+    "link:src=1,dst=3,factor=4,at=20",
+    "kill:rank=5,at=30",
+    "kill:rank=1,at=4,during=reform",
+    "hang:rank=2,at=40",
+])
+def test_round_trip(spec):
+    fault = parse_fault(spec)
+    assert fault.spec() == spec
+    assert parse_fault(fault.spec()) == fault
+
+
+def test_fields():
+    link = parse_fault("link:src=1,dst=3,factor=4,at=20")
+    assert (link.kind, link.src, link.dst, link.factor, link.at_iteration) == (FaultKind.LINK, 1, 3, 4.0, 20)
+    kill = parse_fault("kill:rank=1,at=4,during=reform")
+    assert (kill.kind, kill.rank, kill.at_iteration, kill.during) == (FaultKind.KILL, 1, 4, "reform")
+    assert parse_fault("kill:rank=1,at=4").during is None
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("melt:rank=1,at=2", "unknown fault kind"),
+    ("slow:rank=1,at=2", "missing ['factor']"),
+    ("kill:rank=1,at=2,factor=3", "unknown ['factor']"),
+    ("slow:rank=1,factor=0.5,at=2", "factor= must be >= 1.0"),
+    ("kill:rank=1,at=0", "at= must be an iteration >= 1"),
+    ("link:src=2,dst=2,factor=2,at=3", "two different ranks"),
+    ("kill:rank=1,at=2,during=sleep", "during= is for kill faults"),
+    ("hang:rank=1,at=2,during=reform", "takes keys"),
+    ("kill:rank=x,at=2", "ranks and at= are integers"),
+])
+def test_bad_specs_name_the_flag_and_the_fix(spec, message):
+    with pytest.raises(ValueError, match="--resihp-inject") as info:
+        parse_fault(spec)
+    assert message in str(info.value)
+
+
+def test_during_only_for_kill():
+    with pytest.raises(ValueError, match="during="):
+        Fault(FaultKind.SLOW, rank=1, at_iteration=2, factor=2.0, during="reform")

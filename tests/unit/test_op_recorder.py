@@ -1,0 +1,53 @@
+"""How the schedule hooks time an op: busy clock, injected slowdown, emulated dedicated device."""
+
+import time
+
+import pytest
+
+from megatron.training.schedules import OpRecorder
+from resihp_ext.schedule import OpKind
+
+
+def _spin(seconds: float) -> None:
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
+
+
+def _timed_spin(recorder: OpRecorder, seconds: float) -> tuple[float, float]:
+    """(wall seconds, recorded device seconds) of one forward op that computes for ``seconds``."""
+    recorder.start_iteration()
+    recorder.timed(OpKind.FORWARD, _spin, seconds)
+    recorder.active = False
+    (_, _, start, end), = recorder.ops
+    return end - start, recorder.busy[0]
+
+
+def test_cpu_busy_time_is_the_compute_and_a_slowdown_computes_longer():
+    recorder = OpRecorder()
+    recorder.use_device("cpu")
+    _, busy = _timed_spin(recorder, 0.02)
+    assert 0.02 <= busy < 0.04
+    recorder.slowdown_factor = 2.0
+    _, slowed = _timed_spin(recorder, 0.02)
+    assert 0.04 <= slowed < 0.07  # the extra time is spent computing, so it shows as busy time
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_emulated_device_op_lasts_scale_times_its_cpu_time(factor):
+    recorder = OpRecorder()
+    recorder.use_device("cpu", cpu_device_time_scale=4.0)
+    recorder.slowdown_factor = factor
+    cpu_start = time.thread_time()
+    wall, device = _timed_spin(recorder, 0.02)
+    cpu = time.thread_time() - cpu_start
+    assert 4.0 * factor * 0.02 <= device < 4.0 * factor * 0.04
+    assert wall >= device  # the host waited out the emulated device time
+    assert cpu < 0.5 * device  # ... by sleeping, leaving the core to the other ranks
+
+
+def test_device_time_scale_is_ignored_on_cuda():
+    recorder = OpRecorder()
+    recorder.device_time_scale = 4.0
+    recorder.use_device("cuda", cpu_device_time_scale=4.0)
+    assert recorder.device_time_scale == 0.0
