@@ -63,6 +63,9 @@ _MIN_LINK_EXCESS_FRACTION = 0.01  # of the iteration time, summed over the link'
 _SHARED_DEVICE_CONTENTION = 1.5
 # Healthy iterations remembered for link baselines and for the iteration overhead estimate.
 _HISTORY = 32
+# Healthy links probed beside a suspected one, so the probe round has its own reference.
+_LINK_REFERENCES = 3
+
 
 def _op_times(obs: RankObservation) -> np.ndarray:
     """Rows F start, F end, B start, B end, F busy, B busy, indexed by micro-batch (NaN where not
@@ -306,11 +309,14 @@ class FailSlowDetector:
     def _link_suspicion(self, iteration: int, link: LinkId, ratio: float) -> Suspicion:
         g = self._rank_group[link[0]]
         h = self._rank_group[link[1]]
-        # References: the other links of the same boundary and direction.
-        siblings = [
-            other for other in self._link_history
-            if other != link and self._rank_group.get(other[0]) == g and self._rank_group.get(other[1]) == h
-        ]
+        # References: other links across the same stage boundary in the same direction, this
+        # replica's first (they carry the same activations), then other replicas'; a few suffice.
+        def boundary(other):
+            a, b = self._rank_group.get(other[0]), self._rank_group.get(other[1])
+            return a is not None and b is not None and (a[1], b[1]) == (g[1], h[1]) and a[0] == b[0]
+
+        siblings = sorted((other for other in self._link_history if other != link and boundary(other)),
+                          key=lambda other: (self._rank_group[other[0]][0] != g[0], other))[:_LINK_REFERENCES]
         streak = self._link_streak[link]
         return Suspicion(
             iteration=iteration,
@@ -321,7 +327,7 @@ class FailSlowDetector:
             ranks=tuple(link),
             links=(link,),
             probe_ranks=(),
-            probe_links=(link, *sorted(siblings)),
+            probe_links=(link, *siblings),
             ratio=ratio,
             reason=(
                 f"transfer {link[0]}->{link[1]} took {ratio:.2f}x its healthy time for {streak.count} "

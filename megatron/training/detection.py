@@ -15,12 +15,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron.training.link_faults import LINKS
 from megatron.training.schedules import RECORDER
 from resihp_ext.detector import FailSlowDetector, RankObservation
 from resihp_ext.validation import Cleared, ProbeResults, Verdict
 
 _PROBE_SIZE = 256
 _PROBE_REPEATS = 8
+_LINK_PROBE_FLOATS = 1 << 20  # 4 MiB: long enough that bandwidth, not per-message latency, dominates
 
 
 def gemm_probe_s(device: torch.device, samples: int = 5) -> float:
@@ -40,6 +42,39 @@ def gemm_probe_s(device: torch.device, samples: int = 5) -> float:
             a = torch.tanh(a @ b)
         times.append(RECORDER.finish_op(start, busy_start))
     return min(times)
+
+
+def link_probe_s(src: int, dst: int, device: torch.device, samples: int = 5) -> float | None:
+    """Seconds to send a fixed 4 MiB tensor from ``src`` to ``dst`` (called on both; others skip).
+
+    ``src`` times the transfer up to a one-element acknowledgement from ``dst``, so the time is the
+    link's, not when either side got round to it. The minimum over ``samples`` transfers, as for
+    the GEMM probe. An injected slowdown of the link applies, as to every transfer on it.
+
+    Returns:
+        The seconds on ``src``; None on ``dst``.
+    """
+    me = dist.get_rank()
+    payload = torch.zeros(_LINK_PROBE_FLOATS, device=device)
+    ack = torch.zeros(1, device=device)
+    times = []
+    for _ in range(samples):
+        if me == src:
+            start = time.perf_counter()
+            LINKS.delay(dst, payload.numel() * payload.element_size())
+            dist.send(payload, dst)
+            dist.recv(ack, dst)
+            times.append(time.perf_counter() - start)
+        elif me == dst:
+            dist.recv(payload, src)
+            dist.send(ack, src)
+    return min(times) if times else None
+
+
+def link_seconds_per_byte(src: int, dst: int, device: torch.device) -> float | None:
+    """The healthy link's seconds per byte from ``src`` to ``dst`` (on ``src``; None on ``dst``)."""
+    seconds = link_probe_s(src, dst, device)
+    return None if seconds is None else seconds / (_LINK_PROBE_FLOATS * 4)
 
 
 def job_clock_offset() -> float:
@@ -94,7 +129,8 @@ class LiveDetector:
         self.decision_s += time.perf_counter() - start
         if suspicion is None:
             return gathered, None
-        probes = self.last_probes = ProbeResults(iteration=iteration, rank_s=self._probe_ranks(suspicion.probe_ranks))
+        probes = self.last_probes = ProbeResults(iteration=iteration, rank_s=self._probe_ranks(suspicion.probe_ranks),
+                                                 link_s=self._probe_links(suspicion.probe_links))
         outcome = self.detector.conclude(suspicion, probes)
         return gathered, (suspicion, outcome)
 
@@ -113,6 +149,20 @@ class LiveDetector:
         times: list = [None] * dist.get_world_size()
         dist.all_gather_object(times, mine)
         return {r: times[r] for r in sorted(ranks)}
+
+
+    def _probe_links(self, links) -> dict[tuple[int, int], float]:
+        """p2p probe on each listed link, one link at a time (collective), for the same reason."""
+        mine = {}
+        for src, dst in links:
+            if self.rank in (src, dst):
+                seconds = link_probe_s(src, dst, self.device)
+                if seconds is not None:
+                    mine[(src, dst)] = seconds
+            dist.barrier()
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return {link: seconds for table in gathered for link, seconds in table.items()}
 
 
 def describe(outcome: Verdict | Cleared) -> str:

@@ -22,8 +22,9 @@ from megatron.core import parallel_state
 
 from megatron.training import recovery
 from megatron.training.data_samplers import even_quotas
-from megatron.training.detection import LiveDetector, describe
+from megatron.training.detection import LiveDetector, describe, link_seconds_per_byte
 from megatron.training.heartbeat import HeartbeatMonitor, connect_store
+from megatron.training.link_faults import LINKS
 from megatron.training.logging_utils import EventLog, log_line
 from megatron.training.relayout import LayoutChanges, StopTraining
 from megatron.training.schedules import RECORDER
@@ -65,10 +66,8 @@ class ResilienceHooks(LayoutChanges):
         self.events = events
         self.rank = dist.get_rank()
         self.replica_index = parallel_state.get_data_parallel_rank()
-        self.faults = [f for f in self.cfg.faults if f.rank == self.rank]
-        if any(f.kind is FaultKind.LINK for f in self.faults):
-            log_line(f" resihp: warning: rank {self.rank}: link faults are not applied to live transfers yet "
-                     "(they drive synthetic traces only); this one is ignored")
+        # A link fault involves its receiver too: it takes part in measuring the healthy link.
+        self.faults = [f for f in self.cfg.faults if self.rank in (f.rank, f.dst)]
         args.replica_index = self.replica_index
         self.sync = None  # LayoutGradSync while replicas differ
         self.last_observations: list = []
@@ -143,6 +142,9 @@ class ResilienceHooks(LayoutChanges):
         for fault in self.faults:
             if fault.at_iteration != iteration or fault.during is not None:
                 continue
+            if fault.kind is FaultKind.LINK:
+                self._slow_link(fault)
+                continue
             self.events.emit("inject", iteration, fault=fault.spec())
             log_line(f" rank {self.rank}: injecting {fault.spec()}")
             if fault.kind is FaultKind.SLOW:
@@ -152,6 +154,16 @@ class ResilienceHooks(LayoutChanges):
             elif fault.kind is FaultKind.HANG:
                 while True:  # a hung rank: alive, holding its sockets, making no progress
                     time.sleep(3600)
+
+    def _slow_link(self, fault) -> None:
+        """Measure the healthy link with its receiver, then slow this rank's sends over it."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.args.device == "cuda" else torch.device("cpu")
+        per_byte = link_seconds_per_byte(fault.src, fault.dst, device)
+        if per_byte is None:  # the receiver
+            return
+        LINKS.slow(fault.dst, fault.factor, per_byte)
+        self.events.emit("inject", self.iteration, fault=fault.spec(), healthy_s_per_mib=per_byte * 2**20)
+        log_line(f" rank {self.rank}: injecting {fault.spec()} (healthy link {per_byte * 2**20 * 1e3:.3f} ms/MiB)")
 
     iteration = 0
 
@@ -231,6 +243,7 @@ class ResilienceHooks(LayoutChanges):
         objects, args = new_objects, self.args
         quotas = even_quotas(args.global_batch_size // args.micro_batch_size, args.data_parallel_size)
         self.faults = [f for f in self.faults if f.at_iteration > iteration]  # faults follow the process
+        LINKS.clear()  # slowed links name old ranks
         duration = time.perf_counter() - start
         if self.rank == 0:
             self.events.emit("adapted", iteration, world_size=dist.get_world_size(), duration_s=duration,

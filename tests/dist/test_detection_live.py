@@ -81,3 +81,28 @@ def test_recorded_op_order_is_one_f_one_b(tmp_path):
             assert recorded == want, f"iteration {iteration} rank {obs.rank} stage {obs.stage}: {recorded} != {want}"
             assert len(obs.features) == per_replica
             assert all(start <= end for _, _, start, end in obs.ops)
+
+
+def test_injected_link_slowdown_is_named_by_link_probes(tmp_path):
+    # PP2 x DP2 on 4 processes: rank = replica + 2 * stage, so 0->2 carries replica 0's activations
+    # from stage 0 to stage 1 and 1->3 is the same boundary in replica 1 (the probes' reference).
+    # Each rank emulates a device of its own, so transfer gaps measure links, not the OS scheduler;
+    # 256-token sequences make an activation 128 KiB, enough for a slowed link to show.
+    shape = [a for a in SHAPE]
+    for flag, value in (("--seq-length", "256"), ("--max-position-embeddings", "256"),
+                        ("--tensor-model-parallel-size", "1")):
+        shape[shape.index(flag) + 1] = value
+    log = tmp_path / "events.jsonl"
+    check(run_job(4, [*shape, "--train-iters", "20", "--resihp-detect-only", "--cpu-device-time-scale", "4",
+                      "--resihp-event-log", str(log), "--resihp-inject", "link:src=0,dst=2,factor=50,at=8"],
+                  timeout_s=240))
+    injected = read_events(log, "inject")
+    assert [e["rank"] for e in injected] == [0] and injected[0]["healthy_s_per_mib"] > 0, injected
+    verdicts = read_events(log, "verdict")
+    assert verdicts, f"no verdict; events: {[e for e in read_events(log) if e['event'] != 'iteration']}"
+    first = verdicts[0]
+    assert first["kind"] == "link" and first["ranks"] == [0, 2], first
+    assert first["iteration"] >= 8 and first["evidence"]["suspicion_iteration"] <= 8 + 3, first
+    probed = first["evidence"]["probe_factors"]
+    assert "1->3" in probed and probed["1->3"] < 1.2, probed  # the reference link is healthy
+    assert first["factor"] >= 10, first  # the probe sees the slowdown, not just noise

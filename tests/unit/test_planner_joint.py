@@ -67,6 +67,16 @@ def test_adaptation_that_does_not_pay_off_is_not_taken():
     assert plan.iteration_s_after <= plan.iteration_s_before
 
 
+def test_unpayable_regroup_cost_leaves_only_quotas():
+    # what the executor uses under --bf16/--fp16, where layout changes cannot move main parameters
+    health = Health(speed={16: 0.5})
+    free = plan_adaptation(LAYOUT, health, HardwareModel(regroup_s=0.0), horizon_iters=500)
+    assert free.action == "adapt" and free.layout != LAYOUT
+    pinned = plan_adaptation(LAYOUT, health, HardwareModel(regroup_s=1e12), horizon_iters=500)
+    assert pinned.layout == LAYOUT and pinned.moves == ()
+    assert pinned.action == "adapt" and pinned.quotas != (4, 4, 4, 4)
+
+
 def test_plan_to_dict_is_json_ready():
     import json
     plan = plan_adaptation(LAYOUT, Health(dead=frozenset({17})))
