@@ -211,7 +211,6 @@ def main() -> None:
     if "throughput" in out:
         print(f"throughput runs: rank {args.slow_rank} slowed {args.factor}x at iteration {args.slow_at}, global batch "
               f"{args.global_batch}, --cpu-device-time-scale {args.device_time_scale:g}")
-    if "throughput" in out:
         t = out["throughput"]
         print(f"capacity bound {t['capacity_bound']['samples_per_s']} samples/s = {t['capacity_bound']['definition']}")
         for name in ("healthy", "slow_unadapted", "slow_adapted"):
