@@ -170,6 +170,7 @@ class FailSlowDetector:
         self._pending: set = set()
         self._muted: set = set()
         self._cooldown: dict = {}
+        self._signal: dict = {}  # per group, which ratio decided this iteration ("predicted" | "siblings")
         self._link_base: dict[LinkId, float] = {}
         self._group_ranks: dict[GroupId, tuple[int, ...]] = {}
         self._rank_group: dict[int, GroupId] = {}
@@ -199,6 +200,16 @@ class FailSlowDetector:
 
         stage_ratio: dict[GroupId, float] = {}
         rank_ratio: dict[int, float] = {}
+        # TP siblings run the same ops on the same data, so each is the others' reference: one slow
+        # rank shows against them whatever the predictor makes of this iteration's data.
+        rank_busy = {r: float(np.nansum(t[4:6])) for r, t in times.items()}
+        sibling_ratio: dict[GroupId, float] = {}
+        for g, obs in groups.items():
+            if len(obs) > 1:
+                busy = sorted(rank_busy[o.rank] for o in obs)
+                others = float(np.median(busy[:-1]))
+                if others > 0:
+                    sibling_ratio[g] = busy[-1] / others
         if fitted:
             for g, (fwd, bwd) in durations.items():
                 predicted = self._predict_busy(keys[g], feats[g[0]])
@@ -206,8 +217,7 @@ class FailSlowDetector:
                     continue
                 stage_ratio[g] = float(np.nansum(fwd) + np.nansum(bwd)) / predicted
                 for o in groups[g]:
-                    t = times[o.rank]
-                    rank_ratio[o.rank] = float(np.nansum(t[4]) + np.nansum(t[5])) / predicted
+                    rank_ratio[o.rank] = rank_busy[o.rank] / predicted
         every_op = np.concatenate(list(times.values()), axis=1)  # one table for all ranks: one pass
         wall = float(np.nansum(every_op[1] - every_op[0]) + np.nansum(every_op[3] - every_op[2]))
         busy = float(np.nansum(every_op[4:6]))
@@ -231,18 +241,19 @@ class FailSlowDetector:
                 link_ratio[link] = min(gap / max(base, 1e-9), 1.0)
         predicted_iter = self._predict_iteration(groups, keys, feats, observed_iter, contention) if fitted else None
         self.last_report = DetectorReport(
-            iteration, judged, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter
+            iteration, judged, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter, sibling_ratio
         )
 
         threshold = self.config.slowdown_threshold
         suspicion = None
         if judged:
-            suspicion = self._decide(iteration, stage_ratio, link_ratio)
+            suspicion = self._decide(iteration, stage_ratio, sibling_ratio, link_ratio)
         # Learn only from what is not suspect, so a persistent slowdown never becomes the norm;
         # never from the first iteration after a (re)start, which pays one-off set-up costs.
         batches: dict = defaultdict(list)
         for g, (fwd, bwd) in durations.items():
-            if self._seen == 1 or g in self._muted or g in self._pending or stage_ratio.get(g, 1.0) > threshold:
+            if (self._seen == 1 or g in self._muted or g in self._pending or stage_ratio.get(g, 1.0) > threshold
+                    or sibling_ratio.get(g, 1.0) > threshold):
                 continue
             for key, dur in zip(keys[g], (fwd, bwd)):
                 batches[key].append(np.column_stack([feats[g[0]], dur]))
@@ -256,10 +267,12 @@ class FailSlowDetector:
                 self._link_history.add(link, gap)
         return suspicion
 
-    def _decide(self, iteration, stage_ratio, link_ratio) -> Suspicion | None:
+    def _decide(self, iteration, stage_ratio, sibling_ratio, link_ratio) -> Suspicion | None:
         threshold, need = self.config.slowdown_threshold, self.config.persistence_iters
         ready = []
-        for g, ratio in stage_ratio.items():
+        self._signal = {}
+        for g in stage_ratio.keys() | sibling_ratio.keys():
+            ratio, self._signal[g] = max((stage_ratio.get(g, 0.0), "predicted"), (sibling_ratio.get(g, 0.0), "siblings"))
             count = self._group_streak[g].update(ratio > threshold, iteration)
             if count >= need and self._eligible(g, iteration):
                 ready.append((ratio, "compute", g))
@@ -301,8 +314,10 @@ class FailSlowDetector:
             probe_links=(),
             ratio=ratio,
             reason=(
-                f"replica {g[0]} stage {g[1]} (ranks {list(ranks)}) ran {ratio:.2f}x its predicted compute time "
-                f"for {streak.count} iterations since {streak.onset} (threshold {self.config.slowdown_threshold})"
+                f"replica {g[0]} stage {g[1]} (ranks {list(ranks)}) ran {ratio:.2f}x "
+                + ("its predicted compute time" if self._signal.get(g) == "predicted"
+                   else "in its slowest rank's compute against its TP siblings'")
+                + f" for {streak.count} iterations since {streak.onset} (threshold {self.config.slowdown_threshold})"
             ),
         )
 

@@ -9,7 +9,7 @@ decides anything.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 OpRecord = tuple[str, int, float, float]
 GroupId = tuple[int, int]  # (replica, stage)
@@ -120,8 +120,9 @@ class DetectorReport:
         iteration: the iteration.
         judged: False while warming up (fitting only).
         stage_ratio: observed / predicted compute per ``(replica, stage)``.
-        rank_ratio: the same per rank, from the rank's own op times (for logs: TP siblings wait
-            for each other, so they look alike and decisions use the group's median).
+        rank_ratio: the same per rank, from the rank's own op times.
+        sibling_ratio: per group of two or more TP ranks, its slowest rank's busy time over the
+            median of the others' (they run the same ops on the same data).
         link_ratio: observed / baseline transfer per directed link.
         predicted_iteration_s: predicted iteration time (None until fitted), made before learning
             from this iteration.
@@ -135,3 +136,4 @@ class DetectorReport:
     link_ratio: Mapping[LinkId, float]
     predicted_iteration_s: float | None
     observed_iteration_s: float
+    sibling_ratio: Mapping[GroupId, float] = field(default_factory=dict)

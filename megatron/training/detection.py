@@ -22,7 +22,7 @@ from resihp_ext.validation import Cleared, ProbeResults, Verdict
 
 _PROBE_SIZE = 256
 _PROBE_REPEATS = 8
-_LINK_PROBE_FLOATS = 1 << 20  # 4 MiB: long enough that bandwidth, not per-message latency, dominates
+_LINK_PROBE_BYTES = 4 << 20  # long enough that bandwidth, not per-message latency, dominates
 
 
 def gemm_probe_s(device: torch.device, samples: int = 5) -> float:
@@ -55,13 +55,13 @@ def link_probe_s(src: int, dst: int, device: torch.device, samples: int = 5) -> 
         The seconds on ``src``; None on ``dst``.
     """
     me = dist.get_rank()
-    payload = torch.zeros(_LINK_PROBE_FLOATS, device=device)
+    payload = torch.zeros(_LINK_PROBE_BYTES // 4, device=device)
     ack = torch.zeros(1, device=device)
     times = []
     for _ in range(samples):
         if me == src:
             start = time.perf_counter()
-            LINKS.delay(dst, payload.numel() * payload.element_size())
+            LINKS.delay(dst, _LINK_PROBE_BYTES)
             dist.send(payload, dst)
             dist.recv(ack, dst)
             times.append(time.perf_counter() - start)
@@ -74,7 +74,7 @@ def link_probe_s(src: int, dst: int, device: torch.device, samples: int = 5) -> 
 def link_seconds_per_byte(src: int, dst: int, device: torch.device) -> float | None:
     """The healthy link's seconds per byte from ``src`` to ``dst`` (on ``src``; None on ``dst``)."""
     seconds = link_probe_s(src, dst, device)
-    return None if seconds is None else seconds / (_LINK_PROBE_FLOATS * 4)
+    return None if seconds is None else seconds / _LINK_PROBE_BYTES
 
 
 def job_clock_offset() -> float:
@@ -149,7 +149,6 @@ class LiveDetector:
         times: list = [None] * dist.get_world_size()
         dist.all_gather_object(times, mine)
         return {r: times[r] for r in sorted(ranks)}
-
 
     def _probe_links(self, links) -> dict[tuple[int, int], float]:
         """p2p probe on each listed link, one link at a time (collective), for the same reason."""

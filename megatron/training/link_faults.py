@@ -57,10 +57,8 @@ def _delayed(original: Callable) -> Callable:
     @functools.wraps(original)
     def send_after_delay(**kwargs):
         if LINKS.links:
-            extra = (LINKS.extra_s(kwargs["next_pipeline_rank"], _nbytes(kwargs.get("tensor_send_next")))
-                     + LINKS.extra_s(kwargs["prev_pipeline_rank"], _nbytes(kwargs.get("tensor_send_prev"))))
-            if extra > 0:
-                time.sleep(extra)
+            LINKS.delay(kwargs["next_pipeline_rank"], _nbytes(kwargs.get("tensor_send_next")))
+            LINKS.delay(kwargs["prev_pipeline_rank"], _nbytes(kwargs.get("tensor_send_prev")))
         return original(**kwargs)
     return send_after_delay
 
@@ -72,10 +70,3 @@ def _install() -> None:
         original = getattr(p2p_communication, name)
         _ORIGINAL[name] = original
         setattr(p2p_communication, name, _delayed(original))
-
-
-def uninstall() -> None:
-    for name, original in _ORIGINAL.items():
-        setattr(p2p_communication, name, original)
-    _ORIGINAL.clear()
-    LINKS.clear()

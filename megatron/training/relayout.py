@@ -112,7 +112,7 @@ class LayoutChanges:
         # Moving state between ranks handles fp32 parameters and Adam moments; under --bf16/--fp16 the
         # optimizer's fp32 main copies are not moved yet, so a layout change is priced out of reach
         # and only micro-batch quotas (which move no state) remain.
-        half = getattr(self.args, "bf16", False) or getattr(self.args, "fp16", False)
+        half = self.args.bf16 or self.args.fp16
         return HardwareModel(backward_factor=sorted(ratios)[len(ratios) // 2], tp_efficiency=1.0,
                              regroup_s=_NEVER_S if half else 0.5, **hw)
 

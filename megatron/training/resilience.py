@@ -73,13 +73,12 @@ class ResilienceHooks(LayoutChanges):
         self.last_observations: list = []
         self.live = None
         if self.cfg.detection_on:
-            device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
             self.live = LiveDetector(
                 self.cfg, self.rank, self.replica_index, parallel_state.get_pipeline_model_parallel_rank(),
-                parallel_state.get_tensor_model_parallel_rank(), device, lambda: self.layout,
+                parallel_state.get_tensor_model_parallel_rank(), self._device(), lambda: self.layout,
             )
         self.generation = 0
-        self.store = None
+        self.store = self.heartbeat_store = None
         self.monitor = None
         if self.cfg.detection_on and "MASTER_ADDR" in os.environ:
             timeout_s = max(60.0, 3 * self.cfg.collective_timeout_s)
@@ -106,6 +105,9 @@ class ResilienceHooks(LayoutChanges):
     @layout.setter
     def layout(self, value: Layout) -> None:
         self.args.layout = value
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.args.device == "cuda" else torch.device("cpu")
 
     def _start_monitor(self) -> None:
         self.monitor = HeartbeatMonitor(
@@ -157,8 +159,7 @@ class ResilienceHooks(LayoutChanges):
 
     def _slow_link(self, fault) -> None:
         """Measure the healthy link with its receiver, then slow this rank's sends over it."""
-        device = torch.device("cuda", torch.cuda.current_device()) if self.args.device == "cuda" else torch.device("cpu")
-        per_byte = link_seconds_per_byte(fault.src, fault.dst, device)
+        per_byte = link_seconds_per_byte(fault.src, fault.dst, self._device())
         if per_byte is None:  # the receiver
             return
         LINKS.slow(fault.dst, fault.factor, per_byte)

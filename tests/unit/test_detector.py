@@ -72,6 +72,33 @@ def test_detects_one_point_five_x_slow_rank_within_three_iterations(rank):
     json.dumps(event)
 
 
+def _busy(obs, factors):
+    """Each rank's ops took ``factors[rank]`` times the device time (wall times unchanged)."""
+    return tuple(dataclasses.replace(o, busy=tuple(factors.get(o.rank, 1.0) * t for t in o.op_busy())) for o in obs)
+
+
+def test_slow_rank_shows_against_its_tp_siblings_when_the_prediction_is_off():
+    # From iteration 40 every rank computes 20% faster than the model learnt (a host speeding
+    # up, data the fit over-predicts) and rank 5 is 1.5x slow: 0.8 x 1.5 = 1.2 of the prediction,
+    # under the 1.25 threshold. Against its sibling, rank 4, it is 1.5x.
+    trace = list(_trace(60))
+    for i in range(40, 60):
+        factors = {r: 0.8 for r in range(8)}
+        factors[5] = 0.8 * 1.5
+        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
+    det = FailSlowDetector()
+    raised = []
+    for iteration, obs in trace:
+        suspicion = det.observe(iteration, obs)
+        if suspicion is not None:
+            raised.append(suspicion)
+            det.conclude(suspicion, ProbeResults(iteration=iteration, rank_s={4: 1.0, 5: 1.5, 0: 1.0, 1: 1.0}))
+    assert det.last_report.stage_ratio[(0, 1)] < 1.25  # the prediction alone would not see it
+    assert det.last_report.sibling_ratio[(0, 1)] == pytest.approx(1.5, rel=0.05)
+    assert len(raised) == 1 and raised[0].ranks == (4, 5) and 40 <= raised[0].iteration <= 42
+    assert "TP siblings" in raised[0].reason
+
+
 def test_single_noisy_iteration_raises_nothing():
     trace = list(_trace(60))
     trace[40] = (trace[40][0], _stretch(trace[40][1], {4, 5}, 1.6))
