@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_cpu.sh
 export OMP_NUM_THREADS=1
-exec python -m pytest tests -q -p no:cacheprovider "$@"
+exec python -m pytest tests -q -p no:cacheprovider --durations=15 "$@"
