@@ -80,6 +80,7 @@ class ResilienceHooks(LayoutChanges):
         self.generation = 0
         self.store = self.heartbeat_store = None
         self.monitor = None
+        self._planned_out: set[int] = set()
         if self.cfg.detection_on and "MASTER_ADDR" in os.environ:
             timeout_s = max(60.0, 3 * self.cfg.collective_timeout_s)
             self.store = connect_store(timeout_s=timeout_s)
@@ -126,7 +127,12 @@ class ResilienceHooks(LayoutChanges):
 
     def _on_failed(self, kind: str):
         def callback(ranks, now) -> None:  # runs on the heartbeat thread
-            verdict = fail_stop_verdict(kind, sorted(ranks), self.iteration)
+            # Ranks a recovery already planned without (failed ones, spares that left, a hung rank
+            # that fenced itself) go quiet while the new world forms: that is no news.
+            ranks = sorted(set(ranks) - self._planned_out)
+            if not ranks:
+                return
+            verdict = fail_stop_verdict(kind, ranks, self.iteration)
             event = verdict.to_event()
             self.events.emit("verdict", self.iteration, **{k: v for k, v in event.items() if k not in ("event", "iteration")})
             log_line(f" resihp: rank {dist.get_rank()} sees {describe(verdict)}")
@@ -205,6 +211,7 @@ class ResilienceHooks(LayoutChanges):
                 self.store, self.generation, old_rank, self.layout, named | failed, self._preferred_plan,
                 wait_s=3 * self.cfg.collective_timeout_s,
             )
+            self._planned_out = set(self.layout.world_ranks) - set(plan.new_rank)
             leader = old_rank == min(set(self.layout.world_ranks) - failed)
             if leader:
                 self.monitor.evict(failed)  # a hung rank among them fences itself
@@ -234,6 +241,7 @@ class ResilienceHooks(LayoutChanges):
                 log_line(f" resihp: rank {old_rank}: re-forming world {self.generation} failed "
                          f"({str(exc).splitlines()[0][:120]}); planning again with the ranks the heartbeats name")
         self.monitor.stop()
+        self._planned_out = set()  # old-world ranks; the new world's monitor starts afresh
         self.sync = None  # its groups belonged to the old world
         self._adopt(new_layout, groups, world_changed=True)
         # Kept ranks hold whole replicas: their own state, same shapes, is all they need.

@@ -99,11 +99,12 @@ def test_injected_link_slowdown_is_named_by_link_probes(tmp_path):
                   timeout_s=240))
     injected = read_events(log, "inject")
     assert [e["rank"] for e in injected] == [0] and injected[0]["healthy_s_per_mib"] > 0, injected
-    verdicts = read_events(log, "verdict")
-    assert verdicts, f"no verdict; events: {[e for e in read_events(log) if e['event'] != 'iteration']}"
-    first = verdicts[0]
-    assert first["kind"] == "link" and first["ranks"] == [0, 2], first
-    assert first["iteration"] >= 8 and first["evidence"]["suspicion_iteration"] <= 8 + 3, first
+    context = [e for e in read_events(log) if e["event"] in ("suspicion", "cleared", "verdict")]
+    links = [v for v in read_events(log, "verdict") if v["kind"] == "link"]
+    assert links, f"no link verdict; {context}"
+    first = links[0]
+    assert all(v["ranks"] == [0, 2] for v in links), context
+    assert first["iteration"] >= 8 and first["evidence"]["suspicion_iteration"] <= 8 + 3, context
     probed = first["evidence"]["probe_factors"]
     assert "1->3" in probed and probed["1->3"] < 1.2, probed  # the reference link is healthy
     assert first["factor"] >= 10, first  # the probe sees the slowdown, not just noise
