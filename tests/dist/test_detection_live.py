@@ -104,7 +104,9 @@ def test_injected_link_slowdown_is_named_by_link_probes(tmp_path):
     assert links, f"no link verdict; {context}"
     first = links[0]
     assert all(v["ranks"] == [0, 2] for v in links), context
-    assert first["iteration"] >= 8 and first["evidence"]["suspicion_iteration"] <= 8 + 3, context
+    # The verdict's iteration is its streak's onset, which can be the iteration before the fault
+    # when that one ran above the threshold by chance (as for compute, above).
+    assert first["iteration"] >= 7 and 8 <= first["evidence"]["suspicion_iteration"] <= 8 + 3, context
     probed = first["evidence"]["probe_factors"]
     assert "1->3" in probed and probed["1->3"] < 1.2, probed  # the reference link is healthy
     assert first["factor"] >= 10, first  # the probe sees the slowdown, not just noise
