@@ -170,7 +170,6 @@ class FailSlowDetector:
         self._pending: set = set()
         self._muted: set = set()
         self._cooldown: dict = {}
-        self._signal: dict = {}  # per group, which ratio decided this iteration ("predicted" | "siblings")
         self._link_base: dict[LinkId, float] = {}
         self._group_ranks: dict[GroupId, tuple[int, ...]] = {}
         self._rank_group: dict[int, GroupId] = {}
@@ -270,23 +269,22 @@ class FailSlowDetector:
     def _decide(self, iteration, stage_ratio, sibling_ratio, link_ratio) -> Suspicion | None:
         threshold, need = self.config.slowdown_threshold, self.config.persistence_iters
         ready = []
-        self._signal = {}
         for g in stage_ratio.keys() | sibling_ratio.keys():
-            ratio, self._signal[g] = max((stage_ratio.get(g, 0.0), "predicted"), (sibling_ratio.get(g, 0.0), "siblings"))
+            ratio, signal = max((stage_ratio.get(g, 0.0), "predicted"), (sibling_ratio.get(g, 0.0), "siblings"))
             count = self._group_streak[g].update(ratio > threshold, iteration)
             if count >= need and self._eligible(g, iteration):
-                ready.append((ratio, "compute", g))
+                ready.append((ratio, "compute", g, signal))
         for link, ratio in link_ratio.items():
             count = self._link_streak[link].update(ratio > threshold, iteration)
             if count >= need and self._eligible(link, iteration):
-                ready.append((ratio, "link", link))
+                ready.append((ratio, "link", link, None))
         if not ready:
             return None
         # Compute first: a slow stage also delays what it sends; among equals, the worst ratio.
-        ratio, kind, what = max(ready, key=lambda item: (item[1] == "compute", item[0]))
+        ratio, kind, what, signal = max(ready, key=lambda item: (item[1] == "compute", item[0]))
         self._pending.add(what)
         if kind == "compute":
-            return self._compute_suspicion(iteration, what, ratio)
+            return self._compute_suspicion(iteration, what, ratio, signal)
         return self._link_suspicion(iteration, what, ratio)
 
     def _eligible(self, what, iteration: int) -> bool:
@@ -294,7 +292,7 @@ class FailSlowDetector:
             return False
         return iteration >= self._cooldown.get(what, -1)
 
-    def _compute_suspicion(self, iteration: int, g: GroupId, ratio: float) -> Suspicion:
+    def _compute_suspicion(self, iteration: int, g: GroupId, ratio: float, signal: str) -> Suspicion:
         ranks = self._group_ranks[g]
         # Healthy reference: the same stage of another replica, else another stage (the GEMM
         # probe is the same on every rank, so any healthy rank is a fair reference).
@@ -315,7 +313,7 @@ class FailSlowDetector:
             ratio=ratio,
             reason=(
                 f"replica {g[0]} stage {g[1]} (ranks {list(ranks)}) ran {ratio:.2f}x "
-                + ("its predicted compute time" if self._signal.get(g) == "predicted"
+                + ("its predicted compute time" if signal == "predicted"
                    else "in its slowest rank's compute against its TP siblings'")
                 + f" for {streak.count} iterations since {streak.onset} (threshold {self.config.slowdown_threshold})"
             ),
