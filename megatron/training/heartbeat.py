@@ -1,14 +1,17 @@
 """Fail-stop and hang detection through the job's store.
 
-Responsible for: a daemon watchdog thread on every rank that publishes the rank's heartbeat
-(``store.set(prefix + str(rank), "<time>:<progress>")``) every ``interval_s``, reads every other
-rank's key (one ``multi_get`` per poll), and reports
+Responsible for: a daemon watchdog thread on every rank that reads every other rank's heartbeat
+(``prefix + str(rank)`` = ``"<time>:<progress>[:mark]"``, one ``multi_get`` per poll) and reports
 
 * **dead** ranks: no new heartbeat for ``timeout_s`` (the process or its node is gone), judged by
   ``resihp_ext.detector.judge_heartbeats``;
+* **dead** at once: a rank whose beacon wrote the ``dead`` mark (its process is gone);
 * **hung** ranks: heartbeat alive but the training progress they publish (``beat(progress)``,
   called at each iteration boundary) stopped for ``hang_timeout_s`` while other ranks moved on,
   judged by ``judge_progress`` below.
+
+This rank's own heartbeat is published by its beacon (``heartbeat_beacon``), a child process
+that no lock of this one can delay; without a beacon the watchdog thread publishes it.
 
 A death stalls the survivors too: each sits in a collective with the dead rank (or with a rank
 that does) until the collective times out. So once a monitor has seen a death, stall clocks start
@@ -39,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from megatron.training.heartbeat_beacon import DEAD_MARK, MARK_EXIT, MARK_RECOVERING, MARK_TEXT, Beacon
 from resihp_ext.detector import judge_heartbeats
 
 logger = logging.getLogger(__name__)
@@ -49,8 +53,8 @@ DEFAULT_PREFIX = "resihp/hb/"
 # Ranks start their monitors seconds apart (imports, model build); one not seen yet is only
 # declared dead after this long.
 DEFAULT_STARTUP_GRACE_S = 60.0
-_EXIT_MARK = "exit"
-_RECOVERING_MARK = "recovering"
+_EXIT_MARK = MARK_TEXT[MARK_EXIT]
+_RECOVERING_MARK = MARK_TEXT[MARK_RECOVERING]
 
 RankCallback = Callable[[frozenset[int], float], None]
 
@@ -142,6 +146,9 @@ class HeartbeatMonitor:
         failure_grace_s: after a death, how long survivors may stall before a hang is counted
             (the collective timeout: that is how long a survivor blocked on the dead rank waits).
         clock: wall clock shared by all ranks (tests may pass their own).
+        beacon: this process's ``heartbeat_beacon.Beacon``; when given (and alive), it publishes
+            this rank's heartbeat and the watchdog thread only reads the others'. Without one the
+            watchdog thread publishes, and a training thread holding the GIL delays it.
     """
 
     def __init__(
@@ -160,6 +167,7 @@ class HeartbeatMonitor:
         startup_grace_s: float = DEFAULT_STARTUP_GRACE_S,
         failure_grace_s: float = 0.0,
         clock: Callable[[], float] = time.time,
+        beacon: Beacon | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"heartbeat: rank must be in 0..{world_size - 1}, got {rank}")
@@ -183,6 +191,7 @@ class HeartbeatMonitor:
         self._on_evicted = on_evicted
         self._evicted = False
         self._clock = clock
+        self.beacon = beacon
         self._progress = -1  # written by the training thread, read by the watchdog (an int: atomic)
         self._recovering = False  # likewise
         self._failure_seen_at: float | None = None
@@ -220,6 +229,8 @@ class HeartbeatMonitor:
         training loop never waits on the store.
         """
         self._progress = int(progress)
+        if self.beacon is not None:
+            self.beacon.set_progress(self._progress)
 
     def mark_recovering(self) -> None:
         """Tell the other ranks this one has left training for its recovery code.
@@ -228,12 +239,17 @@ class HeartbeatMonitor:
         it can still be judged dead.
         """
         self._recovering = True
+        if self.beacon is not None:
+            self.beacon.set_mark(MARK_RECOVERING)
 
     def start(self) -> HeartbeatMonitor:
         """Publish the first heartbeat and start the watchdog thread."""
         if self._thread is not None:
             raise RuntimeError("HeartbeatMonitor.start() called twice")
         self._started_at = self._clock()
+        if self.beacon is not None:
+            self.beacon.point_at(self._key(self.rank), self._evicted_key(self.rank))
+            self.beacon.set_progress(self._progress)
         self._publish(self._started_at)
         self._thread = threading.Thread(target=self._run, name=f"resihp-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
@@ -244,8 +260,12 @@ class HeartbeatMonitor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=max(5 * self.interval_s, 5.0))
+        if self.beacon is not None and self._beacon_alive():
+            self.beacon.set_mark(MARK_EXIT)
+            if self.beacon.wait_published(max(5 * self.interval_s, 2.0)):
+                return
         try:
-            self._publish(self._clock(), exited=True)
+            self._publish(self._clock(), exited=True, direct=True)
         except Exception as err:  # the store may be gone at shutdown; nothing left to tell
             logger.warning("heartbeat: could not publish exit of rank %d: %s", self.rank, err)
 
@@ -284,7 +304,12 @@ class HeartbeatMonitor:
     def _evicted_key(self, rank: int) -> str:
         return f"{self.prefix}evicted/{rank}"
 
-    def _publish(self, now: float, exited: bool = False) -> None:
+    def _beacon_alive(self) -> bool:
+        return self.beacon is not None and self.beacon.alive()
+
+    def _publish(self, now: float, exited: bool = False, direct: bool = False) -> None:
+        if not direct and self._beacon_alive():
+            return  # the beacon publishes, on time whatever holds this process's GIL
         mark = _EXIT_MARK if exited else _RECOVERING_MARK if self._recovering else ""
         value = f"{now:.6f}:{self._progress}" + (f":{mark}" if mark else "")
         self.store.set(self._key(self.rank), value)
@@ -319,14 +344,19 @@ class HeartbeatMonitor:
 
     def _poll(self) -> None:
         others = [r for r in range(self.world_size) if r != self.rank and r not in self._dead and r not in self._exited]
-        values = self._read(others)
+        # The clock is read before the store: a value read afterwards is at least that fresh, so a
+        # stall of this thread between the two can never make a live rank look late.
         now = self._clock()
-        exited = set()
+        values = self._read(others)
+        exited, marked_dead = set(), set()
         for r, text in values.items():
             parts = text.split(":")
             beat_at, progress = float(parts[0]), int(parts[1])
             if len(parts) > 2 and parts[2] == _EXIT_MARK:
                 exited.add(r)
+                continue
+            if len(parts) > 2 and parts[2] == DEAD_MARK:  # its beacon saw the process die
+                marked_dead.add(r)
                 continue
             if len(parts) > 2 and parts[2] == _RECOVERING_MARK:
                 self._recovering_ranks.add(r)
@@ -345,7 +375,8 @@ class HeartbeatMonitor:
         # A rank never seen yet counts as having beaten at the end of its start-up grace.
         last_beat = {r: self._last_beat.get(r, self._started_at + self.startup_grace_s - self.timeout_s)
                      for r in others if r not in exited}
-        dead = judge_heartbeats(now, last_beat, self.timeout_s)
+        dead = judge_heartbeats(now, {r: t for r, t in last_beat.items() if r not in marked_dead},
+                                self.timeout_s) | frozenset(marked_dead)
         if dead and self._failure_seen_at is None:
             self._failure_seen_at = now
         hung: frozenset[int] = frozenset()
@@ -364,8 +395,10 @@ class HeartbeatMonitor:
             self._hung = (self._hung | hung) - self._dead
             dead_now, hung_now = self._dead, self._hung
         if new_dead:
-            logger.warning("heartbeat: rank %d sees ranks %s dead (no heartbeat for %.1f s)",
-                           self.rank, sorted(new_dead), self.timeout_s)
+            gone, silent = sorted(new_dead & marked_dead), sorted(new_dead - marked_dead)
+            logger.warning("heartbeat: rank %d sees ranks %s dead (%s)", self.rank, sorted(new_dead), "; ".join(
+                ([f"{gone}: process exited"] if gone else []) +
+                ([f"{silent}: no heartbeat for {self.timeout_s:.1f} s"] if silent else [])))
             self._notify(self._on_dead, dead_now, now, "on_dead")
         if new_hung:
             logger.warning("heartbeat: rank %d sees ranks %s hung (no progress for %.1f s)",

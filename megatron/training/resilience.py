@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron.training import recovery
+from megatron.training import heartbeat_beacon, recovery
 from megatron.training.data_samplers import even_quotas
 from megatron.training.detection import LiveDetector, describe, link_seconds_per_byte
 from megatron.training.heartbeat import HeartbeatMonitor, connect_store
@@ -117,6 +117,7 @@ class ResilienceHooks(LayoutChanges):
             prefix=f"resihp/hb/gen{self.generation}/", on_dead=self._on_failed("dead"),
             on_hang=self._on_failed("hang"), hang_timeout_s=self.cfg.effective_hang_timeout_s,
             failure_grace_s=self.cfg.collective_timeout_s, on_evicted=self._on_evicted,
+            beacon=heartbeat_beacon.current(),
         ).start()
 
     def _on_evicted(self) -> None:  # runs on the heartbeat thread

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron.training import checkpointing
+from megatron.training import checkpointing, heartbeat_beacon
 from megatron.training.data_samplers import GlobalBatchSampler, even_quotas, microbatches
 from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.logging_utils import EventLog, TensorBoard, iteration_line, log_line
@@ -103,6 +103,9 @@ def pretrain(
     resilience_factory: Callable | None = None,
 ) -> dict:
     """Run training to ``--train-iters``. Returns a summary dict (last loss, iterations run)."""
+    if args.resihp.detection_on:
+        # Forked before anything starts a thread (process groups do): see heartbeat_beacon.
+        heartbeat_beacon.start_beacon(args.resihp.heartbeat_interval_s)
     initialize_distributed(args)
     events = EventLog(args.resihp.event_log, args.rank)
     set_random_seed(args.seed)

@@ -1,5 +1,7 @@
 """HeartbeatMonitor over real processes under scripts/launch_local.py: a SIGKILLed rank is named
-dead by every survivor within 2 s; a rank that stops making progress is named hung."""
+dead by every survivor within 2 s (within one poll with a beacon); a rank that stops making
+progress is named hung; a rank whose training thread holds the GIL is not called dead when its
+beacon publishes, and a rank stuck that way is fenced by its beacon once evicted."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron.training.heartbeat import judge_progress
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,19 +23,24 @@ WORLD = 4
 
 # Each rank joins a gloo world (so heartbeats share the store with a live process group), starts
 # a monitor on its own store client, "trains" by calling beat() every 50 ms, and records what its
-# callbacks saw. In "hang" mode rank 1 stops calling beat() after a while but stays alive.
+# callbacks saw. In "hang" mode rank 1 stops calling beat() after a while but stays alive; in
+# "gil" and "fence" modes it holds the GIL in C (libc usleep/pause called through ctypes.PyDLL,
+# which keeps the GIL), for 2.5 s or for good, as a long C call in a training thread does.
 WORKER = r'''
-import json, os, sys, time
+import ctypes, json, os, sys, time
 import torch, torch.distributed as dist
+from megatron.training import heartbeat_beacon
 from megatron.training.heartbeat import HeartbeatMonitor
-out, mode = sys.argv[1], sys.argv[2]
+out, mode, use_beacon = sys.argv[1], sys.argv[2], sys.argv[3] == "beacon"
+beacon = heartbeat_beacon.start_beacon(0.2) if use_beacon else None
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 dist.barrier()
 seen = {"dead": [], "hung": [], "evicted": []}
 record = lambda kind: lambda ranks, now: seen[kind].append({"ranks": sorted(ranks), "at": now})
-mon = HeartbeatMonitor.from_env(on_dead=record("dead"), on_hang=record("hung"), hang_timeout_s=2.0,
-                                failure_grace_s=2.0, on_evicted=lambda: seen["evicted"].append(time.time())).start()
+mon = HeartbeatMonitor.from_env(on_dead=record("dead"), on_hang=record("hung"),
+                                hang_timeout_s=4.0 if mode == "gil" else 2.0, failure_grace_s=2.0, beacon=beacon,
+                                on_evicted=lambda: seen["evicted"].append(time.time())).start()
 with open(os.path.join(out, f"ready{rank}.json"), "w") as f:
     json.dump({"pid": os.getpid()}, f)
 step, stopped_at, deadline = 0, None, time.time() + 20
@@ -40,9 +49,19 @@ def done():
         return bool(seen["hung"]) or (seen["dead"] and time.time() > seen["dead"][0]["at"] + 6.0)
     if mode == "evict" and rank == 1:
         return bool(seen["evicted"])
+    if mode == "gil":  # watch until well after rank 1 held the GIL
+        return stopped_at is not None and time.time() > stopped_at + 5.0
+    if mode == "fence" and rank != 1:
+        return bool(seen["hung"]) and time.time() > seen["hung"][0]["at"] + 2.0
     return bool(seen["dead"] or seen["hung"])
 while time.time() < deadline and not done():
-    if mode in ("hang", "evict") and rank == 1 and step >= 30:
+    if mode in ("gil", "fence") and step == 30:
+        stopped_at = time.time()
+        step += 1
+        if rank == 1:
+            libc = ctypes.PyDLL(None)
+            libc.usleep(2_500_000) if mode == "gil" else libc.pause()
+    elif mode in ("hang", "evict") and rank == 1 and step >= 30:
         stopped_at = stopped_at or time.time()
         if mode == "hang" and time.time() > stopped_at + 4.0:  # the others have judged it by now
             break
@@ -56,7 +75,7 @@ while time.time() < deadline and not done():
         step += 1
         mon.beat(step)
     time.sleep(0.05)
-if mode == "evict" and rank == 0 and seen["hung"]:
+if mode in ("evict", "fence") and rank == 0 and seen["hung"]:
     mon.evict(seen["hung"][0]["ranks"])
 time.sleep(0.5)  # let a late second report show up if the monitor would make one
 mon.stop()
@@ -66,11 +85,11 @@ with open(os.path.join(out, f"result{rank}.json"), "w") as f:
 '''
 
 
-def start(tmp_path: Path, mode: str) -> subprocess.Popen:
+def start(tmp_path: Path, mode: str, beacon: bool = False) -> subprocess.Popen:
     (tmp_path / "worker.py").write_text(WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, str(LAUNCHER), "--nproc-per-node", str(WORLD), "worker.py",
-                             str(tmp_path), mode], cwd=tmp_path, env=env,
+                             str(tmp_path), mode, "beacon" if beacon else "thread"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -89,10 +108,11 @@ def results(proc: subprocess.Popen, tmp_path: Path) -> tuple[int, str, dict[int,
     return proc.returncode, output, {int(p.stem[6:]): json.loads(p.read_text()) for p in tmp_path.glob("result*.json")}
 
 
-def run_worker(tmp_path: Path, mode: str, kill: int | None = None) -> tuple[int, str, dict[int, dict], float | None]:
+def run_worker(tmp_path: Path, mode: str, kill: int | None = None,
+               beacon: bool = False) -> tuple[int, str, dict[int, dict], float | None]:
     """Run the worker in ``mode``; SIGKILL rank ``kill`` once heartbeats flow. Returns
     (exit code, output, per-rank results, kill time)."""
-    proc = start(tmp_path, mode)
+    proc = start(tmp_path, mode, beacon)
     killed_at = None
     try:
         pids = wait_ready(proc, tmp_path)
@@ -106,8 +126,9 @@ def run_worker(tmp_path: Path, mode: str, kill: int | None = None) -> tuple[int,
     return code, output, res, killed_at
 
 
-def test_sigkilled_rank_is_named_dead_by_every_survivor_within_2s(tmp_path):
-    code, output, res, killed_at = run_worker(tmp_path, "kill", kill=2)
+@pytest.mark.parametrize("beacon", [False, True], ids=["thread", "beacon"])
+def test_sigkilled_rank_is_named_dead_by_every_survivor_within_2s(tmp_path, beacon):
+    code, output, res, killed_at = run_worker(tmp_path, "kill", kill=2, beacon=beacon)
     assert sorted(res) == [0, 1, 3], output
     latencies = []
     for rank, r in res.items():
@@ -116,6 +137,10 @@ def test_sigkilled_rank_is_named_dead_by_every_survivor_within_2s(tmp_path):
         latencies.append(r["dead"][0]["at"] - killed_at)
     print(f"detection latency per survivor: {[round(x, 3) for x in latencies]}")
     assert all(0 < x < 2.0 for x in latencies), latencies
+    if beacon:
+        # The beacon writes the dead mark as its rank dies: no need to wait out the 1.5 s timeout.
+        assert all(x < 1.0 for x in latencies), latencies
+        assert "[2]: process exited" in output, output
     assert "launch_local: rank 2 exited with signal SIGKILL; 3 ranks still running" in output
     assert code == 0, output
 
@@ -184,3 +209,30 @@ def test_judge_progress_waits_out_collectives_blocked_on_a_dead_rank():
                           failure_grace_s=5.0) == frozenset({1, 2})
     # Without the grace, the same survivors would have been named while still blocked.
     assert judge_progress(104.0, progress, 3.0, recovering) == frozenset({1, 2})
+
+
+@pytest.mark.parametrize("beacon", [False, True], ids=["thread", "beacon"])
+def test_rank_holding_the_gil_is_not_called_dead_when_its_beacon_publishes(tmp_path, beacon):
+    code, output, res, _ = run_worker(tmp_path, "gil", beacon=beacon)
+    assert code == 0, output
+    assert sorted(res) == [0, 1, 2, 3], output
+    named = {rank: [e["ranks"] for e in r["dead"]] for rank, r in res.items() if rank != 1}
+    if beacon:
+        assert named == {0: [], 2: [], 3: []}, output
+        assert all(res[r]["hung"] == [] for r in res), res  # 2.5 s stall, hang timeout 4 s
+    else:
+        # The control: a heartbeat thread cannot beat while the training thread holds the GIL.
+        assert named == {0: [[1]], 2: [[1]], 3: [[1]]}, output
+
+
+def test_rank_stuck_holding_the_gil_is_named_hung_and_fenced_by_its_beacon(tmp_path):
+    code, output, res, _ = run_worker(tmp_path, "fence", beacon=True)
+    assert sorted(res) == [0, 2, 3], output  # rank 1 never got to write a result
+    for rank in (0, 2, 3):
+        hung = res[rank]["hung"]
+        assert [e["ranks"] for e in hung] == [[1]], (rank, res[rank])
+        # Named dead, if at all, only once the beacon has fenced it: never while it was stuck.
+        assert all(e["at"] > hung[0]["at"] for e in res[rank]["dead"]), (rank, res[rank])
+    assert "beacon fences pid" in output, output
+    assert "launch_local: rank 1 exited with signal SIGKILL" in output, output
+    assert code == 0, output
