@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from megatron.training.heartbeat_beacon import DEAD_MARK, MARK_EXIT, MARK_RECOVERING, MARK_TEXT, Beacon
+from megatron.training.heartbeat_beacon import DEAD_MARK, FENCED_MARK, MARK_EXIT, MARK_RECOVERING, MARK_TEXT, Beacon
 from resihp_ext.detector import judge_heartbeats
 
 logger = logging.getLogger(__name__)
@@ -348,15 +348,17 @@ class HeartbeatMonitor:
         # stall of this thread between the two can never make a live rank look late.
         now = self._clock()
         values = self._read(others)
-        exited, marked_dead = set(), set()
+        exited, marked_dead, fenced = set(), set(), set()
         for r, text in values.items():
             parts = text.split(":")
             beat_at, progress = float(parts[0]), int(parts[1])
             if len(parts) > 2 and parts[2] == _EXIT_MARK:
                 exited.add(r)
                 continue
-            if len(parts) > 2 and parts[2] == DEAD_MARK:  # its beacon saw the process die
+            if len(parts) > 2 and parts[2] in (DEAD_MARK, FENCED_MARK):  # its beacon saw it die
                 marked_dead.add(r)
+                if parts[2] == FENCED_MARK:
+                    fenced.add(r)
                 continue
             if len(parts) > 2 and parts[2] == _RECOVERING_MARK:
                 self._recovering_ranks.add(r)
@@ -389,7 +391,9 @@ class HeartbeatMonitor:
 
         with self._lock:
             self._exited = self._exited | exited
-            new_dead = dead - self._dead
+            # A rank that dies after being judged hung, or fenced after an eviction, is no news:
+            # the decision to leave it out was made already.
+            new_dead = dead - self._dead - self._hung - fenced
             self._dead = self._dead | dead
             new_hung = hung - self._hung - self._dead
             self._hung = (self._hung | hung) - self._dead

@@ -16,7 +16,8 @@ only a separate process can do:
   a ``dead`` mark at once, so survivors name a killed rank within one poll instead of after
   ``--resihp-heartbeat-timeout-s``; the timeout still covers a lost node, where the beacon dies too;
 * when the survivors ``evict`` the rank (judged hung), the beacon SIGKILLs it, even if the rank
-  is stuck in C code holding the GIL, where a thread of its own could never run.
+  is stuck in C code holding the GIL, where a thread of its own could never run; the mark it
+  then leaves is ``fenced``, not ``dead``: the survivors made that decision already.
 
 A rank that is alive but stuck keeps beating through its beacon with progress standing still: that
 is a hang, for ``judge_progress``, never a death.
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 MARK_NONE, MARK_RECOVERING, MARK_EXIT = 0, 1, 2
 MARK_TEXT = {MARK_NONE: "", MARK_RECOVERING: "recovering", MARK_EXIT: "exit"}
 DEAD_MARK = "dead"
+# Dead after the survivors evicted it: their decision, already made, so no news to anyone.
+FENCED_MARK = "fenced"
 
 # Shared page layout: version (seqlock: odd while the rank writes), progress, mark, key length,
 # evicted-key length, acknowledged version, then the two keys.
@@ -168,11 +171,12 @@ def _beacon_main(page: mmap.mmap, parent: int, interval_s: float, store_timeout_
         version, progress, mark, key, evicted_key = _read_state(page)
         if key:
             text = f"{time.time():.6f}:{progress}"
-            if gone and mark != MARK_EXIT:
-                text += f":{DEAD_MARK}"
-            elif MARK_TEXT[mark]:
-                text += f":{MARK_TEXT[mark]}"
             try:
+                if gone and mark != MARK_EXIT:
+                    evicted_seen = evicted_seen or store.check([evicted_key.decode()])
+                    text += f":{FENCED_MARK if evicted_seen else DEAD_MARK}"
+                elif MARK_TEXT[mark]:
+                    text += f":{MARK_TEXT[mark]}"
                 store.set(key.decode(), text)
                 if not gone and not evicted_seen and store.check([evicted_key.decode()]):
                     evicted_seen = True
