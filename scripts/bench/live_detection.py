@@ -6,7 +6,11 @@ attention) and measures, in one invocation:
 (a) a healthy run of ``--healthy-iters`` iterations with ``--resihp-detect-only --resihp-trace``;
 (b) the same job with ``slow:rank=3,factor=1.5,at=10`` injected;
 (c) the op-timing hooks' cost: runs with hooks on and off (``RESIHP_DISABLE_OP_HOOKS=1``), no
-    detection, alternated ``--overhead-repeats`` times; ratio of median iteration times.
+    detection, alternated ``--overhead-repeats`` times; ratio of median iteration times;
+(d) this host's timing floor: one fixed op (GEMMs, the size of a micro-batch's compute) timed by
+    the same busy clock in this process alone, and the MAPE of predicting each run by the median.
+    No cost model can predict a micro-batch better than the clock repeats a fixed op, so the
+    predictor's MAPE is printed beside it.
 
 Both traces then go through ``scripts/bench/detection.py --trace`` (ours vs the Greyhound-style and
 NVRx-style baselines on the same live timings; that script simulates probe timings from the
@@ -58,6 +62,24 @@ def launch(nproc: int, args: list[str], env_extra: dict | None = None, timeout_s
     if proc.returncode:
         raise SystemExit(f"job failed ({proc.returncode}): {' '.join(args)}\n{proc.stderr[-3000:]}")
     return time.time() - start
+
+
+def timer_floor(samples: int = 200, size: int = 256, repeats: int = 20) -> dict:
+    """Spread of the busy clock on a fixed op: MAPE of the median as predictor, and the CV."""
+    import torch
+
+    torch.manual_seed(0)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    times = []
+    for _ in range(samples + 10):
+        start = time.thread_time()
+        for _ in range(repeats):
+            a = torch.tanh(a @ b)
+        times.append(time.thread_time() - start)
+    times = times[10:]  # warm-up
+    median = statistics.median(times)
+    return {"op_ms": round(1e3 * median, 3), "mape_pct": round(100 * statistics.mean(abs(t - median) / t for t in times), 2),
+            "cv_pct": round(100 * statistics.pstdev(times) / statistics.mean(times), 2), "samples": samples}
 
 
 def events(path: Path, kind: str | None = None) -> list[dict]:
@@ -120,7 +142,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     base = model_args(tp, pp)
     out: dict = {"shape": f"TP{tp} x PP{pp} x DP{dp} ({nproc} processes)", "cpu_count": os.cpu_count(),
-                 "loadavg_start": os.getloadavg(), "workdir": str(work)}
+                 "loadavg_start": os.getloadavg(), "workdir": str(work), "timer_floor": timer_floor()}
 
     runs = {"healthy": (args.healthy_iters, []),
             "slow": (args.slow_iters, ["--resihp-inject", f"slow:rank={SLOW_RANK},factor={FACTOR},at={ONSET}"])}
@@ -183,6 +205,9 @@ def main() -> None:
         ours = out["replay"][name]["resihp"]
         print(f"  predictor MAPE: micro-batch {ours['mtp_mape']}%, iteration {ours['itp_mape']}%; "
               f"decision {ours['decision_ms_per_iter']} ms/iteration")
+        floor = out["timer_floor"]
+        print(f"  timing floor of this host: a fixed {floor['op_ms']} ms op, timed alone, repeats with MAPE "
+              f"{floor['mape_pct']}% (CV {floor['cv_pct']}%)")
     h = out["hook_overhead"]
     print(f"\nhooks on/off: {h['median_iteration_s_on']} / {h['median_iteration_s_off']} s = {h['ratio_on_off']} "
           f"(per repeat on {h['per_repeat_on']}, off {h['per_repeat_off']})")
