@@ -44,6 +44,12 @@ class ResiHPConfig:
     cleared_cooldown_iters: int = 3
     """Iterations a group stays unsuspected after its probes cleared it (avoids probe storms)."""
 
+    confirm_after_iters: int = 2
+    """Live runs: a verdict from probes is probed again this many iterations later and acted on
+    only if the same ranks (or link) are slow again; otherwise it is cleared. A device that is
+    slow for a moment (a busy neighbour on a shared host) is not re-planned around. 0: act on the
+    first probe round."""
+
     heartbeat_interval_s: float = 0.2
     """Seconds between heartbeats each rank writes to the job's store."""
 
@@ -66,6 +72,8 @@ class ResiHPConfig:
             raise ValueError(
                 f"--resihp-probe-threshold must be > 1.0 (probe time over healthy median), got {self.probe_threshold}"
             )
+        if self.confirm_after_iters < 0:
+            raise ValueError(f"--resihp-confirm-after-iters must be >= 0, got {self.confirm_after_iters}")
         if self.cleared_cooldown_iters < 0:
             raise ValueError(f"--resihp-cleared-cooldown-iters must be >= 0, got {self.cleared_cooldown_iters}")
         for name in ("persistence_iters", "warmup_iters"):

@@ -350,6 +350,16 @@ class FailSlowDetector:
 
     # ---------------------------------------------------------------- validation
 
+    def release(self, suspicion: Suspicion, iteration: int) -> None:
+        """Drop a suspicion (its probes, or a second round of them, named nobody): unmute its
+        group or link, cool it down, and start its persistence count over."""
+        what = suspicion.links[0] if suspicion.kind == "link" else (suspicion.replica, suspicion.stage)
+        self._muted.discard(what)
+        self._cooldown[what] = iteration + self.config.cleared_cooldown_iters
+        # The cost model is not relearned here: a real fault starting during the cooldown would be
+        # learned as normal.
+        (self._group_streak if suspicion.kind == "compute" else self._link_streak).pop(what, None)
+
     def conclude(self, suspicion: Suspicion, probes: ProbeResults) -> Verdict | Cleared:
         """Turn a Suspicion and its probe timings into a Verdict or a Cleared.
 
@@ -389,10 +399,7 @@ class FailSlowDetector:
                 self._muted.add(what)
                 return Verdict("link", tuple(slow[0]), loc.link_factors[slow[0]], suspicion.onset_iteration, evidence,
                                f"{loc.reason}; transfers ran {suspicion.ratio:.2f}x baseline since iteration {suspicion.onset_iteration}")
-        self._cooldown[what] = probes.iteration + self.config.cleared_cooldown_iters
-        # The probes say the devices are fine: start the persistence count over. The cost model is
-        # not relearned here: a real fault starting during the cooldown would be learned as normal.
-        (self._group_streak if suspicion.kind == "compute" else self._link_streak).pop(what, None)
+        self.release(suspicion, probes.iteration)
         return Cleared(probes.iteration, suspicion.ranks, evidence,
                        f"probes found no slow {'rank' if suspicion.kind == 'compute' else 'link'} ({loc.reason}); "
                        f"suspicion at iteration {suspicion.iteration} dropped")

@@ -7,6 +7,8 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
     kill:rank=5,at=30                 rank 5 is SIGKILLed at iteration 30
     kill:rank=1,at=4,during=reform    rank 1 is SIGKILLed as it is about to join the world that
                                       survivors re-form after a failure at iteration >= 4
+    kill:rank=5,at=1,during=replan    rank 5 is SIGKILLed while a fail-slow re-plan at iteration
+                                      >= 1 moves layers and optimizer state between ranks
     hang:rank=2,at=40                 rank 2 stops making progress at iteration 40
 
 Executing a fault (sleeping, killing) is the training front end's job, never this module's.
@@ -34,7 +36,7 @@ _KEYS = {
     FaultKind.HANG: {"rank", "at"},
 }
 # Phases of an in-place recovery a kill can be aimed at (a second failure during an adaptation).
-PHASES = ("reform",)
+PHASES = ("reform", "replan")
 _REQUIRED = {
     FaultKind.SLOW: {"rank", "factor", "at"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},

@@ -10,6 +10,7 @@ detector. Decisions are never made here.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -107,6 +108,8 @@ class LiveDetector:
         self.decision_s = 0.0  # time spent in the pure decision logic (for the overhead figure)
         self.clock_offset_s = job_clock_offset()
         self.last_probes: ProbeResults | None = None
+        # (suspicion, first verdict, iteration to probe again) while a verdict awaits confirmation.
+        self._unconfirmed: tuple | None = None
 
     def observation(self, iteration_s: float, ops, features, busy=()) -> RankObservation:
         shift = self.clock_offset_s
@@ -127,12 +130,39 @@ class LiveDetector:
         start = time.perf_counter()
         suspicion = self.detector.observe(iteration, gathered)
         self.decision_s += time.perf_counter() - start
+        if self._unconfirmed is not None and iteration >= self._unconfirmed[2]:
+            return gathered, self._confirm(iteration)
         if suspicion is None:
             return gathered, None
-        probes = self.last_probes = ProbeResults(iteration=iteration, rank_s=self._probe_ranks(suspicion.probe_ranks),
-                                                 link_s=self._probe_links(suspicion.probe_links))
-        outcome = self.detector.conclude(suspicion, probes)
+        outcome = self.detector.conclude(suspicion, self._probe(iteration, suspicion))
+        wait = self.config.confirm_after_iters
+        if isinstance(outcome, Verdict) and outcome.kind in ("compute", "link") and wait > 0:
+            # Every rank holds the same suspicion and probes, so all of them wait alike.
+            self._unconfirmed = (suspicion, outcome, iteration + wait)
+            return gathered, None
         return gathered, (suspicion, outcome)
+
+    def _probe(self, iteration: int, suspicion) -> ProbeResults:
+        self.last_probes = ProbeResults(iteration=iteration, rank_s=self._probe_ranks(suspicion.probe_ranks),
+                                        link_s=self._probe_links(suspicion.probe_links))
+        return self.last_probes
+
+    def _confirm(self, iteration: int):
+        """Probe a verdict's ranks (or link) again; keep it only if the same ones are slow again."""
+        suspicion, first, _ = self._unconfirmed
+        self._unconfirmed = None
+        again = self.detector.conclude(suspicion, self._probe(iteration, suspicion))
+        confirmed = isinstance(again, Verdict) and again.kind == first.kind and set(again.ranks) == set(first.ranks)
+        evidence = {**first.evidence, "confirm_probe_iteration": iteration,
+                    "confirm_probe_factors": again.evidence.get("probe_factors", {})}
+        if confirmed:
+            return suspicion, dataclasses.replace(first, evidence=evidence,
+                                                  reason=f"{first.reason}; confirmed by probes at iteration {iteration}")
+        if isinstance(again, Verdict):  # slow, but not the same ones: dropped like the first
+            self.detector.release(suspicion, iteration)
+        return suspicion, Cleared(iteration, suspicion.ranks, evidence,
+                                  f"the probes at iteration {iteration} did not confirm {first.kind} ranks "
+                                  f"{list(first.ranks)} named at iteration {first.evidence.get('probe_iteration')}; dropped")
 
 
     def _probe_ranks(self, ranks) -> dict[int, float]:

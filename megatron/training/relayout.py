@@ -54,7 +54,8 @@ def replicas_alike(layout: Layout) -> bool:
 
 class LayoutChanges:
     """Mixin: expects ``args``, ``cfg``, ``events``, ``rank``, ``layout``, ``sync``, ``live``,
-    ``store``, ``generation`` and ``_start_monitor`` on the object it is mixed into."""
+    ``store``, ``monitor``, ``generation``, ``replica_index``, ``_start_monitor`` and
+    ``_apply_recovery_faults`` on the object it is mixed into."""
 
     # ------------------------------------------------------------------ shared steps
     def _rebuild(self, layout: Layout) -> TrainingObjects:
@@ -137,7 +138,7 @@ class LayoutChanges:
         if plan.action != "adapt":
             return objects, quotas
         if plan.layout != self.layout:
-            objects, _ = self._apply_layout(plan.layout, objects)
+            objects, _ = self._apply_layout(plan.layout, objects, iteration)
         quotas = list(plan.quotas)
         duration = time.perf_counter() - start
         # Refit: the known slow device is the new normal; only a further change should alarm.
@@ -152,26 +153,79 @@ class LayoutChanges:
         return objects, quotas
 
     # ------------------------------------------------------------------ executing a new layout
-    def _apply_layout(self, new_layout: Layout, objects):
+    def _apply_layout(self, new_layout: Layout, objects, iteration: int = 0):
         """New layout over the same processes; returns (new objects, bytes this rank moved).
 
         Same world: new groups, rebuilt objects, state moved point-to-point, old groups torn down.
         A layout that leaves ranks out (they become spares) goes through ``_apply_shrinking_layout``.
+
+        Moves only read the old objects, so until every rank has finished its moves the old layout
+        and objects are still whole. If a rank fails before that, every survivor goes back to the
+        old layout and raises, and the fail-stop recovery starts from a state all of them share.
+
+        Raises:
+            RuntimeError: a rank failed before all moves were done (this rank is back on the old layout).
         """
         if set(new_layout.world_ranks) != set(self.layout.world_ranks):
             return self._apply_shrinking_layout(new_layout, objects)
-        old_layout, old_groups, old_sync = self.layout, self.args.groups, self.sync
-        groups = build_groups(new_layout, self.rank, timeout=self.cfg.collective_timeout_s)
-        install(groups)
-        self._adopt(new_layout, groups, world_changed=False)
-        new_objects = self._rebuild(new_layout)
-        moved = apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank,
-                                objects, new_objects)
-        new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
+        args = self.args
+        old = (self.layout, args.groups, self.sync, self.replica_index, args.data_parallel_size)
+        try:
+            groups = build_groups(new_layout, self.rank, timeout=self.cfg.collective_timeout_s)
+            install(groups)
+            self._adopt(new_layout, groups, world_changed=False)
+            new_objects = self._rebuild(new_layout)
+            self._apply_recovery_faults(iteration, "replan")
+            moved = apply_transfers(plan_transfers(old[0], new_layout), old[0], new_layout, self.rank,
+                                    objects, new_objects)
+            new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
+            self._moves_committed(iteration, done=True)
+        except RuntimeError as error:
+            if not self._moves_committed(iteration, done=False):
+                new_sync = self.sync
+                self.layout, args.groups, self.sync, self.replica_index, args.data_parallel_size = old
+                args.replica_index = self.replica_index
+                install(old[1])
+                if new_sync is not None and new_sync is not old[2]:
+                    new_sync.destroy()
+                log_line(f" resihp: rank {self.rank}: the re-plan at iteration {iteration} failed before every "
+                         f"rank had moved its state ({str(error).splitlines()[0][:120]}); back on the old layout")
+                raise
+            raise  # every move was done: the new layout stands, and the recovery starts from it
+        old_groups, old_sync = old[1], old[2]
         teardown(old_groups)
         if old_sync is not None:
             old_sync.destroy()
         return new_objects, moved
+
+    def _moves_committed(self, iteration: int, done: bool) -> bool:
+        """Whether every rank finished its state moves for the re-plan at ``iteration``.
+
+        ``done``: this rank finished; it says so in the job's store, then waits until every rank
+        has (True), or until the heartbeats name a failed rank and some rank's mark is still
+        missing (raises RuntimeError). Not done: only reports whether every mark is there.
+        Marks are read again after a failure is seen: a rank that wrote its mark and then died
+        did so before anyone could see it dead, so every survivor reaches the same answer.
+        """
+        if self.store is None:  # no store, no recovery: the first error stands as it is
+            return done
+        prefix = f"resihp/gen{self.generation}/replan{iteration}/moved/"
+        keys = [f"{prefix}{r}" for r in sorted(self.layout.world_ranks)]
+        if not done:
+            return self.store.check(keys)
+        self.store.set(f"{prefix}{self.rank}", "1")
+        deadline = time.monotonic() + 3 * self.cfg.collective_timeout_s
+        while not self.store.check(keys):
+            failed = self.monitor.dead_ranks | self.monitor.hung_ranks if self.monitor is not None else frozenset()
+            if failed or time.monotonic() > deadline:
+                if self.store.check(keys):
+                    break
+                raise RuntimeError(f"ranks {sorted(failed)} failed before every rank had moved its state "
+                                   f"for the re-plan at iteration {iteration}" if failed else
+                                   f"not every rank had moved its state for the re-plan at iteration {iteration} "
+                                   f"after {3 * self.cfg.collective_timeout_s:.0f} s")
+            time.sleep(0.02)
+        return True
 
     def _apply_shrinking_layout(self, new_layout: Layout, objects):
         """Spares leave: move state while they are still members, then re-form without them.

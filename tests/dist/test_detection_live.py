@@ -17,6 +17,7 @@ rank = tp + 2 * (replica + 2 * stage); rank 3 is TP rank 1 of replica 1, stage 0
 
 from __future__ import annotations
 
+import pytest
 
 from resihp_ext.schedule import one_f_one_b
 from resihp_ext.traces import load_trace
@@ -61,16 +62,25 @@ def test_injected_slowdown_is_named_within_three_iterations(tmp_path):
     assert suspicions and SLOW_RANK in suspicions[0]["ranks"], suspicions
 
 
-def test_healthy_run_gets_no_verdict(tmp_path):
-    log, _ = _run(tmp_path, 60)
-    assert len(read_events(log, "iteration")) == 60
+HEALTHY_ITERS = 60
+
+
+@pytest.fixture(scope="module")
+def healthy_run(tmp_path_factory):
+    """One healthy run serves both the no-verdict check and the op-order check."""
+    return _run(tmp_path_factory.mktemp("healthy"), HEALTHY_ITERS)
+
+
+def test_healthy_run_gets_no_verdict(healthy_run):
+    log, _ = healthy_run
+    assert len(read_events(log, "iteration")) == HEALTHY_ITERS
     assert read_events(log, "verdict") == [], read_events(log, "verdict")
 
 
-def test_recorded_op_order_is_one_f_one_b(tmp_path):
-    _, trace_path = _run(tmp_path, 4)
+def test_recorded_op_order_is_one_f_one_b(healthy_run):
+    _, trace_path = healthy_run
     trace = load_trace(str(trace_path))
-    assert sorted(trace.iterations) == [1, 2, 3, 4]
+    assert sorted(trace.iterations) == list(range(1, HEALTHY_ITERS + 1))
     per_replica = GLOBAL_BATCH // MICRO_BATCH // DP  # even quotas: no re-plan in a detect-only run
     expected = one_f_one_b(PP, per_replica)
     for iteration, observations in trace.iterations.items():

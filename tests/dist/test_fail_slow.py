@@ -56,3 +56,26 @@ def test_tp2_pp2_dp2_rank_slowed_2x_at_iteration_10_is_replanned_in_place(tmp_pa
     ours, ref = iteration_losses(log), iteration_losses(ref_log)
     assert sorted(ours) == list(range(1, 17))
     assert [ours[i] for i in range(1, 17)] == pytest.approx([ref[i] for i in range(1, 17)], rel=1e-5)
+
+
+def test_rank_killed_while_a_replan_moves_state_leaves_survivors_on_the_old_layout(tmp_path):
+    # PP2 x DP2 with an emulated device per rank, so moving a layer off the slowed rank 3 pays.
+    # Rank 2 (replica 1, stage 0, the receiving end of that move) is killed while the moves run:
+    # the survivors go back to the layout all of them still hold whole, and the fail-stop
+    # recovery continues on replica 0 from there, exactly.
+    shape = ["--pipeline-model-parallel-size", "2", "--cpu-device-time-scale", "4"]
+    short = [a if a != "28" else "18" for a in MODEL]
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
+    check(run_job(1, [*short, "--resihp-event-log", str(ref_log)]))
+    proc = run_job(4, [*short, *shape, "--resihp-enable", "--resihp-collective-timeout-s", "5",
+                       "--resihp-event-log", str(log), "--resihp-inject", "slow:rank=3,factor=3,at=6",
+                       "--resihp-inject", "kill:rank=2,at=6,during=replan"], launcher="local")
+    check(proc)
+    output = proc.stdout + proc.stderr
+    assert "rank 2: injecting kill:rank=2,at=6,during=replan" in output, output[-3000:]
+    assert "back on the old layout" in output, output[-3000:]
+    adapted = read_events(log, "adapted")
+    assert [(a["world_size"], a["failed_ranks"]) for a in adapted] == [(2, [2])], adapted
+    ours, ref = iteration_losses(log), iteration_losses(ref_log)
+    assert sorted(ours) == list(range(1, 19))
+    assert [ours[i] for i in range(1, 19)] == pytest.approx([ref[i] for i in range(1, 19)], rel=1e-5)

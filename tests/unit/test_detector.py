@@ -137,6 +137,31 @@ def test_no_repeat_suspicion_after_verdict_until_reset():
     assert not det.predictor.fitted(((1, 2), "F"))
 
 
+def test_released_verdict_unmutes_its_group_so_a_later_fault_is_caught():
+    # A verdict whose second probe round did not confirm it is released: the group may be
+    # suspected again once its cooldown ends (without release it stays muted for good).
+    fault = "slow:rank=5,factor=2.0,at=30"
+    trace = _trace(60, (fault,))
+    det = FailSlowDetector()
+    first = None
+    for iteration, obs in trace:
+        suspicion = det.observe(iteration, obs)
+        if suspicion is None:
+            continue
+        if first is None:
+            first = suspicion
+            verdict = det.conclude(suspicion, synthetic_probes(SPEC, [parse_fault(fault)], iteration,
+                                                                suspicion.probe_ranks, suspicion.probe_links))
+            assert isinstance(verdict, Verdict) and verdict.ranks == (5,)
+            det.release(suspicion, iteration)
+        else:
+            assert (suspicion.replica, suspicion.stage) == (first.replica, first.stage)
+            assert suspicion.iteration >= first.iteration + det.config.cleared_cooldown_iters
+            break
+    else:
+        pytest.fail("the released group was never suspected again")
+
+
 def test_heartbeats_and_fail_stop_verdicts():
     dead = judge_heartbeats(10.0, {0: 9.9, 1: 8.0, 2: 9.0}, timeout_s=1.5)
     assert dead == frozenset({1})

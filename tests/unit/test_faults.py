@@ -10,6 +10,7 @@ from resihp_ext.faults import Fault, FaultKind, parse_fault
     "link:src=1,dst=3,factor=4,at=20",
     "kill:rank=5,at=30",
     "kill:rank=1,at=4,during=reform",
+    "kill:rank=5,at=1,during=replan",
     "hang:rank=2,at=40",
 ])
 def test_round_trip(spec):
