@@ -145,7 +145,7 @@ def pretrain(
             objects, quotas = resilience.before_iteration(iteration, objects, quotas)
             dp_rank = resilience.replica_index
         start = time.perf_counter()
-        stepped = False
+        stepped = reduced = advanced = False
         try:
             batches = microbatches(train_ds, sampler.microbatch_indices(quotas, dp_rank))
             result = train_step(
@@ -154,6 +154,7 @@ def pretrain(
             )
             stepped = True
             loss_sum, num_tokens = _reduce_loss(result.loss_sum, result.num_tokens)
+            reduced = True
             elapsed_s = time.perf_counter() - start
             if resilience is not None:
                 try:
@@ -168,6 +169,7 @@ def pretrain(
                 # Every rank's optimizer step needed its DP group's all-reduce, which the failed rank
                 # joined: all ranks stepped, so this iteration is done and is not redone.
                 sampler.advance()
+                advanced = True
             try:
                 objects, quotas = resilience.recover(iteration, error, objects, sampler.consumed_samples)
             except StopTraining as stop:
@@ -175,8 +177,13 @@ def pretrain(
             dp_rank, num_replicas = resilience.replica_index, parallel_state.get_data_parallel_world_size()
             if not stepped:
                 iteration -= 1  # the same global batch again, on the new layout
-            continue
-        sampler.advance()
+                continue
+            if not reduced:
+                continue
+            # The failure surfaced after the step and its loss were done (during detection or a
+            # re-plan): the iteration is recorded like any other, by the new world's last rank.
+        if not advanced:
+            sampler.advance()
         skipped += result.skipped
         loss = loss_sum / max(num_tokens, 1)
         nan += not math.isfinite(loss)

@@ -51,7 +51,7 @@ def main() -> None:
                     stages.append(StageSpec(first, n, stage.ranks[:degree]))
                     first += n
                 replicas.append(ReplicaSpec(tuple(stages)))
-            objects, moved = self._apply_layout(Layout(tuple(replicas), self.layout.model), objects)
+            objects, moved = self._apply_layout(Layout(tuple(replicas), self.layout.model), objects, iteration)
             self.events.emit("forced_layout", iteration, layers=layers, quotas=quotas, bytes_moved=moved)
             return objects, quotas
 

@@ -88,3 +88,30 @@ def test_fail_stop_after_a_heterogeneous_replan_continues_on_the_surviving_repli
     assert [(a["iteration"], a["world_size"]) for a in adapted] == [(5, 4)]
     ours, ref = iteration_losses(log), iteration_losses(ref_log)
     assert [ours[i] for i in range(1, 7)] == pytest.approx([ref[i] for i in range(1, 7)], rel=1e-5)
+
+
+def test_rank_killed_while_a_replan_moves_state_leaves_survivors_on_the_old_layout(tmp_path):
+    # Replica 1 is re-planned [2, 2] -> [1, 3] after iteration 3: a layer moves from stage 0 (ranks
+    # 2, 3) to stage 1 (ranks 6, 7). Rank 6 is killed while the moves run. Every survivor goes back
+    # to the layout all of them still hold whole, and the fail-stop recovery continues on replica 0
+    # from there, with the failure-free losses.
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
+    check(_run(4, REPO / "pretrain_gpt_resilient.py", [*MODEL, "--resihp-event-log", str(ref_log)], tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--nproc-per-node", "8",
+         str(REPO / "tests" / "dist" / "forced_layout_driver.py"), *MODEL, "--resihp-enable",
+         "--resihp-collective-timeout-s", "5", "--resihp-event-log", str(log),
+         "--resihp-inject", "kill:rank=6,at=3,during=replan",
+         "--forced-layout", json.dumps([[2, 2], [1, 3]]), "--forced-at", "3", "--forced-quotas", "4,4"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    check(proc)
+    output = proc.stdout + proc.stderr
+    assert "rank 6: injecting kill:rank=6,at=3,during=replan" in output, output[-3000:]
+    assert "back on the old layout" in output, output[-3000:]
+    assert read_events(log, "forced_layout") == []  # nobody went on with the half-applied layout
+    adapted = read_events(log, "adapted")
+    assert [(a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, [6])], adapted
+    ours, ref = iteration_losses(log), iteration_losses(ref_log)
+    assert sorted(ours) == list(range(1, 7))
+    assert [ours[i] for i in range(1, 7)] == pytest.approx([ref[i] for i in range(1, 7)], rel=1e-5)
