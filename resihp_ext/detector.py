@@ -354,6 +354,7 @@ class FailSlowDetector:
         """Drop a suspicion (its probes, or a second round of them, named nobody): unmute its
         group or link, cool it down, and start its persistence count over."""
         what = suspicion.links[0] if suspicion.kind == "link" else (suspicion.replica, suspicion.stage)
+        self._pending.discard(what)
         self._muted.discard(what)
         self._cooldown[what] = iteration + self.config.cleared_cooldown_iters
         # The cost model is not relearned here: a real fault starting during the cooldown would be

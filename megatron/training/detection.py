@@ -130,8 +130,12 @@ class LiveDetector:
         start = time.perf_counter()
         suspicion = self.detector.observe(iteration, gathered)
         self.decision_s += time.perf_counter() - start
-        if self._unconfirmed is not None and iteration >= self._unconfirmed[2]:
-            return gathered, self._confirm(iteration)
+        if self._unconfirmed is not None:
+            if suspicion is not None:
+                # One verdict in flight at a time: a lasting fault elsewhere is raised again once
+                # its cooldown ends.
+                self.detector.release(suspicion, iteration)
+            return gathered, self._confirm(iteration) if iteration >= self._unconfirmed[2] else None
         if suspicion is None:
             return gathered, None
         outcome = self.detector.conclude(suspicion, self._probe(iteration, suspicion))

@@ -142,13 +142,15 @@ def start_beacon(interval_s: float, store_timeout_s: float = 60.0) -> Beacon | N
     return _BEACON
 
 
-def _read_state(page: mmap.mmap) -> tuple[int, int, int, bytes, bytes]:
-    while True:
+def _read_state(page: mmap.mmap, previous: tuple | None) -> tuple[int, int, int, bytes, bytes] | None:
+    """The rank's latest consistent write; ``previous`` if none shows up (the rank died mid-write)."""
+    for _ in range(100):
         version, progress, mark, key_len, evicted_len, _ = _HEADER.unpack_from(page, 0)
         keys = page[_KEYS_AT:_KEYS_AT + key_len + evicted_len]
         if version % 2 == 0 and struct.unpack_from("<q", page, 0)[0] == version:
             return version, progress, mark, keys[:key_len], keys[key_len:]
         time.sleep(0.001)
+    return previous
 
 
 def _beacon_main(page: mmap.mmap, parent: int, interval_s: float, store_timeout_s: float) -> None:
@@ -165,10 +167,17 @@ def _beacon_main(page: mmap.mmap, parent: int, interval_s: float, store_timeout_
 
     store = connect_store(timeout_s=store_timeout_s)
     evicted_seen = False
+    state = None
     next_at = time.monotonic()
     while True:
         gone = parent_died or os.getppid() != parent
-        version, progress, mark, key, evicted_key = _read_state(page)
+        state = _read_state(page, state)
+        if state is None:  # nothing consistent written yet
+            if gone:
+                return
+            time.sleep(interval_s)
+            continue
+        version, progress, mark, key, evicted_key = state
         if key:
             text = f"{time.time():.6f}:{progress}"
             try:

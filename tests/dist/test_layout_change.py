@@ -71,47 +71,51 @@ def test_heterogeneous_replan_matches_reference(tmp_path, layers, quotas, tp):
             torch.testing.assert_close(b[key], value, rtol=0, atol=1e-5, msg=str(key))
 
 
-def test_fail_stop_after_a_heterogeneous_replan_continues_on_the_surviving_replica(tmp_path):
-    # Replica 1 is repartitioned to [1, 3] at iteration 3; rank 0 (replica 0) dies at 5. The
-    # survivors keep replica 1 as it is, re-formed densely, and training stays exact.
-    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
-    check(_run(4, REPO / "pretrain_gpt_resilient.py", [*MODEL, "--resihp-event-log", str(ref_log)], tmp_path))
+@pytest.fixture(scope="module")
+def failure_free_losses(tmp_path_factory):
+    """Losses of the 4-rank TP2 x PP2 job, no failure: what every survivor run must reproduce."""
+    ref_log = tmp_path_factory.mktemp("failure_free") / "ref.jsonl"
+    check(_run(4, REPO / "pretrain_gpt_resilient.py", [*MODEL, "--resihp-event-log", str(ref_log)], ref_log.parent))
+    return iteration_losses(ref_log)
+
+
+def _run_forced_under_local_launcher(log, fault: str) -> subprocess.CompletedProcess:
+    """8 ranks (DP2) under launch_local.py; replica 1 is forced [2, 2] -> [1, 3] after iteration 3."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--nproc-per-node", "8",
          str(REPO / "tests" / "dist" / "forced_layout_driver.py"), *MODEL, "--resihp-enable",
-         "--resihp-collective-timeout-s", "5", "--resihp-event-log", str(log), "--resihp-inject", "kill:rank=0,at=5",
+         "--resihp-collective-timeout-s", "5", "--resihp-event-log", str(log), "--resihp-inject", fault,
          "--forced-layout", json.dumps([[2, 2], [1, 3]]), "--forced-at", "3", "--forced-quotas", "4,4"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     check(proc)
+    return proc
+
+
+def test_fail_stop_after_a_heterogeneous_replan_continues_on_the_surviving_replica(tmp_path, failure_free_losses):
+    # Replica 1 is repartitioned to [1, 3] at iteration 3; rank 0 (replica 0) dies at 5. The
+    # survivors keep replica 1 as it is, re-formed densely, and training stays exact.
+    log = tmp_path / "events.jsonl"
+    _run_forced_under_local_launcher(log, "kill:rank=0,at=5")
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"]) for a in adapted] == [(5, 4)]
-    ours, ref = iteration_losses(log), iteration_losses(ref_log)
-    assert [ours[i] for i in range(1, 7)] == pytest.approx([ref[i] for i in range(1, 7)], rel=1e-5)
+    ours = iteration_losses(log)
+    assert [ours[i] for i in range(1, 7)] == pytest.approx([failure_free_losses[i] for i in range(1, 7)], rel=1e-5)
 
 
-def test_rank_killed_while_a_replan_moves_state_leaves_survivors_on_the_old_layout(tmp_path):
+def test_rank_killed_while_a_replan_moves_state_leaves_survivors_on_the_old_layout(tmp_path, failure_free_losses):
     # Replica 1 is re-planned [2, 2] -> [1, 3] after iteration 3: a layer moves from stage 0 (ranks
     # 2, 3) to stage 1 (ranks 6, 7). Rank 6 is killed while the moves run. Every survivor goes back
     # to the layout all of them still hold whole, and the fail-stop recovery continues on replica 0
     # from there, with the failure-free losses.
-    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
-    check(_run(4, REPO / "pretrain_gpt_resilient.py", [*MODEL, "--resihp-event-log", str(ref_log)], tmp_path))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--nproc-per-node", "8",
-         str(REPO / "tests" / "dist" / "forced_layout_driver.py"), *MODEL, "--resihp-enable",
-         "--resihp-collective-timeout-s", "5", "--resihp-event-log", str(log),
-         "--resihp-inject", "kill:rank=6,at=3,during=replan",
-         "--forced-layout", json.dumps([[2, 2], [1, 3]]), "--forced-at", "3", "--forced-quotas", "4,4"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    check(proc)
+    log = tmp_path / "events.jsonl"
+    proc = _run_forced_under_local_launcher(log, "kill:rank=6,at=3,during=replan")
     output = proc.stdout + proc.stderr
     assert "rank 6: injecting kill:rank=6,at=3,during=replan" in output, output[-3000:]
     assert "back on the old layout" in output, output[-3000:]
     assert read_events(log, "forced_layout") == []  # nobody went on with the half-applied layout
     adapted = read_events(log, "adapted")
     assert [(a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, [6])], adapted
-    ours, ref = iteration_losses(log), iteration_losses(ref_log)
+    ours = iteration_losses(log)
     assert sorted(ours) == list(range(1, 7))
-    assert [ours[i] for i in range(1, 7)] == pytest.approx([ref[i] for i in range(1, 7)], rel=1e-5)
+    assert [ours[i] for i in range(1, 7)] == pytest.approx([failure_free_losses[i] for i in range(1, 7)], rel=1e-5)
