@@ -169,30 +169,31 @@ class LayoutChanges:
         if set(new_layout.world_ranks) != set(self.layout.world_ranks):
             return self._apply_shrinking_layout(new_layout, objects)
         args = self.args
-        old = (self.layout, args.groups, self.sync, self.replica_index, args.data_parallel_size)
+        old_layout, old_groups, old_sync = self.layout, args.groups, self.sync
+        old_replica, old_dp = self.replica_index, args.data_parallel_size
         try:
             groups = build_groups(new_layout, self.rank, timeout=self.cfg.collective_timeout_s)
             install(groups)
             self._adopt(new_layout, groups, world_changed=False)
             new_objects = self._rebuild(new_layout)
             self._apply_recovery_faults(iteration, "replan")
-            moved = apply_transfers(plan_transfers(old[0], new_layout), old[0], new_layout, self.rank,
+            moved = apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank,
                                     objects, new_objects)
             new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
             self._moves_committed(iteration, done=True)
         except RuntimeError as error:
+            # With every mark there, the new layout stands and the recovery starts from it.
             if not self._moves_committed(iteration, done=False):
                 new_sync = self.sync
-                self.layout, args.groups, self.sync, self.replica_index, args.data_parallel_size = old
-                args.replica_index = self.replica_index
-                install(old[1])
-                if new_sync is not None and new_sync is not old[2]:
+                self.layout, args.groups, self.sync = old_layout, old_groups, old_sync
+                self.replica_index = args.replica_index = old_replica
+                args.data_parallel_size = old_dp
+                install(old_groups)
+                if new_sync is not None and new_sync is not old_sync:
                     new_sync.destroy()
                 log_line(f" resihp: rank {self.rank}: the re-plan at iteration {iteration} failed before every "
                          f"rank had moved its state ({str(error).splitlines()[0][:120]}); back on the old layout")
-                raise
-            raise  # every move was done: the new layout stands, and the recovery starts from it
-        old_groups, old_sync = old[1], old[2]
+            raise
         teardown(old_groups)
         if old_sync is not None:
             old_sync.destroy()
