@@ -23,7 +23,9 @@ from resihp_ext.validation import Cleared, ProbeResults, Verdict
 
 _PROBE_SIZE = 256
 _PROBE_REPEATS = 8
-_LINK_PROBE_BYTES = 4 << 20  # long enough that bandwidth, not per-message latency, dominates
+# Link probes send what the pipeline sends (one micro-batch's activations), and at least this much,
+# so bandwidth rather than per-message latency dominates their time.
+_MIN_LINK_PROBE_BYTES = 64 << 10
 
 
 def gemm_probe_s(device: torch.device, samples: int = 5) -> float:
@@ -45,8 +47,20 @@ def gemm_probe_s(device: torch.device, samples: int = 5) -> float:
     return min(times)
 
 
-def link_probe_s(src: int, dst: int, device: torch.device, samples: int = 5) -> float | None:
-    """Seconds to send a fixed 4 MiB tensor from ``src`` to ``dst`` (called on both; others skip).
+def link_probe_bytes(args) -> int:
+    """Bytes of the fixed link probe: one micro-batch's activations at a pipeline boundary.
+
+    Sized like the traffic it stands for, a probe of a slowed link costs what one slowed transfer
+    costs, however small the model (a fixed multi-MiB probe would take seconds on a slow link of a
+    small model, and say nothing more).
+    """
+    element = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+    activation = args.micro_batch_size * args.seq_length * args.hidden_size * element
+    return max(activation, _MIN_LINK_PROBE_BYTES) // 4 * 4
+
+
+def link_probe_s(src: int, dst: int, device: torch.device, num_bytes: int, samples: int = 5) -> float | None:
+    """Seconds to send ``num_bytes`` from ``src`` to ``dst`` (called on both; others skip).
 
     ``src`` times the transfer up to a one-element acknowledgement from ``dst``, so the time is the
     link's, not when either side got round to it. The minimum over ``samples`` transfers, as for
@@ -56,13 +70,13 @@ def link_probe_s(src: int, dst: int, device: torch.device, samples: int = 5) -> 
         The seconds on ``src``; None on ``dst``.
     """
     me = dist.get_rank()
-    payload = torch.zeros(_LINK_PROBE_BYTES // 4, device=device)
+    payload = torch.zeros(num_bytes // 4, device=device)
     ack = torch.zeros(1, device=device)
     times = []
     for _ in range(samples):
         if me == src:
             start = time.perf_counter()
-            LINKS.delay(dst, _LINK_PROBE_BYTES)
+            LINKS.delay(dst, num_bytes)
             dist.send(payload, dst)
             dist.recv(ack, dst)
             times.append(time.perf_counter() - start)
@@ -72,10 +86,20 @@ def link_probe_s(src: int, dst: int, device: torch.device, samples: int = 5) -> 
     return min(times) if times else None
 
 
-def link_seconds_per_byte(src: int, dst: int, device: torch.device) -> float | None:
+def link_seconds_per_byte(src: int, dst: int, device: torch.device, num_bytes: int) -> float | None:
     """The healthy link's seconds per byte from ``src`` to ``dst`` (on ``src``; None on ``dst``)."""
-    seconds = link_probe_s(src, dst, device)
-    return None if seconds is None else seconds / _LINK_PROBE_BYTES
+    seconds = link_probe_s(src, dst, device, num_bytes)
+    return None if seconds is None else seconds / num_bytes
+
+
+def healthy_link_bandwidth_Bps(probes: ProbeResults | None, slow: set[tuple[int, int]],
+                               num_bytes: int) -> float | None:
+    """Bytes/s of the links a probe round of ``num_bytes`` probes found healthy (their median), or
+    None if it probed none."""
+    if probes is None:
+        return None
+    seconds = sorted(s for link, s in probes.link_s.items() if link not in slow and s > 0)
+    return num_bytes / seconds[len(seconds) // 2] if seconds else None
 
 
 def job_clock_offset() -> float:
@@ -94,8 +118,9 @@ class LiveDetector:
     """One per rank; call ``observe`` after every iteration (collective over the world group)."""
 
     def __init__(self, config, rank: int, replica: int, stage: int, tp_rank: int, device: torch.device,
-                 layout_getter):
+                 layout_getter, link_probe_bytes: int = _MIN_LINK_PROBE_BYTES):
         self.config = config
+        self.link_probe_bytes = link_probe_bytes
         self.rank, self.replica, self.stage, self.tp_rank = rank, replica, stage, tp_rank
         self.device = device
         self.layout_getter = layout_getter
@@ -152,11 +177,13 @@ class LiveDetector:
         return self.last_probes
 
     def _confirm(self, iteration: int):
-        """Probe a verdict's ranks (or link) again; keep it only if the same ones are slow again."""
+        """Probe a verdict's ranks (or link) again; keep it only if they are slow again."""
         suspicion, first, _ = self._unconfirmed
         self._unconfirmed = None
         again = self.detector.conclude(suspicion, self._probe(iteration, suspicion))
-        confirmed = isinstance(again, Verdict) and again.kind == first.kind and set(again.ranks) == set(first.ranks)
+        # Confirmed when the first verdict's ranks (or link) are slow again; a rank the second round
+        # also finds slow is left to a suspicion of its own, as a busy neighbour can slow one round.
+        confirmed = isinstance(again, Verdict) and again.kind == first.kind and set(first.ranks) <= set(again.ranks)
         evidence = {**first.evidence, "confirm_probe_iteration": iteration,
                     "confirm_probe_factors": again.evidence.get("probe_factors", {})}
         if confirmed:
@@ -189,7 +216,7 @@ class LiveDetector:
         mine = {}
         for src, dst in links:
             if self.rank in (src, dst):
-                seconds = link_probe_s(src, dst, self.device)
+                seconds = link_probe_s(src, dst, self.device, self.link_probe_bytes)
                 if seconds is not None:
                     mine[(src, dst)] = seconds
             dist.barrier()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training import recovery
-from megatron.training.detection import LiveDetector
+from megatron.training.detection import LiveDetector, healthy_link_bandwidth_Bps
 from megatron.training.layer_sync import LayoutGradSync
 from megatron.training.logging_utils import log_line
 from megatron.training.model_builder import TrainingObjects, build_training_objects
@@ -81,17 +81,19 @@ class LayoutChanges:
         self.sync = None if replicas_alike(layout) else LayoutGradSync(layout, self.rank, self.cfg.collective_timeout_s)
         if self.live is not None and world_changed:
             self.live = LiveDetector(self.cfg, self.rank, replica, stage, layout.tp_rank_of(self.rank),
-                                     self.live.device, lambda: self.layout)
+                                     self.live.device, lambda: self.layout, self.live.link_probe_bytes)
         if world_changed and self.store is not None:
             self._start_monitor()
 
     # ------------------------------------------------------------------ fail-slow
-    def _calibrated_hardware(self) -> HardwareModel:
+    def _calibrated_hardware(self, verdict: Verdict) -> HardwareModel:
         """The planner's cost model fitted to this job from the last iteration's measured ops (device
         time, so a shared host's scheduling does not count as compute): per-layer forward seconds
         from the healthiest stage that holds only transformer layers' work (not the last one), the
         output layer + loss from what the healthiest last stage spends beyond its layers, and the
-        backward/forward ratio."""
+        backward/forward ratio. Activations cross pipeline boundaries in the parameters' dtype; a
+        link verdict's probe round gives the healthy links' bandwidth (without one, the default
+        bandwidth stands: every candidate then crosses the same healthy links)."""
         per_layer, last_stage, ratios = [], [], []
         for obs in self.last_observations:
             replica = self.layout.replicas[obs.replica]
@@ -114,21 +116,35 @@ class LayoutChanges:
         # optimizer's fp32 main copies are not moved yet, so a layout change is priced out of reach
         # and only micro-batch quotas (which move no state) remain.
         half = self.args.bf16 or self.args.fp16
+        hw["activation_bytes_per_value"] = 2.0 if half else 4.0
+        if verdict.kind == "link":
+            bandwidth = healthy_link_bandwidth_Bps(self.live.last_probes, {tuple(verdict.ranks)},
+                                                   self.live.link_probe_bytes)
+            if bandwidth is not None:
+                hw["link_bandwidth_Bps"] = bandwidth
         return HardwareModel(backward_factor=sorted(ratios)[len(ratios) // 2], tp_efficiency=1.0,
                              regroup_s=_NEVER_S if half else 0.5, **hw)
 
+    @staticmethod
+    def _verdict_health(verdict: Verdict) -> Health:
+        """The planner's view of a fail-slow verdict: each slow rank's speed, or the slow link's."""
+        if verdict.kind == "link":
+            src, dst = verdict.ranks
+            return Health(slow_links={(src, dst): 1.0 / max(verdict.factor or 1.0, 1.0)})
+        factors = verdict.evidence.get("probe_factors", {})
+        return Health(speed={r: 1.0 / max(float(factors.get(str(r), verdict.factor or 1.0)), 1.0)
+                             for r in verdict.ranks})
+
     def _replan(self, iteration: int, verdict: Verdict, objects, quotas):
-        """Fail-slow: plan with the calibrated cost model and apply it in place.
+        """Fail-slow (a compute or link verdict): plan with the calibrated cost model and apply it in place.
 
         Every rank computes the same plan from the same gathered observations and verdict (pure,
         deterministic), so no agreement round is needed.
         """
         start = time.perf_counter()
-        factors = verdict.evidence.get("probe_factors", {})
-        health = Health(speed={r: 1.0 / max(float(factors.get(str(r), verdict.factor or 1.0)), 1.0)
-                               for r in verdict.ranks})
         horizon = max(self.args.train_iters - iteration, 1)
-        plan = plan_adaptation(self.layout, health, self._calibrated_hardware(), current_quotas=tuple(quotas),
+        plan = plan_adaptation(self.layout, self._verdict_health(verdict), self._calibrated_hardware(verdict),
+                               current_quotas=tuple(quotas),
                                horizon_iters=horizon, uniform_tp_per_replica=True)
         if self.rank == 0:
             self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,

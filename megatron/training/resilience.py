@@ -22,7 +22,7 @@ from megatron.core import parallel_state
 
 from megatron.training import heartbeat_beacon, recovery
 from megatron.training.data_samplers import even_quotas
-from megatron.training.detection import LiveDetector, describe, link_seconds_per_byte
+from megatron.training.detection import LiveDetector, describe, link_probe_bytes, link_seconds_per_byte
 from megatron.training.heartbeat import HeartbeatMonitor, connect_store
 from megatron.training.link_faults import LINKS
 from megatron.training.logging_utils import EventLog, log_line
@@ -76,6 +76,7 @@ class ResilienceHooks(LayoutChanges):
             self.live = LiveDetector(
                 self.cfg, self.rank, self.replica_index, parallel_state.get_pipeline_model_parallel_rank(),
                 parallel_state.get_tensor_model_parallel_rank(), self._device(), lambda: self.layout,
+                link_probe_bytes(args),
             )
         self.generation = 0
         self.store = self.heartbeat_store = None
@@ -166,7 +167,7 @@ class ResilienceHooks(LayoutChanges):
 
     def _slow_link(self, fault) -> None:
         """Measure the healthy link with its receiver, then slow this rank's sends over it."""
-        per_byte = link_seconds_per_byte(fault.src, fault.dst, self._device())
+        per_byte = link_seconds_per_byte(fault.src, fault.dst, self._device(), link_probe_bytes(self.args))
         if per_byte is None:  # the receiver
             return
         LINKS.slow(fault.dst, fault.factor, per_byte)
@@ -310,7 +311,7 @@ class ResilienceHooks(LayoutChanges):
             self._emit(outcome.to_event())
             log_line(f" resihp: suspicion at iteration {iteration}: {suspicion.reason}")
             log_line(f" resihp: {describe(outcome)}")
-        if isinstance(outcome, Verdict) and self.cfg.enable and outcome.kind == "compute":
+        if isinstance(outcome, Verdict) and self.cfg.enable and outcome.kind in ("compute", "link"):
             objects, quotas = self._replan(iteration, outcome, objects, quotas)
         return objects, quotas
 

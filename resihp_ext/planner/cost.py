@@ -21,7 +21,11 @@ from resihp_ext.simulator import pipeline_time_s
 
 @dataclass(frozen=True)
 class ReplicaTiming:
-    """Per-stage seconds per micro-batch and per-boundary one-way transfer seconds of a replica."""
+    """Per-stage seconds per micro-batch and per-boundary one-way transfer seconds of a replica.
+
+    Transfers that block their sender (``HardwareModel.overlap_p2p`` False) are already counted in
+    the sending op's seconds; ``p2p_s`` then holds zeros.
+    """
 
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
@@ -71,37 +75,49 @@ def layer_costs(model: ModelSpec, hw: HardwareModel) -> tuple[float, ...]:
 def timing_from_factors(
     layers_per_stage: Sequence[int],
     s_per_tp1_s: Sequence[float],
-    p2p_s: Sequence[float],
+    transfers_s: Sequence[tuple[float, float]],
     model: ModelSpec,
     hw: HardwareModel,
 ) -> ReplicaTiming:
-    """Replica timing from layer counts and each stage's seconds per TP=1 second of work."""
+    """Replica timing from layer counts, each stage's seconds per TP=1 second of work, and each
+    boundary's (activation, gradient) transfer seconds."""
     layer_s = hw.layer_forward_tp1_s(model)
     last = len(layers_per_stage) - 1
-    fwd = tuple(
+    fwd = [
         factor * (n * layer_s + (hw.output_forward_tp1_s(model) if p == last else 0.0))
         for p, (n, factor) in enumerate(zip(layers_per_stage, s_per_tp1_s))
-    )
-    return ReplicaTiming(fwd, tuple(hw.backward_factor * f for f in fwd), tuple(p2p_s))
+    ]
+    bwd = [hw.backward_factor * f for f in fwd]
+    if hw.overlap_p2p:
+        return ReplicaTiming(tuple(fwd), tuple(bwd), tuple(max(pair) for pair in transfers_s))
+    # The sender waits for its transfer before its next op: activations after a forward,
+    # gradients after a backward. The receiver's wait is already the DAG edge from that op.
+    for s, (activation_s, gradient_s) in enumerate(transfers_s):
+        fwd[s] += activation_s
+        bwd[s + 1] += gradient_s
+    return ReplicaTiming(tuple(fwd), tuple(bwd), (0.0,) * len(transfers_s))
 
 
-def boundary_p2p_s(replica: ReplicaSpec, model: ModelSpec, hw: HardwareModel, health: Health) -> tuple[float, ...]:
-    """One-way activation transfer seconds per boundary; a boundary is as slow as its slowest pair."""
+def boundary_transfers_s(replica: ReplicaSpec, model: ModelSpec, hw: HardwareModel,
+                         health: Health) -> tuple[tuple[float, float], ...]:
+    """Per boundary, one micro-batch's (activation, gradient) transfer seconds. Activations go from
+    stage s to s + 1 and gradients back; each direction is as slow as its slowest pair of ranks."""
     out = []
     for a, b in zip(replica.stages, replica.stages[1:]):
-        link = 1.0
+        forward = backward = 1.0
         for (x, y), v in health.slow_links.items():
-            # either direction counts: activations go forward, gradients come back
-            if (x in a.ranks and y in b.ranks) or (y in a.ranks and x in b.ranks):
-                link = min(link, v)
-        out.append(hw.p2p_s(model, link))
+            if x in a.ranks and y in b.ranks:
+                forward = min(forward, v)
+            elif y in a.ranks and x in b.ranks:
+                backward = min(backward, v)
+        out.append((hw.p2p_s(model, forward), hw.p2p_s(model, backward)))
     return tuple(out)
 
 
 def replica_timing(replica: ReplicaSpec, model: ModelSpec, hw: HardwareModel, health: Health) -> ReplicaTiming:
     """Timing of an existing replica under ``health`` (inf stages if a member is dead)."""
     factors = [group_time_factor(st.ranks, health, hw) for st in replica.stages]
-    return timing_from_factors(replica.layers_per_stage, factors, boundary_p2p_s(replica, model, hw, health),
+    return timing_from_factors(replica.layers_per_stage, factors, boundary_transfers_s(replica, model, hw, health),
                                model, hw)
 
 

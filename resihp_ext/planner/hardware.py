@@ -29,6 +29,9 @@ class HardwareModel:
         output_forward_s: forward seconds of the output layer + loss for one micro-batch at TP=1
             (measured); None derives it from ``layer_forward_s`` by the FLOP ratio.
         link_bandwidth_Bps: bytes/s of one inter-node link (p2p, state moves, gradient sync).
+        overlap_p2p: pipeline transfers run beside compute. False (Megatron's default 1F1B, where
+            every send/receive is waited on before the next op): a transfer lengthens the op
+            that sends it, so a slow link slows both stages it joins.
         device_memory_bytes: usable memory of one device.
         state_bytes_per_param: bf16 weight + fp32 grad + fp32 master + Adam m, v.
         grad_bytes_per_param: bytes per parameter in the data-parallel gradient all-reduce.
@@ -44,6 +47,7 @@ class HardwareModel:
     include_embedding_cost: bool = True
     output_forward_s: float | None = None
     link_bandwidth_Bps: float = 25e9
+    overlap_p2p: bool = False
     device_memory_bytes: float = 80e9
     state_bytes_per_param: float = 18.0
     grad_bytes_per_param: float = 2.0

@@ -19,8 +19,9 @@ class Health:
     Attributes:
         speed: rank -> relative compute speed in (0, 1]; ranks not listed run at 1.0.
         dead: ranks that failed stop (dead or hung); their state is lost.
-        slow_links: (src rank, dst rank) -> relative bandwidth in (0, 1]; a link is as slow as
-            the slower of its two directions.
+        slow_links: (src rank, dst rank) -> relative bandwidth in (0, 1] of transfers from src
+            to dst. Pipeline transfers are priced per direction; TP and gradient collectives use
+            both directions, so they run at the slower one (``link_speed``).
     """
 
     speed: Mapping[int, float] = field(default_factory=dict)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
 from resihp_ext.planner.cost import (
-    ReplicaTiming, allreduce_time_s, boundary_p2p_s, equal_quotas, iteration_s, max_params_per_rank,
+    ReplicaTiming, allreduce_time_s, boundary_transfers_s, equal_quotas, iteration_s, max_params_per_rank,
     replica_timing, timing_from_factors,
 )
 from resihp_ext.planner.dp import assign_quotas, makespan_s
@@ -98,7 +98,7 @@ def _replica_candidates(
         except NoSurvivingHolder:
             continue
         timing = timing_from_factors(part.layers_per_stage, [c.s_per_tp1_s for c in choice],
-                                     boundary_p2p_s(new, model, hw, health), model, hw)
+                                     boundary_transfers_s(new, model, hw, health), model, hw)
         out.append(_Candidate(label, new, timing, moves, True))
     return out
 

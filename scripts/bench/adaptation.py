@@ -9,7 +9,14 @@ documents):
       (``--resihp-detect-only``),
     * the same with ``--resihp-enable`` (the loop re-plans layers and micro-batch quotas in place);
     each as a fraction of a capacity bound: healthy x (W - 1 + 1/factor) / W for W ranks, one of
-    them at 1/factor speed (the throughput if the lost compute were spread perfectly).
+    them at 1/factor speed (the throughput if the lost compute were spread perfectly);
+    * pipeline link ``--link`` (default 0->4, replica 0's stage boundary) slowed ``--link-factor`` x
+      at ``--slow-at``, without and with adaptation, as fractions of healthy throughput (a slow
+      link takes no compute away). The emulated link keeps the host's loopback speed while the
+      emulated devices compute 16x slower than a core, so it takes a factor like the default
+      (600) for one slowed 32 KiB activation transfer (about 70 ms at the 3.7-5.1 ms/MiB measured
+      on this host's loopback) to cost what a badly degraded link costs a real job: some 60% of a
+      stage's compute per micro-batch;
     These runs emulate one device per rank (``--cpu-device-time-scale``, default 16): on a host
     with fewer cores than ranks the cores, not the slowest rank, would bound throughput, and no
     plan could win anything back;
@@ -25,6 +32,7 @@ documents):
       separately, not added).
 
     python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0] [--slow-rank 7]
+        [--link 0:4] [--link-factor 600] [--skip throughput|slow|link|fail_stop]...
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ REPO = Path(__file__).resolve().parents[2]
 NPROC, TP, PP = 8, 2, 2
 GLOBAL_BATCH = 16  # fail-stop runs; the throughput runs take --global-batch
 KILL_RANK = 5
+LINK_FACTOR = 600.0
 
 MODEL = [
     "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -77,42 +86,64 @@ def events(path: Path, kind: str | None = None) -> list[dict]:
     return [r for r in rows if kind is None or r["event"] == kind]
 
 
-def throughput(args, work: Path) -> dict:
-    slow = ["--resihp-inject", f"slow:rank={args.slow_rank},factor={args.factor},at={args.slow_at}"]
+def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int) -> dict:
+    """One throughput run: median iteration seconds in steady state, with its verdicts and re-plans."""
     device = ["--cpu-device-time-scale", str(args.device_time_scale)] if args.device_time_scale else []
-    runs = {"healthy": ["--resihp-detect-only"], "slow_unadapted": ["--resihp-detect-only", *slow],
-            "slow_adapted": ["--resihp-enable", *slow]}
-    out = {}
-    for name, extra in runs.items():
-        log = work / f"{name}.events.jsonl"
-        log.unlink(missing_ok=True)
-        launch([*MODEL, "--global-batch-size", str(args.global_batch), *device, "--train-iters", str(args.iters),
-                "--resihp-event-log", str(log), *extra])
-        adapted = events(log, "adapted")
-        # Steady state: after the onset (and after the re-plan, when there is one) plus one iteration.
-        start = 3 if name == "healthy" else args.slow_at + 1
-        iteration_events = events(log, "iteration")
-        if adapted:
-            after_replan = max(start, max(a["iteration"] for a in adapted) + 1)
-            if sum(e["iteration"] > after_replan for e in iteration_events) >= 3:
-                start = after_replan  # else too few iterations after the last re-plan: measure from onset
-        times = [e["elapsed_s"] for e in iteration_events if e["iteration"] > start]
-        med = statistics.median(times)
-        out[name] = {
-            "median_iteration_s": round(med, 4), "samples_per_s": round(args.global_batch / med, 3),
-            "measured_iterations": len(times), "from_iteration": start + 1,
-            "verdicts": [{k: v.get(k) for k in ("iteration", "kind", "ranks", "factor")} for v in events(log, "verdict")],
-            "adapted": [{k: a.get(k) for k in ("iteration", "quotas", "duration_s")} for a in adapted],
-            "plans": [{k: p.get(k) for k in ("iteration", "policy", "action", "quotas")} for p in events(log, "plan")],
-            "loadavg_after": os.getloadavg(),
-        }
+    log = work / f"{name}.events.jsonl"
+    log.unlink(missing_ok=True)
+    launch([*MODEL, "--global-batch-size", str(args.global_batch), *device, "--train-iters", str(args.iters),
+            "--resihp-event-log", str(log), *extra])
+    adapted = events(log, "adapted")
+    # Steady state: after the onset (and after the re-plan, when there is one) plus one iteration.
+    start = onset + 1
+    iteration_events = events(log, "iteration")
+    if adapted:
+        after_replan = max(start, max(a["iteration"] for a in adapted) + 1)
+        if sum(e["iteration"] > after_replan for e in iteration_events) >= 3:
+            start = after_replan  # else too few iterations after the last re-plan: measure from onset
+    times = [e["elapsed_s"] for e in iteration_events if e["iteration"] > start]
+    med = statistics.median(times)
+    return {
+        "median_iteration_s": round(med, 4), "samples_per_s": round(args.global_batch / med, 3),
+        "measured_iterations": len(times), "from_iteration": start + 1,
+        "verdicts": [{k: v.get(k) for k in ("iteration", "kind", "ranks", "factor")} for v in events(log, "verdict")],
+        "adapted": [{k: a.get(k) for k in ("iteration", "quotas", "layers_per_replica", "duration_s")}
+                    for a in adapted],
+        "plans": [{k: p.get(k) for k in ("iteration", "policy", "action", "quotas")} for p in events(log, "plan")],
+        "loadavg_after": os.getloadavg(),
+    }
+
+
+def throughput(args, work: Path) -> dict:
+    """Healthy, one rank slow, and (unless skipped) one pipeline link slow; each fault with and
+    without adaptation, all in this invocation."""
+    out = {"healthy": _throughput_run(args, work, "healthy", ["--resihp-detect-only"], onset=2)}
+    faults = {}
+    if "slow" not in args.skip:
+        faults["slow"] = f"slow:rank={args.slow_rank},factor={args.factor},at={args.slow_at}"
+    if "link" not in args.skip:
+        src, dst = args.link
+        faults["link"] = f"link:src={src},dst={dst},factor={args.link_factor},at={args.slow_at}"
+    for fault, spec in faults.items():
+        inject = ["--resihp-inject", spec]
+        out[f"{fault}_unadapted"] = _throughput_run(args, work, f"{fault}_unadapted",
+                                                     ["--resihp-detect-only", *inject], args.slow_at)
+        out[f"{fault}_adapted"] = _throughput_run(args, work, f"{fault}_adapted", ["--resihp-enable", *inject],
+                                                   args.slow_at)
+        out[f"{fault}_adapted_over_unadapted"] = round(
+            out[f"{fault}_adapted"]["samples_per_s"] / out[f"{fault}_unadapted"]["samples_per_s"], 4)
     healthy = out["healthy"]["samples_per_s"]
-    bound = healthy * (NPROC - 1 + 1.0 / args.factor) / NPROC
-    out["capacity_bound"] = {"samples_per_s": round(bound, 3),
-                             "definition": f"healthy x ({NPROC - 1} + 1/{args.factor}) / {NPROC}"}
-    for name in ("healthy", "slow_unadapted", "slow_adapted"):
-        out[name]["fraction_of_bound"] = round(out[name]["samples_per_s"] / bound, 4)
-    out["adapted_over_unadapted"] = round(out["slow_adapted"]["samples_per_s"] / out["slow_unadapted"]["samples_per_s"], 4)
+    if "slow" in faults:
+        bound = healthy * (NPROC - 1 + 1.0 / args.factor) / NPROC
+        out["capacity_bound"] = {"samples_per_s": round(bound, 3),
+                                 "definition": f"healthy x ({NPROC - 1} + 1/{args.factor}) / {NPROC}"}
+        for name in ("healthy", "slow_unadapted", "slow_adapted"):
+            out[name]["fraction_of_bound"] = round(out[name]["samples_per_s"] / bound, 4)
+        out["adapted_over_unadapted"] = out["slow_adapted_over_unadapted"]
+    # A slow link takes no compute away, so healthy throughput is its bound.
+    for name in ("link_unadapted", "link_adapted"):
+        if name in out:
+            out[name]["fraction_of_healthy"] = round(out[name]["samples_per_s"] / healthy, 4)
     return out
 
 
@@ -177,6 +208,14 @@ def fail_stop(args, work: Path) -> dict:
             "restart_over_in_place": round(ratio, 3)}
 
 
+def _link_ends(text: str) -> tuple[int, int]:
+    try:
+        src, dst = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--link takes SRC:DST ranks, e.g. 0:4; got {text!r}") from None
+    return src, dst
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -190,8 +229,13 @@ def main() -> None:
     parser.add_argument("--device-time-scale", type=float, default=16.0,
                         help="--cpu-device-time-scale of the throughput runs (one emulated device per rank; "
                              "0 runs on the shared cores as they are)")
+    parser.add_argument("--link", type=_link_ends, default=(0, 4),
+                        help="SRC:DST of the slowed pipeline link (0:4: replica 0's stage boundary, TP rank 0)")
+    parser.add_argument("--link-factor", type=float, default=LINK_FACTOR, help="slowdown of --link")
     parser.add_argument("--kill-at", type=int, default=6)
-    parser.add_argument("--skip", choices=("throughput", "fail_stop"), action="append", default=[])
+    parser.add_argument("--skip", choices=("throughput", "slow", "link", "fail_stop"), action="append", default=[],
+                        help="leave out a part: throughput (every throughput run), slow (the slow-rank runs), "
+                             "link (the slow-link runs), fail_stop")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="adaptation_"))
@@ -209,16 +253,30 @@ def main() -> None:
         return
     print(f"{out['shape']}, {out['cpu_count']} CPUs, load average at start {out['loadavg_start']}")
     if "throughput" in out:
-        print(f"throughput runs: rank {args.slow_rank} slowed {args.factor}x at iteration {args.slow_at}, global batch "
-              f"{args.global_batch}, --cpu-device-time-scale {args.device_time_scale:g}")
+        print(f"throughput runs: global batch {args.global_batch}, --cpu-device-time-scale {args.device_time_scale:g}")
         t = out["throughput"]
-        print(f"capacity bound {t['capacity_bound']['samples_per_s']} samples/s = {t['capacity_bound']['definition']}")
-        for name in ("healthy", "slow_unadapted", "slow_adapted"):
-            r = t[name]
-            print(f"  {name:<15} {r['samples_per_s']:>8} samples/s ({r['median_iteration_s']} s/it, from it. "
-                  f"{r['from_iteration']}, n={r['measured_iterations']})  {r['fraction_of_bound']:.3f} of bound  "
-                  f"verdicts {r['verdicts']} adapted {r['adapted']}")
-        print(f"  adapted / unadapted = {t['adapted_over_unadapted']}")
+        r = t["healthy"]
+        print(f"  healthy         {r['samples_per_s']:>8} samples/s ({r['median_iteration_s']} s/it, from it. "
+              f"{r['from_iteration']}, n={r['measured_iterations']})  verdicts {r['verdicts']}")
+        if "slow_adapted" in t:
+            print(f"rank {args.slow_rank} slowed {args.factor:g}x at iteration {args.slow_at}")
+            print(f"capacity bound {t['capacity_bound']['samples_per_s']} samples/s = "
+                  f"{t['capacity_bound']['definition']}")
+            for name in ("slow_unadapted", "slow_adapted"):
+                r = t[name]
+                print(f"  {name:<15} {r['samples_per_s']:>8} samples/s ({r['median_iteration_s']} s/it, from it. "
+                      f"{r['from_iteration']}, n={r['measured_iterations']})  {r['fraction_of_bound']:.3f} of bound  "
+                      f"verdicts {r['verdicts']} adapted {r['adapted']}")
+            print(f"  adapted / unadapted = {t['slow_adapted_over_unadapted']}")
+        if "link_adapted" in t:
+            src, dst = args.link
+            print(f"link {src}->{dst} slowed {args.link_factor:g}x at iteration {args.slow_at} (bound: healthy)")
+            for name in ("link_unadapted", "link_adapted"):
+                r = t[name]
+                print(f"  {name:<15} {r['samples_per_s']:>8} samples/s ({r['median_iteration_s']} s/it, from it. "
+                      f"{r['from_iteration']}, n={r['measured_iterations']})  {r['fraction_of_healthy']:.3f} of "
+                      f"healthy  verdicts {r['verdicts']} adapted {r['adapted']}")
+            print(f"  adapted / unadapted = {t['link_adapted_over_unadapted']}")
     if "fail_stop" in out:
         f = out["fail_stop"]
         print(f"fail-stop (rank {KILL_RANK} SIGKILLed at iteration {f['kill_at']}):")

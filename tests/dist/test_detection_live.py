@@ -1,12 +1,13 @@
 """Live fail-slow detection on a real TP2 x PP2 x DP2 CPU job (8 gloo processes under torchrun).
 
-Three checks on packed variable-length documents (per-document attention, so a micro-batch costs
+Four checks on packed variable-length documents (per-document attention, so a micro-batch costs
 about alpha*N + beta*sum(l_i^2)):
 
 * an injected 1.5x compute slowdown of rank 3 is named (rank, kind, factor) within 3 iterations
   of its onset;
 * a healthy run of the same shape gets no verdict;
-* the op order the timing hooks record is ``resihp_ext.schedule.one_f_one_b`` on every stage.
+* the op order the timing hooks record is ``resihp_ext.schedule.one_f_one_b`` on every stage;
+* on PP2 x DP2, a slowed pipeline link is named by link probes and re-planned in place.
 
 The first two compare op timings across ranks. On CPU an op's busy time is its thread's CPU
 time, which does not depend on how many other ranks share the cores (see
@@ -21,7 +22,7 @@ import pytest
 
 from resihp_ext.schedule import one_f_one_b
 from resihp_ext.traces import load_trace
-from tests.dist.launch import check, read_events, run_job
+from tests.dist.launch import check, iteration_losses, read_events, run_job
 
 NPROC, TP, PP, DP = 8, 2, 2, 2
 MICRO_BATCH, GLOBAL_BATCH = 2, 16
@@ -94,22 +95,26 @@ def test_recorded_op_order_is_one_f_one_b(healthy_run):
             assert all(start <= end for _, _, start, end in obs.ops)
 
 
-def test_injected_link_slowdown_is_named_by_link_probes(tmp_path):
+def test_injected_link_slowdown_is_named_by_link_probes_and_replanned(tmp_path):
     # PP2 x DP2 on 4 processes: rank = replica + 2 * stage, so 0->2 carries replica 0's activations
     # from stage 0 to stage 1 and 1->3 is the same boundary in replica 1 (the probes' reference).
     # Each rank emulates a device of its own, so transfer gaps measure links, not the OS scheduler;
-    # 256-token sequences make an activation 128 KiB, enough for a slowed link to show.
-    shape = [a for a in SHAPE]
+    # 256-token sequences make an activation 128 KiB. Slowed 300x, one transfer costs about as much
+    # as half a stage's compute per micro-batch, so moving micro-batches to replica 1 pays.
+    shape = [*SHAPE, "--hidden-dropout", "0", "--attention-dropout", "0"]  # losses comparable across layouts
     for flag, value in (("--seq-length", "256"), ("--max-position-embeddings", "256"),
                         ("--tensor-model-parallel-size", "1")):
         shape[shape.index(flag) + 1] = value
-    log = tmp_path / "events.jsonl"
-    check(run_job(4, [*shape, "--train-iters", "20", "--resihp-detect-only", "--cpu-device-time-scale", "4",
-                      "--resihp-event-log", str(log), "--resihp-inject", "link:src=0,dst=2,factor=50,at=8"],
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
+    reference = [a if a != str(PP) or shape[i - 1] != "--pipeline-model-parallel-size" else "1"
+                 for i, a in enumerate(shape)]
+    check(run_job(1, [*reference, "--train-iters", "20", "--resihp-event-log", str(ref_log)]))
+    check(run_job(4, [*shape, "--train-iters", "20", "--resihp-enable", "--cpu-device-time-scale", "4",
+                      "--resihp-event-log", str(log), "--resihp-inject", "link:src=0,dst=2,factor=300,at=8"],
                   timeout_s=240))
     injected = read_events(log, "inject")
     assert [e["rank"] for e in injected] == [0] and injected[0]["healthy_s_per_mib"] > 0, injected
-    context = [e for e in read_events(log) if e["event"] in ("suspicion", "cleared", "verdict")]
+    context = [e for e in read_events(log) if e["event"] in ("suspicion", "cleared", "verdict", "plan")]
     links = [v for v in read_events(log, "verdict") if v["kind"] == "link"]
     assert links, f"no link verdict; {context}"
     first = links[0]
@@ -119,4 +124,14 @@ def test_injected_link_slowdown_is_named_by_link_probes(tmp_path):
     assert first["iteration"] >= 7 and 8 <= first["evidence"]["suspicion_iteration"] <= 8 + 3, context
     probed = first["evidence"]["probe_factors"]
     assert "1->3" in probed and probed["1->3"] < 1.2, probed  # the reference link is healthy
-    assert first["factor"] >= 10, first  # the probe sees the slowdown, not just noise
+    assert first["factor"] >= 30, first  # the probe sees the slowdown, not just noise
+    # Acted on: the replica behind the slow link gets fewer micro-batches, and training stays exact.
+    acted = first["evidence"]["confirm_probe_iteration"]
+    plans = [p for p in read_events(log, "plan") if p["iteration"] == acted]
+    assert plans and plans[0]["action"] == "adapt", context
+    quotas = plans[0]["quotas"]
+    assert sum(quotas) == GLOBAL_BATCH // MICRO_BATCH and quotas[0] < quotas[1], plans
+    assert [a["quotas"] for a in read_events(log, "adapted")] == [quotas]
+    ours, ref = iteration_losses(log), iteration_losses(ref_log)
+    assert sorted(ours) == list(range(1, 21))
+    assert [ours[i] for i in range(1, 21)] == pytest.approx([ref[i] for i in range(1, 21)], rel=1e-5)

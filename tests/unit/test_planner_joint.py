@@ -53,6 +53,23 @@ def test_fail_stop_moves_come_from_surviving_holders_of_the_same_shard():
     assert lost and all(LAYOUT.replica_of(m.src_rank) != 0 for m in lost)
 
 
+def test_slow_pipeline_link_shifts_micro_batches_when_transfers_block():
+    layout = Layout.uniform(MODEL, tp_degree=1, pp_degree=2, dp_degree=2)
+    src, dst = layout.replicas[0].stages[0].ranks[0], layout.replicas[0].stages[1].ranks[0]
+    health = Health(slow_links={(src, dst): 0.02})
+    # Megatron's 1F1B waits for each transfer: both stages of replica 0 lose the link's time
+    plan = plan_adaptation(layout, health)
+    assert plan.action == "adapt" and plan.quotas[0] < plan.quotas[1], plan.reason
+    assert plan.iteration_s_after < 0.95 * plan.iteration_s_before
+    # activations and gradients cross the boundary in opposite directions: both slow costs more
+    both = plan_adaptation(layout, Health(slow_links={(src, dst): 0.02, (dst, src): 0.02}))
+    assert both.iteration_s_before > plan.iteration_s_before and both.quotas[0] < plan.quotas[0]
+    # transfers beside compute: the slow link still hides behind each stage's compute, and only
+    # the pipeline fill grows, which no quota or layer change can shorten
+    overlapped = plan_adaptation(layout, health, HardwareModel(overlap_p2p=True))
+    assert overlapped.action == "keep", overlapped.reason
+
+
 def test_no_surviving_holder_means_checkpoint_restart():
     layout = Layout.uniform(MODEL, 4, 4, 1)
     plan = plan_adaptation(layout, Health(dead=frozenset({5})), num_microbatches=8)
