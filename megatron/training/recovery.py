@@ -38,13 +38,31 @@ def await_failed_ranks(monitor, wait_s: float, poll_s: float = 0.05) -> frozense
         time.sleep(poll_s)
 
 
-def _wait_for_key(store, key: str, wait_s: float, poll_s: float = 0.02) -> None:
-    # Poll rather than store.wait(): a blocking wait holds the GIL, which silences this process's
-    # heartbeat thread and gets it declared dead by the others.
+def wait_for_keys(store, keys: list[str], wait_s: float, stop=lambda: None, poll_s: float = 0.02) -> None:
+    """Poll until every key is in the job store.
+
+    Polls rather than ``store.wait()``: a blocking wait holds the GIL, which silences this
+    process's heartbeat thread and gets it declared dead by the others.
+
+    Args:
+        stop: called between polls; a non-empty reason (say, which ranks failed) ends the wait.
+            The keys are read once more first, so a key written just before the reason arose counts.
+
+    Raises:
+        RuntimeError: ``stop`` gave a reason while a key was still missing.
+        TimeoutError: a key was still missing after ``wait_s`` seconds.
+    """
     deadline = time.monotonic() + wait_s
-    while not store.check([key]):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {key!r} in the job store after {wait_s:.0f} s")
+    while not store.check(keys):
+        reason = stop()
+        if reason or time.monotonic() > deadline:
+            if store.check(keys):
+                return
+            if reason:
+                raise RuntimeError(reason)
+            missing = [k for k in keys if not store.check([k])]
+            raise TimeoutError(f"no {missing[0]!r} in the job store after {wait_s:.0f} s "
+                               f"({len(missing)} of {len(keys)} keys missing)")
         time.sleep(poll_s)
 
 
@@ -61,7 +79,7 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
         plan = plan_survivors(layout, failed)
         store.set(key, json.dumps({"plan": plan.to_dict(), "failed": sorted(failed),
                                    "preferred": describe_preferred(failed)}))
-    _wait_for_key(store, key, wait_s)
+    wait_for_keys(store, [key], wait_s)
     published = json.loads(store.get(key))
     return SurvivorPlan.from_dict(published["plan"]), frozenset(published["failed"]), published["preferred"]
 

@@ -231,17 +231,17 @@ class LayoutChanges:
         if not done:
             return self.store.check(keys)
         self.store.set(f"{prefix}{self.rank}", "1")
-        deadline = time.monotonic() + 3 * self.cfg.collective_timeout_s
-        while not self.store.check(keys):
-            failed = self.monitor.dead_ranks | self.monitor.hung_ranks if self.monitor is not None else frozenset()
-            if failed or time.monotonic() > deadline:
-                if self.store.check(keys):
-                    break
-                raise RuntimeError(f"ranks {sorted(failed)} failed before every rank had moved its state "
-                                   f"for the re-plan at iteration {iteration}" if failed else
-                                   f"not every rank had moved its state for the re-plan at iteration {iteration} "
-                                   f"after {3 * self.cfg.collective_timeout_s:.0f} s")
-            time.sleep(0.02)
+
+        def failed() -> str | None:
+            ranks = self.monitor.dead_ranks | self.monitor.hung_ranks if self.monitor is not None else frozenset()
+            return (f"ranks {sorted(ranks)} failed before every rank had moved its state for the re-plan at "
+                    f"iteration {iteration}") if ranks else None
+
+        try:
+            recovery.wait_for_keys(self.store, keys, 3 * self.cfg.collective_timeout_s, stop=failed)
+        except TimeoutError as error:  # as a failure: the caller goes back to the old layout
+            raise RuntimeError(f"not every rank had moved its state for the re-plan at iteration {iteration}: "
+                               f"{error}") from error
         return True
 
     def _apply_shrinking_layout(self, new_layout: Layout, objects):
