@@ -39,7 +39,7 @@ _IGNORED_FLAGS: tuple[tuple[str, bool], ...] = (
     ("--recompute-activations", False), ("--recompute-granularity", True),
     ("--recompute-method", True), ("--recompute-num-layers", True),
 ("--exit-duration-in-mins", True),
-    ("--exit-interval", True), ("--manual-gc", False), ("--manual-gc-interval", True),
+    ("--exit-interval", True),
     ("--context-parallel-size", True), ("--expert-model-parallel-size", True),
     ("--virtual-pipeline-model-parallel-size", True), ("--num-layers-per-virtual-pipeline-stage", True),
     ("--data-cache-path", True), ("--initial-loss-scale", True), ("--loss-scale", True),
@@ -85,6 +85,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--manual-gc", action="store_true",
+                   help="turn Python's automatic garbage collection off during training, so no rank "
+                        "pauses inside an op at a moment of its own")
+    g.add_argument("--manual-gc-interval", type=int, default=0, metavar="N",
+                   help="with --manual-gc, collect every N iterations, on every rank at once (0: never)")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -298,6 +303,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.train_iters < 1:
         raise ValueError(f"--train-iters must be >= 1, got {args.train_iters}")
+    if args.manual_gc_interval < 0:
+        raise ValueError(f"--manual-gc-interval must be >= 0 (0: never collect), got {args.manual_gc_interval}")
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
         raise ValueError("--lr-warmup-fraction and --lr-warmup-iters exclude each other; pass one")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters

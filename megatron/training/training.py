@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron.training import checkpointing, heartbeat_beacon
+from megatron.training import checkpointing, garbage_collection, heartbeat_beacon
 from megatron.training.data_samplers import GlobalBatchSampler, even_quotas, microbatches
 from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.logging_utils import EventLog, TensorBoard, iteration_line, log_line
@@ -135,6 +135,7 @@ def pretrain(
         )
     events.emit("start", iteration, world_size=dist.get_world_size(), layers_per_stage=list(args.layers_per_stage))
 
+    garbage_collection.start(args)
     skipped = nan = 0
     last_loss = None
     tokens_per_iter = args.global_batch_size * args.seq_length
@@ -204,6 +205,7 @@ def pretrain(
                 ))
         if iteration % args.log_interval == 0:
             interval_start, interval_iters = time.perf_counter(), 0
+        garbage_collection.after_iteration(args, iteration)
         if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
             evaluate(args, forward_step_func, valid_ds, objects, iteration, num_replicas, dp_rank)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
@@ -212,6 +214,7 @@ def pretrain(
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
         checkpointing.save_checkpoint(args, iteration, sampler.consumed_samples, objects)
         events.emit("checkpoint", iteration, path=args.save)
+    garbage_collection.finish(args)
     events.emit("finish", iteration, lm_loss=last_loss)
     if resilience is not None:
         resilience.close()
