@@ -10,7 +10,8 @@ stalls the others.
 Two measures:
 
 * ``settle()``: one full collection, on every rank at the same point outside any op: before
-  training starts and after every rebuild of model and optimizer. CPython starts its next full
+  training starts, and after an adaptation once the old model and optimizer are dropped (so
+  their reference cycles go too). CPython starts its next full
   collection only once the objects that survived into the oldest generation since the last one
   reach a quarter of those it kept, so after a settle steady training rarely sees one. (Freezing
   the survivors with ``gc.freeze`` would make every later pause short, but a model or optimizer

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron.training import garbage_collection, recovery
+from megatron.training import recovery
 from megatron.training.detection import LiveDetector, healthy_link_bandwidth_Bps
 from megatron.training.layer_sync import LayoutGradSync
 from megatron.training.logging_utils import log_line
@@ -66,7 +66,6 @@ class LayoutChanges:
         torch.set_rng_state(rng)
         if self.sync is not None:
             objects.config.finalize_model_grads_func = self.sync
-        garbage_collection.settle()  # every rank at the same point, not later inside an op
         return objects
 
     def _adopt(self, layout: Layout, groups, world_changed: bool) -> None:

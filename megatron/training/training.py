@@ -136,6 +136,7 @@ def pretrain(
     events.emit("start", iteration, world_size=dist.get_world_size(), layers_per_stage=list(args.layers_per_stage))
 
     garbage_collection.start(args)
+    settled = objects
     skipped = nan = 0
     last_loss = None
     tokens_per_iter = args.global_batch_size * args.seq_length
@@ -145,6 +146,9 @@ def pretrain(
         if resilience is not None:
             objects, quotas = resilience.before_iteration(iteration, objects, quotas)
             dp_rank = resilience.replica_index
+        if objects is not settled:  # rebuilt by an adaptation: collect the old ones now, on every rank
+            garbage_collection.settle()
+            settled = objects
         start = time.perf_counter()
         stepped = reduced = advanced = False
         try:
