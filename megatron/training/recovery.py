@@ -6,8 +6,9 @@
 Responsible for carrying out a ``SurvivorPlan`` (``resihp_ext/planner/survivors.py``) in the
 surviving processes: the plan is decided once, by the lowest surviving rank, and published through
 the job's store, so every survivor applies the same one. State never comes from a checkpoint when
-a whole replica survives: kept ranks already hold their shards, model and optimizer, and copy them
-into the objects rebuilt on the new groups. Nothing here decides what to keep.
+a replica survives whole or can be rebuilt from intact stage groups: every kept rank already holds
+its stage's shard, model and optimizer, and copies them into the objects rebuilt on the new
+groups. Nothing here decides what to keep.
 """
 
 from __future__ import annotations

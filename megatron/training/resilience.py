@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron.training import heartbeat_beacon, recovery
+from megatron.training import checkpointing, heartbeat_beacon, recovery
 from megatron.training.data_samplers import even_quotas
 from megatron.training.detection import LiveDetector, describe, link_probe_bytes, link_seconds_per_byte
 from megatron.training.heartbeat import HeartbeatMonitor, connect_store
@@ -246,7 +246,8 @@ class ResilienceHooks(LayoutChanges):
         self._planned_out = set()  # old-world ranks; the new world's monitor starts afresh
         self.sync = None  # its groups belonged to the old world
         self._adopt(new_layout, groups, world_changed=True)
-        # Kept ranks hold whole replicas: their own state, same shapes, is all they need.
+        # Every kept rank sits at the stage it held before (whole replicas, and rebuilt ones made of
+        # intact stage groups): its own state, same shapes, is all it needs.
         new_objects = self._rebuild(new_layout)
         new_objects.model.load_state_dict(objects.model.state_dict())
         new_objects.optimizer.load_state_dict(objects.optimizer.state_dict())
@@ -269,7 +270,11 @@ class ResilienceHooks(LayoutChanges):
         return {"action": plan.action, "policy": plan.policy, "reason": plan.reason}
 
     def _fallback_checkpoint(self, old_rank, iteration, plan, objects, consumed_samples, failed, backend):
-        """No replica is whole: survivors assemble a checkpoint if every shard survived, then stop."""
+        """No replica can go on: survivors assemble a checkpoint if every shard survived, then stop.
+
+        If some shard died with every holder, the last periodic checkpoint under ``--save`` (if
+        any) is the one to resume from; the iterations after it are trained again.
+        """
         survivors = sorted(set(self.layout.world_ranks) - failed)
         root = self.args.save or os.path.abspath("resihp_fallback_checkpoint")
         completed = iteration - 1
@@ -281,8 +286,19 @@ class ResilienceHooks(LayoutChanges):
             writer = plan.checkpoint_writers.get(position) == old_rank
             saved = recovery.save_assembled_checkpoint(self.args, root, completed, consumed_samples, objects,
                                                        position, writer)
+            reason = plan.reason + f"; saved iteration {completed} to {saved}"
+        else:
+            last = checkpointing.latest_iteration(self.args.save) if self.args.save else None
+            if last is not None:
+                saved = os.path.join(root, f"iter_{last:07d}")
+                redo = (f"iteration {completed} is" if completed == last + 1
+                        else f"iterations {last + 1}-{completed} are") if completed > last else "no iteration is"
+                reason = (plan.reason + f"; nothing could be saved now, so resume from the last checkpoint, iteration "
+                          f"{last} ({saved}): {redo} trained again")
+            else:
+                reason = plan.reason + ("; nothing saved, and no earlier checkpoint exists: pass --save DIR "
+                                        "--save-interval N so that a failure of every holder of a shard can resume")
         resume = resume_command(sys.argv, len(self.layout.world_ranks), root) if saved else None
-        reason = plan.reason + (f"; saved iteration {completed} to {saved}" if saved else "; nothing saved")
         if old_rank == survivors[0]:
             self.events.emit("fallback_checkpoint", iteration, reason=reason, resume_command=resume, path=saved)
             log_line(f" resihp: no in-place plan: {reason}")

@@ -1,10 +1,16 @@
 """What the survivors of a fail-stop can execute in place, decided from the Layout alone.
 
 Responsible for the executable part of a fail-stop re-plan: which DP replicas survive whole,
-the new dense rank of every kept rank (megatron-core's "tp-dp-pp" order over the kept replicas),
-which surviving ranks become spares, and, when no replica survives whole, whether the survivors
-still hold every (stage, TP shard) so that a checkpoint can be assembled from them. Pure: the
-executor in ``megatron/training/recovery.py`` carries it out.
+which further replicas can be rebuilt by re-pairing the intact stage groups of broken ones, the
+new dense rank of every kept rank (megatron-core's "tp-dp-pp" order over the new layout), which
+surviving ranks become spares, and, when no replica can go on, whether the survivors still hold
+every (stage, TP shard) so that a checkpoint can be assembled from them. Pure: the executor in
+``megatron/training/recovery.py`` carries it out.
+
+A rebuilt replica is made only of whole stage groups (a stage's TP group with every rank alive),
+each placed at the stage it already held. Replicas are data-parallel copies, so such a group
+already holds exactly the model and optimizer state of that stage: nothing moves, and no TP group
+is split or mixed, so TP traffic stays on the links (usually one node's) it used before.
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
 @dataclass(frozen=True)
 class SurvivorPlan:
     """Attributes:
-        action: "adapt" (continue in place on ``kept_replicas``) or "checkpoint-restart".
-        kept_replicas: indices of old replicas that continue, in new DP order.
-        new_rank: old rank -> rank in the new world (kept ranks only).
-        spares: surviving ranks that do not continue (their replica lost a member).
+        action: "adapt" (continue in place) or "checkpoint-restart".
+        kept_replicas: indices of old replicas that continue whole, in new DP order.
+        rebuilt_replicas: replicas assembled from intact stage groups of broken ones (old ranks),
+            after the kept ones in DP order.
+        new_rank: old rank -> rank in the new world (kept and rebuilt ranks only).
+        spares: surviving ranks that do not continue.
         checkpoint_writers: (stage, tp_rank) -> surviving old rank that holds that shard.
         missing_shards: (stage, tp_rank) positions no survivor holds (a checkpoint is impossible).
         reason: one readable sentence.
@@ -28,6 +36,7 @@ class SurvivorPlan:
 
     action: str
     kept_replicas: tuple[int, ...]
+    rebuilt_replicas: tuple[ReplicaSpec, ...] = ()
     new_rank: dict[int, int] = field(default_factory=dict)
     spares: tuple[int, ...] = ()
     checkpoint_writers: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -42,6 +51,8 @@ class SurvivorPlan:
         return {
             "action": self.action,
             "kept_replicas": list(self.kept_replicas),
+            "rebuilt_replicas": [[{"first_layer": s.first_layer, "num_layers": s.num_layers, "ranks": list(s.ranks)}
+                                  for s in rep.stages] for rep in self.rebuilt_replicas],
             "new_rank": {str(k): v for k, v in self.new_rank.items()},
             "spares": list(self.spares),
             "checkpoint_writers": {f"{s},{t}": r for (s, t), r in self.checkpoint_writers.items()},
@@ -54,6 +65,9 @@ class SurvivorPlan:
         return cls(
             action=d["action"],
             kept_replicas=tuple(d["kept_replicas"]),
+            rebuilt_replicas=tuple(
+                ReplicaSpec(tuple(StageSpec(s["first_layer"], s["num_layers"], tuple(s["ranks"])) for s in rep))
+                for rep in d.get("rebuilt_replicas", [])),
             new_rank={int(k): int(v) for k, v in d["new_rank"].items()},
             spares=tuple(d["spares"]),
             checkpoint_writers={tuple(int(x) for x in k.split(",")): int(v) for k, v in d["checkpoint_writers"].items()},
@@ -67,32 +81,77 @@ def _one_shape(layout: Layout) -> bool:
     return len(shapes) == 1
 
 
+def _continuing(layout: Layout, plan: SurvivorPlan) -> tuple[ReplicaSpec, ...]:
+    """The replicas that go on, in old ranks and new DP order: kept whole, then rebuilt."""
+    return (*(layout.replicas[i] for i in plan.kept_replicas), *plan.rebuilt_replicas)
+
+
 def surviving_layout(layout: Layout, plan: SurvivorPlan) -> Layout:
-    """The kept replicas of ``layout``, ranks renamed as ``plan.new_rank`` says."""
+    """The replicas that go on (kept and rebuilt), ranks renamed as ``plan.new_rank`` says."""
     return Layout(tuple(
         ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, tuple(plan.new_rank[r] for r in s.ranks))
-                          for s in layout.replicas[i].stages))
-        for i in plan.kept_replicas), layout.model)
+                          for s in replica.stages))
+        for replica in _continuing(layout, plan)), layout.model)
+
+
+def _stage_key(stage: StageSpec) -> tuple[int, int, int]:
+    # What a stage group holds: the same key means the same parameters and optimizer state.
+    return stage.first_layer, stage.num_layers, stage.tp_degree
+
+
+def rebuild_replicas(layout: Layout, broken: list[int], dead: frozenset[int]) -> tuple[ReplicaSpec, ...]:
+    """Replicas assembled from the intact stage groups of the ``broken`` replicas.
+
+    Each broken replica's shape, in order, is a template; a replica of that shape is built while
+    every one of its stages has an unused intact group of the same layers and TP degree. Groups of
+    the template replica itself come first (fewer pipelines change), then the lowest ranks.
+    """
+    free: dict[tuple[int, int, int], list[tuple[int, StageSpec]]] = {}
+    for i in broken:
+        for stage in layout.replicas[i].stages:
+            if not set(stage.ranks) & dead:
+                free.setdefault(_stage_key(stage), []).append((i, stage))
+    rebuilt = []
+    for template in broken:
+        stages = layout.replicas[template].stages
+        while all(free.get(_stage_key(s)) for s in stages):
+            picked = []
+            for stage in stages:
+                pool = free[_stage_key(stage)]
+                choice = min(pool, key=lambda g: (g[0] != template, min(g[1].ranks)))
+                pool.remove(choice)
+                picked.append(choice[1])
+            rebuilt.append(ReplicaSpec(tuple(picked)))
+    return tuple(rebuilt)
+
+
+def megatron_order(replicas: tuple[ReplicaSpec, ...]) -> list[int]:
+    """Ranks of ``replicas`` in megatron-core's "tp-dp-pp" order: stage, then replica, then TP rank."""
+    depth = max(r.num_stages for r in replicas)
+    return [rank for p in range(depth) for r in replicas if p < r.num_stages for rank in r.stages[p].ranks]
 
 
 def plan_survivors(layout: Layout, dead: frozenset[int]) -> SurvivorPlan:
-    """Keep every replica none of whose ranks died; renumber; name spares and checkpoint writers.
+    """Keep every replica none of whose ranks died, rebuild what intact stage groups allow, renumber.
 
-    Kept ranks are renumbered densely in ascending old rank, which is megatron-core's rank order
-    over the kept replicas whenever the old layout was in that order.
+    New ranks follow megatron-core's order over the new layout (for kept whole replicas of a
+    layout in that order, this is ascending old rank).
 
     Args:
         layout: the layout that was running (replicas may differ).
         dead: ranks that failed stop.
 
     Returns:
-        A SurvivorPlan. "adapt" needs at least one whole replica; otherwise "checkpoint-restart",
-        with the writers of a checkpoint assembled from survivors when every shard survives.
+        A SurvivorPlan. "adapt" needs at least one replica, whole or rebuilt; otherwise
+        "checkpoint-restart", with the writers of a checkpoint assembled from survivors when every
+        shard survives.
     """
     unknown = set(dead) - set(layout.world_ranks)
     if unknown:
         raise ValueError(f"dead ranks {sorted(unknown)} are not in the layout")
     kept = tuple(i for i, r in enumerate(layout.replicas) if not set(r.ranks) & dead)
+    lost = [i for i in range(layout.num_replicas) if i not in kept]
+    rebuilt = rebuild_replicas(layout, lost, dead)
     writers: dict[tuple[int, int], int] = {}
     for replica in layout.replicas:
         for stage_index, stage in enumerate(replica.stages):
@@ -103,23 +162,28 @@ def plan_survivors(layout: Layout, dead: frozenset[int]) -> SurvivorPlan:
     # Assembling one checkpoint from several replicas needs them to share a shape.
     missing = tuple(p for p in positions if p not in writers) if _one_shape(layout) else tuple(positions)
     survivors = sorted(set(layout.world_ranks) - dead)
-    if not kept:
+    if not kept and not rebuilt:
         what = (f"survivors still hold every shard; a checkpoint can be assembled from ranks {sorted(set(writers.values()))}"
                 if not missing else f"no survivor holds stage/TP shards {list(missing)}")
         return SurvivorPlan(
             action="checkpoint-restart", kept_replicas=(), spares=tuple(survivors), checkpoint_writers=writers,
             missing_shards=missing,
-            reason=f"dead ranks {sorted(dead)} leave no data-parallel replica whole, so no in-place plan exists; {what}",
+            reason=(f"dead ranks {sorted(dead)} leave no data-parallel replica whole, and no replica can be rebuilt from "
+                    f"intact stage groups (a stage has no TP group left whole), so no in-place plan exists; {what}"),
         )
-    shape = layout.replicas[0]
-    num_kept = len(kept)
-    kept_ranks = sorted(r for i in kept for r in layout.replicas[i].ranks)
-    new_rank = {old: new for new, old in enumerate(kept_ranks)}
+    plan = SurvivorPlan(action="adapt", kept_replicas=kept, rebuilt_replicas=rebuilt, checkpoint_writers=writers)
+    order = megatron_order(_continuing(layout, plan))
+    new_rank = {old: new for new, old in enumerate(order)}
     spares = tuple(r for r in survivors if r not in new_rank)
-    lost = [i for i in range(layout.num_replicas) if i not in kept]
+    num_stages = {r.num_stages for r in _continuing(layout, plan)}
+    how = f"continue in place on replicas {list(kept)}" if kept else "continue in place"
+    if rebuilt:
+        pieces = "; ".join("[" + " | ".join(",".join(map(str, s.ranks)) for s in r.stages) + "]" for r in rebuilt)
+        how += f"{' plus ' if kept else ' on '}{len(rebuilt)} rebuilt from intact stage groups of broken replicas ({pieces})"
     return SurvivorPlan(
-        action="adapt", kept_replicas=kept, new_rank=new_rank, spares=spares, checkpoint_writers=writers,
-        reason=(f"dead ranks {sorted(dead)} broke replicas {lost}; continue in place on replicas {list(kept)} "
-                f"(DP {layout.num_replicas} -> {num_kept}, {shape.num_stages} stages unchanged), global batch kept by "
-                f"re-spreading micro-batches; {len(spares)} surviving ranks become spares"),
+        action="adapt", kept_replicas=kept, rebuilt_replicas=rebuilt, new_rank=new_rank, spares=spares,
+        checkpoint_writers=writers,
+        reason=(f"dead ranks {sorted(dead)} broke replicas {lost}; {how} (DP {layout.num_replicas} -> "
+                f"{len(kept) + len(rebuilt)}, {'/'.join(map(str, sorted(num_stages)))} stages unchanged), global batch "
+                f"kept by re-spreading micro-batches; {len(spares)} surviving ranks become spares"),
     )

@@ -2,16 +2,20 @@
 
 Planning time is the wall time of ``plan_adaptation`` (median of several runs) against the goals
 of 50 ms at 256 GPUs and 1 s at 16384. Plan quality is each policy's predicted throughput as a
-fraction of the capacity bound (what the surviving hardware could do at best) at 256 GPUs. Prints
-only what it measures; ``--json`` prints one JSON object instead.
+fraction of the capacity bound (what the surviving hardware could do at best) at 256 GPUs.
+Fail-stop survivor plans, at every scale: random dead GPUs, the in-place plan the executor runs
+(whole replicas plus replicas rebuilt from intact stage groups) against keeping whole replicas
+only and against a checkpoint-restart on the healthy nodes, each as predicted throughput over the
+capacity bound. Prints only what it measures; ``--json`` prints one JSON object instead.
 
-    python scripts/bench/planner.py [--json] [--repeats 5]
+    python scripts/bench/planner.py [--json] [--repeats 5] [--trials 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -23,10 +27,14 @@ from resihp_ext.layout import Layout, ModelSpec
 from resihp_ext.planner.compare import compare
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
+from resihp_ext.planner.cost import capacity_bound_s, equal_quotas, iteration_s
 from resihp_ext.planner.joint import plan_adaptation
+from resihp_ext.planner.restart import restart_layout
+from resihp_ext.planner.survivors import plan_survivors, surviving_layout
 
 TP, PP = 8, 4
 SCALES = (256, 1024, 4096, 16384)
+DEAD_COUNTS = (2, 8)
 MICROBATCHES_PER_REPLICA = 16
 
 
@@ -91,16 +99,53 @@ def bench_quality(horizon_iters: int) -> list[dict]:
     return rows
 
 
+def _fraction_of_bound(layout: Layout | None, bound_s: float, hw: HardwareModel) -> float:
+    if layout is None:
+        return 0.0
+    quotas = equal_quotas(layout.num_replicas, layout.model.num_microbatches)
+    return bound_s / iteration_s(layout, quotas, Health(), hw)
+
+
+def bench_survivors(trials: int, seed: int = 0) -> list[dict]:
+    """Fail-stop of ``k`` random GPUs at each scale, averaged over ``trials`` draws."""
+    rng, hw, rows = random.Random(seed), HardwareModel(), []
+    for num_gpus in SCALES:
+        layout = Layout.uniform(model_for(num_gpus), TP, PP, num_gpus // (TP * PP))
+        for num_dead in DEAD_COUNTS:
+            sums = {"whole_replicas_only": 0.0, "resihp_rebuilt": 0.0, "checkpoint_restart": 0.0}
+            replicas = {"whole_replicas_only": 0, "resihp_rebuilt": 0, "checkpoint_restart": 0}
+            for _ in range(trials):
+                dead = frozenset(rng.sample(range(num_gpus), num_dead))
+                bound = capacity_bound_s(layout, Health(dead=dead), hw, layout.model.num_microbatches)
+                plan = plan_survivors(layout, dead)
+                whole = layout.with_replicas(layout.replicas[i] for i in plan.kept_replicas) if plan.kept_replicas else None
+                rebuilt = surviving_layout(layout, plan) if plan.action == "adapt" else None
+                restart = restart_layout(layout, Health(dead=dead))
+                for name, candidate in (("whole_replicas_only", whole), ("resihp_rebuilt", rebuilt),
+                                        ("checkpoint_restart", restart)):
+                    sums[name] += _fraction_of_bound(candidate, bound, hw)
+                    replicas[name] += candidate.num_replicas if candidate is not None else 0
+            row = {"num_gpus": num_gpus, "num_dead": num_dead, "trials": trials,
+                   **{f"{k}_fraction_of_bound": v / trials for k, v in sums.items()},
+                   **{f"{k}_mean_replicas": v / trials for k, v in replicas.items()}}
+            row["rebuilt_over_whole_only"] = row["resihp_rebuilt_fraction_of_bound"] / row["whole_replicas_only_fraction_of_bound"]
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per scale (median reported)")
     parser.add_argument("--horizon-iters", type=int, default=500)
+    parser.add_argument("--trials", type=int, default=20, help="random draws of dead GPUs per survivor scenario")
     args = parser.parse_args()
     timing = bench_time(args.repeats)
     quality = bench_quality(args.horizon_iters)
+    survivors = bench_survivors(args.trials)
     if args.json:
-        print(json.dumps({"planning_time": timing, "throughput_fraction_of_bound": quality}, indent=2))
+        print(json.dumps({"planning_time": timing, "throughput_fraction_of_bound": quality,
+                          "fail_stop_survivors": survivors}, indent=2))
         return
     print(f"planning time (TP={TP}, PP={PP}, one 0.5x device + one dead device, median of {args.repeats})")
     for row in timing:
@@ -111,6 +156,14 @@ def main() -> None:
     print(f"  {'scenario':<38}" + "".join(f"{p:>20}" for p in policies))
     for row in quality:
         print(f"  {row['scenario']:<38}" + "".join(f"{row[p]:>20.3f}" for p in policies))
+    print(f"fail-stop: throughput / capacity bound after random dead GPUs (TP={TP}, PP={PP}, mean of {args.trials} "
+          "draws; mean replicas in brackets; checkpoint-restart excludes the restart itself)")
+    print(f"  {'GPUs':>6} {'dead':>5} {'whole replicas only':>24} {'ResiHP (rebuilt)':>24} {'checkpoint-restart':>24}"
+          f" {'ResiHP / whole only':>20}")
+    for row in survivors:
+        cells = "".join(f"{row[k + '_fraction_of_bound']:>15.3f} ({row[k + '_mean_replicas']:>6.1f})"
+                        for k in ("whole_replicas_only", "resihp_rebuilt", "checkpoint_restart"))
+        print(f"  {row['num_gpus']:>6} {row['num_dead']:>5} {cells} {row['rebuilt_over_whole_only']:>20.3f}")
 
 
 if __name__ == "__main__":

@@ -116,13 +116,40 @@ def test_second_failure_after_an_adaptation_is_survived(tmp_path):
     assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
 
 
+def test_broken_replicas_are_rebuilt_in_place_with_exact_parameters(tmp_path, reference):
+    ref_ckpt, ref_losses = reference
+    log = tmp_path / "events.jsonl"
+    # Rank 2 (replica 1, stage 0) and rank 5 (replica 0, stage 1) die: no replica is whole, but
+    # replica 0's stage 0 (ranks 0, 1) and replica 1's stage 1 (ranks 6, 7) form one.
+    proc = run_job(8, [*MODEL, *RESILIENT, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--global-batch-size", "16", "--train-iters", "8", "--save", str(tmp_path / "ckpt"),
+                       "--resihp-event-log", str(log), "--resihp-inject", "kill:rank=2,at=4",
+                       "--resihp-inject", "kill:rank=5,at=4"], launcher="local")
+    check(proc)
+    plans = read_events(log, "plan")
+    assert plans and plans[-1]["action"] == "adapt", plans
+    executed = plans[-1]["executed"]
+    assert executed["kept_replicas"] == [] and [[s["ranks"] for s in r] for r in executed["rebuilt_replicas"]] == [
+        [[0, 1], [6, 7]]]
+    assert "rank 3 is a spare" in proc.stdout + proc.stderr and "rank 4 is a spare" in proc.stdout + proc.stderr
+    adapted = read_events(log, "adapted")
+    assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 4)], adapted
+    assert not read_events(log, "fallback_checkpoint")
+    losses = iteration_losses(log)
+    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
+    ours = _params(tmp_path / "ckpt", 8)
+    assert {s["consumed_samples"] for s in ours.values()} == {8 * 16}
+    _assert_same_params(_params(ref_ckpt, 8), ours)
+
+
 def test_no_in_place_plan_saves_from_survivors_and_resumes(tmp_path, reference):
     ref_ckpt, ref_losses = reference
     ckpt, log = tmp_path / "ckpt", tmp_path / "events.jsonl"
     args = [*MODEL, *RESILIENT, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--global-batch-size", "16", "--train-iters", "8", "--save", str(ckpt), "--resihp-event-log", str(log)]
-    # One rank of each replica dies: no replica is whole, but every (stage, TP) shard survives.
-    proc = run_job(8, [*args, "--resihp-inject", "kill:rank=2,at=4", "--resihp-inject", "kill:rank=5,at=4"],
+    # Ranks 1 and 2 break both stage-0 TP groups: no replica can go on, but every (stage, TP)
+    # shard survives (stage 0 in ranks 0 and 3), so a checkpoint is assembled from survivors.
+    proc = run_job(8, [*args, "--resihp-inject", "kill:rank=1,at=4", "--resihp-inject", "kill:rank=2,at=4"],
                    launcher="local")
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-3000:]
     fallback = read_events(log, "fallback_checkpoint")
@@ -141,6 +168,25 @@ def test_no_in_place_plan_saves_from_survivors_and_resumes(tmp_path, reference):
     assert sorted(resumed) == list(range(4, 9))
     assert [resumed[i] for i in range(4, 9)] == pytest.approx([ref_losses[i] for i in range(4, 9)], rel=1e-5)
     _assert_same_params(_params(ref_ckpt, 8), _params(ckpt, 8))
+
+
+def test_every_holder_of_a_shard_dead_points_to_the_last_periodic_checkpoint(tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "events.jsonl"
+    # Ranks 1 and 3 are the only holders of stage 0's TP shard 1: nothing can be assembled, so the
+    # resume point is the last checkpoint --save-interval wrote (iteration 2).
+    proc = run_job(8, [*MODEL, *RESILIENT, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--global-batch-size", "16", "--train-iters", "8", "--save", str(ckpt), "--save-interval", "2",
+                       "--resihp-event-log", str(log), "--resihp-inject", "kill:rank=1,at=4",
+                       "--resihp-inject", "kill:rank=3,at=4"], launcher="local")
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-3000:]
+    fallback = read_events(log, "fallback_checkpoint")
+    assert len(fallback) == 1, fallback
+    reason = fallback[0]["reason"]
+    assert "no survivor holds stage/TP shards [(0, 1)]" in reason and "iteration 3 is trained again" in reason
+    assert fallback[0]["path"] == str(ckpt / "iter_0000002")
+    assert fallback[0]["resume_command"].endswith(f"--load {ckpt}")
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert not list(ckpt.glob("*.tmp"))
 
 
 def test_failure_while_the_survivors_reform_is_survived(tmp_path):

@@ -3,7 +3,7 @@
 import pytest
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
-from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors
+from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors, surviving_layout
 from resihp_ext.shard_map import sync_sets, transfers
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=1024,
@@ -53,10 +53,44 @@ def test_survivors_keep_whole_replicas_in_megatron_rank_order():
     assert SurvivorPlan.from_dict(plan.to_dict()) == plan
 
 
-def test_no_whole_replica_names_checkpoint_writers_or_missing_shards():
-    saveable = plan_survivors(UNIFORM, frozenset({2, 5}))
+def test_broken_replicas_are_rebuilt_from_their_intact_stage_groups():
+    # Rank 2 (replica 1, stage 0) and rank 5 (replica 0, stage 1) die: replica 0's stage 0 and
+    # replica 1's stage 1 are still whole, and together hold every layer.
+    plan = plan_survivors(UNIFORM, frozenset({2, 5}))
+    assert plan.action == "adapt" and plan.kept_replicas == ()
+    assert plan.rebuilt_replicas == (ReplicaSpec((StageSpec(0, 2, (0, 1)), StageSpec(2, 2, (6, 7)))),)
+    assert plan.new_rank == {0: 0, 1: 1, 6: 2, 7: 3} and plan.spares == (3, 4)
+    assert "rebuilt from intact stage groups" in plan.reason and "DP 2 -> 1" in plan.reason
+    assert SurvivorPlan.from_dict(plan.to_dict()) == plan
+    new = surviving_layout(UNIFORM, plan)
+    assert new == Layout.uniform(MODEL, 2, 2, 1)
+    # Each kept rank sits at the stage and TP rank it held: no state has to move.
+    old_place = {r: (UNIFORM.stage_of(r)[1], UNIFORM.tp_rank_of(r)) for r in plan.new_rank}
+    assert all(old_place[old] == (new.stage_of(n)[1], new.tp_rank_of(n)) for old, n in plan.new_rank.items())
+
+
+def test_rebuilt_replicas_join_whole_ones_in_megatron_rank_order():
+    layout = Layout.uniform(MODEL, 1, 2, 4)  # rank = replica + 4 * stage
+    plan = plan_survivors(layout, frozenset({1, 6}))  # replica 1 loses stage 0, replica 2 stage 1
+    assert plan.kept_replicas == (0, 3)
+    assert [r.ranks for r in plan.rebuilt_replicas] == [(2, 5)]  # replica 2's stage 0 + replica 1's stage 1
+    new = surviving_layout(layout, plan)
+    assert new.num_replicas == 3 and new == Layout.uniform(MODEL, 1, 2, 3)
+    assert plan.new_rank == {0: 0, 3: 1, 2: 2, 4: 3, 7: 4, 5: 5} and plan.spares == ()
+
+
+def test_rebuild_takes_only_groups_that_hold_the_same_layers():
+    # Replica 1 was repartitioned to [1, 3]: its stage groups do not fit replica 0's [2, 2] stages.
+    hetero = Layout((UNIFORM.replicas[0], ReplicaSpec((StageSpec(0, 1, (2, 3)), StageSpec(1, 3, (6, 7))))), MODEL)
+    plan = plan_survivors(hetero, frozenset({2, 5}))
+    assert plan.action == "checkpoint-restart" and plan.rebuilt_replicas == ()
+    assert "no replica can be rebuilt" in plan.reason
+
+
+def test_no_replica_left_names_checkpoint_writers_or_missing_shards():
+    # Ranks 1 and 2 break both stage-0 groups, yet between them the survivors hold every shard.
+    saveable = plan_survivors(UNIFORM, frozenset({1, 2}))
     assert saveable.action == "checkpoint-restart" and not saveable.missing_shards
-    assert saveable.checkpoint_writers == {(0, 0): 0, (0, 1): 1, (1, 0): 4, (1, 1): 7}
+    assert saveable.checkpoint_writers == {(0, 0): 0, (0, 1): 3, (1, 0): 4, (1, 1): 5}
     lost = plan_survivors(UNIFORM, frozenset({5, 7}))
     assert lost.missing_shards == ((1, 1),) and "no survivor holds" in lost.reason
-
