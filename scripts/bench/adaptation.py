@@ -20,7 +20,9 @@ documents):
     These runs emulate one device per rank (``--cpu-device-time-scale``, default 16): on a host
     with fewer cores than ranks the cores, not the slowest rank, would bound throughput, and no
     plan could win anything back;
-(ii) fail-stop, rank 5 SIGKILLed at ``--kill-at``:
+(ii) fail-stop, ``--kill`` ranks (default 5) SIGKILLed at ``--kill-at``. ``--kill 2 --kill 5`` breaks both
+    replicas (replica 1's stage 0 and replica 0's stage 1): in place, the survivors rebuild a replica
+    from the two stage groups left whole; before that plan existed, this case needed a restart.
     * in place: ``scripts/launch_local.py`` + ``--resihp-enable --resihp-collective-timeout-s 5``;
       time from the ``inject`` event (written just before the kill) to the first ``iteration``
       event after the ``adapted`` event;
@@ -32,7 +34,7 @@ documents):
       separately, not added).
 
     python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0] [--slow-rank 7]
-        [--link 0:4] [--link-factor 600] [--skip throughput|slow|link|fail_stop]...
+        [--link 0:4] [--link-factor 600] [--kill 5]... [--skip throughput|slow|link|fail_stop]...
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 NPROC, TP, PP = 8, 2, 2
 GLOBAL_BATCH = 16  # fail-stop runs; the throughput runs take --global-batch
-KILL_RANK = 5
+KILL_RANKS = (5,)
 LINK_FACTOR = 600.0
 
 MODEL = [
@@ -149,13 +151,14 @@ def throughput(args, work: Path) -> dict:
 
 def fail_stop(args, work: Path) -> dict:
     k = args.kill_at
+    kills = [arg for rank in args.kill for arg in ("--resihp-inject", f"kill:rank={rank},at={k}")]
     iters = k + 3
     # In place.
     log = work / "inplace.events.jsonl"
     log.unlink(missing_ok=True)
     launch([*MODEL, "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters), "--resihp-event-log",
             str(log), "--resihp-enable",
-            "--resihp-collective-timeout-s", "5", "--resihp-inject", f"kill:rank={KILL_RANK},at={k}"], launcher="local")
+            "--resihp-collective-timeout-s", "5", *kills], launcher="local")
     inject = events(log, "inject")[0]["time"]
     adapted = events(log, "adapted")
     if not adapted:
@@ -178,8 +181,7 @@ def fail_stop(args, work: Path) -> dict:
     log = work / "restart_killed.events.jsonl"
     log.unlink(missing_ok=True)
     common = [*MODEL, "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters), "--save", str(ckpt), "--save-interval", "1"]
-    proc, _, killed_end = launch([*common, "--resihp-event-log", str(log),
-                                  "--resihp-inject", f"kill:rank={KILL_RANK},at={k}"], check=False)
+    proc, _, killed_end = launch([*common, "--resihp-event-log", str(log), *kills], check=False)
     inject = events(log, "inject")[0]["time"]
     last_saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     save_pre = [e["time"] for e in events(log, "iteration") if e["rank"] == NPROC - 1 and 2 < e["iteration"] < k]
@@ -204,7 +206,7 @@ def fail_stop(args, work: Path) -> dict:
         "loadavg_after": os.getloadavg(),
     }
     ratio = restart["kill_to_first_iteration_after_s"] / inplace["kill_to_first_iteration_after_s"]
-    return {"kill_at": k, "in_place": inplace, "checkpoint_restart": restart,
+    return {"kill_at": k, "killed_ranks": list(args.kill), "in_place": inplace, "checkpoint_restart": restart,
             "restart_over_in_place": round(ratio, 3)}
 
 
@@ -233,11 +235,16 @@ def main() -> None:
                         help="SRC:DST of the slowed pipeline link (0:4: replica 0's stage boundary, TP rank 0)")
     parser.add_argument("--link-factor", type=float, default=LINK_FACTOR, help="slowdown of --link")
     parser.add_argument("--kill-at", type=int, default=6)
+    parser.add_argument("--kill", type=int, action="append", default=None,
+                        help="rank SIGKILLed in the fail-stop runs (repeatable; default 5)")
     parser.add_argument("--skip", choices=("throughput", "slow", "link", "fail_stop"), action="append", default=[],
                         help="leave out a part: throughput (every throughput run), slow (the slow-rank runs), "
                              "link (the slow-link runs), fail_stop")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     args = parser.parse_args()
+    args.kill = sorted(set(args.kill or KILL_RANKS))
+    if any(not 0 <= r < NPROC for r in args.kill):
+        parser.error(f"--kill takes ranks 0-{NPROC - 1}; got {args.kill}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="adaptation_"))
     work.mkdir(parents=True, exist_ok=True)
     out = {"shape": f"TP{TP} x PP{PP} x DP{NPROC // (TP * PP)} ({NPROC} processes, CPU)", "cpu_count": os.cpu_count(),
@@ -279,7 +286,7 @@ def main() -> None:
             print(f"  adapted / unadapted = {t['link_adapted_over_unadapted']}")
     if "fail_stop" in out:
         f = out["fail_stop"]
-        print(f"fail-stop (rank {KILL_RANK} SIGKILLed at iteration {f['kill_at']}):")
+        print(f"fail-stop (ranks {f['killed_ranks']} SIGKILLed at iteration {f['kill_at']}):")
         print(f"  in place:           {f['in_place']}")
         print(f"  checkpoint-restart: {f['checkpoint_restart']}")
         print(f"  restart / in place = {f['restart_over_in_place']}")
