@@ -1,6 +1,6 @@
 """In-place fail-stop recovery: the executor's life cycle, one function per step.
 
-    await_failed_ranks -> agree_on_plan -> reform_for_plan -> (rebuild, in relayout) -> resume
+    await_failed_ranks -> agree_on_plan -> [stage_moves] -> reform_for_plan -> (rebuild, in relayout) -> resume
                                         or -> save_assembled_checkpoint (no in-place plan)
 
 Responsible for carrying out a ``SurvivorPlan`` (``resihp_ext/planner/survivors.py``) in the
@@ -8,7 +8,9 @@ surviving processes: the plan is decided once, by the lowest surviving rank, and
 the job's store, so every survivor applies the same one. State never comes from a checkpoint when
 a replica survives whole or can be rebuilt from intact stage groups: every kept rank already holds
 its stage's shard, model and optimizer, and copies them into the objects rebuilt on the new
-groups. Nothing here decides what to keep.
+groups. A stage group that the plan moves to another stage is the one exception: its new stage's
+state comes point-to-point from surviving holders (``stage_moves``), in a world of every survivor,
+before spares leave. Nothing here decides what to keep.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import torch.distributed as dist
 from megatron.training import checkpointing
 from megatron.training.model_builder import TrainingObjects
 from megatron.training.parallel_state_patch import build_groups, install, reform_world
+from megatron.training.reshard import stage_transfers
 from resihp_ext.layout import Layout
-from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors
+from resihp_ext.planner.survivors import SurvivorPlan, moved_groups, plan_survivors
+from resihp_ext.shard_map import Transfer, transfers
 
 
 def await_failed_ranks(monitor, wait_s: float, poll_s: float = 0.05) -> frozenset[int]:
@@ -68,7 +72,7 @@ def wait_for_keys(store, keys: list[str], wait_s: float, stop=lambda: None, poll
 
 
 def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: frozenset[int],
-                  describe_preferred, wait_s: float) -> tuple[SurvivorPlan, frozenset[int], dict]:
+                  describe_preferred, wait_s: float, move_state: bool = True) -> tuple[SurvivorPlan, frozenset[int], dict]:
     """The lowest surviving rank decides and publishes; everyone reads the same plan back.
 
     Returns:
@@ -77,12 +81,37 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
     key = f"resihp/gen{generation}/plan"
     leader = min(set(layout.world_ranks) - failed)
     if rank == leader:
-        plan = plan_survivors(layout, failed)
+        plan = plan_survivors(layout, failed, move_state=move_state)
         store.set(key, json.dumps({"plan": plan.to_dict(), "failed": sorted(failed),
                                    "preferred": describe_preferred(failed)}))
     wait_for_keys(store, [key], wait_s)
     published = json.loads(store.get(key))
     return SurvivorPlan.from_dict(published["plan"]), frozenset(published["failed"]), published["preferred"]
+
+
+def continuing_layout(layout: Layout, plan: SurvivorPlan) -> Layout:
+    """The plan's new layout in old ranks (``surviving_layout`` renames them for the new world)."""
+    return Layout((*(layout.replicas[i] for i in plan.kept_replicas), *plan.rebuilt_replicas), layout.model)
+
+
+def state_moves(layout: Layout, plan: SurvivorPlan, failed: frozenset[int]) -> tuple[Transfer, ...]:
+    """What the plan's moved stage groups must receive (in old ranks); empty when nothing moves."""
+    if plan.action != "adapt" or not moved_groups(layout, plan):
+        return ()
+    return transfers(layout, continuing_layout(layout, plan), failed)
+
+
+def stage_moves(store, generation: int, rank: int, survivors: list[int], moves, layout: Layout, objects,
+                backend: str, timeout_s: float) -> dict:
+    """Every survivor (spares too: they may hold what a moved group needs) joins one world and
+    sends or receives the plan's moves into flat buffers (``reshard.stage_transfers``).
+
+    The world uses its own store prefix (``gen<N>moves``), so the kept ranks' next world, under
+    ``gen<N>``, cannot meet it by mistake.
+    """
+    reform_world(store, survivors.index(rank), len(survivors), f"{generation}moves", backend=backend,
+                 timeout=timeout_s)
+    return stage_transfers(moves, layout, rank, objects, peer_rank=survivors.index)
 
 
 def reform_for_plan(store, generation: int, new_rank: int, new_world_size: int, backend: str,

@@ -27,6 +27,7 @@ from megatron.training.heartbeat import HeartbeatMonitor, connect_store
 from megatron.training.link_faults import LINKS
 from megatron.training.logging_utils import EventLog, log_line
 from megatron.training.relayout import LayoutChanges, StopTraining
+from megatron.training.reshard import unstage_transfers
 from megatron.training.schedules import RECORDER
 from resihp_ext.faults import FaultKind
 from resihp_ext.layout import Layout
@@ -211,7 +212,7 @@ class ResilienceHooks(LayoutChanges):
             self.generation += 1
             plan, failed, preferred = recovery.agree_on_plan(
                 self.store, self.generation, old_rank, self.layout, named | failed, self._preferred_plan,
-                wait_s=3 * self.cfg.collective_timeout_s,
+                wait_s=3 * self.cfg.collective_timeout_s, move_state=not (self.args.bf16 or self.args.fp16),
             )
             self._planned_out = set(self.layout.world_ranks) - set(plan.new_rank)
             leader = old_rank == min(set(self.layout.world_ranks) - failed)
@@ -223,18 +224,25 @@ class ResilienceHooks(LayoutChanges):
             if plan.action != "adapt":
                 self.monitor.stop()
                 self._fallback_checkpoint(old_rank, iteration, plan, objects, consumed_samples, failed, self.backend)
-            if old_rank not in plan.new_rank:
-                self.monitor.stop()
-                if dist.is_initialized():  # not after a failed re-form
-                    dist.destroy_process_group()
-                raise StopTraining(0, f"rank {old_rank} is a spare after the adaptation (its replica lost a rank)")
+            moves = recovery.state_moves(self.layout, plan, failed)
+            if old_rank not in plan.new_rank and not moves:
+                self._leave_as_spare(old_rank)
             self._apply_recovery_faults(iteration, "reform")
             new_layout = surviving_layout(self.layout, plan)
             try:
+                if moves:
+                    # Spares stay for this step: they may hold what a moved stage group needs.
+                    received = recovery.stage_moves(
+                        self.store, self.generation, old_rank, sorted(set(self.layout.world_ranks) - failed), moves,
+                        self.layout, objects, self.backend, self.cfg.collective_timeout_s)
+                    if old_rank not in plan.new_rank:
+                        self._leave_as_spare(old_rank)
                 groups = recovery.reform_for_plan(self.store, self.generation, plan.new_rank[old_rank],
                                                   plan.new_world_size, self.backend, self.cfg.collective_timeout_s,
                                                   new_layout)
                 break
+            except StopTraining:
+                raise
             except Exception as exc:  # noqa: BLE001 - any failure to form the new world: find out who left
                 # The old world's heartbeats are still watched, so a rank that died while the new
                 # world formed is named like the first; the next attempt plans without it.
@@ -245,12 +253,17 @@ class ResilienceHooks(LayoutChanges):
         self.monitor.stop()
         self._planned_out = set()  # old-world ranks; the new world's monitor starts afresh
         self.sync = None  # its groups belonged to the old world
+        old_layout = self.layout
         self._adopt(new_layout, groups, world_changed=True)
-        # Every kept rank sits at the stage it held before (whole replicas, and rebuilt ones made of
-        # intact stage groups): its own state, same shapes, is all it needs.
         new_objects = self._rebuild(new_layout)
-        new_objects.model.load_state_dict(objects.model.state_dict())
-        new_objects.optimizer.load_state_dict(objects.optimizer.state_dict())
+        if any(t.dst == old_rank and t.src != old_rank for t in moves):
+            # This stage group took another stage: its state arrived in the staged buffers.
+            unstage_transfers(moves, old_layout, recovery.continuing_layout(old_layout, plan), old_rank, objects,
+                              new_objects, received)
+        else:
+            # A rank at the stage it held before: its own state, same shapes, is all it needs.
+            new_objects.model.load_state_dict(objects.model.state_dict())
+            new_objects.optimizer.load_state_dict(objects.optimizer.state_dict())
         new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
         objects, args = new_objects, self.args
         quotas = even_quotas(args.global_batch_size // args.micro_batch_size, args.data_parallel_size)
@@ -263,6 +276,12 @@ class ResilienceHooks(LayoutChanges):
         log_line(f" resihp: rank {old_rank} -> {self.rank}: adapted in place, world {dist.get_world_size()}, "
                  f"DP {args.data_parallel_size}, redoing iteration {iteration} ({duration:.2f} s since the failure surfaced)")
         return objects, quotas
+
+    def _leave_as_spare(self, old_rank: int) -> None:
+        self.monitor.stop()
+        if dist.is_initialized():  # not after a failed re-form
+            dist.destroy_process_group()
+        raise StopTraining(0, f"rank {old_rank} is a spare after the adaptation (the new layout does not use it)")
 
     def _preferred_plan(self, failed) -> dict:
         """What the joint planner would do with unrestricted execution (logged for comparison)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
+from resihp_ext.shard_map import transfers
 
 
 @dataclass(frozen=True)
@@ -99,18 +100,20 @@ def _stage_key(stage: StageSpec) -> tuple[int, int, int]:
     return stage.first_layer, stage.num_layers, stage.tp_degree
 
 
+def _intact_groups(layout: Layout, broken: list[int], dead: frozenset[int]) -> list[tuple[int, StageSpec]]:
+    return [(i, stage) for i in broken for stage in layout.replicas[i].stages if not set(stage.ranks) & dead]
+
+
 def rebuild_replicas(layout: Layout, broken: list[int], dead: frozenset[int]) -> tuple[ReplicaSpec, ...]:
-    """Replicas assembled from the intact stage groups of the ``broken`` replicas.
+    """Replicas assembled from the intact stage groups of the ``broken`` replicas, at their own stages.
 
     Each broken replica's shape, in order, is a template; a replica of that shape is built while
     every one of its stages has an unused intact group of the same layers and TP degree. Groups of
     the template replica itself come first (fewer pipelines change), then the lowest ranks.
     """
     free: dict[tuple[int, int, int], list[tuple[int, StageSpec]]] = {}
-    for i in broken:
-        for stage in layout.replicas[i].stages:
-            if not set(stage.ranks) & dead:
-                free.setdefault(_stage_key(stage), []).append((i, stage))
+    for i, stage in _intact_groups(layout, broken, dead):
+        free.setdefault(_stage_key(stage), []).append((i, stage))
     rebuilt = []
     for template in broken:
         stages = layout.replicas[template].stages
@@ -125,13 +128,54 @@ def rebuild_replicas(layout: Layout, broken: list[int], dead: frozenset[int]) ->
     return tuple(rebuilt)
 
 
+def repack_replicas(layout: Layout, broken: list[int], dead: frozenset[int],
+                    continuing: tuple[ReplicaSpec, ...]) -> tuple[ReplicaSpec, ...]:
+    """Further replicas from intact stage groups left over, each group taking whatever stage is short.
+
+    A group placed at a stage it did not hold receives that stage's state (weights and optimizer
+    moments) from a surviving holder. Groups keep their TP degree and members, so no TP group
+    spans new links. A replica is added only while some survivor holds every unit of its state.
+    """
+    used = {r for replica in continuing for r in replica.ranks}
+    free = [stage for _, stage in _intact_groups(layout, broken, dead) if not set(stage.ranks) & used]
+    repacked: list[ReplicaSpec] = []
+    for template in broken:
+        shape = layout.replicas[template].stages
+        while True:
+            pool, picked = list(free), []
+            for stage in shape:
+                fits = [g for g in pool if g.tp_degree == stage.tp_degree]
+                if not fits:
+                    break
+                # A group that already holds this stage moves nothing; otherwise the lowest ranks.
+                choice = min(fits, key=lambda g: (_stage_key(g) != _stage_key(stage), min(g.ranks)))
+                pool.remove(choice)
+                picked.append(StageSpec(stage.first_layer, stage.num_layers, choice.ranks))
+            if len(picked) < len(shape):
+                break
+            candidate = ReplicaSpec(tuple(picked))
+            try:
+                transfers(layout, Layout((*continuing, *repacked, candidate), layout.model), dead)
+            except ValueError:  # some unit of this shape's state has no live holder
+                break
+            repacked.append(candidate)
+            free = pool
+    return tuple(repacked)
+
+
+def moved_groups(layout: Layout, plan: SurvivorPlan) -> tuple[StageSpec, ...]:
+    """Stages of the plan's rebuilt replicas whose group held other layers before (state must move)."""
+    return tuple(stage for replica in plan.rebuilt_replicas for stage in replica.stages
+                 if _stage_key(layout.stage_spec_of(stage.ranks[0])) != _stage_key(stage))
+
+
 def megatron_order(replicas: tuple[ReplicaSpec, ...]) -> list[int]:
     """Ranks of ``replicas`` in megatron-core's "tp-dp-pp" order: stage, then replica, then TP rank."""
     depth = max(r.num_stages for r in replicas)
     return [rank for p in range(depth) for r in replicas if p < r.num_stages for rank in r.stages[p].ranks]
 
 
-def plan_survivors(layout: Layout, dead: frozenset[int]) -> SurvivorPlan:
+def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True) -> SurvivorPlan:
     """Keep every replica none of whose ranks died, rebuild what intact stage groups allow, renumber.
 
     New ranks follow megatron-core's order over the new layout (for kept whole replicas of a
@@ -140,6 +184,9 @@ def plan_survivors(layout: Layout, dead: frozenset[int]) -> SurvivorPlan:
     Args:
         layout: the layout that was running (replicas may differ).
         dead: ranks that failed stop.
+        move_state: whether intact groups may take another stage, receiving its state from a
+            survivor (the executor moves fp32 weights and Adam moments; under half precision it
+            cannot move the fp32 main copies, so it passes False).
 
     Returns:
         A SurvivorPlan. "adapt" needs at least one replica, whole or rebuilt; otherwise
@@ -152,6 +199,8 @@ def plan_survivors(layout: Layout, dead: frozenset[int]) -> SurvivorPlan:
     kept = tuple(i for i, r in enumerate(layout.replicas) if not set(r.ranks) & dead)
     lost = [i for i in range(layout.num_replicas) if i not in kept]
     rebuilt = rebuild_replicas(layout, lost, dead)
+    if move_state:
+        rebuilt += repack_replicas(layout, lost, dead, (*(layout.replicas[i] for i in kept), *rebuilt))
     writers: dict[tuple[int, int], int] = {}
     for replica in layout.replicas:
         for stage_index, stage in enumerate(replica.stages):

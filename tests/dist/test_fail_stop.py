@@ -142,15 +142,35 @@ def test_broken_replicas_are_rebuilt_in_place_with_exact_parameters(tmp_path, re
     _assert_same_params(_params(ref_ckpt, 8), ours)
 
 
+def test_intact_stage_group_takes_a_lost_stage_and_receives_its_state(tmp_path):
+    # TP1 x PP2 x DP3: rank = replica + 3 * stage. Ranks 1 and 2 (stage 0 of replicas 1 and 2) die;
+    # rank 4 takes stage 0, its layers and Adam moments sent by replica 0's rank 0, and pairs with
+    # rank 5: DP 3 -> 2 instead of 1.
+    shape = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12", "--train-iters", "8"]
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
+    check(run_job(2, [*MODEL, *shape, "--resihp-event-log", str(ref_log), "--save", str(tmp_path / "ref")]))
+    check(run_job(6, [*MODEL, *RESILIENT, *shape, "--resihp-event-log", str(log), "--save", str(tmp_path / "ckpt"),
+                      "--resihp-inject", "kill:rank=1,at=4", "--resihp-inject", "kill:rank=2,at=4"], launcher="local"))
+    executed = read_events(log, "plan")[-1]["executed"]
+    assert executed["kept_replicas"] == [0]
+    assert [[s["ranks"] for s in r] for r in executed["rebuilt_replicas"]] == [[[4], [5]]]
+    adapted = read_events(log, "adapted")
+    assert [(a["iteration"], a["world_size"], a["data_parallel_size"]) for a in adapted] == [(4, 4, 2)], adapted
+    losses, ref = iteration_losses(log), iteration_losses(ref_log)
+    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
+    ours = _params(tmp_path / "ckpt", 8)
+    assert {s["consumed_samples"] for s in ours.values()} == {8 * 12}
+    _assert_same_params(_params(tmp_path / "ref", 8), ours)
+
+
 def test_no_in_place_plan_saves_from_survivors_and_resumes(tmp_path, reference):
     ref_ckpt, ref_losses = reference
     ckpt, log = tmp_path / "ckpt", tmp_path / "events.jsonl"
     args = [*MODEL, *RESILIENT, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--global-batch-size", "16", "--train-iters", "8", "--save", str(ckpt), "--resihp-event-log", str(log)]
-    # Ranks 1 and 2 break both stage-0 TP groups: no replica can go on, but every (stage, TP)
-    # shard survives (stage 0 in ranks 0 and 3), so a checkpoint is assembled from survivors.
-    proc = run_job(8, [*args, "--resihp-inject", "kill:rank=1,at=4", "--resihp-inject", "kill:rank=2,at=4"],
-                   launcher="local")
+    # Ranks 1, 2 and 6 leave one stage group whole (ranks 4, 5): no replica can go on, but every
+    # (stage, TP) shard survives (stage 0 in ranks 0 and 3), so a checkpoint is assembled from survivors.
+    proc = run_job(8, [*args, *(f"--resihp-inject=kill:rank={r},at=4" for r in (1, 2, 6))], launcher="local")
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-3000:]
     fallback = read_events(log, "fallback_checkpoint")
     assert len(fallback) == 1

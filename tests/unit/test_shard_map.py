@@ -3,7 +3,7 @@
 import pytest
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
-from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors, surviving_layout
+from resihp_ext.planner.survivors import SurvivorPlan, moved_groups, plan_survivors, surviving_layout
 from resihp_ext.shard_map import sync_sets, transfers
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=1024,
@@ -79,18 +79,45 @@ def test_rebuilt_replicas_join_whole_ones_in_megatron_rank_order():
     assert plan.new_rank == {0: 0, 3: 1, 2: 2, 4: 3, 7: 4, 5: 5} and plan.spares == ()
 
 
-def test_rebuild_takes_only_groups_that_hold_the_same_layers():
+def test_without_state_moves_rebuild_takes_only_groups_that_hold_the_same_layers():
     # Replica 1 was repartitioned to [1, 3]: its stage groups do not fit replica 0's [2, 2] stages.
     hetero = Layout((UNIFORM.replicas[0], ReplicaSpec((StageSpec(0, 1, (2, 3)), StageSpec(1, 3, (6, 7))))), MODEL)
-    plan = plan_survivors(hetero, frozenset({2, 5}))
+    plan = plan_survivors(hetero, frozenset({2, 5}), move_state=False)
     assert plan.action == "checkpoint-restart" and plan.rebuilt_replicas == ()
     assert "no replica can be rebuilt" in plan.reason
+    # With state moves, ranks 6, 7 take layers 2-3 of a [2, 2] replica; they already hold them.
+    moved = plan_survivors(hetero, frozenset({2, 5}))
+    assert [r.layers_per_stage for r in moved.rebuilt_replicas] == [(2, 2)]
+    assert [s.ranks for s in moved.rebuilt_replicas[0].stages] == [(0, 1), (6, 7)]
+    assert all(t.src == t.dst for t in transfers(hetero, recovery_layout(hetero, moved), frozenset({2, 5})))
+
+
+def recovery_layout(layout, plan):
+    return Layout((*(layout.replicas[i] for i in plan.kept_replicas), *plan.rebuilt_replicas), layout.model)
+
+
+def test_intact_groups_take_a_stage_that_is_short_and_receive_its_state():
+    layout = Layout.uniform(MODEL, 1, 2, 3)  # rank = replica + 3 * stage
+    # Ranks 1 and 2 are both broken replicas' stage 0: their stage-1 groups (ranks 4, 5) are left.
+    plan = plan_survivors(layout, frozenset({1, 2}))
+    assert plan.kept_replicas == (0,) and [r.ranks for r in plan.rebuilt_replicas] == [(4, 5)]
+    assert moved_groups(layout, plan) == (StageSpec(0, 2, (4,)),)
+    moves = {(t.item, t.src) for t in transfers(layout, recovery_layout(layout, plan), frozenset({1, 2}))
+             if t.dst == 4 and t.src != 4}
+    assert moves == {(("first",), 0), (("layer", 0), 0), (("layer", 1), 0)}  # from replica 0's stage 0
+    assert surviving_layout(layout, plan) == Layout.uniform(MODEL, 1, 2, 2)
+    assert plan.spares == () and "DP 3 -> 2" in plan.reason
+    # Without state moves, only replica 0 goes on.
+    assert plan_survivors(layout, frozenset({1, 2}), move_state=False).rebuilt_replicas == ()
 
 
 def test_no_replica_left_names_checkpoint_writers_or_missing_shards():
-    # Ranks 1 and 2 break both stage-0 groups, yet between them the survivors hold every shard.
-    saveable = plan_survivors(UNIFORM, frozenset({1, 2}))
+    # Ranks 1, 2 and 6 leave one stage group whole (4, 5): too few for a replica, yet between them
+    # the survivors hold every shard.
+    saveable = plan_survivors(UNIFORM, frozenset({1, 2, 6}))
     assert saveable.action == "checkpoint-restart" and not saveable.missing_shards
     assert saveable.checkpoint_writers == {(0, 0): 0, (0, 1): 3, (1, 0): 4, (1, 1): 5}
     lost = plan_survivors(UNIFORM, frozenset({5, 7}))
     assert lost.missing_shards == ((1, 1),) and "no survivor holds" in lost.reason
+    # Both holders of stage 0's shard 1 dead: no group can be given that state.
+    assert plan_survivors(UNIFORM, frozenset({1, 3})).action == "checkpoint-restart"
