@@ -33,14 +33,22 @@ from resihp_ext.planner.survivors import SurvivorPlan, moved_groups, plan_surviv
 from resihp_ext.shard_map import Transfer, transfers
 
 
-def await_failed_ranks(monitor, wait_s: float, poll_s: float = 0.05) -> frozenset[int]:
-    """Ranks the heartbeat monitor names dead or hung, waiting up to ``wait_s`` for a name."""
+def await_failed_ranks(monitor, wait_s: float, settle_s: float = 0.0, poll_s: float = 0.05) -> frozenset[int]:
+    """Ranks the heartbeat monitor names dead or hung, waiting up to ``wait_s`` for a name.
+
+    Once one is named, a further ``settle_s`` lets ranks that failed together (a node, a switch)
+    be named too, so the plan is made once for all of them rather than once per name.
+    """
     deadline = time.monotonic() + wait_s
     while True:
         failed = monitor.dead_ranks | monitor.hung_ranks
         if failed or time.monotonic() > deadline:
-            return frozenset(failed)
+            break
         time.sleep(poll_s)
+    if failed and settle_s > 0:
+        time.sleep(settle_s)
+        failed = monitor.dead_ranks | monitor.hung_ranks
+    return frozenset(failed)
 
 
 def wait_for_keys(store, keys: list[str], wait_s: float, stop=lambda: None, poll_s: float = 0.02) -> None:

@@ -202,16 +202,17 @@ class ResilienceHooks(LayoutChanges):
         old_rank = dist.get_rank()
         log_line(f" resihp: rank {old_rank}: iteration {iteration} failed: {str(error).splitlines()[0][:160]}")
         self.monitor.mark_recovering()
-        failed = frozenset()
+        failed = left = frozenset()  # left: spares of an earlier attempt's plan, gone or about to go
         for attempt in range(1, _REFORM_ATTEMPTS + 1):
             # A hung peer is only named once its stall passes the hang timeout.
             named = recovery.await_failed_ranks(
-                self.monitor, wait_s=self.cfg.effective_hang_timeout_s + 4 * self.cfg.heartbeat_timeout_s)
+                self.monitor, wait_s=self.cfg.effective_hang_timeout_s + 4 * self.cfg.heartbeat_timeout_s,
+                settle_s=2 * self.cfg.heartbeat_interval_s)
             if not named - failed:
                 raise error
             self.generation += 1
             plan, failed, preferred = recovery.agree_on_plan(
-                self.store, self.generation, old_rank, self.layout, named | failed, self._preferred_plan,
+                self.store, self.generation, old_rank, self.layout, named | failed | left, self._preferred_plan,
                 wait_s=3 * self.cfg.collective_timeout_s, move_state=not (self.args.bf16 or self.args.fp16),
             )
             self._planned_out = set(self.layout.world_ranks) - set(plan.new_rank)
@@ -224,8 +225,9 @@ class ResilienceHooks(LayoutChanges):
             if plan.action != "adapt":
                 self.monitor.stop()
                 self._fallback_checkpoint(old_rank, iteration, plan, objects, consumed_samples, failed, self.backend)
+            left = frozenset(plan.spares)
             moves = recovery.state_moves(self.layout, plan, failed)
-            if old_rank not in plan.new_rank and not moves:
+            if old_rank not in plan.new_rank and (not moves or old_rank in failed):
                 self._leave_as_spare(old_rank)
             self._apply_recovery_faults(iteration, "reform")
             new_layout = surviving_layout(self.layout, plan)
