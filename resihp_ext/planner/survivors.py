@@ -155,7 +155,7 @@ def repack_replicas(layout: Layout, broken: list[int], dead: frozenset[int],
                 break
             candidate = ReplicaSpec(tuple(picked))
             try:
-                transfers(layout, Layout((*continuing, *repacked, candidate), layout.model), dead)
+                transfers(layout, Layout((candidate,), layout.model), dead)  # this replica's needs only
             except ValueError:  # some unit of this shape's state has no live holder
                 break
             repacked.append(candidate)
