@@ -29,7 +29,7 @@ from megatron.training.model_builder import TrainingObjects
 from megatron.training.parallel_state_patch import build_groups, install, reform_world
 from megatron.training.reshard import stage_transfers
 from resihp_ext.layout import Layout
-from resihp_ext.planner.survivors import SurvivorPlan, moved_groups, plan_survivors
+from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout, moved_groups, plan_survivors
 from resihp_ext.shard_map import Transfer, transfers
 
 
@@ -95,11 +95,6 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
     wait_for_keys(store, [key], wait_s)
     published = json.loads(store.get(key))
     return SurvivorPlan.from_dict(published["plan"]), frozenset(published["failed"]), published["preferred"]
-
-
-def continuing_layout(layout: Layout, plan: SurvivorPlan) -> Layout:
-    """The plan's new layout in old ranks (``surviving_layout`` renames them for the new world)."""
-    return Layout((*(layout.replicas[i] for i in plan.kept_replicas), *plan.rebuilt_replicas), layout.model)
 
 
 def state_moves(layout: Layout, plan: SurvivorPlan, failed: frozenset[int]) -> tuple[Transfer, ...]:

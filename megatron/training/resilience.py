@@ -33,7 +33,7 @@ from resihp_ext.faults import FaultKind
 from resihp_ext.layout import Layout
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
-from resihp_ext.planner.survivors import surviving_layout
+from resihp_ext.planner.survivors import continuing_layout, surviving_layout
 from resihp_ext.traces import observation_to_dict, probe_to_dict
 from resihp_ext.validation import Verdict, fail_stop_verdict
 
@@ -260,7 +260,7 @@ class ResilienceHooks(LayoutChanges):
         new_objects = self._rebuild(new_layout)
         if any(t.dst == old_rank and t.src != old_rank for t in moves):
             # This stage group took another stage: its state arrived in the staged buffers.
-            unstage_transfers(moves, old_layout, recovery.continuing_layout(old_layout, plan), old_rank, objects,
+            unstage_transfers(moves, old_layout, continuing_layout(old_layout, plan), old_rank, objects,
                               new_objects, received)
         else:
             # A rank at the stage it held before: its own state, same shapes, is all it needs.

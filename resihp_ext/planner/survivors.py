@@ -87,6 +87,11 @@ def _continuing(layout: Layout, plan: SurvivorPlan) -> tuple[ReplicaSpec, ...]:
     return (*(layout.replicas[i] for i in plan.kept_replicas), *plan.rebuilt_replicas)
 
 
+def continuing_layout(layout: Layout, plan: SurvivorPlan) -> Layout:
+    """The plan's new layout in old ranks (``surviving_layout`` renames them for the new world)."""
+    return Layout(_continuing(layout, plan), layout.model)
+
+
 def surviving_layout(layout: Layout, plan: SurvivorPlan) -> Layout:
     """The replicas that go on (kept and rebuilt), ranks renamed as ``plan.new_rank`` says."""
     return Layout(tuple(

@@ -3,7 +3,7 @@
 import pytest
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
-from resihp_ext.planner.survivors import SurvivorPlan, moved_groups, plan_survivors, surviving_layout
+from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout, moved_groups, plan_survivors, surviving_layout
 from resihp_ext.shard_map import sync_sets, transfers
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=1024,
@@ -89,11 +89,7 @@ def test_without_state_moves_rebuild_takes_only_groups_that_hold_the_same_layers
     moved = plan_survivors(hetero, frozenset({2, 5}))
     assert [r.layers_per_stage for r in moved.rebuilt_replicas] == [(2, 2)]
     assert [s.ranks for s in moved.rebuilt_replicas[0].stages] == [(0, 1), (6, 7)]
-    assert all(t.src == t.dst for t in transfers(hetero, recovery_layout(hetero, moved), frozenset({2, 5})))
-
-
-def recovery_layout(layout, plan):
-    return Layout((*(layout.replicas[i] for i in plan.kept_replicas), *plan.rebuilt_replicas), layout.model)
+    assert all(t.src == t.dst for t in transfers(hetero, continuing_layout(hetero, moved), frozenset({2, 5})))
 
 
 def test_intact_groups_take_a_stage_that_is_short_and_receive_its_state():
@@ -102,7 +98,7 @@ def test_intact_groups_take_a_stage_that_is_short_and_receive_its_state():
     plan = plan_survivors(layout, frozenset({1, 2}))
     assert plan.kept_replicas == (0,) and [r.ranks for r in plan.rebuilt_replicas] == [(4, 5)]
     assert moved_groups(layout, plan) == (StageSpec(0, 2, (4,)),)
-    moves = {(t.item, t.src) for t in transfers(layout, recovery_layout(layout, plan), frozenset({1, 2}))
+    moves = {(t.item, t.src) for t in transfers(layout, continuing_layout(layout, plan), frozenset({1, 2}))
              if t.dst == 4 and t.src != 4}
     assert moves == {(("first",), 0), (("layer", 0), 0), (("layer", 1), 0)}  # from replica 0's stage 0
     assert surviving_layout(layout, plan) == Layout.uniform(MODEL, 1, 2, 2)
