@@ -86,6 +86,20 @@ class ReplicaSpec:
                 return stage
         raise ValueError(f"layer {layer} is held by no stage of this replica")
 
+    def relabel(self, new_rank: Mapping[int, int]) -> "ReplicaSpec":
+        """The same replica with every rank renamed."""
+        return ReplicaSpec(tuple(replace(s, ranks=tuple(new_rank[r] for r in s.ranks)) for s in self.stages))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-serialisable form; ``ReplicaSpec.from_dict(r.to_dict()) == r``."""
+        return {"stages": [{"first_layer": s.first_layer, "num_layers": s.num_layers, "ranks": list(s.ranks)}
+                           for s in self.stages]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ReplicaSpec":
+        return cls(tuple(StageSpec(int(s["first_layer"]), int(s["num_layers"]), tuple(int(r) for r in s["ranks"]))
+                         for s in data["stages"]))
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -279,6 +293,10 @@ class Layout:
     def with_replicas(self, replicas: Iterable[ReplicaSpec]) -> "Layout":
         return replace(self, replicas=tuple(replicas))
 
+    def relabel(self, new_rank: Mapping[int, int]) -> "Layout":
+        """The same layout with every rank renamed (a re-formed world numbers its ranks densely)."""
+        return self.with_replicas(rep.relabel(new_rank) for rep in self.replicas)
+
     def without_replicas(self, indices: Iterable[int]) -> "Layout":
         """The layout with the given replicas removed (their ranks become unused)."""
         drop = set(indices)
@@ -325,28 +343,13 @@ class Layout:
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable form; ``Layout.from_dict(l.to_dict()) == l``."""
-        return {
-            "model": asdict(self.model),
-            "replicas": [
-                {"stages": [
-                    {"first_layer": st.first_layer, "num_layers": st.num_layers, "ranks": list(st.ranks)}
-                    for st in rep.stages
-                ]}
-                for rep in self.replicas
-            ],
-        }
+        return {"model": asdict(self.model), "replicas": [rep.to_dict() for rep in self.replicas]}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Layout":
         try:
             model = ModelSpec(**data["model"])
-            replicas = tuple(
-                ReplicaSpec(tuple(
-                    StageSpec(int(st["first_layer"]), int(st["num_layers"]), tuple(st["ranks"]))
-                    for st in rep["stages"]
-                ))
-                for rep in data["replicas"]
-            )
+            replicas = tuple(ReplicaSpec.from_dict(rep) for rep in data["replicas"])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a layout dict ({exc}); expected keys model, replicas[].stages[]") from None
         return cls(replicas, model)

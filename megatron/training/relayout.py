@@ -22,7 +22,7 @@ from megatron.training.logging_utils import log_line
 from megatron.training.model_builder import TrainingObjects, build_training_objects
 from megatron.training.parallel_state_patch import build_groups, install, teardown
 from megatron.training.reshard import apply_transfers, stage_transfers, unstage_transfers
-from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
+from resihp_ext.layout import Layout
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
@@ -40,12 +40,6 @@ class StopTraining(Exception):
     def __init__(self, exit_code: int, message: str):
         super().__init__(message)
         self.exit_code = exit_code
-
-
-def relabel(layout: Layout, new_rank: dict[int, int]) -> Layout:
-    """The same layout with every rank renamed (after the world is re-formed densely)."""
-    return Layout(tuple(ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, tuple(new_rank[r] for r in s.ranks))
-                                          for s in rep.stages)) for rep in layout.replicas), layout.model)
 
 
 def replicas_alike(layout: Layout) -> bool:
@@ -262,7 +256,7 @@ class LayoutChanges:
             dist.destroy_process_group()
             raise StopTraining(0, f"rank {old_rank} is a spare after the re-plan; its shards were handed over")
         dense = {old: new for new, old in enumerate(kept)}
-        relabeled = relabel(new_layout, dense)
+        relabeled = new_layout.relabel(dense)
         groups = recovery.reform_for_plan(self.store, self.generation, dense[old_rank], len(kept), self.backend,
                                           self.cfg.collective_timeout_s, relabeled)
         self._adopt(relabeled, groups, world_changed=True)

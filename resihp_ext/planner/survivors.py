@@ -52,8 +52,7 @@ class SurvivorPlan:
         return {
             "action": self.action,
             "kept_replicas": list(self.kept_replicas),
-            "rebuilt_replicas": [[{"first_layer": s.first_layer, "num_layers": s.num_layers, "ranks": list(s.ranks)}
-                                  for s in rep.stages] for rep in self.rebuilt_replicas],
+            "rebuilt_replicas": [rep.to_dict() for rep in self.rebuilt_replicas],
             "new_rank": {str(k): v for k, v in self.new_rank.items()},
             "spares": list(self.spares),
             "checkpoint_writers": {f"{s},{t}": r for (s, t), r in self.checkpoint_writers.items()},
@@ -66,9 +65,7 @@ class SurvivorPlan:
         return cls(
             action=d["action"],
             kept_replicas=tuple(d["kept_replicas"]),
-            rebuilt_replicas=tuple(
-                ReplicaSpec(tuple(StageSpec(s["first_layer"], s["num_layers"], tuple(s["ranks"])) for s in rep))
-                for rep in d.get("rebuilt_replicas", [])),
+            rebuilt_replicas=tuple(ReplicaSpec.from_dict(rep) for rep in d.get("rebuilt_replicas", [])),
             new_rank={int(k): int(v) for k, v in d["new_rank"].items()},
             spares=tuple(d["spares"]),
             checkpoint_writers={tuple(int(x) for x in k.split(",")): int(v) for k, v in d["checkpoint_writers"].items()},
@@ -94,10 +91,7 @@ def continuing_layout(layout: Layout, plan: SurvivorPlan) -> Layout:
 
 def surviving_layout(layout: Layout, plan: SurvivorPlan) -> Layout:
     """The replicas that go on (kept and rebuilt), ranks renamed as ``plan.new_rank`` says."""
-    return Layout(tuple(
-        ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, tuple(plan.new_rank[r] for r in s.ranks))
-                          for s in replica.stages))
-        for replica in _continuing(layout, plan)), layout.model)
+    return continuing_layout(layout, plan).relabel(plan.new_rank)
 
 
 def _stage_key(stage: StageSpec) -> tuple[int, int, int]:

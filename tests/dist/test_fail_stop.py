@@ -129,8 +129,8 @@ def test_broken_replicas_are_rebuilt_in_place_with_exact_parameters(tmp_path, re
     plans = read_events(log, "plan")
     assert plans and plans[-1]["action"] == "adapt", plans
     executed = plans[-1]["executed"]
-    assert executed["kept_replicas"] == [] and [[s["ranks"] for s in r] for r in executed["rebuilt_replicas"]] == [
-        [[0, 1], [6, 7]]]
+    rebuilt = [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]]
+    assert executed["kept_replicas"] == [] and rebuilt == [[[0, 1], [6, 7]]]
     assert "rank 3 is a spare" in proc.stdout + proc.stderr and "rank 4 is a spare" in proc.stdout + proc.stderr
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 4)], adapted
@@ -153,7 +153,7 @@ def test_intact_stage_group_takes_a_lost_stage_and_receives_its_state(tmp_path):
                       "--resihp-inject", "kill:rank=1,at=4", "--resihp-inject", "kill:rank=2,at=4"], launcher="local"))
     executed = read_events(log, "plan")[-1]["executed"]
     assert executed["kept_replicas"] == [0]
-    assert [[s["ranks"] for s in r] for r in executed["rebuilt_replicas"]] == [[[4], [5]]]
+    assert [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[[4], [5]]]
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["data_parallel_size"]) for a in adapted] == [(4, 4, 2)], adapted
     losses, ref = iteration_losses(log), iteration_losses(ref_log)

@@ -50,6 +50,25 @@ def test_round_trip_through_json():
     assert Layout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
 
 
+def test_relabel_renames_ranks_and_keeps_places():
+    layout = Layout.uniform(MODEL, 2, 2, 2)
+    renamed = layout.relabel({r: 10 + 2 * r for r in layout.world_ranks})
+    assert renamed.world_ranks == tuple(10 + 2 * r for r in range(8))
+    for rank in layout.world_ranks:
+        assert renamed.stage_of(10 + 2 * rank) == layout.stage_of(rank)
+        assert renamed.tp_rank_of(10 + 2 * rank) == layout.tp_rank_of(rank)
+    assert renamed.model == layout.model
+    with pytest.raises(KeyError):
+        layout.relabel({0: 0})
+
+
+def test_replica_round_trip_and_a_bad_layout_dict_is_named():
+    replica = ReplicaSpec((StageSpec(0, 3, (4, 5)), StageSpec(3, 5, (7,))))
+    assert ReplicaSpec.from_dict(json.loads(json.dumps(replica.to_dict()))) == replica
+    with pytest.raises(ValueError, match="not a layout dict"):
+        Layout.from_dict({"model": MODEL.__dict__, "replicas": [{"stage": []}]})
+
+
 def test_sync_groups_of_heterogeneous_replicas():
     # replica 0 runs layers at TP=2, replica 1 at TP=4: a TP=2 shard joins two TP=4 shards' groups
     rep0 = ReplicaSpec((StageSpec(0, 8, (0, 1)),))
