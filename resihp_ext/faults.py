@@ -7,6 +7,9 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
     kill:rank=5,at=30                 rank 5 is SIGKILLed at iteration 30
     kill:rank=1,at=4,during=reform    rank 1 is SIGKILLed as it is about to join the world that
                                       survivors re-form after a failure at iteration >= 4
+    kill:rank=4,at=4,during=moves     rank 4 is SIGKILLed once the survivors of a failure at iteration
+                                      >= 4 have joined the world that moves state to a stage group
+                                      taking a lost stage, before any of it is sent
     kill:rank=5,at=1,during=replan    rank 5 is SIGKILLed while a fail-slow re-plan at iteration
                                       >= 1 moves layers and optimizer state between ranks
     hang:rank=2,at=40                 rank 2 stops making progress at iteration 40
@@ -36,7 +39,7 @@ _KEYS = {
     FaultKind.HANG: {"rank", "at"},
 }
 # Phases of an in-place recovery a kill can be aimed at (a second failure during an adaptation).
-PHASES = ("reform", "replan")
+PHASES = ("reform", "moves", "replan")
 _REQUIRED = {
     FaultKind.SLOW: {"rank", "factor", "at"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},
@@ -100,7 +103,7 @@ def parse_fault(spec: str) -> Fault:
     except ValueError:
         raise ValueError(
             f"{FLAG} {spec!r}: unknown fault kind {kind_text!r}; use one of "
-            "slow:rank=R,factor=F,at=I | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I[,during=reform] | "
+            "slow:rank=R,factor=F,at=I | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I[,during=reform|moves|replan] | "
             "hang:rank=R,at=I"
         ) from None
     fields: dict[str, str] = {}

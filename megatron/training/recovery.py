@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -104,23 +105,44 @@ def state_moves(layout: Layout, plan: SurvivorPlan, failed: frozenset[int]) -> t
     return transfers(layout, continuing_layout(layout, plan), failed)
 
 
+def meet_and_reform(store, label: str, new_rank: int, world_size: int, backend: str, timeout_s: float,
+                    stop: Callable[[], str | None] = lambda: None) -> None:
+    """Every member writes ``resihp/gen<label>/joining/<new_rank>`` and polls for all of them before
+    ``reform_world``; only then does the GIL-holding rendezvous of ``init_process_group`` start.
+
+    Members reach a re-formed world at different times: one fails fast when a peer it sends to
+    dies, another waits out a timeout. Meeting in the store first keeps every member's heartbeat
+    thread running, and ``stop`` (a failure the heartbeats name among the members) makes them all
+    give up on a world that can no longer form together, rather than each on its own timeout.
+
+    Raises:
+        RuntimeError: ``stop`` gave a reason before every member arrived.
+        TimeoutError: a member was missing after three collective timeouts.
+    """
+    prefix = f"resihp/gen{label}/joining/"
+    store.set(f"{prefix}{new_rank}", "1")
+    wait_for_keys(store, [f"{prefix}{r}" for r in range(world_size)], 3 * timeout_s, stop)
+    reform_world(store, new_rank, world_size, label, backend=backend, timeout=timeout_s)
+
+
 def stage_moves(store, generation: int, rank: int, survivors: list[int], moves, layout: Layout, objects,
-                backend: str, timeout_s: float) -> dict:
+                backend: str, timeout_s: float, stop: Callable[[], str | None] = lambda: None,
+                joined: Callable[[], None] = lambda: None) -> dict:
     """Every survivor (spares too: they may hold what a moved group needs) joins one world and
     sends or receives the plan's moves into flat buffers (``reshard.stage_transfers``).
 
     The world uses its own store prefix (``gen<N>moves``), so the kept ranks' next world, under
-    ``gen<N>``, cannot meet it by mistake.
+    ``gen<N>``, cannot meet it by mistake. ``joined`` runs once this rank is in that world.
     """
-    reform_world(store, survivors.index(rank), len(survivors), f"{generation}moves", backend=backend,
-                 timeout=timeout_s)
+    meet_and_reform(store, f"{generation}moves", survivors.index(rank), len(survivors), backend, timeout_s, stop)
+    joined()
     return stage_transfers(moves, layout, rank, objects, peer_rank=survivors.index)
 
 
 def reform_for_plan(store, generation: int, new_rank: int, new_world_size: int, backend: str,
-                    timeout_s: float, layout: Layout | None):
+                    timeout_s: float, layout: Layout | None, stop: Callable[[], str | None] = lambda: None):
     """Join the new world and install its groups for megatron-core (kept ranks only)."""
-    reform_world(store, new_rank, new_world_size, generation, backend=backend, timeout=timeout_s)
+    meet_and_reform(store, str(generation), new_rank, new_world_size, backend, timeout_s, stop)
     if layout is None:
         return None
     groups = build_groups(layout, new_rank, timeout=timeout_s)

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -125,7 +126,7 @@ class ResilienceHooks(LayoutChanges):
     def _on_evicted(self) -> None:  # runs on the heartbeat thread
         # The others re-formed without this rank (judged hung); it still holds its device and
         # sockets, so it fences itself rather than linger.
-        log_line(f" resihp: rank {dist.get_rank()} was left behind by the other ranks (judged hung); exiting")
+        log_line(f" resihp: rank {self.rank} was left behind by the other ranks (judged hung); exiting")
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _on_failed(self, kind: str):
@@ -138,7 +139,7 @@ class ResilienceHooks(LayoutChanges):
             verdict = fail_stop_verdict(kind, ranks, self.iteration)
             event = verdict.to_event()
             self.events.emit("verdict", self.iteration, **{k: v for k, v in event.items() if k not in ("event", "iteration")})
-            log_line(f" resihp: rank {dist.get_rank()} sees {describe(verdict)}")
+            log_line(f" resihp: rank {self.rank} sees {describe(verdict)}")
         return callback
 
     def _apply_recovery_faults(self, iteration: int, phase: str) -> None:
@@ -234,14 +235,16 @@ class ResilienceHooks(LayoutChanges):
             try:
                 if moves:
                     # Spares stay for this step: they may hold what a moved stage group needs.
+                    survivors = sorted(set(self.layout.world_ranks) - failed)
                     received = recovery.stage_moves(
-                        self.store, self.generation, old_rank, sorted(set(self.layout.world_ranks) - failed), moves,
-                        self.layout, objects, self.backend, self.cfg.collective_timeout_s)
+                        self.store, self.generation, old_rank, survivors, moves, self.layout, objects, self.backend,
+                        self.cfg.collective_timeout_s, stop=self._failure_among(survivors),
+                        joined=lambda: self._apply_recovery_faults(iteration, "moves"))
                     if old_rank not in plan.new_rank:
                         self._leave_as_spare(old_rank)
                 groups = recovery.reform_for_plan(self.store, self.generation, plan.new_rank[old_rank],
                                                   plan.new_world_size, self.backend, self.cfg.collective_timeout_s,
-                                                  new_layout)
+                                                  new_layout, stop=self._failure_among(plan.new_rank))
                 break
             except StopTraining:
                 raise
@@ -279,6 +282,15 @@ class ResilienceHooks(LayoutChanges):
                  f"DP {args.data_parallel_size}, redoing iteration {iteration} ({duration:.2f} s since the failure surfaced)")
         return objects, quotas
 
+    def _failure_among(self, members) -> Callable[[], str | None]:
+        """A reason to give up on a world of ``members`` (old ranks): the heartbeats name one failed."""
+        members = frozenset(members)
+
+        def reason() -> str | None:
+            lost = (self.monitor.dead_ranks | self.monitor.hung_ranks) & members
+            return f"ranks {sorted(lost)} failed before the world of ranks {sorted(members)} formed" if lost else None
+        return reason
+
     def _leave_as_spare(self, old_rank: int) -> None:
         self.monitor.stop()
         if dist.is_initialized():  # not after a failed re-form
@@ -303,7 +315,7 @@ class ResilienceHooks(LayoutChanges):
         if not plan.missing_shards and completed > 0:
             position = (self.layout.stage_of(old_rank)[1], self.layout.tp_rank_of(old_rank))
             recovery.reform_for_plan(self.store, self.generation, survivors.index(old_rank), len(survivors),
-                                     backend, self.cfg.collective_timeout_s, None)
+                                     backend, self.cfg.collective_timeout_s, None, stop=self._failure_among(survivors))
             writer = plan.checkpoint_writers.get(position) == old_rank
             saved = recovery.save_assembled_checkpoint(self.args, root, completed, consumed_samples, objects,
                                                        position, writer)

@@ -230,3 +230,51 @@ def test_failure_while_the_survivors_reform_is_survived(tmp_path):
     assert {1, 2} <= set(adapted[0]["failed_ranks"]) <= {1, 2, 5}  # 5: the first plan's spare, gone by then
     losses, ref = iteration_losses(log), iteration_losses(ref_log)
     assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
+
+
+def test_receiver_killed_while_state_moves_to_a_lost_stage_is_survived(tmp_path):
+    # As in the intact-stage-group case, ranks 1 and 2 die and rank 4 is to take stage 0 from
+    # rank 0; rank 4 dies once the moves' world has formed, before its state arrives. The moves
+    # only read the senders' state, so the survivors plan again from what they hold and finish
+    # on replica 0 (ranks 0, 3) with the reference's parameters; rank 5 is left alone at stage 1.
+    shape = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12", "--train-iters", "8"]
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
+    check(run_job(2, [*MODEL, *shape, "--resihp-event-log", str(ref_log), "--save", str(tmp_path / "ref")]))
+    proc = run_job(6, [*MODEL, *RESILIENT, *shape, "--resihp-event-log", str(log), "--save", str(tmp_path / "ckpt"),
+                       *(f"--resihp-inject=kill:rank={r},at=4" for r in (1, 2)),
+                       "--resihp-inject", "kill:rank=4,at=4,during=moves"], launcher="local")
+    check(proc)
+    output = proc.stdout + proc.stderr
+    assert "rank 4: injecting kill:rank=4,at=4,during=moves" in output, output[-3000:]
+    plans = read_events(log, "plan")
+    assert [(p["attempt"], sorted(p["executed"]["new_rank"])) for p in plans] == [
+        (1, ["0", "3", "4", "5"]), (2, ["0", "3"])], plans
+    assert plans[-1]["executed"]["spares"] == [5]
+    adapted = read_events(log, "adapted")
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 2, [1, 2, 4])], adapted
+    losses, ref = iteration_losses(log), iteration_losses(ref_log)
+    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
+    ours = _params(tmp_path / "ckpt", 8)
+    assert {s["consumed_samples"] for s in ours.values()} == {8 * 12}
+    _assert_same_params(_params(tmp_path / "ref", 8), ours)
+
+
+def test_sender_killed_while_state_moves_ends_at_the_last_periodic_checkpoint(tmp_path):
+    # Rank 0, the one holder of stage 0 left after ranks 1 and 2 died, dies while it is to send
+    # that stage to rank 4: no survivor holds stage 0, so nothing is assembled and the job ends
+    # pointing at the checkpoint --save-interval wrote, with the cause named.
+    ckpt, log = tmp_path / "ckpt", tmp_path / "events.jsonl"
+    proc = run_job(6, [*MODEL, *RESILIENT, "--pipeline-model-parallel-size", "2", "--global-batch-size", "12",
+                       "--train-iters", "8", "--save", str(ckpt), "--save-interval", "2", "--resihp-event-log", str(log),
+                       *(f"--resihp-inject=kill:rank={r},at=4" for r in (1, 2)),
+                       "--resihp-inject", "kill:rank=0,at=4,during=moves"], launcher="local")
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-3000:]
+    plans = read_events(log, "plan")
+    assert [(p["attempt"], p["action"]) for p in plans] == [(1, "adapt"), (2, "checkpoint-restart")], plans
+    fallback = read_events(log, "fallback_checkpoint")
+    assert len(fallback) == 1, fallback
+    assert "no survivor holds stage/TP shards [(0, 0)]" in fallback[0]["reason"]
+    assert fallback[0]["path"] == str(ckpt / "iter_0000002")
+    assert fallback[0]["resume_command"].endswith(f"--load {ckpt}")
+    assert not read_events(log, "adapted")
+    assert not list(ckpt.glob("*.tmp"))

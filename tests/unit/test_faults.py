@@ -11,6 +11,7 @@ from resihp_ext.faults import Fault, FaultKind, parse_fault
     "kill:rank=5,at=30",
     "kill:rank=1,at=4,during=reform",
     "kill:rank=5,at=1,during=replan",
+    "kill:rank=4,at=4,during=moves",
     "hang:rank=2,at=40",
 ])
 def test_round_trip(spec):
