@@ -62,7 +62,12 @@ class ResiHPConfig:
     hang_timeout_s: float | None = None
     """A rank alive but without progress this long while others reach recovery is hung (default: twice the collective timeout)."""
 
+    device_memory_gb: float | None = None
+    """GiB of one device a stage may use; a fail-stop plan runs a stage at a smaller TP degree only if it fits (default: the CUDA device's total memory; 80e9 bytes without CUDA)."""
+
     def __post_init__(self) -> None:
+        if self.device_memory_gb is not None and not self.device_memory_gb > 0:
+            raise ValueError(f"--resihp-device-memory-gb must be > 0 (GiB per device), got {self.device_memory_gb}")
         if self.slowdown_threshold <= 1.0:
             raise ValueError(
                 f"--resihp-slowdown-threshold must be > 1.0 (a ratio of observed to predicted time), "

@@ -138,7 +138,10 @@ def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank) ->
     for i, t in enumerate(transfers):
         if t.src == rank and t.dst != rank:
             holding = next(h for h in old_holders[t.item] if h.rank == rank)
-            flat = torch.cat([v.reshape(-1) for v in _unit_views(old_slots, old_objects.optimizer, holding, t, template)])
+            views = _unit_views(old_slots, old_objects.optimizer, holding, t, template)
+            # An item can have no tensor of a kind (with PP 1 and tied embeddings, "last" has no
+            # TP-split one): its size goes out as 0 and nothing else is sent.
+            flat = torch.cat([v.reshape(-1) for v in views]) if views else torch.zeros(0)
             payloads[i] = flat
             sizes.append(dist.P2POp(dist.isend, torch.tensor([flat.numel()], dtype=torch.int64), peer_rank(t.dst)))
         elif t.dst == rank and t.src != rank:
@@ -148,11 +151,12 @@ def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank) ->
         work.wait()
     data, received = [], {}
     for i, t in enumerate(transfers):
-        if i in payloads:
+        if i in payloads and payloads[i].numel():
             data.append(dist.P2POp(dist.isend, payloads[i], peer_rank(t.dst)))
         elif i in incoming:
             received[i] = torch.empty(int(incoming[i]), dtype=torch.float32)
-            data.append(dist.P2POp(dist.irecv, received[i], peer_rank(t.src)))
+            if received[i].numel():
+                data.append(dist.P2POp(dist.irecv, received[i], peer_rank(t.src)))
     for work in dist.batch_isend_irecv(data) if data else []:
         work.wait()
     return received
@@ -217,6 +221,8 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
         if t.src == rank and t.dst == rank:
             for a, b in zip(payload, target):
                 b.copy_(a)
+        elif not (payload if t.src == rank else target):
+            continue  # the item has no tensor of this kind (with PP 1 and tied embeddings, "last")
         elif t.src == rank:
             flat = torch.cat([v.reshape(-1) for v in payload])
             ops.append(dist.P2POp(dist.isend, flat, t.dst))

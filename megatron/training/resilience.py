@@ -32,6 +32,7 @@ from megatron.training.reshard import unstage_transfers
 from megatron.training.schedules import RECORDER
 from resihp_ext.faults import FaultKind
 from resihp_ext.layout import Layout
+from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
 from resihp_ext.planner.survivors import continuing_layout, surviving_layout
@@ -215,6 +216,7 @@ class ResilienceHooks(LayoutChanges):
             plan, failed, preferred = recovery.agree_on_plan(
                 self.store, self.generation, old_rank, self.layout, named | failed | left, self._preferred_plan,
                 wait_s=3 * self.cfg.collective_timeout_s, move_state=not (self.args.bf16 or self.args.fp16),
+                hw=self._survivor_hardware(),
             )
             self._planned_out = set(self.layout.world_ranks) - set(plan.new_rank)
             leader = old_rank == min(set(self.layout.world_ranks) - failed)
@@ -271,7 +273,7 @@ class ResilienceHooks(LayoutChanges):
             new_objects.optimizer.load_state_dict(objects.optimizer.state_dict())
         new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
         objects, args = new_objects, self.args
-        quotas = even_quotas(args.global_batch_size // args.micro_batch_size, args.data_parallel_size)
+        quotas = plan.quotas or even_quotas(args.global_batch_size // args.micro_batch_size, args.data_parallel_size)
         self.faults = [f for f in self.faults if f.at_iteration > iteration]  # faults follow the process
         LINKS.clear()  # slowed links name old ranks
         duration = time.perf_counter() - start
@@ -281,6 +283,18 @@ class ResilienceHooks(LayoutChanges):
         log_line(f" resihp: rank {old_rank} -> {self.rank}: adapted in place, world {dist.get_world_size()}, "
                  f"DP {args.data_parallel_size}, redoing iteration {iteration} ({duration:.2f} s since the failure surfaced)")
         return objects, quotas
+
+    def _survivor_hardware(self) -> HardwareModel:
+        """Memory facts for the survivor planner: may a stage run on fewer ranks than its old TP group?"""
+        gib = self.cfg.device_memory_gb
+        if gib is None and torch.cuda.is_available():
+            memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        else:
+            memory = gib * 2**30 if gib is not None else HardwareModel.device_memory_bytes
+        half = self.args.bf16 or self.args.fp16
+        # Megatron keeps fp32 weights, grads and Adam moments (16 bytes) or adds a half copy (18).
+        return HardwareModel(device_memory_bytes=memory, state_bytes_per_param=18.0 if half else 16.0,
+                             activation_bytes_per_value=2.0 if half else 4.0)
 
     def _failure_among(self, members) -> Callable[[], str | None]:
         """A reason to give up on a world of ``members`` (old ranks): the heartbeats name one failed."""

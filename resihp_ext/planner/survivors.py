@@ -1,23 +1,34 @@
-"""What the survivors of a fail-stop can execute in place, decided from the Layout alone.
+"""What the survivors of a fail-stop can execute in place, decided from the Layout and a cost model.
 
 Responsible for the executable part of a fail-stop re-plan: which DP replicas survive whole,
-which further replicas can be rebuilt by re-pairing the intact stage groups of broken ones, the
-new dense rank of every kept rank (megatron-core's "tp-dp-pp" order over the new layout), which
-surviving ranks become spares, and, when no replica can go on, whether the survivors still hold
-every (stage, TP shard) so that a checkpoint can be assembled from them. Pure: the executor in
-``megatron/training/recovery.py`` carries it out.
+which further replicas can be rebuilt from the stage groups of broken ones, how the global batch
+is split when replicas differ in speed, the new dense rank of every kept rank (megatron-core's
+"tp-dp-pp" order over the new layout), which surviving ranks become spares, and, when no replica
+can go on, whether the survivors still hold every (stage, TP shard) so that a checkpoint can be
+assembled from them. Pure: the executor in ``megatron/training/recovery.py`` carries it out.
 
-A rebuilt replica is made only of whole stage groups (a stage's TP group with every rank alive),
-each placed at the stage it already held. Replicas are data-parallel copies, so such a group
-already holds exactly the model and optimizer state of that stage: nothing moves, and no TP group
-is split or mixed, so TP traffic stays on the links (usually one node's) it used before.
+Rebuilt replicas come in three kinds, cheapest first:
+- intact stage groups (a stage's TP group with every rank alive) at the stage they held: replicas
+  are data-parallel copies, so nothing moves;
+- leftover intact groups that take a stage that is short, receiving its state;
+- the live ranks of a group that lost members, running the stage they held at a smaller TP
+  degree and receiving the TP shards they lack; such a replica is slower, so it is added only
+  when the cost model predicts a shorter iteration with it, and the batch is split by speed.
+No TP group is ever formed from ranks of different old groups, so TP traffic stays on the links
+(usually one node's) it used before.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
+from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
+from resihp_ext.planner.cost import iteration_s, replica_timing
+from resihp_ext.planner.dp import assign_quotas
+from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.health import Health
+from resihp_ext.planner.memory import stage_memory_bytes
 from resihp_ext.shard_map import transfers
 
 
@@ -26,12 +37,15 @@ class SurvivorPlan:
     """Attributes:
         action: "adapt" (continue in place) or "checkpoint-restart".
         kept_replicas: indices of old replicas that continue whole, in new DP order.
-        rebuilt_replicas: replicas assembled from intact stage groups of broken ones (old ranks),
-            after the kept ones in DP order.
+        rebuilt_replicas: replicas assembled from stage groups of broken ones (old ranks), after
+            the kept ones in DP order: intact groups at their own stage, intact groups that take a
+            short stage, then groups that lost ranks running their stage at a smaller TP degree.
         new_rank: old rank -> rank in the new world (kept and rebuilt ranks only).
         spares: surviving ranks that do not continue.
         checkpoint_writers: (stage, tp_rank) -> surviving old rank that holds that shard.
         missing_shards: (stage, tp_rank) positions no survivor holds (a checkpoint is impossible).
+        quotas: micro-batches per continuing replica, in DP order, when replicas differ in speed;
+            empty means Megatron's even split.
         reason: one readable sentence.
     """
 
@@ -42,6 +56,7 @@ class SurvivorPlan:
     spares: tuple[int, ...] = ()
     checkpoint_writers: dict[tuple[int, int], int] = field(default_factory=dict)
     missing_shards: tuple[tuple[int, int], ...] = ()
+    quotas: tuple[int, ...] = ()
     reason: str = ""
 
     @property
@@ -57,6 +72,7 @@ class SurvivorPlan:
             "spares": list(self.spares),
             "checkpoint_writers": {f"{s},{t}": r for (s, t), r in self.checkpoint_writers.items()},
             "missing_shards": [list(p) for p in self.missing_shards],
+            "quotas": list(self.quotas),
             "reason": self.reason,
         }
 
@@ -70,6 +86,7 @@ class SurvivorPlan:
             spares=tuple(d["spares"]),
             checkpoint_writers={tuple(int(x) for x in k.split(",")): int(v) for k, v in d["checkpoint_writers"].items()},
             missing_shards=tuple(tuple(p) for p in d["missing_shards"]),
+            quotas=tuple(d.get("quotas", ())),
             reason=d["reason"],
         )
 
@@ -162,6 +179,83 @@ def repack_replicas(layout: Layout, broken: list[int], dead: frozenset[int],
     return tuple(repacked)
 
 
+def _largest_runnable_degree(live: int, stage: StageSpec, position: int, num_stages: int, model: ModelSpec,
+                             hw: HardwareModel) -> int:
+    """Largest TP degree <= ``live``, a power of two dividing the heads, at which the stage fits a device."""
+    degree = 1 << (live.bit_length() - 1) if live else 0
+    while degree:
+        fits = stage_memory_bytes(model, hw, num_layers=stage.num_layers, tp_degree=degree, stage=position,
+                                  num_stages=num_stages, num_microbatches=model.num_microbatches)
+        if model.check_tp_degree(degree) is None and fits <= hw.device_memory_bytes:
+            return degree
+        degree //= 2
+    return 0
+
+
+def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], continuing: tuple[ReplicaSpec, ...],
+                    hw: HardwareModel) -> tuple[ReplicaSpec, ...]:
+    """Further replicas from stage groups that lost ranks (and intact groups still unused).
+
+    The live, unused ranks of such a group run the stage it held at the largest TP degree they
+    make up (a power of two that divides the attention heads and whose shard fits
+    ``hw.device_memory_bytes``); each keeps the part of the stage it holds and receives the TP
+    shards it lacks from a surviving holder. Only the group's own members serve, so no TP group
+    spans new links. A replica is made while every stage of a broken replica's shape has such a
+    group and some survivor holds every unit of its state.
+    """
+    used = {r for replica in continuing for r in replica.ranks}
+    pieces: dict[tuple[int, int], list[StageSpec]] = {}
+    for i in broken:
+        replica = layout.replicas[i]
+        for position, stage in enumerate(replica.stages):
+            live = [r for r in stage.ranks if r not in dead and r not in used]
+            degree = _largest_runnable_degree(len(live), stage, position, replica.num_stages, layout.model, hw)
+            if degree:
+                pieces.setdefault((stage.first_layer, stage.num_layers), []).append(
+                    StageSpec(stage.first_layer, stage.num_layers, tuple(live[:degree])))
+    shrunk: list[ReplicaSpec] = []
+    for template in broken:
+        shape = [(s.first_layer, s.num_layers) for s in layout.replicas[template].stages]
+        while all(pieces.get(key) for key in shape):
+            # The widest group of each stage first (fastest), then the lowest ranks.
+            picked = [max(pieces[key], key=lambda g: (g.tp_degree, -min(g.ranks))) for key in shape]
+            for key, group in zip(shape, picked):
+                pieces[key].remove(group)
+            candidate = ReplicaSpec(tuple(picked))
+            try:
+                transfers(layout, Layout((candidate,), layout.model), dead)
+            except ValueError:  # some unit of this shape's state has no live holder
+                break
+            shrunk.append(candidate)
+    return tuple(shrunk)
+
+
+def balanced_quotas(replicas: tuple[ReplicaSpec, ...], model: ModelSpec, hw: HardwareModel
+                    ) -> tuple[tuple[int, ...], float]:
+    """Micro-batches per replica that minimise the predicted iteration, and that iteration's seconds
+    (inf when some replica would get none: an idle replica still has to join every sync)."""
+    healthy = Health()
+    timings = [replica_timing(r, model, hw, healthy) for r in replicas]
+    quotas = assign_quotas([t.fill_s for t in timings], [t.per_microbatch_s for t in timings], model.num_microbatches)
+    if min(quotas) < 1:
+        return quotas, math.inf
+    return quotas, iteration_s(Layout(replicas, model), quotas, healthy, hw)
+
+
+def worth_adding(base: tuple[ReplicaSpec, ...], extra: tuple[ReplicaSpec, ...], model: ModelSpec,
+                 hw: HardwareModel) -> tuple[tuple[ReplicaSpec, ...], tuple[int, ...]]:
+    """The replicas of ``extra`` that, added one at a time, shorten the predicted iteration, and
+    the quotas of ``base`` plus them (a slower replica helps only if it takes a share of the batch
+    worth more than the longer gradient sync it brings)."""
+    chosen: tuple[ReplicaSpec, ...] = ()
+    quotas, best = balanced_quotas(base, model, hw) if base else ((), math.inf)
+    for replica in extra:
+        trial_quotas, trial = balanced_quotas((*base, *chosen, replica), model, hw)
+        if trial < best:
+            chosen, quotas, best = (*chosen, replica), trial_quotas, trial
+    return chosen, quotas
+
+
 def moved_groups(layout: Layout, plan: SurvivorPlan) -> tuple[StageSpec, ...]:
     """Stages of the plan's rebuilt replicas whose group held other layers before (state must move)."""
     return tuple(stage for replica in plan.rebuilt_replicas for stage in replica.stages
@@ -174,7 +268,8 @@ def megatron_order(replicas: tuple[ReplicaSpec, ...]) -> list[int]:
     return [rank for p in range(depth) for r in replicas if p < r.num_stages for rank in r.stages[p].ranks]
 
 
-def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True) -> SurvivorPlan:
+def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True,
+                   hw: HardwareModel | None = None) -> SurvivorPlan:
     """Keep every replica none of whose ranks died, rebuild what intact stage groups allow, renumber.
 
     New ranks follow megatron-core's order over the new layout (for kept whole replicas of a
@@ -185,7 +280,10 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
         dead: ranks that failed stop.
         move_state: whether intact groups may take another stage, receiving its state from a
             survivor (the executor moves fp32 weights and Adam moments; under half precision it
-            cannot move the fp32 main copies, so it passes False).
+            cannot move the fp32 main copies, so it passes False). Groups that lost ranks run
+            at a smaller TP degree only when state may move.
+        hw: the cost and memory model that decides whether a slower, smaller-TP replica is worth
+            adding and how the global batch is split; ``HardwareModel()`` when None.
 
     Returns:
         A SurvivorPlan. "adapt" needs at least one replica, whole or rebuilt; otherwise
@@ -198,8 +296,16 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     kept = tuple(i for i, r in enumerate(layout.replicas) if not set(r.ranks) & dead)
     lost = [i for i in range(layout.num_replicas) if i not in kept]
     rebuilt = rebuild_replicas(layout, lost, dead)
+    quotas: tuple[int, ...] = ()
     if move_state:
         rebuilt += repack_replicas(layout, lost, dead, (*(layout.replicas[i] for i in kept), *rebuilt))
+        base = (*(layout.replicas[i] for i in kept), *rebuilt)
+        shrunk = ()
+        if layout.model.global_batch_size is not None:
+            shrunk = shrink_replicas(layout, lost, dead, base, hw or HardwareModel())
+        if shrunk:
+            shrunk, quotas = worth_adding(base, shrunk, layout.model, hw or HardwareModel())
+            rebuilt += shrunk
     writers: dict[tuple[int, int], int] = {}
     for replica in layout.replicas:
         for stage_index, stage in enumerate(replica.stages):
@@ -217,7 +323,8 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
             action="checkpoint-restart", kept_replicas=(), spares=tuple(survivors), checkpoint_writers=writers,
             missing_shards=missing,
             reason=(f"dead ranks {sorted(dead)} leave no data-parallel replica whole, and no replica can be rebuilt from "
-                    f"intact stage groups (a stage has no TP group left whole), so no in-place plan exists; {what}"),
+                    f"the stage groups left (a stage has no group that can hold it, or its state has no live holder), "
+                    f"so no in-place plan exists; {what}"),
         )
     plan = SurvivorPlan(action="adapt", kept_replicas=kept, rebuilt_replicas=rebuilt, checkpoint_writers=writers)
     order = megatron_order(_continuing(layout, plan))
@@ -227,10 +334,14 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     how = f"continue in place on replicas {list(kept)}" if kept else "continue in place"
     if rebuilt:
         pieces = "; ".join("[" + " | ".join(",".join(map(str, s.ranks)) for s in r.stages) + "]" for r in rebuilt)
-        how += f"{' plus ' if kept else ' on '}{len(rebuilt)} rebuilt from intact stage groups of broken replicas ({pieces})"
+        how += f"{' plus ' if kept else ' on '}{len(rebuilt)} rebuilt from stage groups of broken replicas ({pieces})"
+    if quotas and len(set(quotas)) == 1:
+        quotas = ()  # replicas alike: Megatron's even split
+    if quotas:
+        how += f", micro-batches per replica {list(quotas)}"
     return SurvivorPlan(
         action="adapt", kept_replicas=kept, rebuilt_replicas=rebuilt, new_rank=new_rank, spares=spares,
-        checkpoint_writers=writers,
+        checkpoint_writers=writers, quotas=quotas,
         reason=(f"dead ranks {sorted(dead)} broke replicas {lost}; {how} (DP {layout.num_replicas} -> "
                 f"{len(kept) + len(rebuilt)}, {'/'.join(map(str, sorted(num_stages)))} stages unchanged), global batch "
                 f"kept by re-spreading micro-batches; {len(spares)} surviving ranks become spares"),

@@ -168,9 +168,11 @@ def test_no_in_place_plan_saves_from_survivors_and_resumes(tmp_path, reference):
     ckpt, log = tmp_path / "ckpt", tmp_path / "events.jsonl"
     args = [*MODEL, *RESILIENT, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--global-batch-size", "16", "--train-iters", "8", "--save", str(ckpt), "--resihp-event-log", str(log)]
-    # Ranks 1, 2 and 6 leave one stage group whole (ranks 4, 5): no replica can go on, but every
-    # (stage, TP) shard survives (stage 0 in ranks 0 and 3), so a checkpoint is assembled from survivors.
-    proc = run_job(8, [*args, *(f"--resihp-inject=kill:rank={r},at=4" for r in (1, 2, 6))], launcher="local")
+    # Ranks 1, 2 and 6 leave one stage group whole (ranks 4, 5). Devices of 4 MiB hold stage 0
+    # only at TP 2 (it takes 5.3 MiB at TP 1), so no replica can go on; but every (stage, TP)
+    # shard survives (stage 0 in ranks 0 and 3), so a checkpoint is assembled from survivors.
+    proc = run_job(8, [*args, "--resihp-device-memory-gb", "0.004",
+                       *(f"--resihp-inject=kill:rank={r},at=4" for r in (1, 2, 6))], launcher="local")
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-3000:]
     fallback = read_events(log, "fallback_checkpoint")
     assert len(fallback) == 1
@@ -278,3 +280,26 @@ def test_sender_killed_while_state_moves_ends_at_the_last_periodic_checkpoint(tm
     assert fallback[0]["resume_command"].endswith(f"--load {ckpt}")
     assert not read_events(log, "adapted")
     assert not list(ckpt.glob("*.tmp"))
+
+
+def test_tp_group_that_lost_a_rank_goes_on_at_a_smaller_tp_degree(tmp_path):
+    # TP2 x DP2: replica 0 is ranks 0, 1 and replica 1 ranks 2, 3. Ranks 0 and 3 die, so neither
+    # TP group is whole. Rank 1 runs the whole model at TP 1, keeping its own half of every
+    # TP-split tensor and receiving the other half from rank 2, which then leaves.
+    shape = ["--global-batch-size", "16", "--train-iters", "8"]
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
+    check(run_job(1, [*MODEL, *shape, "--resihp-event-log", str(ref_log), "--save", str(tmp_path / "ref")]))
+    proc = run_job(4, [*MODEL, *RESILIENT, *shape, "--tensor-model-parallel-size", "2", "--resihp-event-log", str(log),
+                       "--save", str(tmp_path / "ckpt"), *(f"--resihp-inject=kill:rank={r},at=4" for r in (0, 3))],
+                   launcher="local")
+    check(proc)
+    assert "rank 2 is a spare" in proc.stdout + proc.stderr
+    executed = read_events(log, "plan")[-1]["executed"]
+    assert [[(s["ranks"], s["num_layers"]) for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[([1], 4)]]
+    adapted = read_events(log, "adapted")
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 1, [0, 3])], adapted
+    losses, ref = iteration_losses(log), iteration_losses(ref_log)
+    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
+    ours = _params(tmp_path / "ckpt", 8)
+    assert {s["consumed_samples"] for s in ours.values()} == {8 * 16}
+    _assert_same_params(_params(tmp_path / "ref", 8), ours)

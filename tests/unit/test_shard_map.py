@@ -3,12 +3,26 @@
 import pytest
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
+from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.memory import stage_memory_bytes
 from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout, moved_groups, plan_survivors, surviving_layout
 from resihp_ext.shard_map import sync_sets, transfers
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=1024,
                   seq_length=64, micro_batch_size=2, global_batch_size=16)
 UNIFORM = Layout.uniform(MODEL, 2, 2, 2)  # replica 0: [0,1] [4,5]; replica 1: [2,3] [6,7]
+# A 1.3B-parameter GPT: big enough that compute, not the gradient all-reduce, sets the iteration.
+GPT_1B = ModelSpec(num_layers=24, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=51200,
+                   seq_length=2048, micro_batch_size=1, global_batch_size=64)
+
+
+def _memory_for_tp(model: ModelSpec, tp_degree: int, num_stages: int = 2) -> HardwareModel:
+    """Devices exactly as large as the biggest stage of a ``num_stages`` split at ``tp_degree``."""
+    layers = model.num_layers // num_stages
+    peak = max(stage_memory_bytes(model, HardwareModel(), num_layers=layers, tp_degree=tp_degree, stage=p,
+                                  num_stages=num_stages, num_microbatches=model.num_microbatches)
+               for p in range(num_stages))
+    return HardwareModel(device_memory_bytes=peak)
 
 
 def test_uniform_layout_moves_nothing_and_syncs_like_megatron_dp():
@@ -60,7 +74,10 @@ def test_broken_replicas_are_rebuilt_from_their_intact_stage_groups():
     assert plan.action == "adapt" and plan.kept_replicas == ()
     assert plan.rebuilt_replicas == (ReplicaSpec((StageSpec(0, 2, (0, 1)), StageSpec(2, 2, (6, 7)))),)
     assert plan.new_rank == {0: 0, 1: 1, 6: 2, 7: 3} and plan.spares == (3, 4)
-    assert "rebuilt from intact stage groups" in plan.reason and "DP 2 -> 1" in plan.reason
+    assert "rebuilt from stage groups" in plan.reason and "DP 2 -> 1" in plan.reason
+    # Ranks 3 and 4 could serve a replica at TP 1, but for this small model its gradient sync
+    # costs more than its share of the batch saves.
+    assert plan.quotas == ()
     assert SurvivorPlan.from_dict(plan.to_dict()) == plan
     new = surviving_layout(UNIFORM, plan)
     assert new == Layout.uniform(MODEL, 2, 2, 1)
@@ -108,12 +125,46 @@ def test_intact_groups_take_a_stage_that_is_short_and_receive_its_state():
 
 
 def test_no_replica_left_names_checkpoint_writers_or_missing_shards():
-    # Ranks 1, 2 and 6 leave one stage group whole (4, 5): too few for a replica, yet between them
-    # the survivors hold every shard.
-    saveable = plan_survivors(UNIFORM, frozenset({1, 2, 6}))
+    # Ranks 1, 2 and 6 leave one stage group whole (4, 5). On devices that hold a stage only at
+    # TP 2, that is too few for a replica, yet between them the survivors hold every shard.
+    saveable = plan_survivors(UNIFORM, frozenset({1, 2, 6}), hw=_memory_for_tp(MODEL, 2))
     assert saveable.action == "checkpoint-restart" and not saveable.missing_shards
     assert saveable.checkpoint_writers == {(0, 0): 0, (0, 1): 3, (1, 0): 4, (1, 1): 5}
     lost = plan_survivors(UNIFORM, frozenset({5, 7}))
     assert lost.missing_shards == ((1, 1),) and "no survivor holds" in lost.reason
     # Both holders of stage 0's shard 1 dead: no group can be given that state.
     assert plan_survivors(UNIFORM, frozenset({1, 3})).action == "checkpoint-restart"
+
+
+def test_a_group_that_lost_a_rank_runs_its_stage_at_a_smaller_tp_degree():
+    # Ranks 1, 2 and 6 dead: rank 0 (what is left of stage 0's group in replica 0) runs stage 0
+    # at TP 1 beside the intact group 4, 5, receiving stage 0's TP half 1 from rank 3.
+    plan = plan_survivors(UNIFORM, frozenset({1, 2, 6}))
+    assert plan.action == "adapt"
+    assert plan.rebuilt_replicas == (ReplicaSpec((StageSpec(0, 2, (0,)), StageSpec(2, 2, (4, 5)))),)
+    assert moved_groups(UNIFORM, plan) == (StageSpec(0, 2, (0,)),)
+    into_0 = {(t.item, t.unit, t.src) for t in transfers(UNIFORM, continuing_layout(UNIFORM, plan), frozenset({1, 2, 6}))
+              if t.dst == 0 and t.item == ("layer", 1) and not t.replicated}
+    assert into_0 == {(("layer", 1), 0, 0), (("layer", 1), 1, 3)}
+    assert SurvivorPlan.from_dict(plan.to_dict()) == plan
+    # TP 2 -> 1 needs the missing half moved: not under half precision, and not if TP 1 does not fit.
+    assert plan_survivors(UNIFORM, frozenset({1, 2, 6}), move_state=False).action == "checkpoint-restart"
+    # A TP 2 x DP 2 job that loses one rank of each replica goes on at TP 1 instead of stopping.
+    flat = Layout.uniform(MODEL, 2, 1, 2)
+    assert [r.ranks for r in plan_survivors(flat, frozenset({0, 3})).rebuilt_replicas] == [(1,)]
+
+
+def test_a_smaller_tp_replica_is_added_only_when_the_cost_model_predicts_a_faster_iteration():
+    layout = Layout.uniform(GPT_1B, 2, 2, 2)
+    plan = plan_survivors(layout, frozenset({2, 5}))
+    tp1 = ReplicaSpec((StageSpec(0, 12, (3,)), StageSpec(12, 12, (4,))))
+    assert plan.rebuilt_replicas == (ReplicaSpec((StageSpec(0, 12, (0, 1)), StageSpec(12, 12, (6, 7)))), tp1)
+    # The TP 1 replica is about half as fast, so it gets about a third of the batch.
+    assert sum(plan.quotas) == GPT_1B.num_microbatches and plan.quotas[0] > 1.5 * plan.quotas[1] > 0
+    assert plan.spares == () and f"micro-batches per replica {list(plan.quotas)}" in plan.reason
+    assert surviving_layout(layout, plan).num_replicas == 2
+    # Devices that fit a stage only at TP 2: ranks 3 and 4 stay spares.
+    small = plan_survivors(layout, frozenset({2, 5}), hw=_memory_for_tp(GPT_1B, 2))
+    assert len(small.rebuilt_replicas) == 1 and small.quotas == () and small.spares == (3, 4)
+
+
