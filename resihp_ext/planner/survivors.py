@@ -179,49 +179,52 @@ def repack_replicas(layout: Layout, broken: list[int], dead: frozenset[int],
     return tuple(repacked)
 
 
-def _largest_runnable_degree(live: int, stage: StageSpec, position: int, num_stages: int, model: ModelSpec,
-                             hw: HardwareModel) -> int:
-    """Largest TP degree <= ``live``, a power of two dividing the heads, at which the stage fits a device."""
-    degree = 1 << (live.bit_length() - 1) if live else 0
-    while degree:
-        fits = stage_memory_bytes(model, hw, num_layers=stage.num_layers, tp_degree=degree, stage=position,
-                                  num_stages=num_stages, num_microbatches=model.num_microbatches)
-        if model.check_tp_degree(degree) is None and fits <= hw.device_memory_bytes:
-            return degree
-        degree //= 2
-    return 0
+def _runs_at(degree: int, stage: StageSpec, position: int, num_stages: int, model: ModelSpec,
+             hw: HardwareModel) -> bool:
+    """Whether ``degree`` ranks can run ``stage``: the heads split evenly, and its shard fits a device."""
+    need = stage_memory_bytes(model, hw, num_layers=stage.num_layers, tp_degree=degree, stage=position,
+                              num_stages=num_stages, num_microbatches=model.num_microbatches)
+    return model.check_tp_degree(degree) is None and need <= hw.device_memory_bytes
 
 
 def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], continuing: tuple[ReplicaSpec, ...],
                     hw: HardwareModel) -> tuple[ReplicaSpec, ...]:
-    """Further replicas from stage groups that lost ranks (and intact groups still unused).
+    """Further replicas from the live ranks left in broken replicas' stage groups, at a smaller TP degree.
 
-    The live, unused ranks of such a group run the stage it held at the largest TP degree they
-    make up (a power of two that divides the attention heads and whose shard fits
-    ``hw.device_memory_bytes``); each keeps the part of the stage it holds and receives the TP
-    shards it lacks from a surviving holder. Only the group's own members serve, so no TP group
-    spans new links. A replica is made while every stage of a broken replica's shape has such a
-    group and some survivor holds every unit of its state.
+    Each stage of such a replica is run by ranks of one old group of that stage (so no TP group
+    spans new links), at one TP degree for the whole replica: megatron-core pairs pipeline
+    neighbours by TP rank, so stages of one pipeline share a degree. The degree is the largest
+    power of two that every stage has enough live ranks for, that divides the attention heads and
+    whose shards fit ``hw.device_memory_bytes``. Each rank keeps the part of its stage it holds
+    and receives the TP shards it lacks from a surviving holder. A replica is made while every
+    stage of a broken replica's shape has such ranks and some survivor holds its whole state.
     """
     used = {r for replica in continuing for r in replica.ranks}
-    pieces: dict[tuple[int, int], list[StageSpec]] = {}
+    live: dict[tuple[int, int], list[tuple[int, ...]]] = {}
     for i in broken:
-        replica = layout.replicas[i]
-        for position, stage in enumerate(replica.stages):
-            live = [r for r in stage.ranks if r not in dead and r not in used]
-            degree = _largest_runnable_degree(len(live), stage, position, replica.num_stages, layout.model, hw)
-            if degree:
-                pieces.setdefault((stage.first_layer, stage.num_layers), []).append(
-                    StageSpec(stage.first_layer, stage.num_layers, tuple(live[:degree])))
+        for stage in layout.replicas[i].stages:
+            ranks = tuple(r for r in stage.ranks if r not in dead and r not in used)
+            if ranks:
+                live.setdefault((stage.first_layer, stage.num_layers), []).append(ranks)
     shrunk: list[ReplicaSpec] = []
     for template in broken:
-        shape = [(s.first_layer, s.num_layers) for s in layout.replicas[template].stages]
-        while all(pieces.get(key) for key in shape):
-            # The widest group of each stage first (fastest), then the lowest ranks.
-            picked = [max(pieces[key], key=lambda g: (g.tp_degree, -min(g.ranks))) for key in shape]
-            for key, group in zip(shape, picked):
-                pieces[key].remove(group)
-            candidate = ReplicaSpec(tuple(picked))
+        shape = layout.replicas[template].stages
+        keys = [(s.first_layer, s.num_layers) for s in shape]
+        while True:
+            degree, picked = shape[0].tp_degree, None
+            while degree and picked is None:
+                if all(_runs_at(degree, s, p, len(shape), layout.model, hw) for p, s in enumerate(shape)) and \
+                        all(any(len(g) >= degree for g in live.get(k, ())) for k in keys):
+                    # The group with the fewest live ranks that suffices: fewer ranks left idle.
+                    picked = [min((g for g in live[k] if len(g) >= degree), key=lambda g: (len(g), g)) for k in keys]
+                else:
+                    degree //= 2
+            if picked is None:
+                break
+            for key, group in zip(keys, picked):
+                live[key].remove(group)
+            candidate = ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, g[:degree])
+                                          for s, g in zip(shape, picked)))
             try:
                 transfers(layout, Layout((candidate,), layout.model), dead)
             except ValueError:  # some unit of this shape's state has no live holder

@@ -4,7 +4,8 @@ Planning time is the wall time of ``plan_adaptation`` (median of several runs) a
 of 50 ms at 256 GPUs and 1 s at 16384. Plan quality is each policy's predicted throughput as a
 fraction of the capacity bound (what the surviving hardware could do at best) at 256 GPUs.
 Fail-stop survivor plans, at every scale: random dead GPUs, the in-place plan the executor runs
-(whole replicas plus replicas rebuilt from intact stage groups) against keeping whole replicas
+(whole replicas, replicas rebuilt from intact stage groups, and smaller-TP replicas from groups
+that lost ranks) against the same plan at full TP only, keeping whole replicas
 only and against a checkpoint-restart on the healthy nodes, each as predicted throughput over the
 capacity bound. Prints only what it measures; ``--json`` prints one JSON object instead.
 
@@ -99,10 +100,10 @@ def bench_quality(horizon_iters: int) -> list[dict]:
     return rows
 
 
-def _fraction_of_bound(layout: Layout | None, bound_s: float, hw: HardwareModel) -> float:
+def _fraction_of_bound(layout: Layout | None, bound_s: float, hw: HardwareModel, quotas: tuple[int, ...] = ()) -> float:
     if layout is None:
         return 0.0
-    quotas = equal_quotas(layout.num_replicas, layout.model.num_microbatches)
+    quotas = quotas or equal_quotas(layout.num_replicas, layout.model.num_microbatches)
     return bound_s / iteration_s(layout, quotas, Health(), hw)
 
 
@@ -112,23 +113,28 @@ def bench_survivors(trials: int, seed: int = 0) -> list[dict]:
     for num_gpus in SCALES:
         layout = Layout.uniform(model_for(num_gpus), TP, PP, num_gpus // (TP * PP))
         for num_dead in DEAD_COUNTS:
-            sums = {"whole_replicas_only": 0.0, "resihp_rebuilt": 0.0, "checkpoint_restart": 0.0}
-            replicas = {"whole_replicas_only": 0, "resihp_rebuilt": 0, "checkpoint_restart": 0}
+            names = ("whole_replicas_only", "resihp_full_tp", "resihp", "checkpoint_restart")
+            sums, replicas = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
             for _ in range(trials):
                 dead = frozenset(rng.sample(range(num_gpus), num_dead))
                 bound = capacity_bound_s(layout, Health(dead=dead), hw, layout.model.num_microbatches)
-                plan = plan_survivors(layout, dead)
+                plan = plan_survivors(layout, dead, hw=hw)
                 whole = layout.with_replicas(layout.replicas[i] for i in plan.kept_replicas) if plan.kept_replicas else None
-                rebuilt = surviving_layout(layout, plan) if plan.action == "adapt" else None
+                ours = surviving_layout(layout, plan) if plan.action == "adapt" else None
+                # The same plan without its smaller-TP replicas: whole and rebuilt groups at TP only.
+                full = [r for r in (whole.replicas if whole else ()) + plan.rebuilt_replicas
+                        if r.stages[0].tp_degree == TP]
+                full_tp = layout.with_replicas(full) if full else None
                 restart = restart_layout(layout, Health(dead=dead))
-                for name, candidate in (("whole_replicas_only", whole), ("resihp_rebuilt", rebuilt),
-                                        ("checkpoint_restart", restart)):
-                    sums[name] += _fraction_of_bound(candidate, bound, hw)
+                for name, candidate, quotas in (("whole_replicas_only", whole, ()), ("resihp_full_tp", full_tp, ()),
+                                                ("resihp", ours, plan.quotas), ("checkpoint_restart", restart, ())):
+                    sums[name] += _fraction_of_bound(candidate, bound, hw, quotas)
                     replicas[name] += candidate.num_replicas if candidate is not None else 0
             row = {"num_gpus": num_gpus, "num_dead": num_dead, "trials": trials,
                    **{f"{k}_fraction_of_bound": v / trials for k, v in sums.items()},
                    **{f"{k}_mean_replicas": v / trials for k, v in replicas.items()}}
-            row["rebuilt_over_whole_only"] = row["resihp_rebuilt_fraction_of_bound"] / row["whole_replicas_only_fraction_of_bound"]
+            row["resihp_over_whole_only"] = row["resihp_fraction_of_bound"] / row["whole_replicas_only_fraction_of_bound"]
+            row["resihp_over_full_tp"] = row["resihp_fraction_of_bound"] / row["resihp_full_tp_fraction_of_bound"]
             rows.append(row)
     return rows
 
@@ -158,12 +164,13 @@ def main() -> None:
         print(f"  {row['scenario']:<38}" + "".join(f"{row[p]:>20.3f}" for p in policies))
     print(f"fail-stop: throughput / capacity bound after random dead GPUs (TP={TP}, PP={PP}, mean of {args.trials} "
           "draws; mean replicas in brackets; checkpoint-restart excludes the restart itself)")
-    print(f"  {'GPUs':>6} {'dead':>5} {'whole replicas only':>24} {'ResiHP (rebuilt)':>24} {'checkpoint-restart':>24}"
-          f" {'ResiHP / whole only':>20}")
+    print(f"  {'GPUs':>6} {'dead':>5} {'whole replicas only':>24} {'ResiHP, full TP only':>24} {'ResiHP':>24}"
+          f" {'checkpoint-restart':>24} {'ResiHP / whole only':>20} {'ResiHP / full TP':>17}")
     for row in survivors:
         cells = "".join(f"{row[k + '_fraction_of_bound']:>15.3f} ({row[k + '_mean_replicas']:>6.1f})"
-                        for k in ("whole_replicas_only", "resihp_rebuilt", "checkpoint_restart"))
-        print(f"  {row['num_gpus']:>6} {row['num_dead']:>5} {cells} {row['rebuilt_over_whole_only']:>20.3f}")
+                        for k in ("whole_replicas_only", "resihp_full_tp", "resihp", "checkpoint_restart"))
+        print(f"  {row['num_gpus']:>6} {row['num_dead']:>5} {cells} {row['resihp_over_whole_only']:>20.3f}"
+              f" {row['resihp_over_full_tp']:>17.3f}")
 
 
 if __name__ == "__main__":

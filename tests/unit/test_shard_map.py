@@ -1,6 +1,7 @@
 """Pure geometry of heterogeneous layouts: who holds which TP units, what must move, what survives."""
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
 from resihp_ext.planner.hardware import HardwareModel
@@ -137,18 +138,23 @@ def test_no_replica_left_names_checkpoint_writers_or_missing_shards():
 
 
 def test_a_group_that_lost_a_rank_runs_its_stage_at_a_smaller_tp_degree():
-    # Ranks 1, 2 and 6 dead: rank 0 (what is left of stage 0's group in replica 0) runs stage 0
-    # at TP 1 beside the intact group 4, 5, receiving stage 0's TP half 1 from rank 3.
+    # Ranks 1, 2 and 6 dead: what is left of stage 0's group in replica 0 (rank 0) and of stage
+    # 1's in replica 1 (rank 7) make a replica at TP 1; each receives the TP half it lacks (rank 0
+    # stage 0's half 1 from rank 3). Stages of one pipeline share a TP degree, so the intact group
+    # 4, 5 cannot serve at TP 2 beside rank 0; rank 7 leaves fewer ranks idle than it at TP 1.
     plan = plan_survivors(UNIFORM, frozenset({1, 2, 6}))
     assert plan.action == "adapt"
-    assert plan.rebuilt_replicas == (ReplicaSpec((StageSpec(0, 2, (0,)), StageSpec(2, 2, (4, 5)))),)
-    assert moved_groups(UNIFORM, plan) == (StageSpec(0, 2, (0,)),)
+    assert plan.rebuilt_replicas == (ReplicaSpec((StageSpec(0, 2, (0,)), StageSpec(2, 2, (7,)))),)
+    assert moved_groups(UNIFORM, plan) == (StageSpec(0, 2, (0,)), StageSpec(2, 2, (7,)))
     into_0 = {(t.item, t.unit, t.src) for t in transfers(UNIFORM, continuing_layout(UNIFORM, plan), frozenset({1, 2, 6}))
               if t.dst == 0 and t.item == ("layer", 1) and not t.replicated}
     assert into_0 == {(("layer", 1), 0, 0), (("layer", 1), 1, 3)}
     assert SurvivorPlan.from_dict(plan.to_dict()) == plan
     # TP 2 -> 1 needs the missing half moved: not under half precision, and not if TP 1 does not fit.
     assert plan_survivors(UNIFORM, frozenset({1, 2, 6}), move_state=False).action == "checkpoint-restart"
+    # With every shrunk replica allowed (a large model), no replica mixes TP degrees.
+    big = plan_survivors(Layout.uniform(GPT_1B, 2, 2, 2), frozenset({1, 2, 6}))
+    assert [[s.ranks for s in r.stages] for r in big.rebuilt_replicas] == [[(0,), (7,)], [(3,), (4,)]]
     # A TP 2 x DP 2 job that loses one rank of each replica goes on at TP 1 instead of stopping.
     flat = Layout.uniform(MODEL, 2, 1, 2)
     assert [r.ranks for r in plan_survivors(flat, frozenset({0, 3})).rebuilt_replicas] == [(1,)]
@@ -168,3 +174,24 @@ def test_a_smaller_tp_replica_is_added_only_when_the_cost_model_predicts_a_faste
     assert len(small.rebuilt_replicas) == 1 and small.quotas == () and small.spares == (3, 4)
 
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2]), dp=st.integers(1, 3), big=st.booleans(),
+       data=st.data())
+def test_every_survivor_plan_is_executable(tp, pp, dp, big, data):
+    model = GPT_1B if big else MODEL
+    layout = Layout.uniform(model, tp, pp, dp)
+    dead = frozenset(data.draw(st.sets(st.sampled_from(layout.world_ranks), min_size=1, max_size=layout.world_size)))
+    plan = plan_survivors(layout, dead)
+    if plan.action != "adapt":
+        return
+    new = continuing_layout(layout, plan)  # validates: whole replicas, no rank twice
+    assert not set(new.world_ranks) & dead
+    assert all(len({s.tp_degree for s in r.stages}) == 1 for r in new.replicas)  # one TP degree per pipeline
+    transfers(layout, new, dead)  # every unit has a live holder
+    assert sorted(plan.new_rank.values()) == list(range(new.world_size))
+    assert set(plan.spares) == set(layout.world_ranks) - dead - set(new.world_ranks)
+    if plan.quotas:
+        assert len(plan.quotas) == new.num_replicas and min(plan.quotas) >= 1
+        assert sum(plan.quotas) == model.num_microbatches
