@@ -191,44 +191,55 @@ def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], con
                     hw: HardwareModel) -> tuple[ReplicaSpec, ...]:
     """Further replicas from the live ranks left in broken replicas' stage groups, at a smaller TP degree.
 
-    Each stage of such a replica is run by ranks of one old group of that stage (so no TP group
-    spans new links), at one TP degree for the whole replica: megatron-core pairs pipeline
-    neighbours by TP rank, so stages of one pipeline share a degree. The degree is the largest
-    power of two that every stage has enough live ranks for, that divides the attention heads and
-    whose shards fit ``hw.device_memory_bytes``. Each rank keeps the part of its stage it holds
-    and receives the TP shards it lacks from a surviving holder. A replica is made while every
-    stage of a broken replica's shape has such ranks and some survivor holds its whole state.
+    Each stage of such a replica is run by ranks of one old group (so no TP group spans new
+    links), at one TP degree for the whole replica: megatron-core pairs pipeline neighbours by TP
+    rank, so stages of one pipeline share a degree. The degree is the largest power of two that
+    the groups left have enough live ranks for, that divides the attention heads and whose shards
+    fit ``hw.device_memory_bytes``. A group serves the stage it held when it can (it keeps that
+    stage's TP units and receives only the ones it lacks), otherwise a stage that is short, whose
+    state it receives. A replica is made while groups are left for every stage of a broken
+    replica's shape and some survivor holds its whole state.
     """
     used = {r for replica in continuing for r in replica.ranks}
-    live: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+    pool: list[tuple[tuple[int, int], tuple[int, ...]]] = []  # (layers held, live unused ranks)
     for i in broken:
         for stage in layout.replicas[i].stages:
             ranks = tuple(r for r in stage.ranks if r not in dead and r not in used)
             if ranks:
-                live.setdefault((stage.first_layer, stage.num_layers), []).append(ranks)
+                pool.append(((stage.first_layer, stage.num_layers), ranks))
+
+    def assign(shape: tuple[StageSpec, ...], degree: int) -> list[tuple[tuple[int, int], tuple[int, ...]]] | None:
+        free, picked = [g for g in pool if len(g[1]) >= degree], []
+        for stage in shape:
+            if not free:
+                return None
+            key = (stage.first_layer, stage.num_layers)
+            # Its own stage first (less to move), then the group with the fewest ranks (fewer idle).
+            choice = min(free, key=lambda g: (g[0] != key, len(g[1]), g[1]))
+            free.remove(choice)
+            picked.append(choice)
+        return picked
+
     shrunk: list[ReplicaSpec] = []
     for template in broken:
         shape = layout.replicas[template].stages
-        keys = [(s.first_layer, s.num_layers) for s in shape]
         while True:
             degree, picked = shape[0].tp_degree, None
             while degree and picked is None:
-                if all(_runs_at(degree, s, p, len(shape), layout.model, hw) for p, s in enumerate(shape)) and \
-                        all(any(len(g) >= degree for g in live.get(k, ())) for k in keys):
-                    # The group with the fewest live ranks that suffices: fewer ranks left idle.
-                    picked = [min((g for g in live[k] if len(g) >= degree), key=lambda g: (len(g), g)) for k in keys]
-                else:
+                if all(_runs_at(degree, s, p, len(shape), layout.model, hw) for p, s in enumerate(shape)):
+                    picked = assign(shape, degree)
+                if picked is None:
                     degree //= 2
             if picked is None:
                 break
-            for key, group in zip(keys, picked):
-                live[key].remove(group)
-            candidate = ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, g[:degree])
+            candidate = ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, g[1][:degree])
                                           for s, g in zip(shape, picked)))
             try:
                 transfers(layout, Layout((candidate,), layout.model), dead)
             except ValueError:  # some unit of this shape's state has no live holder
                 break
+            for group in picked:
+                pool.remove(group)
             shrunk.append(candidate)
     return tuple(shrunk)
 
