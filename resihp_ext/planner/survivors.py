@@ -314,11 +314,10 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     if move_state:
         rebuilt += repack_replicas(layout, lost, dead, (*(layout.replicas[i] for i in kept), *rebuilt))
         base = (*(layout.replicas[i] for i in kept), *rebuilt)
-        shrunk = ()
-        if layout.model.global_batch_size is not None:
-            shrunk = shrink_replicas(layout, lost, dead, base, hw or HardwareModel())
+        hw = hw or HardwareModel()
+        shrunk = shrink_replicas(layout, lost, dead, base, hw) if layout.model.global_batch_size is not None else ()
         if shrunk:
-            shrunk, quotas = worth_adding(base, shrunk, layout.model, hw or HardwareModel())
+            shrunk, quotas = worth_adding(base, shrunk, layout.model, hw)
             rebuilt += shrunk
     writers: dict[tuple[int, int], int] = {}
     for replica in layout.replicas:
