@@ -20,8 +20,7 @@ import math
 from typing import Callable
 
 from resihp_ext.layout import Layout
-from resihp_ext.planner.cost import equal_quotas, iteration_s, replica_timing
-from resihp_ext.planner.dp import assign_quotas
+from resihp_ext.planner.cost import equal_quotas, iteration_s, speed_quotas
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
@@ -46,9 +45,7 @@ def _rebalanced(policy: str, layout: Layout, keep: list[int], health: Health, hw
     if not keep:
         return _restart_plan(policy, layout, before_s, hw, f"{policy}: no replica is left to train on")
     new = layout if len(keep) == layout.num_replicas else layout.with_replicas(layout.replicas[i] for i in keep)
-    timings = [replica_timing(rep, layout.model, hw, health) for rep in new.replicas]
-    quotas = assign_quotas([t.fill_s for t in timings], [t.per_microbatch_s for t in timings], num_mb)
-    after_s = iteration_s(new, quotas, health, hw)
+    quotas, after_s = speed_quotas(new, health, hw, num_mb)
     dropped = layout.num_replicas - len(keep)
     cost_s = hw.regroup_s if dropped else 0.0
     used = set(new.world_ranks)

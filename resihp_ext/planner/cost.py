@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec
+from resihp_ext.planner.dp import assign_quotas
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.tp import group_time_factor
@@ -156,6 +157,14 @@ def iteration_s(layout: Layout, quotas: Sequence[int], health: Health, hw: Hardw
     slowest = max(replica_timing(rep, layout.model, hw, health).simulate_s(q)
                   for rep, q in zip(layout.replicas, quotas))
     return slowest + allreduce_s(layout, hw, health)
+
+
+def speed_quotas(layout: Layout, health: Health, hw: HardwareModel,
+                 num_microbatches: int) -> tuple[tuple[int, ...], float]:
+    """Quotas split by replica speed (``dp.assign_quotas``) and the exact iteration seconds under them."""
+    timings = [replica_timing(rep, layout.model, hw, health) for rep in layout.replicas]
+    quotas = assign_quotas([t.fill_s for t in timings], [t.per_microbatch_s for t in timings], num_microbatches)
+    return quotas, iteration_s(layout, quotas, health, hw)
 
 
 def capacity_bound_s(layout: Layout, health: Health, hw: HardwareModel, num_microbatches: int) -> float:

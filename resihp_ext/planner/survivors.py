@@ -11,9 +11,10 @@ Rebuilt replicas come in three kinds, cheapest first:
 - intact stage groups (a stage's TP group with every rank alive) at the stage they held: replicas
   are data-parallel copies, so nothing moves;
 - leftover intact groups that take a stage that is short, receiving its state;
-- the live ranks of a group that lost members, running the stage they held at a smaller TP
-  degree and receiving the TP shards they lack; such a replica is slower, so it is added only
-  when the cost model predicts a shorter iteration with it, and the batch is split by speed.
+- the live ranks of groups that lost members (and intact groups still unused), a whole replica at
+  one smaller TP degree, each group at the stage it held when it can (receiving the TP shards it
+  lacks) or at a short one; such a replica is slower, so it is added only when the cost model
+  predicts a shorter iteration with it, and the batch is split by speed.
 No TP group is ever formed from ranks of different old groups, so TP traffic stays on the links
 (usually one node's) it used before.
 """
@@ -24,8 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
-from resihp_ext.planner.cost import iteration_s, replica_timing
-from resihp_ext.planner.dp import assign_quotas
+from resihp_ext.planner.cost import speed_quotas
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.memory import stage_memory_bytes
@@ -170,13 +170,20 @@ def repack_replicas(layout: Layout, broken: list[int], dead: frozenset[int],
             if len(picked) < len(shape):
                 break
             candidate = ReplicaSpec(tuple(picked))
-            try:
-                transfers(layout, Layout((candidate,), layout.model), dead)  # this replica's needs only
-            except ValueError:  # some unit of this shape's state has no live holder
+            if not _has_live_holders(layout, candidate, dead):
                 break
             repacked.append(candidate)
             free = pool
     return tuple(repacked)
+
+
+def _has_live_holders(layout: Layout, replica: ReplicaSpec, dead: frozenset[int]) -> bool:
+    """Whether some survivor holds every unit of ``replica``'s state (its own needs only)."""
+    try:
+        transfers(layout, Layout((replica,), layout.model), dead)
+    except ValueError:
+        return False
+    return True
 
 
 def _runs_at(degree: int, stage: StageSpec, position: int, num_stages: int, model: ModelSpec,
@@ -234,9 +241,7 @@ def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], con
                 break
             candidate = ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, g[1][:degree])
                                           for s, g in zip(shape, picked)))
-            try:
-                transfers(layout, Layout((candidate,), layout.model), dead)
-            except ValueError:  # some unit of this shape's state has no live holder
+            if not _has_live_holders(layout, candidate, dead):
                 break
             for group in picked:
                 pool.remove(group)
@@ -248,12 +253,8 @@ def balanced_quotas(replicas: tuple[ReplicaSpec, ...], model: ModelSpec, hw: Har
                     ) -> tuple[tuple[int, ...], float]:
     """Micro-batches per replica that minimise the predicted iteration, and that iteration's seconds
     (inf when some replica would get none: an idle replica still has to join every sync)."""
-    healthy = Health()
-    timings = [replica_timing(r, model, hw, healthy) for r in replicas]
-    quotas = assign_quotas([t.fill_s for t in timings], [t.per_microbatch_s for t in timings], model.num_microbatches)
-    if min(quotas) < 1:
-        return quotas, math.inf
-    return quotas, iteration_s(Layout(replicas, model), quotas, healthy, hw)
+    quotas, seconds = speed_quotas(Layout(replicas, model), Health(), hw, model.num_microbatches)
+    return quotas, seconds if min(quotas) >= 1 else math.inf
 
 
 def worth_adding(base: tuple[ReplicaSpec, ...], extra: tuple[ReplicaSpec, ...], model: ModelSpec,
