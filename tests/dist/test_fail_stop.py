@@ -50,6 +50,28 @@ def reference(tmp_path_factory):
     return tmp / "ckpt", iteration_losses(log)
 
 
+PP2_SHAPE = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12", "--train-iters", "8"]
+
+
+@pytest.fixture(scope="module")
+def pp2_reference(tmp_path_factory):
+    """TP1 x PP2, failure-free, 8 iterations of global batch 12 (the DP3 tests' reference)."""
+    tmp = tmp_path_factory.mktemp("pp2_reference")
+    log = tmp / "events.jsonl"
+    check(run_job(2, [*MODEL, *PP2_SHAPE, "--resihp-event-log", str(log), "--save", str(tmp / "ckpt")]))
+    return tmp / "ckpt", iteration_losses(log)
+
+
+def _assert_same_training(log, checkpoint, reference, global_batch):
+    """Losses of iterations 1-8, parameters and consumed samples after 8 equal the reference's."""
+    ref_ckpt, ref_losses = reference
+    losses = iteration_losses(log)
+    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
+    ours = _params(checkpoint, 8)
+    assert {s["consumed_samples"] for s in ours.values()} == {8 * global_batch}
+    _assert_same_params(_params(ref_ckpt, 8), ours)
+
+
 def _run_tp2pp2dp2(tmp_path, fault: str):
     """The reference's job on 8 ranks (DP2) with one fault injected, under the local launcher."""
     log = tmp_path / "events.jsonl"
@@ -61,7 +83,6 @@ def _run_tp2pp2dp2(tmp_path, fault: str):
 
 
 def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference):
-    ref_ckpt, ref_losses = reference
     proc, log = _run_tp2pp2dp2(tmp_path, "kill:rank=5,at=4")
     assert "rank 5 exited with signal SIGKILL" in proc.stdout + proc.stderr
     # Every survivor names the dead rank within 2 s of the kill.
@@ -75,12 +96,8 @@ def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference)
     adapted = read_events(log, "adapted")
     assert len(adapted) == 1 and adapted[0]["iteration"] == 4 and adapted[0]["world_size"] == 4
     # Same iterations, same losses, same parameters, exact consumed samples.
-    losses = iteration_losses(log)
-    assert sorted(losses) == list(range(1, 9))
-    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
-    ours = _params(tmp_path / "ckpt", 8)
-    assert {s["consumed_samples"] for s in ours.values()} == {8 * 16}
-    _assert_same_params(_params(ref_ckpt, 8), ours)
+    assert sorted(iteration_losses(log)) == list(range(1, 9))
+    _assert_same_training(log, tmp_path / "ckpt", reference, 16)
 
 
 def test_hung_rank_is_named_fenced_and_survived_in_place(tmp_path, reference):
@@ -102,22 +119,19 @@ def test_hung_rank_is_named_fenced_and_survived_in_place(tmp_path, reference):
     _assert_same_params(_params(ref_ckpt, 8), _params(tmp_path / "ckpt", 8))
 
 
-def test_second_failure_after_an_adaptation_is_survived(tmp_path):
+def test_second_failure_after_an_adaptation_is_survived(tmp_path, pp2_reference):
     # TP1 x PP2 x DP3: rank = replica + 3 * stage. Rank 1 (replica 1) dies at 4, rank 5 (replica 2)
     # right after the first adaptation, at 6: the job ends on replica 0 alone.
-    shape = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12", "--train-iters", "8"]
-    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
-    check(run_job(2, [*MODEL, *shape, "--resihp-event-log", str(ref_log)]))
-    check(run_job(6, [*MODEL, *RESILIENT, *shape, "--resihp-event-log", str(log),
+    log = tmp_path / "events.jsonl"
+    check(run_job(6, [*MODEL, *RESILIENT, *PP2_SHAPE, "--resihp-event-log", str(log),
                       "--resihp-inject", "kill:rank=1,at=4", "--resihp-inject", "kill:rank=5,at=6"], launcher="local"))
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 4), (6, 2)]
-    losses, ref = iteration_losses(log), iteration_losses(ref_log)
+    losses, ref = iteration_losses(log), pp2_reference[1]
     assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
 
 
 def test_broken_replicas_are_rebuilt_in_place_with_exact_parameters(tmp_path, reference):
-    ref_ckpt, ref_losses = reference
     log = tmp_path / "events.jsonl"
     # Rank 2 (replica 1, stage 0) and rank 5 (replica 0, stage 1) die: no replica is whole, but
     # replica 0's stage 0 (ranks 0, 1) and replica 1's stage 1 (ranks 6, 7) form one.
@@ -135,32 +149,22 @@ def test_broken_replicas_are_rebuilt_in_place_with_exact_parameters(tmp_path, re
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 4)], adapted
     assert not read_events(log, "fallback_checkpoint")
-    losses = iteration_losses(log)
-    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
-    ours = _params(tmp_path / "ckpt", 8)
-    assert {s["consumed_samples"] for s in ours.values()} == {8 * 16}
-    _assert_same_params(_params(ref_ckpt, 8), ours)
+    _assert_same_training(log, tmp_path / "ckpt", reference, 16)
 
 
-def test_intact_stage_group_takes_a_lost_stage_and_receives_its_state(tmp_path):
+def test_intact_stage_group_takes_a_lost_stage_and_receives_its_state(tmp_path, pp2_reference):
     # TP1 x PP2 x DP3: rank = replica + 3 * stage. Ranks 1 and 2 (stage 0 of replicas 1 and 2) die;
     # rank 4 takes stage 0, its layers and Adam moments sent by replica 0's rank 0, and pairs with
     # rank 5: DP 3 -> 2 instead of 1.
-    shape = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12", "--train-iters", "8"]
-    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
-    check(run_job(2, [*MODEL, *shape, "--resihp-event-log", str(ref_log), "--save", str(tmp_path / "ref")]))
-    check(run_job(6, [*MODEL, *RESILIENT, *shape, "--resihp-event-log", str(log), "--save", str(tmp_path / "ckpt"),
+    log = tmp_path / "events.jsonl"
+    check(run_job(6, [*MODEL, *RESILIENT, *PP2_SHAPE, "--resihp-event-log", str(log), "--save", str(tmp_path / "ckpt"),
                       "--resihp-inject", "kill:rank=1,at=4", "--resihp-inject", "kill:rank=2,at=4"], launcher="local"))
     executed = read_events(log, "plan")[-1]["executed"]
     assert executed["kept_replicas"] == [0]
     assert [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[[4], [5]]]
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["data_parallel_size"]) for a in adapted] == [(4, 4, 2)], adapted
-    losses, ref = iteration_losses(log), iteration_losses(ref_log)
-    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
-    ours = _params(tmp_path / "ckpt", 8)
-    assert {s["consumed_samples"] for s in ours.values()} == {8 * 12}
-    _assert_same_params(_params(tmp_path / "ref", 8), ours)
+    _assert_same_training(log, tmp_path / "ckpt", pp2_reference, 12)
 
 
 def test_no_in_place_plan_saves_from_survivors_and_resumes(tmp_path, reference):
@@ -211,14 +215,12 @@ def test_every_holder_of_a_shard_dead_points_to_the_last_periodic_checkpoint(tmp
     assert not list(ckpt.glob("*.tmp"))
 
 
-def test_failure_while_the_survivors_reform_is_survived(tmp_path):
+def test_failure_while_the_survivors_reform_is_survived(tmp_path, pp2_reference):
     # TP1 x PP2 x DP3: rank = replica + 3 * stage. Rank 2 (replica 2) dies at 4; rank 1 (replica 1)
     # dies as it is about to join the re-formed world, so that world never forms. The survivors
     # name rank 1 through the old world's heartbeats, plan again, and finish on replica 0.
-    shape = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12", "--train-iters", "8"]
-    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
-    check(run_job(2, [*MODEL, *shape, "--resihp-event-log", str(ref_log)]))
-    proc = run_job(6, [*MODEL, *RESILIENT, *shape, "--resihp-event-log", str(log), "--resihp-inject",
+    log = tmp_path / "events.jsonl"
+    proc = run_job(6, [*MODEL, *RESILIENT, *PP2_SHAPE, "--resihp-event-log", str(log), "--resihp-inject",
                        "kill:rank=2,at=4", "--resihp-inject", "kill:rank=1,at=4,during=reform"], launcher="local")
     check(proc)
     output = proc.stdout + proc.stderr
@@ -230,19 +232,17 @@ def test_failure_while_the_survivors_reform_is_survived(tmp_path):
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 2)], adapted
     assert {1, 2} <= set(adapted[0]["failed_ranks"]) <= {1, 2, 5}  # 5: the first plan's spare, gone by then
-    losses, ref = iteration_losses(log), iteration_losses(ref_log)
+    losses, ref = iteration_losses(log), pp2_reference[1]
     assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
 
 
-def test_receiver_killed_while_state_moves_to_a_lost_stage_is_survived(tmp_path):
+def test_receiver_killed_while_state_moves_to_a_lost_stage_is_survived(tmp_path, pp2_reference):
     # As in the intact-stage-group case, ranks 1 and 2 die and rank 4 is to take stage 0 from
     # rank 0; rank 4 dies once the moves' world has formed, before its state arrives. The moves
     # only read the senders' state, so the survivors plan again from what they hold and finish
     # on replica 0 (ranks 0, 3) with the reference's parameters; rank 5 is left alone at stage 1.
-    shape = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12", "--train-iters", "8"]
-    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
-    check(run_job(2, [*MODEL, *shape, "--resihp-event-log", str(ref_log), "--save", str(tmp_path / "ref")]))
-    proc = run_job(6, [*MODEL, *RESILIENT, *shape, "--resihp-event-log", str(log), "--save", str(tmp_path / "ckpt"),
+    log = tmp_path / "events.jsonl"
+    proc = run_job(6, [*MODEL, *RESILIENT, *PP2_SHAPE, "--resihp-event-log", str(log), "--save", str(tmp_path / "ckpt"),
                        *(f"--resihp-inject=kill:rank={r},at=4" for r in (1, 2)),
                        "--resihp-inject", "kill:rank=4,at=4,during=moves"], launcher="local")
     check(proc)
@@ -254,11 +254,7 @@ def test_receiver_killed_while_state_moves_to_a_lost_stage_is_survived(tmp_path)
     assert plans[-1]["executed"]["spares"] == [5]
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 2, [1, 2, 4])], adapted
-    losses, ref = iteration_losses(log), iteration_losses(ref_log)
-    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
-    ours = _params(tmp_path / "ckpt", 8)
-    assert {s["consumed_samples"] for s in ours.values()} == {8 * 12}
-    _assert_same_params(_params(tmp_path / "ref", 8), ours)
+    _assert_same_training(log, tmp_path / "ckpt", pp2_reference, 12)
 
 
 def test_sender_killed_while_state_moves_ends_at_the_last_periodic_checkpoint(tmp_path):
@@ -298,8 +294,4 @@ def test_tp_group_that_lost_a_rank_goes_on_at_a_smaller_tp_degree(tmp_path):
     assert [[(s["ranks"], s["num_layers"]) for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[([1], 4)]]
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 1, [0, 3])], adapted
-    losses, ref = iteration_losses(log), iteration_losses(ref_log)
-    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
-    ours = _params(tmp_path / "ckpt", 8)
-    assert {s["consumed_samples"] for s in ours.values()} == {8 * 16}
-    _assert_same_params(_params(tmp_path / "ref", 8), ours)
+    _assert_same_training(log, tmp_path / "ckpt", (tmp_path / "ref", iteration_losses(ref_log)), 16)
