@@ -155,7 +155,16 @@ class FailSlowDetector:
         self.predictor = predictor or MicrobatchPredictor()
         self._signature = stage_signature or (lambda replica, stage, tp: (stage, tp))
         self.last_report: DetectorReport | None = None
+        self._expected: dict[int, float] = {}
         self.reset()
+
+    def expect(self, slow_factors) -> None:
+        """Slowdowns already acted on (rank -> factor, e.g. 3.0): the op times of a group holding
+        such a rank are divided by its largest factor before anything is judged or learnt, so a
+        known slow device is the norm (one shared fit for the stage, no second verdict for it)
+        and only a further change alarms. Replaces what an earlier call said; kept across
+        ``reset``."""
+        self._expected = {int(r): float(f) for r, f in slow_factors.items() if f > 1.0}
 
     def reset(self, forget_predictor: bool = True) -> None:
         """Start over after a re-plan: new groups, new costs, warm-up again."""
@@ -192,6 +201,15 @@ class FailSlowDetector:
         groups, feats = self._group(observations)
         times = {o.rank: _op_times(o) for o in observations}
         durations = {g: self._op_durations([times[o.rank] for o in obs]) for g, obs in groups.items()}
+        # A group runs at its slowest member's pace, so a known slowdown scales the whole group.
+        known: dict[GroupId, float] = {}
+        for rank, factor in self._expected.items():
+            g = self._rank_group.get(rank)
+            if g in durations:
+                known[g] = max(known.get(g, 1.0), factor)
+        for g, factor in known.items():
+            fwd, bwd = durations[g]
+            durations[g] = (fwd / factor, bwd / factor)
         keys = {g: self._keys(g, len(obs)) for g, obs in groups.items()}
         fitted = all(self.predictor.fitted(k) for ks in keys.values() for k in ks)
         judged = fitted and self._seen >= self.config.warmup_iters
@@ -204,7 +222,9 @@ class FailSlowDetector:
         rank_busy = {r: float(np.nansum(t[4:6])) for r, t in times.items()}
         sibling_ratio: dict[GroupId, float] = {}
         for g, obs in groups.items():
-            if len(obs) > 1:
+            # Siblings of a known slow rank wait for it on a device and not on a CPU, so against
+            # them it tells nothing: the prediction alone judges such a group.
+            if len(obs) > 1 and g not in known:
                 busy = sorted(rank_busy[o.rank] for o in obs)
                 others = float(np.median(busy[:-1]))
                 if others > 0:

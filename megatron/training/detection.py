@@ -10,7 +10,6 @@ detector. Decisions are never made here.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 from megatron.training.link_faults import LINKS
 from megatron.training.schedules import RECORDER
+from resihp_ext.confirmation import PendingVerdicts
 from resihp_ext.detector import FailSlowDetector, RankObservation
 from resihp_ext.validation import Cleared, ProbeResults, Verdict
 
@@ -132,9 +132,8 @@ class LiveDetector:
         self.detector = FailSlowDetector(config, stage_signature=signature)
         self.decision_s = 0.0  # time spent in the pure decision logic (for the overhead figure)
         self.clock_offset_s = job_clock_offset()
-        self.last_probes: ProbeResults | None = None
-        # (suspicion, first verdict, iteration to probe again) while a verdict awaits confirmation.
-        self._unconfirmed: tuple | None = None
+        self.probe_rounds: list[ProbeResults] = []  # this iteration's, in the order they ran
+        self.pending = PendingVerdicts(config.confirm_after_iters)
 
     def observation(self, iteration_s: float, ops, features, busy=()) -> RankObservation:
         shift = self.clock_offset_s
@@ -144,57 +143,29 @@ class LiveDetector:
             features=tuple(tuple(f) for f in features), iteration_s=iteration_s, busy=tuple(busy),
         )
 
-    def observe(self, iteration: int, mine: RankObservation) -> tuple[list[RankObservation], object | None]:
-        """All-gather observations, judge, and probe if suspicious.
+    def observe(self, iteration: int, mine: RankObservation) -> tuple[list[RankObservation], list]:
+        """All-gather observations, judge, probe a new suspicion, and probe again the verdicts due.
 
         Returns:
-            (every rank's observation, a Verdict / Cleared / None).
+            (every rank's observation, the ``(suspicion, Verdict | Cleared)`` pairs settled at this
+            iteration: confirmed or dropped verdicts, and outcomes that need no confirmation).
         """
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         start = time.perf_counter()
         suspicion = self.detector.observe(iteration, gathered)
         self.decision_s += time.perf_counter() - start
-        if self._unconfirmed is not None:
-            if suspicion is not None:
-                # One verdict in flight at a time: a lasting fault elsewhere is raised again once
-                # its cooldown ends.
-                self.detector.release(suspicion, iteration)
-            return gathered, self._confirm(iteration) if iteration >= self._unconfirmed[2] else None
-        if suspicion is None:
-            return gathered, None
-        outcome = self.detector.conclude(suspicion, self._probe(iteration, suspicion))
-        wait = self.config.confirm_after_iters
-        if isinstance(outcome, Verdict) and outcome.kind in ("compute", "link") and wait > 0:
-            # Every rank holds the same suspicion and probes, so all of them wait alike.
-            self._unconfirmed = (suspicion, outcome, iteration + wait)
-            return gathered, None
-        return gathered, (suspicion, outcome)
+        self.probe_rounds = []
+        # Every rank holds the same suspicions and probes, so all of them probe and wait alike.
+        settled = self.pending.settle_iteration(self.detector, iteration, suspicion,
+                                                lambda s: self._probe(iteration, s))
+        return gathered, settled
 
     def _probe(self, iteration: int, suspicion) -> ProbeResults:
-        self.last_probes = ProbeResults(iteration=iteration, rank_s=self._probe_ranks(suspicion.probe_ranks),
-                                        link_s=self._probe_links(suspicion.probe_links))
-        return self.last_probes
-
-    def _confirm(self, iteration: int):
-        """Probe a verdict's ranks (or link) again; keep it only if they are slow again."""
-        suspicion, first, _ = self._unconfirmed
-        self._unconfirmed = None
-        again = self.detector.conclude(suspicion, self._probe(iteration, suspicion))
-        # Confirmed when the first verdict's ranks (or link) are slow again; a rank the second round
-        # also finds slow is left to a suspicion of its own, as a busy neighbour can slow one round.
-        confirmed = isinstance(again, Verdict) and again.kind == first.kind and set(first.ranks) <= set(again.ranks)
-        evidence = {**first.evidence, "confirm_probe_iteration": iteration,
-                    "confirm_probe_factors": again.evidence.get("probe_factors", {})}
-        if confirmed:
-            return suspicion, dataclasses.replace(first, evidence=evidence,
-                                                  reason=f"{first.reason}; confirmed by probes at iteration {iteration}")
-        if isinstance(again, Verdict):  # slow, but not the same ones: dropped like the first
-            self.detector.release(suspicion, iteration)
-        return suspicion, Cleared(iteration, suspicion.ranks, evidence,
-                                  f"the probes at iteration {iteration} did not confirm {first.kind} ranks "
-                                  f"{list(first.ranks)} named at iteration {first.evidence.get('probe_iteration')}; dropped")
-
+        probes = ProbeResults(iteration=iteration, rank_s=self._probe_ranks(suspicion.probe_ranks),
+                              link_s=self._probe_links(suspicion.probe_links))
+        self.probe_rounds.append(probes)
+        return probes
 
     def _probe_ranks(self, ranks) -> dict[int, float]:
         """GEMM probe on each listed rank, one rank at a time (collective).

@@ -76,11 +76,12 @@ class LayoutChanges:
         if self.live is not None and world_changed:
             self.live = LiveDetector(self.cfg, self.rank, replica, stage, layout.tp_rank_of(self.rank),
                                      self.live.device, lambda: self.layout, self.live.link_probe_bytes)
+            self.live.detector.expect(self.known_health.slow_factors)
         if world_changed and self.store is not None:
             self._start_monitor()
 
     # ------------------------------------------------------------------ fail-slow
-    def _calibrated_hardware(self, verdict: Verdict) -> HardwareModel:
+    def _calibrated_hardware(self, slow_links) -> HardwareModel:
         """The planner's cost model fitted to this job from the last iteration's measured ops (device
         time, so a shared host's scheduling does not count as compute): per-layer forward seconds
         from the healthiest stage that holds only transformer layers' work (not the last one), the
@@ -111,9 +112,9 @@ class LayoutChanges:
         # and only micro-batch quotas (which move no state) remain.
         half = self.args.bf16 or self.args.fp16
         hw["activation_bytes_per_value"] = 2.0 if half else 4.0
-        if verdict.kind == "link":
-            bandwidth = healthy_link_bandwidth_Bps(self.live.last_probes, {tuple(verdict.ranks)},
-                                                   self.live.link_probe_bytes)
+        link_rounds = [probes for probes in self.live.probe_rounds if probes.link_s]
+        if link_rounds:
+            bandwidth = healthy_link_bandwidth_Bps(link_rounds[-1], set(slow_links), self.live.link_probe_bytes)
             if bandwidth is not None:
                 hw["link_bandwidth_Bps"] = bandwidth
         return HardwareModel(backward_factor=sorted(ratios)[len(ratios) // 2], tp_efficiency=1.0,
@@ -129,20 +130,26 @@ class LayoutChanges:
         return Health(speed={r: 1.0 / max(float(factors.get(str(r), verdict.factor or 1.0)), 1.0)
                              for r in verdict.ranks})
 
-    def _replan(self, iteration: int, verdict: Verdict, objects, quotas):
-        """Fail-slow (a compute or link verdict): plan with the calibrated cost model and apply it in place.
+    def _replan(self, iteration: int, verdicts: list[Verdict], objects, quotas):
+        """Fail-slow (compute or link verdicts): plan with the calibrated cost model and apply it in place.
 
-        Every rank computes the same plan from the same gathered observations and verdict (pure,
+        The plan sees every slowdown found so far in this world (``known_health``), not only these
+        verdicts', so quotas moved away from an earlier slow rank stay away when another one slows.
+        Every rank computes the same plan from the same gathered observations and verdicts (pure,
         deterministic), so no agreement round is needed.
         """
         start = time.perf_counter()
+        for verdict in verdicts:
+            self.known_health = self.known_health.updated(self._verdict_health(verdict))
         horizon = max(self.args.train_iters - iteration, 1)
-        plan = plan_adaptation(self.layout, self._verdict_health(verdict), self._calibrated_hardware(verdict),
+        plan = plan_adaptation(self.layout, self.known_health, self._calibrated_hardware(self.known_health.slow_links),
                                current_quotas=tuple(quotas),
                                horizon_iters=horizon, uniform_tp_per_replica=True)
         if self.rank == 0:
+            slow_factors = {str(r): round(f, 4) for r, f in sorted(self.known_health.slow_factors.items())}
             self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
-                             quotas=list(plan.quotas), predicted_iteration_s_before=plan.iteration_s_before,
+                             quotas=list(plan.quotas), slow_rank_factors=slow_factors,
+                             predicted_iteration_s_before=plan.iteration_s_before,
                              predicted_iteration_s_after=plan.iteration_s_after)
             log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
         if plan.action != "adapt":
@@ -153,6 +160,7 @@ class LayoutChanges:
         duration = time.perf_counter() - start
         # Refit: the known slow device is the new normal; only a further change should alarm.
         self.live.detector.reset(forget_predictor=True)
+        self.live.detector.expect(self.known_health.slow_factors)
         if self.rank == 0:
             self.events.emit("adapted", iteration, world_size=dist.get_world_size(), quotas=quotas,
                              layers_per_replica=[list(r.layers_per_stage) for r in self.layout.replicas],
@@ -257,6 +265,7 @@ class LayoutChanges:
             raise StopTraining(0, f"rank {old_rank} is a spare after the re-plan; its shards were handed over")
         dense = {old: new for new, old in enumerate(kept)}
         relabeled = new_layout.relabel(dense)
+        self.known_health = self.known_health.relabel(dense)
         groups = recovery.reform_for_plan(self.store, self.generation, dense[old_rank], len(kept), self.backend,
                                           self.cfg.collective_timeout_s, relabeled)
         self._adopt(relabeled, groups, world_changed=True)

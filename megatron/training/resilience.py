@@ -74,6 +74,8 @@ class ResilienceHooks(LayoutChanges):
         args.replica_index = self.replica_index
         self.sync = None  # LayoutGradSync while replicas differ
         self.last_observations: list = []
+        # Fail-slow verdicts acted on in this world (its ranks): every later plan starts from them.
+        self.known_health = Health()
         self.live = None
         if self.cfg.detection_on:
             self.live = LiveDetector(
@@ -261,6 +263,7 @@ class ResilienceHooks(LayoutChanges):
         self._planned_out = set()  # old-world ranks; the new world's monitor starts afresh
         self.sync = None  # its groups belonged to the old world
         old_layout = self.layout
+        self.known_health = self.known_health.relabel(plan.new_rank)
         self._adopt(new_layout, groups, world_changed=True)
         new_objects = self._rebuild(new_layout)
         if any(t.dst == old_rank and t.src != old_rank for t in moves):
@@ -359,23 +362,23 @@ class ResilienceHooks(LayoutChanges):
         if self.live is None:
             return objects, quotas
         mine = self.live.observation(result.iteration_s, result.ops, result.features, result.busy)
-        gathered, found = self.live.observe(iteration, mine)
+        gathered, settled = self.live.observe(iteration, mine)
         self.last_observations = gathered
         if self.trace is not None:
             for obs in gathered:
                 self.trace.write(json.dumps(observation_to_dict(iteration, obs)) + "\n")
-        if found is None:
-            return objects, quotas
-        suspicion, outcome = found
-        if self.trace is not None and self.live.last_probes is not None:
-            self.trace.write(json.dumps(probe_to_dict(self.live.last_probes)) + "\n")
-        if self.rank == 0:
-            self._emit(suspicion.to_event())
-            self._emit(outcome.to_event())
-            log_line(f" resihp: suspicion at iteration {iteration}: {suspicion.reason}")
-            log_line(f" resihp: {describe(outcome)}")
-        if isinstance(outcome, Verdict) and self.cfg.enable and outcome.kind in ("compute", "link"):
-            objects, quotas = self._replan(iteration, outcome, objects, quotas)
+            for probes in self.live.probe_rounds:
+                self.trace.write(json.dumps(probe_to_dict(probes)) + "\n")
+        for suspicion, outcome in settled:
+            if self.rank == 0:
+                self._emit(suspicion.to_event())
+                self._emit(outcome.to_event())
+                log_line(f" resihp: suspicion at iteration {suspicion.iteration}: {suspicion.reason}")
+                log_line(f" resihp: {describe(outcome)}")
+        verdicts = [outcome for _, outcome in settled
+                    if isinstance(outcome, Verdict) and outcome.kind in ("compute", "link")]
+        if verdicts and self.cfg.enable:
+            objects, quotas = self._replan(iteration, verdicts, objects, quotas)
         return objects, quotas
 
     def _emit(self, event: dict) -> None:

@@ -70,3 +70,20 @@ class Health:
             if v < 1.0:
                 ranks.update((a, b))
         return frozenset(ranks)
+
+    @property
+    def slow_factors(self) -> dict[int, float]:
+        """rank -> slowdown factor (1 / speed) of each slow rank that is not dead."""
+        return {r: 1.0 / v for r, v in self.speed.items() if v < 1.0 and r not in self.dead}
+
+    def updated(self, newer: "Health") -> "Health":
+        """This health with what ``newer`` says on top: its speeds and links replace these, its dead join these."""
+        return Health(speed={**self.speed, **newer.speed}, dead=self.dead | newer.dead,
+                      slow_links={**self.slow_links, **newer.slow_links})
+
+    def relabel(self, new_rank: Mapping[int, int]) -> "Health":
+        """The same facts in another world's ranks (old -> new); ranks that world lacks are dropped."""
+        return Health(speed={new_rank[r]: v for r, v in self.speed.items() if r in new_rank},
+                      dead=frozenset(new_rank[r] for r in self.dead if r in new_rank),
+                      slow_links={(new_rank[a], new_rank[b]): v for (a, b), v in self.slow_links.items()
+                                  if a in new_rank and b in new_rank})

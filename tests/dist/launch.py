@@ -35,6 +35,15 @@ def read_events(path: Path, event: str | None = None) -> list[dict]:
     return [r for r in records if event is None or r["event"] == event]
 
 
+def decisions(path: Path) -> str:
+    """What a job judged and did (faults, suspicions, probes' outcomes, plans), one line each, for
+    failure messages."""
+    keep = ("iteration", "kind", "ranks", "factor", "reason", "quotas", "slow_rank_factors", "fault")
+    return "\n" + "\n".join(
+        f"{r['event']}: " + json.dumps({k: r[k] for k in keep if k in r})
+        for r in read_events(path) if r["event"] not in ("iteration", "start", "finish", "detector_overhead"))
+
+
 def iteration_losses(path: Path) -> dict[int, float]:
     return {r["iteration"]: r["lm_loss"] for r in read_events(path, "iteration")}
 

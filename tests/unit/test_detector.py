@@ -224,3 +224,21 @@ def test_config_thresholds_are_used():
     fault = "slow:rank=5,factor=1.5,at=30"
     strict = FailSlowDetector(ResiHPConfig(slowdown_threshold=1.6))
     assert _run(_trace(45, (fault,)), (fault,), strict)[1] == []
+
+
+def test_a_known_slowdown_is_the_norm_and_only_a_further_one_alarms():
+    # Rank 5 runs 2x slow from the start, as a re-plan already knows; at iteration 60 it slows to 4x.
+    known, worse = "slow:rank=5,factor=2.0,at=1", "slow:rank=5,factor=4.0,at=60"
+    det = FailSlowDetector()
+    det.expect({5: 2.0})
+    _, events = _run(_trace(58, (known,)), (known,), detector=det)
+    assert events == []  # without expect(), rank 5's group is suspected (below)
+    _, unaware = _run(_trace(58, (known,)), (known,))
+    assert unaware and unaware[0][0].ranks == (4, 5)
+    det = FailSlowDetector()
+    det.expect({5: 2.0})
+    _, events = _run(_trace(70, (known, worse)), (known, worse), detector=det)
+    assert len(events) == 1
+    suspicion, verdict = events[0]
+    assert 60 <= suspicion.iteration <= 63 and suspicion.ratio == pytest.approx(2.0, rel=0.25)
+    assert isinstance(verdict, Verdict) and verdict.ranks == (5,) and verdict.factor == pytest.approx(4.0, rel=0.2)

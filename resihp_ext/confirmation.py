@@ -1,0 +1,124 @@
+"""Verdicts that wait for a second probe round before anyone acts on them.
+
+Responsible for the bookkeeping between a first probe round naming a slow rank or link and the
+second round, ``confirm_after_iters`` iterations later, that must name it again: which verdicts
+wait, which are due, and what a second round makes of each (the confirmed verdict, or a Cleared).
+
+Several verdicts may wait at once. A suspicion raised while another verdict waits is probed at
+once and waits beside it, so a noise verdict on one link cannot hold back a real slowdown on
+another rank until its cooldown ends.
+
+Pure: probing is the caller's (``megatron.training.detection`` passes a function that runs a
+probe round); this module only decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from resihp_ext.observations import Suspicion
+from resihp_ext.validation import Cleared, ProbeResults, Verdict
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A verdict from a first probe round, and the iteration its second round is due."""
+
+    suspicion: Suspicion
+    verdict: Verdict
+    due_iteration: int
+
+
+class PendingVerdicts:
+    """Compute and link verdicts waiting for confirmation, oldest first.
+
+    Args:
+        wait_iters: iterations between the first and the second probe round
+            (``--resihp-confirm-after-iters``); 0 acts on first-round verdicts at once.
+    """
+
+    def __init__(self, wait_iters: int) -> None:
+        if wait_iters < 0:
+            raise ValueError(f"--resihp-confirm-after-iters must be >= 0, got {wait_iters}")
+        self.wait_iters = wait_iters
+        self._waiting: list[Waiting] = []
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def needs_confirmation(self, outcome: Verdict | Cleared) -> bool:
+        """Whether a first-round outcome must wait: fail-slow verdicts do, unless waits are off;
+        a Cleared, a hang or a dead verdict never does."""
+        return isinstance(outcome, Verdict) and outcome.kind in ("compute", "link") and self.wait_iters > 0
+
+    def hold(self, suspicion: Suspicion, verdict: Verdict, iteration: int) -> Waiting:
+        """Queue ``verdict`` (from the probes of ``suspicion`` at ``iteration``) for a second round."""
+        waiting = Waiting(suspicion, verdict, iteration + self.wait_iters)
+        self._waiting.append(waiting)
+        return waiting
+
+    def take_due(self, iteration: int) -> list[Waiting]:
+        """Remove and return, oldest first, the verdicts whose second round is due at ``iteration``."""
+        due = [w for w in self._waiting if w.due_iteration <= iteration]
+        self._waiting = [w for w in self._waiting if w.due_iteration > iteration]
+        return due
+
+    @staticmethod
+    def settle(waiting: Waiting, again: Verdict | Cleared, iteration: int) -> Verdict | Cleared:
+        """What the second round at ``iteration`` makes of a waiting verdict.
+
+        Confirmed when the first verdict's ranks (or link) are named again; a rank that only the
+        second round names is left to a suspicion of its own, as a busy neighbour can slow one
+        round. A confirmed verdict's factors are the geometric means of both rounds'. Otherwise the verdict becomes a Cleared that names both rounds' probe factors.
+        """
+        first = waiting.verdict
+        confirmed = isinstance(again, Verdict) and again.kind == first.kind and set(first.ranks) <= set(again.ranks)
+        evidence = {**first.evidence, "confirm_probe_iteration": iteration,
+                    "confirm_probe_factors": again.evidence.get("probe_factors", {})}
+        if confirmed:
+            # Two rounds measured the same slowdown: their geometric mean is the better estimate.
+            rounds = (first.evidence.get("probe_factors", {}), again.evidence.get("probe_factors", {}))
+            both = {k: round(math.sqrt(rounds[0][k] * rounds[1][k]), 4) for k in rounds[0] if k in rounds[1]}
+            factor = first.factor
+            if first.factor is not None and again.factor is not None:
+                factor = math.sqrt(first.factor * again.factor)
+            return dataclasses.replace(first, factor=factor, evidence={**evidence, "probe_factors": both or rounds[0],
+                                                                        "first_probe_factors": rounds[0]},
+                                       reason=f"{first.reason}; confirmed by probes at iteration {iteration}")
+        return Cleared(iteration, waiting.suspicion.ranks, evidence,
+                       f"the probes at iteration {iteration} did not confirm {first.kind} ranks "
+                       f"{list(first.ranks)} named at iteration {first.evidence.get('probe_iteration')}; dropped")
+
+    def settle_iteration(self, detector, iteration: int, suspicion: Suspicion | None,
+                         probe: Callable[[Suspicion], ProbeResults]) -> list[tuple[Suspicion, Verdict | Cleared]]:
+        """One iteration's validation: probe again the verdicts due, then probe a new suspicion.
+
+        Args:
+            detector: the ``FailSlowDetector`` that raised the suspicions (it concludes probe
+                rounds and releases what a second round drops).
+            iteration: the iteration just judged.
+            suspicion: what ``detector.observe`` raised for it, or None.
+            probe: runs one probe round for a suspicion and returns its timings.
+
+        Returns:
+            ``(suspicion, outcome)`` pairs settled now, oldest first: confirmed verdicts, dropped
+            ones (Cleared), and first-round outcomes that need no confirmation. A new fail-slow
+            verdict is held, not returned.
+        """
+        settled = []
+        for waiting in self.take_due(iteration):
+            again = detector.conclude(waiting.suspicion, probe(waiting.suspicion))
+            outcome = self.settle(waiting, again, iteration)
+            if isinstance(again, Verdict) and not isinstance(outcome, Verdict):
+                detector.release(waiting.suspicion, iteration)  # slow, but not the same ones
+            settled.append((waiting.suspicion, outcome))
+        if suspicion is not None:
+            outcome = detector.conclude(suspicion, probe(suspicion))
+            if self.needs_confirmation(outcome):
+                self.hold(suspicion, outcome, iteration)
+            else:
+                settled.append((suspicion, outcome))
+        return settled

@@ -1,0 +1,85 @@
+"""Verdicts wait for a second probe round; several may wait at once (resihp_ext.confirmation)."""
+
+import pytest
+
+from resihp_ext.confirmation import PendingVerdicts
+from resihp_ext.detector import Cleared, FailSlowDetector, Verdict
+from resihp_ext.faults import parse_fault
+from resihp_ext.traces import synthetic_probes, synthetic_trace
+from tests.unit.test_detector import SPEC
+
+# Rank 5 (replica 0, stage 1) slows at iteration 60; link 2 -> 6 slows at 59, but only the first
+# probe round sees it (a busy neighbour), so its verdict waits and is then dropped.
+SLOW_RANK = parse_fault("slow:rank=5,factor=2.0,at=60")
+BLIP = parse_fault("link:src=2,dst=6,factor=6,at=59")
+
+
+def _run(wait_iters: int, iterations: int = 70):
+    detector, pending = FailSlowDetector(), PendingVerdicts(wait_iters)
+    trace = synthetic_trace(SPEC, iterations, [SLOW_RANK, BLIP], seed=5)
+    link_rounds = []
+
+    def probe(suspicion):
+        if suspicion.kind == "link":
+            link_rounds.append(iteration)
+        faults = [SLOW_RANK] + ([BLIP] if len(link_rounds) == 1 and suspicion.kind == "link" else [])
+        return synthetic_probes(SPEC, faults, iteration, suspicion.probe_ranks, suspicion.probe_links)
+
+    settled, raised = [], []
+    for iteration, observations in trace:
+        suspicion = detector.observe(iteration, observations)
+        if suspicion is not None:
+            raised.append(suspicion)
+        settled += [(iteration, s, o) for s, o in pending.settle_iteration(detector, iteration, suspicion, probe)]
+    return settled, raised
+
+
+def test_a_suspicion_raised_while_another_verdict_waits_is_probed_at_once_and_confirmed():
+    settled, raised = _run(wait_iters=2)
+    link = next(s for s in raised if s.kind == "link")
+    compute = next(s for s in raised if s.kind == "compute")
+    # The premise: the link's verdict was still waiting when the slow rank's group was suspected.
+    assert link.iteration <= compute.iteration < link.iteration + 2, (link.iteration, compute.iteration)
+    dropped = [(i, o) for i, s, o in settled if s is link]
+    assert len(dropped) == 1 and isinstance(dropped[0][1], Cleared) and dropped[0][0] == link.iteration + 2
+    named = [(i, o) for i, s, o in settled if isinstance(o, Verdict) and o.kind == "compute"]
+    assert named, settled
+    acted_at, verdict = named[0]
+    assert verdict.ranks == (5,) and verdict.factor == pytest.approx(2.0, rel=0.2)
+    assert acted_at == compute.iteration + 2  # its own second round, not after the link's cooldown
+    assert verdict.evidence["confirm_probe_iteration"] == acted_at
+
+
+def test_without_waits_a_first_round_verdict_is_acted_on_at_once():
+    settled, raised = _run(wait_iters=0, iterations=64)
+    first = settled[0]
+    assert first[1] is raised[0] and first[0] == raised[0].iteration
+    assert any(isinstance(o, Verdict) and o.ranks == (5,) for _, _, o in settled)
+
+
+def test_a_second_round_that_names_other_ranks_drops_the_verdict_and_releases_its_group():
+    detector, pending = FailSlowDetector(), PendingVerdicts(2)
+    trace = synthetic_trace(SPEC, 70, [SLOW_RANK], seed=5)
+    other = parse_fault("slow:rank=4,factor=2.0,at=1")  # the second round finds rank 4 slow, not 5
+    rounds = []
+
+    def probe(suspicion):
+        rounds.append(iteration)
+        return synthetic_probes(SPEC, [SLOW_RANK] if len(rounds) == 1 else [other], iteration,
+                                suspicion.probe_ranks, suspicion.probe_links)
+
+    outcomes = []
+    for iteration, observations in trace:
+        outcomes += pending.settle_iteration(detector, iteration, detector.observe(iteration, observations), probe)
+        if outcomes:
+            break
+    (suspicion, outcome), = outcomes
+    assert isinstance(outcome, Cleared) and "did not confirm compute ranks [5]" in outcome.reason
+    assert outcome.evidence["confirm_probe_factors"]["4"] == pytest.approx(2.0, rel=0.2)
+    # Released: the group is no longer muted, so it is suspected again once its cooldown ends.
+    assert detector._eligible((suspicion.replica, suspicion.stage), iteration + detector.config.cleared_cooldown_iters)
+
+
+def test_rejects_a_negative_wait():
+    with pytest.raises(ValueError, match="--resihp-confirm-after-iters"):
+        PendingVerdicts(-1)
