@@ -23,6 +23,10 @@ from resihp_ext.observations import Suspicion
 from resihp_ext.validation import Cleared, ProbeResults, Verdict
 
 
+# Verdicts a re-plan acts on: what slowed down, and what is fast again.
+FAIL_SLOW_KINDS = ("compute", "link", "recovered")
+
+
 @dataclass(frozen=True)
 class Waiting:
     """A verdict from a first probe round, and the iteration its second round is due."""
@@ -33,7 +37,7 @@ class Waiting:
 
 
 class PendingVerdicts:
-    """Compute and link verdicts waiting for confirmation, oldest first.
+    """Compute, link and recovery verdicts waiting for confirmation, oldest first.
 
     Args:
         wait_iters: iterations between the first and the second probe round
@@ -50,9 +54,9 @@ class PendingVerdicts:
         return len(self._waiting)
 
     def needs_confirmation(self, outcome: Verdict | Cleared) -> bool:
-        """Whether a first-round outcome must wait: fail-slow verdicts do, unless waits are off;
+        """Whether a first-round outcome must wait: fail-slow and recovery verdicts do, unless waits are off;
         a Cleared, a hang or a dead verdict never does."""
-        return isinstance(outcome, Verdict) and outcome.kind in ("compute", "link") and self.wait_iters > 0
+        return isinstance(outcome, Verdict) and outcome.kind in FAIL_SLOW_KINDS and self.wait_iters > 0
 
     def hold(self, suspicion: Suspicion, verdict: Verdict, iteration: int) -> Waiting:
         """Queue ``verdict`` (from the probes of ``suspicion`` at ``iteration``) for a second round."""

@@ -29,7 +29,6 @@ observations, ``now`` and probe timings in, and acts on what comes back.
 
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Sequence
 
@@ -44,6 +43,7 @@ from resihp_ext.observations import (  # noqa: F401  (part of this module's API)
     RankObservation,
     Suspicion,
 )
+from resihp_ext.op_signals import Baselines, Streak, group_op_durations, link_gaps, op_times
 from resihp_ext.predictor import MicrobatchPredictor, as_feature_array, predict_replica
 from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of this API)
     Cleared,
@@ -65,72 +65,6 @@ _SHARED_DEVICE_CONTENTION = 1.5
 _HISTORY = 32
 # Healthy links probed beside a suspected one, so the probe round has its own reference.
 _LINK_REFERENCES = 3
-
-
-def _op_times(obs: RankObservation) -> np.ndarray:
-    """Rows F start, F end, B start, B end, F busy, B busy, indexed by micro-batch (NaN where not
-    recorded). Start and end place ops on the timeline; busy is what the device spent on them."""
-    table = np.full((6, len(obs.features)), np.nan)
-    for (kind, mb, start, end), busy in zip(obs.ops, obs.op_busy()):
-        row = 0 if kind == "F" else 2
-        table[row, mb] = start
-        table[row + 1, mb] = end
-        table[4 if kind == "F" else 5, mb] = busy
-    return table
-
-
-class _Baselines:
-    """Recent healthy values per id in one ring-buffer array, so all medians cost one call."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.index: dict = {}
-        self.values = np.full((0, size), np.nan)
-        self.count = np.zeros(0, dtype=int)
-
-    def __contains__(self, key) -> bool:
-        return key in self.index
-
-    def __iter__(self):
-        return iter(self.index)
-
-    def medians(self, min_count: int) -> dict:
-        if not self.index:
-            return {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            med = np.nanmedian(self.values, axis=1)
-        return {k: float(med[i]) for k, i in self.index.items() if self.count[i] >= min_count}
-
-    def add(self, key, value: float) -> None:
-        i = self.index.get(key)
-        if i is None:
-            i = self.index[key] = len(self.index)
-            if i >= len(self.values):
-                grow = max(16, len(self.values))
-                self.values = np.vstack([self.values, np.full((grow, self.size), np.nan)])
-                self.count = np.concatenate([self.count, np.zeros(grow, dtype=int)])
-        self.values[i, self.count[i] % self.size] = value
-        self.count[i] += 1
-
-
-class _Streak:
-    """Consecutive iterations above threshold for one group or link."""
-
-    __slots__ = ("count", "onset")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.onset = -1
-
-    def update(self, slow: bool, iteration: int) -> int:
-        if slow:
-            if self.count == 0:
-                self.onset = iteration
-            self.count += 1
-        else:
-            self.count = 0
-        return self.count
 
 
 class FailSlowDetector:
@@ -171,9 +105,11 @@ class FailSlowDetector:
         if forget_predictor:
             self.predictor.reset()
         self._seen = 0
-        self._group_streak: dict[GroupId, _Streak] = defaultdict(_Streak)
-        self._link_streak: dict[LinkId, _Streak] = defaultdict(_Streak)
-        self._link_history = _Baselines(_HISTORY)
+        self._group_streak: dict[GroupId, Streak] = defaultdict(Streak)
+        self._recovery_streak: dict[GroupId, Streak] = defaultdict(Streak)
+        self._known_groups: dict[GroupId, float] = {}
+        self._link_streak: dict[LinkId, Streak] = defaultdict(Streak)
+        self._link_history = Baselines(_HISTORY)
         self._overhead_history: deque = deque(maxlen=_HISTORY)
         self._contention_history: deque = deque(maxlen=_HISTORY)
         self._pending: set = set()
@@ -199,8 +135,8 @@ class FailSlowDetector:
         if not observations:
             return None
         groups, feats = self._group(observations)
-        times = {o.rank: _op_times(o) for o in observations}
-        durations = {g: self._op_durations([times[o.rank] for o in obs]) for g, obs in groups.items()}
+        times = {o.rank: op_times(o) for o in observations}
+        durations = {g: group_op_durations([times[o.rank] for o in obs]) for g, obs in groups.items()}
         # A group runs at its slowest member's pace, so a known slowdown scales the whole group.
         known: dict[GroupId, float] = {}
         for rank, factor in self._expected.items():
@@ -210,6 +146,7 @@ class FailSlowDetector:
         for g, factor in known.items():
             fwd, bwd = durations[g]
             durations[g] = (fwd / factor, bwd / factor)
+        self._known_groups = known
         keys = {g: self._keys(g, len(obs)) for g, obs in groups.items()}
         fitted = all(self.predictor.fitted(k) for ks in keys.values() for k in ks)
         judged = fitted and self._seen >= self.config.warmup_iters
@@ -241,7 +178,7 @@ class FailSlowDetector:
         wall = float(np.nansum(every_op[1] - every_op[0]) + np.nansum(every_op[3] - every_op[2]))
         busy = float(np.nansum(every_op[4:6]))
         contention = wall / busy if busy > 0 else 1.0
-        gaps = self._link_gaps(groups, times)
+        gaps = link_gaps(groups, times)
         link_ratio = {}
         self._link_base = self._link_history.medians(min_count=3)
         observed_iter = float(np.median([o.iteration_s for o in observations]))
@@ -272,7 +209,8 @@ class FailSlowDetector:
         batches: dict = defaultdict(list)
         for g, (fwd, bwd) in durations.items():
             if (self._seen == 1 or g in self._muted or g in self._pending or stage_ratio.get(g, 1.0) > threshold
-                    or sibling_ratio.get(g, 1.0) > threshold):
+                    or sibling_ratio.get(g, 1.0) > threshold
+                    or (g in known and stage_ratio.get(g, 1.0) * threshold < 1.0)):  # faster than known: not the norm
                 continue
             for key, dur in zip(keys[g], (fwd, bwd)):
                 batches[key].append(np.column_stack([feats[g[0]], dur]))
@@ -298,13 +236,26 @@ class FailSlowDetector:
             count = self._link_streak[link].update(ratio > threshold, iteration)
             if count >= need and self._eligible(link, iteration):
                 ready.append((ratio, "link", link, None))
+        for g in self._known_groups:
+            # A group with a known slow rank that runs faster than that slowdown predicts: the
+            # device may have recovered, and its work can go back to it.
+            ratio = stage_ratio.get(g)
+            if ratio is None:
+                continue
+            count = self._recovery_streak[g].update(ratio * threshold < 1.0, iteration)
+            if count >= need and self._eligible(("recovery", g), iteration):
+                ready.append((1.0 / max(ratio, 1e-9), "recovery", g, None))
         if not ready:
             return None
         # Compute first: a slow stage also delays what it sends; among equals, the worst ratio.
         ratio, kind, what, signal = max(ready, key=lambda item: (item[1] == "compute", item[0]))
-        self._pending.add(what)
         if kind == "compute":
+            self._pending.add(what)
             return self._compute_suspicion(iteration, what, ratio, signal)
+        if kind == "recovery":
+            self._pending.add(("recovery", what))
+            return self._recovery_suspicion(iteration, what, ratio)
+        self._pending.add(what)
         return self._link_suspicion(iteration, what, ratio)
 
     def _eligible(self, what, iteration: int) -> bool:
@@ -337,6 +288,21 @@ class FailSlowDetector:
                    else "in its slowest rank's compute against its TP siblings'")
                 + f" for {streak.count} iterations since {streak.onset} (threshold {self.config.slowdown_threshold})"
             ),
+        )
+
+    def _recovery_suspicion(self, iteration: int, g: GroupId, speedup: float) -> Suspicion:
+        ranks = self._group_ranks[g]
+        known = tuple(r for r in ranks if r in self._expected)
+        others = [h for h in self._group_ranks if h != g and h not in self._muted and h not in self._known_groups]
+        others.sort(key=lambda h: (h[1] != g[1], h))
+        reference = self._group_ranks[others[0]] if others else ()
+        streak = self._recovery_streak[g]
+        slowdowns = ", ".join(f"{r}: {self._expected[r]:.2f}x" for r in known)
+        return Suspicion(
+            iteration=iteration, onset_iteration=streak.onset, kind="recovery", replica=g[0], stage=g[1],
+            ranks=known, links=(), probe_ranks=tuple(ranks) + tuple(reference), probe_links=(), ratio=speedup,
+            reason=(f"replica {g[0]} stage {g[1]} (ranks {list(ranks)}) ran {speedup:.2f}x faster than its known "
+                    f"slowdown ({slowdowns}) predicts for {streak.count} iterations since {streak.onset}"),
         )
 
     def _link_suspicion(self, iteration: int, link: LinkId, ratio: float) -> Suspicion:
@@ -373,13 +339,22 @@ class FailSlowDetector:
     def release(self, suspicion: Suspicion, iteration: int) -> None:
         """Drop a suspicion (its probes, or a second round of them, named nobody): unmute its
         group or link, cool it down, and start its persistence count over."""
-        what = suspicion.links[0] if suspicion.kind == "link" else (suspicion.replica, suspicion.stage)
+        what = self._subject(suspicion)
         self._pending.discard(what)
         self._muted.discard(what)
         self._cooldown[what] = iteration + self.config.cleared_cooldown_iters
         # The cost model is not relearned here: a real fault starting during the cooldown would be
         # learned as normal.
-        (self._group_streak if suspicion.kind == "compute" else self._link_streak).pop(what, None)
+        streaks = {"compute": self._group_streak, "link": self._link_streak, "recovery": self._recovery_streak}
+        streaks[suspicion.kind].pop(suspicion.links[0] if suspicion.kind == "link" else (suspicion.replica, suspicion.stage), None)
+
+    @staticmethod
+    def _subject(suspicion: Suspicion):
+        """What a suspicion is about, as the pending, muted and cooldown sets name it."""
+        if suspicion.kind == "link":
+            return suspicion.links[0]
+        group = (suspicion.replica, suspicion.stage)
+        return ("recovery", group) if suspicion.kind == "recovery" else group
 
     def conclude(self, suspicion: Suspicion, probes: ProbeResults) -> Verdict | Cleared:
         """Turn a Suspicion and its probe timings into a Verdict or a Cleared.
@@ -391,7 +366,7 @@ class FailSlowDetector:
         Returns:
             A Verdict naming slow ranks or link with the probe factor, or Cleared.
         """
-        what = suspicion.links[0] if suspicion.kind == "link" else (suspicion.replica, suspicion.stage)
+        what = self._subject(suspicion)
         self._pending.discard(what)
         loc = localise(probes, self.config.probe_threshold)
         evidence = {
@@ -405,7 +380,20 @@ class FailSlowDetector:
             self._muted.add(what)
             return Verdict("hang", tuple(silent), None, probes.iteration, evidence,
                            f"ranks {silent} did not answer validation probes after: {suspicion.reason}")
-        if suspicion.kind == "compute":
+        if suspicion.kind == "recovery":
+            evidence["probe_factors"] = {str(r): round(loc.rank_factors[r], 4) for r in suspicion.ranks if r in loc.rank_factors}
+            evidence["known_factors"] = {str(r): round(self._expected.get(r, 1.0), 4) for r in suspicion.ranks}
+            # Faster again when its probe beats the known slowdown by the probe threshold.
+            faster = [r for r in suspicion.ranks
+                      if r in loc.rank_factors and loc.rank_factors[r] * self.config.probe_threshold <= self._expected.get(r, 1.0)]
+            if faster:
+                factor = max(max(loc.rank_factors[r], 1.0) for r in faster)
+                self._muted.add(what)
+                now = ", ".join(f"{r} ({max(loc.rank_factors[r], 1.0):.2f}x, was {self._expected[r]:.2f}x)" for r in faster)
+                return Verdict("recovered", tuple(sorted(faster)), factor, suspicion.onset_iteration, evidence,
+                               f"faster again: ranks {now}; group ran {suspicion.ratio:.2f}x faster than its known "
+                               f"slowdown since iteration {suspicion.onset_iteration}")
+        elif suspicion.kind == "compute":
             slow = [r for r in loc.slow_ranks if r in suspicion.ranks]
             evidence["probe_factors"] = {str(r): round(loc.rank_factors[r], 4) for r in suspicion.ranks if r in loc.rank_factors}
             if slow:
@@ -421,9 +409,9 @@ class FailSlowDetector:
                 return Verdict("link", tuple(slow[0]), loc.link_factors[slow[0]], suspicion.onset_iteration, evidence,
                                f"{loc.reason}; transfers ran {suspicion.ratio:.2f}x baseline since iteration {suspicion.onset_iteration}")
         self.release(suspicion, probes.iteration)
+        found = {"compute": "no slow rank", "link": "no slow link", "recovery": "no rank faster than its known slowdown"}
         return Cleared(probes.iteration, suspicion.ranks, evidence,
-                       f"probes found no slow {'rank' if suspicion.kind == 'compute' else 'link'} ({loc.reason}); "
-                       f"suspicion at iteration {suspicion.iteration} dropped")
+                       f"probes found {found[suspicion.kind]} ({loc.reason}); suspicion at iteration {suspicion.iteration} dropped")
 
     # ---------------------------------------------------------------- helpers
 
@@ -450,52 +438,12 @@ class FailSlowDetector:
     def _keys(self, g: GroupId, tp_degree: int):
         return self.keys_for(g[0], g[1], tp_degree)
 
-    @staticmethod
-    def _op_durations(rank_times: list[np.ndarray]):
-        stacked = np.stack(rank_times)  # [tp, 6, microbatch]
-        fwd, bwd = stacked[:, 4], stacked[:, 5]
-        # TP siblings meet in every op's all-reduce, so the group runs at its slowest member's
-        # pace: the group's busy time is the largest.
-        if not (np.isnan(fwd).any() or np.isnan(bwd).any()):
-            return fwd.max(axis=0), bwd.max(axis=0)  # common case, much faster
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN column: op not recorded
-            return np.nanmax(fwd, axis=0), np.nanmax(bwd, axis=0)
-
     def _predict_busy(self, keys, feats: np.ndarray) -> float:
         total = 0.0
         for key in keys:
             c = self.predictor.coefficients(key)
             total += float(c.predict(feats[:, 0], feats[:, 1], feats[:, 2]).sum())
         return total
-
-    @staticmethod
-    def _link_gaps(groups, times) -> dict[LinkId, tuple[float, int]]:
-        """Per directed link, (its smallest gap this iteration, how many transfers it made).
-
-        A gap (receiver's op start - sender's op end) is an upper bound of the transfer time, as
-        the receiver's op starts after its input arrived; the smallest is the tightest.
-        """
-        gaps: dict[LinkId, tuple[float, int]] = {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: no common micro-batch
-            for (replica, stage), obs in groups.items():
-                below = groups.get((replica, stage + 1))
-                if not below:
-                    continue
-                by_tp = {o.tp_rank: o.rank for o in below}
-                for o in obs:
-                    peer = by_tp.get(o.tp_rank)
-                    if peer is None:
-                        continue
-                    up, down = times[o.rank], times[peer]
-                    fwd = down[0] - up[1]  # activation: receiver's F start - sender's F end
-                    bwd = up[2] - down[3]  # gradient: sender's B start - receiver's B end
-                    for link, gap in (((o.rank, peer), fwd), ((peer, o.rank), bwd)):
-                        count = int(np.isfinite(gap).sum())
-                        if count:
-                            gaps[link] = (max(float(np.nanmin(gap)), 0.0), count)
-        return gaps
 
     def _predict_iteration(self, groups, keys, feats, observed_iter: float, contention: float) -> float | None:
         """The iteration's wall time from the predicted busy time of its ops.

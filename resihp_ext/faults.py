@@ -3,6 +3,8 @@
 A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into one:
 
     slow:rank=3,factor=2.0,at=20      compute on rank 3 takes 2x as long from iteration 20
+    slow:rank=3,factor=2.0,at=20,until=40
+                                      ... and recovers at the start of iteration 40
     link:src=1,dst=3,factor=4,at=20   transfers from rank 1 to rank 3 take 4x as long
     kill:rank=5,at=30                 rank 5 is SIGKILLed at iteration 30
     kill:rank=1,at=4,during=reform    rank 1 is SIGKILLed as it is about to join the world that
@@ -33,7 +35,7 @@ class FaultKind(str, enum.Enum):
 
 
 _KEYS = {
-    FaultKind.SLOW: {"rank", "factor", "at"},
+    FaultKind.SLOW: {"rank", "factor", "at", "until"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},
     FaultKind.KILL: {"rank", "at", "during"},
     FaultKind.HANG: {"rank", "at"},
@@ -56,6 +58,7 @@ class Fault:
     ``link``. ``factor`` is the slowdown (2.0 = twice as slow); 1.0 for kill/hang.
     ``at_iteration`` is the 1-based training iteration at whose start the fault begins; with
     ``during`` (kill only), the fault waits instead for that phase of a recovery at or after it.
+    ``until_iteration`` (slow only) is the iteration at whose start a slowdown ends (None: never).
     """
 
     kind: FaultKind
@@ -64,6 +67,7 @@ class Fault:
     factor: float = 1.0
     dst: int | None = None
     during: str | None = None
+    until_iteration: int | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 0 or (self.dst is not None and self.dst < 0):
@@ -75,6 +79,10 @@ class Fault:
         if self.during is not None and (self.kind is not FaultKind.KILL or self.during not in PHASES):
             raise ValueError(f"{FLAG}: during= is for kill faults and takes one of {list(PHASES)}; got "
                              f"{self.kind.value} with during={self.during}")
+        if self.until_iteration is not None and (self.kind is not FaultKind.SLOW
+                                                 or self.until_iteration <= self.at_iteration):
+            raise ValueError(f"{FLAG}: until= is for slow faults and must be after at=; got {self.kind.value} "
+                             f"with at={self.at_iteration}, until={self.until_iteration}")
         if self.kind is FaultKind.LINK and self.dst == self.rank:
             raise ValueError(f"{FLAG}: a link needs two different ranks, got src=dst={self.rank}")
 
@@ -83,14 +91,15 @@ class Fault:
         return self.rank
 
     def active(self, iteration: int) -> bool:
-        return iteration >= self.at_iteration
+        return iteration >= self.at_iteration and (self.until_iteration is None or iteration < self.until_iteration)
 
     def spec(self) -> str:
         """The fault in ``--resihp-inject`` grammar (``parse_fault(f.spec()) == f``)."""
         if self.kind is FaultKind.LINK:
             return f"link:src={self.rank},dst={self.dst},factor={self.factor:g},at={self.at_iteration}"
         if self.kind is FaultKind.SLOW:
-            return f"slow:rank={self.rank},factor={self.factor:g},at={self.at_iteration}"
+            until = f",until={self.until_iteration}" if self.until_iteration is not None else ""
+            return f"slow:rank={self.rank},factor={self.factor:g},at={self.at_iteration}{until}"
         during = f",during={self.during}" if self.during else ""
         return f"{self.kind.value}:rank={self.rank},at={self.at_iteration}{during}"
 
@@ -103,7 +112,7 @@ def parse_fault(spec: str) -> Fault:
     except ValueError:
         raise ValueError(
             f"{FLAG} {spec!r}: unknown fault kind {kind_text!r}; use one of "
-            "slow:rank=R,factor=F,at=I | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I[,during=reform|moves|replan] | "
+            "slow:rank=R,factor=F,at=I[,until=J] | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I[,during=reform|moves|replan] | "
             "hang:rank=R,at=I"
         ) from None
     fields: dict[str, str] = {}
@@ -125,6 +134,8 @@ def parse_fault(spec: str) -> Fault:
         dst = int(fields["dst"]) if kind is FaultKind.LINK else None
         at = int(fields["at"])
         factor = float(fields.get("factor", 1.0))
+        until = int(fields["until"]) if "until" in fields else None
     except ValueError as exc:
-        raise ValueError(f"{FLAG} {spec!r}: {exc}; ranks and at= are integers, factor= a number") from None
-    return Fault(kind=kind, rank=rank, at_iteration=at, factor=factor, dst=dst, during=fields.get("during"))
+        raise ValueError(f"{FLAG} {spec!r}: {exc}; ranks, at= and until= are integers, factor= a number") from None
+    return Fault(kind=kind, rank=rank, at_iteration=at, factor=factor, dst=dst, during=fields.get("during"),
+                 until_iteration=until)

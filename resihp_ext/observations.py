@@ -73,7 +73,8 @@ class Suspicion:
     Attributes:
         iteration: iteration at which the slowdown became persistent.
         onset_iteration: first iteration of the slow streak.
-        kind: ``"compute"`` (a stage group) or ``"link"`` (a pipeline transfer).
+        kind: ``"compute"`` (a stage group), ``"link"`` (a pipeline transfer) or ``"recovery"``
+            (a group holding a known slow rank runs faster than that slowdown predicts).
         replica: DP replica of the suspect group or link.
         stage: the suspect stage (for a link, its sending side's lower stage).
         ranks: suspect ranks.

@@ -124,7 +124,8 @@ class Verdict:
     """A confirmed failure.
 
     Attributes:
-        kind: ``"compute"`` | ``"link"`` | ``"dead"`` | ``"hang"``.
+        kind: ``"compute"`` | ``"link"`` | ``"dead"`` | ``"hang"`` | ``"recovered"`` (a known slow
+            rank is faster again; ``factor`` is its slowdown now, 1.0 when healthy).
         ranks: afflicted ranks (for a link: sender and receiver).
         factor: estimated slowdown (probe time / healthy median), None for dead/hang.
         iteration: iteration the verdict applies from.
@@ -140,8 +141,8 @@ class Verdict:
     reason: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("compute", "link", "dead", "hang"):
-            raise ValueError(f"verdict kind must be compute|link|dead|hang, got {self.kind!r}")
+        if self.kind not in ("compute", "link", "dead", "hang", "recovered"):
+            raise ValueError(f"verdict kind must be compute|link|dead|hang|recovered, got {self.kind!r}")
 
     def to_event(self) -> dict:
         """JSON-ready event (the caller adds ``"time"``)."""

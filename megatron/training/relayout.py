@@ -122,7 +122,8 @@ class LayoutChanges:
 
     @staticmethod
     def _verdict_health(verdict: Verdict) -> Health:
-        """The planner's view of a fail-slow verdict: each slow rank's speed, or the slow link's."""
+        """The planner's view of a fail-slow verdict: each slow rank's speed, or the slow link's; for a
+        ``recovered`` verdict, the rank's speed now (1.0 when healthy again)."""
         if verdict.kind == "link":
             src, dst = verdict.ranks
             return Health(slow_links={(src, dst): 1.0 / max(verdict.factor or 1.0, 1.0)})
@@ -131,7 +132,7 @@ class LayoutChanges:
                              for r in verdict.ranks})
 
     def _replan(self, iteration: int, verdicts: list[Verdict], objects, quotas):
-        """Fail-slow (compute or link verdicts): plan with the calibrated cost model and apply it in place.
+        """Fail-slow (compute, link or recovered verdicts): plan with the calibrated cost model and apply it in place.
 
         The plan sees every slowdown found so far in this world (``known_health``), not only these
         verdicts', so quotas moved away from an earlier slow rank stay away when another one slows.
@@ -153,6 +154,7 @@ class LayoutChanges:
                              predicted_iteration_s_after=plan.iteration_s_after)
             log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
         if plan.action != "adapt":
+            self.live.detector.expect(self.known_health.slow_factors)
             return objects, quotas
         if plan.layout != self.layout:
             objects, _ = self._apply_layout(plan.layout, objects, iteration)

@@ -30,6 +30,7 @@ from megatron.training.logging_utils import EventLog, log_line
 from megatron.training.relayout import LayoutChanges, StopTraining
 from megatron.training.reshard import unstage_transfers
 from megatron.training.schedules import RECORDER
+from resihp_ext.confirmation import FAIL_SLOW_KINDS
 from resihp_ext.faults import FaultKind
 from resihp_ext.layout import Layout
 from resihp_ext.planner.hardware import HardwareModel
@@ -155,6 +156,10 @@ class ResilienceHooks(LayoutChanges):
 
     def _apply_faults(self, iteration: int) -> None:
         for fault in self.faults:
+            if fault.until_iteration == iteration:
+                RECORDER.slowdown_factor = 1.0
+                self.events.emit("inject_end", iteration, fault=fault.spec())
+                log_line(f" rank {self.rank}: {fault.spec()} ends")
             if fault.at_iteration != iteration or fault.during is not None:
                 continue
             if fault.kind is FaultKind.LINK:
@@ -277,7 +282,8 @@ class ResilienceHooks(LayoutChanges):
         new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
         objects, args = new_objects, self.args
         quotas = plan.quotas or even_quotas(args.global_batch_size // args.micro_batch_size, args.data_parallel_size)
-        self.faults = [f for f in self.faults if f.at_iteration > iteration]  # faults follow the process
+        # Faults follow the process; a slowdown under way keeps its end.
+        self.faults = [f for f in self.faults if f.at_iteration > iteration or (f.until_iteration or 0) > iteration]
         LINKS.clear()  # slowed links name old ranks
         duration = time.perf_counter() - start
         if self.rank == 0:
@@ -376,7 +382,7 @@ class ResilienceHooks(LayoutChanges):
                 log_line(f" resihp: suspicion at iteration {suspicion.iteration}: {suspicion.reason}")
                 log_line(f" resihp: {describe(outcome)}")
         verdicts = [outcome for _, outcome in settled
-                    if isinstance(outcome, Verdict) and outcome.kind in ("compute", "link")]
+                    if isinstance(outcome, Verdict) and outcome.kind in FAIL_SLOW_KINDS]
         if verdicts and self.cfg.enable:
             objects, quotas = self._replan(iteration, verdicts, objects, quotas)
         return objects, quotas

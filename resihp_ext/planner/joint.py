@@ -156,10 +156,11 @@ def plan_adaptation(
     cross_links = any(
         layout.contains(a) and layout.contains(b) and layout.replica_of(a) != layout.replica_of(b)
         for a, b in health.slow_links)
-    if not affected:
-        why = "slow links between replicas only slow the gradient all-reduce; no placement avoids them" \
-            if cross_links else "no affected replica"
+    if not affected and cross_links:
+        why = "slow links between replicas only slow the gradient all-reduce; no placement avoids them"
         return Plan("keep", layout, quotas_now, (), before_s, before_s, 0.0, f"keep: {why}")
+    # With no affected replica, quotas skewed for a slowdown that has since gone are still weighed
+    # against the best split of the layout as it is (a device that recovered gets its work back).
 
     # candidates: untouched replicas keep their layout (timings shared between identical ones)
     shared: dict[tuple, ReplicaTiming] = {}
@@ -250,6 +251,8 @@ def plan_adaptation(
         if best is None or total < best[0]:
             best = (total, combo, chosen, kept, quotas, moves, cost_s, after_s)
     total, combo, chosen, kept, quotas, moves, cost_s, after_s = best
+    if not affected and tuple(quotas) == tuple(quotas_now):
+        return Plan("keep", layout, quotas_now, (), before_s, before_s, 0.0, "keep: no affected replica")
     new_layout = layout if not any(c.changed for c in chosen) else layout.with_replicas(c.replica for c in kept)
 
     if horizon_iters * before_s <= total:
@@ -258,7 +261,8 @@ def plan_adaptation(
                     f"off within {horizon_iters} iterations at {before_s:.3f} s/iter")
     used = set(new_layout.world_ranks)
     spares = tuple(r for r in layout.world_ranks if r not in used and r not in health.dead)
-    notes = [f"replica {r}: {_describe(layout.replicas[r], c, health)}" for r, c in zip(aff, combo)]
+    notes = [f"replica {r}: {_describe(layout.replicas[r], c, health)}" for r, c in zip(aff, combo)] \
+        or ["no affected replica, layouts kept"]
     before_txt = "stalled" if not math.isfinite(before_s) else f"{before_s:.3f} s/iter"
     gain = "" if not math.isfinite(before_s) else \
         f"; pays back in {cost_s / max(before_s - after_s, 1e-12):.0f} iterations"

@@ -17,12 +17,19 @@ MODEL = [
 ]
 
 
-def test_slow_ranks_are_adapted_in_place_one_after_another_and_training_stays_exact(tmp_path):
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory):
+    """Failure-free losses of MODEL on one process."""
+    ref_log = tmp_path_factory.mktemp("fail_slow_reference") / "ref.jsonl"
+    check(run_job(1, [*MODEL, "--resihp-event-log", str(ref_log)]))
+    return iteration_losses(ref_log)
+
+
+def test_slow_ranks_are_adapted_in_place_one_after_another_and_training_stays_exact(tmp_path, reference_losses):
     # PP2 x DP2 on 4 processes, on the host's shared cores as they are (no device emulation).
     # Rank 3 (replica 1, stage 1) slows at iteration 10, rank 0 (replica 0, stage 0) at 22, once
     # the detector has warmed up again after the first re-plan.
-    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
-    check(run_job(1, [*MODEL, "--resihp-event-log", str(ref_log)]))
+    log = tmp_path / "events.jsonl"
     check(run_job(4, [*MODEL, "--pipeline-model-parallel-size", "2", "--resihp-enable", "--resihp-event-log", str(log),
                       "--resihp-inject", "slow:rank=3,factor=3,at=10", "--resihp-inject", "slow:rank=0,factor=3,at=22"]))
     assert len(read_events(log, "start")) == 4  # one start per process: nothing restarted
@@ -38,9 +45,36 @@ def test_slow_ranks_are_adapted_in_place_one_after_another_and_training_stays_ex
     last = [p for p in plans if p["iteration"] >= second[0]["iteration"]]
     assert last and {"0", "3"} <= set(last[0]["slow_rank_factors"]), decisions(log)
     assert len([a for a in read_events(log, "adapted") if a["iteration"] >= first[0]["iteration"]]) >= 2, decisions(log)
-    ours, ref = iteration_losses(log), iteration_losses(ref_log)
-    assert sorted(ours) == list(range(1, 35))
-    assert [ours[i] for i in range(1, 35)] == pytest.approx([ref[i] for i in range(1, 35)], rel=1e-5)
+    _assert_same_losses(log, reference_losses, 34)
+
+
+def test_a_slow_rank_that_recovers_gets_its_micro_batches_back(tmp_path, reference_losses):
+    # Rank 3 runs 3x slow from iteration 10 to 21 (a throttled device that cools down). The
+    # re-plan moves micro-batches off replica 1; once the rank is fast again a "recovered" verdict
+    # gives them back, in the same processes.
+    log = tmp_path / "events.jsonl"
+    check(run_job(4, [*MODEL, "--pipeline-model-parallel-size", "2", "--resihp-enable", "--resihp-event-log", str(log),
+                      "--resihp-inject", "slow:rank=3,factor=3,at=10,until=22"]))
+    assert len(read_events(log, "start")) == 4
+    assert [e["iteration"] for e in read_events(log, "inject_end")] == [22], decisions(log)
+    verdicts = read_events(log, "verdict")
+    slow = [v for v in verdicts if v["kind"] == "compute" and v["ranks"] == [3] and v["iteration"] >= 9]
+    back = [v for v in verdicts if v["kind"] == "recovered" and v["ranks"] == [3]]
+    assert slow and back and back[0]["iteration"] >= 22, decisions(log)
+    assert back[0]["factor"] == pytest.approx(1.0, abs=0.2) and back[0]["evidence"]["known_factors"]["3"] > 2
+    adapted = read_events(log, "adapted")
+    before = [a for a in adapted if slow[0]["iteration"] <= a["iteration"] < back[0]["iteration"]]
+    after = [a for a in adapted if a["iteration"] >= back[0]["evidence"]["confirm_probe_iteration"]]
+    assert before and before[-1]["quotas"][1] < before[-1]["quotas"][0], decisions(log)
+    assert after and after[0]["quotas"] == [4, 4], decisions(log)
+    _assert_same_losses(log, reference_losses, 34)
+
+
+def _assert_same_losses(log, reference, iterations):
+    ours = iteration_losses(log)
+    assert sorted(ours) == list(range(1, iterations + 1))
+    assert [ours[i] for i in range(1, iterations + 1)] == pytest.approx(
+        [reference[i] for i in range(1, iterations + 1)], rel=1e-5)
 
 
 ISSUE_SHAPE = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--cpu-device-time-scale", "4"]

@@ -242,3 +242,29 @@ def test_a_known_slowdown_is_the_norm_and_only_a_further_one_alarms():
     suspicion, verdict = events[0]
     assert 60 <= suspicion.iteration <= 63 and suspicion.ratio == pytest.approx(2.0, rel=0.25)
     assert isinstance(verdict, Verdict) and verdict.ranks == (5,) and verdict.factor == pytest.approx(4.0, rel=0.2)
+
+
+def test_a_known_slow_rank_that_recovers_is_named_faster_again():
+    # Rank 5 ran 2x slow until iteration 60, as a re-plan knows; then it is healthy again.
+    gone = "slow:rank=5,factor=2.0,at=1,until=60"
+    det = FailSlowDetector()
+    det.expect({5: 2.0})
+    _, events = _run(_trace(70, (gone,)), (gone,), detector=det)
+    assert len(events) == 1, events
+    suspicion, verdict = events[0]
+    assert suspicion.kind == "recovery" and suspicion.ranks == (5,) and 60 <= suspicion.iteration <= 63
+    assert suspicion.ratio == pytest.approx(2.0, rel=0.25)  # 2x faster than the known slowdown predicts
+    assert isinstance(verdict, Verdict) and verdict.kind == "recovered" and verdict.ranks == (5,)
+    assert verdict.factor == pytest.approx(1.0, abs=0.15) and verdict.evidence["known_factors"] == {"5": 2.0}
+    # Partly recovered (known 4x, now 2x): named with its slowdown now.
+    still = "slow:rank=5,factor=2.0,at=1"
+    det = FailSlowDetector()
+    det.expect({5: 4.0})
+    _, events = _run(_trace(30, (still,)), (still,), detector=det)
+    assert events and events[0][1].kind == "recovered" and events[0][1].factor == pytest.approx(2.0, rel=0.1)
+    # Faster ops but probes that still find the old slowdown: dropped.
+    det = FailSlowDetector()
+    det.expect({5: 2.0})
+    _, events = _run(_trace(70, (gone,)), (still,), detector=det)
+    assert events and isinstance(events[0][1], Cleared), events
+    assert "no rank faster than its known slowdown" in events[0][1].reason

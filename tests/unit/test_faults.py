@@ -7,6 +7,7 @@ from resihp_ext.faults import Fault, FaultKind, parse_fault
 
 @pytest.mark.parametrize("spec", [
     "slow:rank=3,factor=2,at=20",
+    "slow:rank=3,factor=2,at=20,until=40",
     "link:src=1,dst=3,factor=4,at=20",
     "kill:rank=5,at=30",
     "kill:rank=1,at=4,during=reform",
@@ -37,7 +38,9 @@ def test_fields():
     ("link:src=2,dst=2,factor=2,at=3", "two different ranks"),
     ("kill:rank=1,at=2,during=sleep", "during= is for kill faults"),
     ("hang:rank=1,at=2,during=reform", "takes keys"),
-    ("kill:rank=x,at=2", "ranks and at= are integers"),
+    ("kill:rank=x,at=2", "ranks, at= and until= are integers"),
+    ("slow:rank=1,factor=2,at=5,until=5", "until= is for slow faults and must be after at="),
+    ("link:src=1,dst=2,factor=2,at=3,until=9", "unknown ['until']"),
 ])
 def test_bad_specs_name_the_flag_and_the_fix(spec, message):
     with pytest.raises(ValueError, match="--resihp-inject") as info:
@@ -48,3 +51,9 @@ def test_bad_specs_name_the_flag_and_the_fix(spec, message):
 def test_during_only_for_kill():
     with pytest.raises(ValueError, match="during="):
         Fault(FaultKind.SLOW, rank=1, at_iteration=2, factor=2.0, during="reform")
+
+
+def test_a_slowdown_with_an_end_is_active_from_at_until_before_until():
+    fault = parse_fault("slow:rank=3,factor=2,at=5,until=8")
+    assert [i for i in range(1, 12) if fault.active(i)] == [5, 6, 7]
+    assert parse_fault("slow:rank=3,factor=2,at=5").active(10**6)

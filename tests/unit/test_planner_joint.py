@@ -31,6 +31,16 @@ def test_fail_slow_adapts_and_beats_no_adaptation():
     assert plan.quotas[0] < plan.quotas[1]  # the slow replica takes fewer micro-batches
 
 
+def test_quotas_skewed_for_a_slowdown_that_has_gone_are_given_back():
+    # Replica 0 took fewer micro-batches while rank 16 was slow; it is healthy again.
+    skewed = (10, 18, 18, 18)
+    plan = plan_adaptation(LAYOUT, Health(speed={16: 1.0}), current_quotas=skewed)
+    assert plan.action == "adapt" and plan.layout == LAYOUT and plan.moves == ()
+    assert plan.quotas == (16, 16, 16, 16) and plan.iteration_s_after < plan.iteration_s_before
+    assert "no affected replica" in plan.reason
+    assert plan_adaptation(LAYOUT, Health(), current_quotas=(16, 16, 16, 16)).reason == "keep: no affected replica"
+
+
 def test_fail_stop_moves_come_from_surviving_holders_of_the_same_shard():
     dead = 17  # replica 0, stage 1, TP rank 1
     plan = plan_adaptation(LAYOUT, Health(dead=frozenset({dead})))

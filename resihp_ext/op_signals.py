@@ -1,0 +1,121 @@
+"""The measures the fail-slow detector judges, taken from one iteration's op timings.
+
+Responsible for turning ``RankObservation``s into numbers: a per-rank table of op start, end and
+busy times, a TP group's op durations, each pipeline link's transfer gap, and the two small
+containers that remember values over iterations (ring-buffer baselines, above-threshold streaks).
+Judging them is ``resihp_ext.detector``'s job.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from resihp_ext.observations import LinkId, RankObservation
+
+
+def op_times(obs: RankObservation) -> np.ndarray:
+    """Rows F start, F end, B start, B end, F busy, B busy, indexed by micro-batch (NaN where not
+    recorded). Start and end place ops on the timeline; busy is what the device spent on them."""
+    table = np.full((6, len(obs.features)), np.nan)
+    for (kind, mb, start, end), busy in zip(obs.ops, obs.op_busy()):
+        row = 0 if kind == "F" else 2
+        table[row, mb] = start
+        table[row + 1, mb] = end
+        table[4 if kind == "F" else 5, mb] = busy
+    return table
+
+
+class Baselines:
+    """Recent healthy values per id in one ring-buffer array, so all medians cost one call."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.index: dict = {}
+        self.values = np.full((0, size), np.nan)
+        self.count = np.zeros(0, dtype=int)
+
+    def __contains__(self, key) -> bool:
+        return key in self.index
+
+    def __iter__(self):
+        return iter(self.index)
+
+    def medians(self, min_count: int) -> dict:
+        if not self.index:
+            return {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            med = np.nanmedian(self.values, axis=1)
+        return {k: float(med[i]) for k, i in self.index.items() if self.count[i] >= min_count}
+
+    def add(self, key, value: float) -> None:
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = len(self.index)
+            if i >= len(self.values):
+                grow = max(16, len(self.values))
+                self.values = np.vstack([self.values, np.full((grow, self.size), np.nan)])
+                self.count = np.concatenate([self.count, np.zeros(grow, dtype=int)])
+        self.values[i, self.count[i] % self.size] = value
+        self.count[i] += 1
+
+
+class Streak:
+    """Consecutive iterations above threshold for one group or link."""
+
+    __slots__ = ("count", "onset")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.onset = -1
+
+    def update(self, slow: bool, iteration: int) -> int:
+        if slow:
+            if self.count == 0:
+                self.onset = iteration
+            self.count += 1
+        else:
+            self.count = 0
+        return self.count
+
+
+def group_op_durations(rank_times: list[np.ndarray]):
+    stacked = np.stack(rank_times)  # [tp, 6, microbatch]
+    fwd, bwd = stacked[:, 4], stacked[:, 5]
+    # TP siblings meet in every op's all-reduce, so the group runs at its slowest member's
+    # pace: the group's busy time is the largest.
+    if not (np.isnan(fwd).any() or np.isnan(bwd).any()):
+        return fwd.max(axis=0), bwd.max(axis=0)  # common case, much faster
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN column: op not recorded
+        return np.nanmax(fwd, axis=0), np.nanmax(bwd, axis=0)
+
+
+def link_gaps(groups, times) -> dict[LinkId, tuple[float, int]]:
+    """Per directed link, (its smallest gap this iteration, how many transfers it made).
+
+    A gap (receiver's op start - sender's op end) is an upper bound of the transfer time, as
+    the receiver's op starts after its input arrived; the smallest is the tightest.
+    """
+    gaps: dict[LinkId, tuple[float, int]] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: no common micro-batch
+        for (replica, stage), obs in groups.items():
+            below = groups.get((replica, stage + 1))
+            if not below:
+                continue
+            by_tp = {o.tp_rank: o.rank for o in below}
+            for o in obs:
+                peer = by_tp.get(o.tp_rank)
+                if peer is None:
+                    continue
+                up, down = times[o.rank], times[peer]
+                fwd = down[0] - up[1]  # activation: receiver's F start - sender's F end
+                bwd = up[2] - down[3]  # gradient: sender's B start - receiver's B end
+                for link, gap in (((o.rank, peer), fwd), ((peer, o.rank), bwd)):
+                    count = int(np.isfinite(gap).sum())
+                    if count:
+                        gaps[link] = (max(float(np.nanmin(gap)), 0.0), count)
+    return gaps
