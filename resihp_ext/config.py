@@ -27,7 +27,7 @@ class ResiHPConfig:
     """Path of a JSONL trace of every rank's op timings per iteration (input to scripts/bench/detection.py --trace)."""
 
     inject: list[str] = field(default_factory=list)
-    """Inject a fault (repeatable): slow:rank=R,factor=F,at=I | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I | hang:rank=R,at=I."""
+    """Inject a fault (repeatable): slow:rank=R,factor=F,at=I[,until=J] | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I | hang:rank=R,at=I."""
 
     slowdown_threshold: float = 1.25
     """Observed/predicted iteration-time ratio above which a stage or rank becomes suspect."""
@@ -49,6 +49,10 @@ class ResiHPConfig:
     only if the same ranks (or link) are slow again; otherwise it is cleared. A device that is
     slow for a moment (a busy neighbour on a shared host) is not re-planned around. 0: act on the
     first probe round."""
+
+    no_recovery: bool = False
+    """Never raise recovery suspicions: a slow rank that is fast again keeps the smaller share it
+    was given (the behaviour to compare recovery against)."""
 
     heartbeat_interval_s: float = 0.2
     """Seconds between heartbeats each rank writes to the job's store."""

@@ -236,7 +236,7 @@ class FailSlowDetector:
             count = self._link_streak[link].update(ratio > threshold, iteration)
             if count >= need and self._eligible(link, iteration):
                 ready.append((ratio, "link", link, None))
-        for g in self._known_groups:
+        for g in () if self.config.no_recovery else self._known_groups:
             # A group with a known slow rank that runs faster than that slowdown predicts: the
             # device may have recovered, and its work can go back to it.
             ratio = stage_ratio.get(g)

@@ -20,6 +20,10 @@ documents):
     These runs emulate one device per rank (``--cpu-device-time-scale``, default 16): on a host
     with fewer cores than ranks the cores, not the slowest rank, would bound throughput, and no
     plan could win anything back;
+    * ``--slow-rank`` slowed ``--factor`` x from ``--slow-at`` until ``--recover-at``, adapted, with
+      recovery (a ``recovered`` verdict gives its micro-batches back) and with
+      ``--resihp-no-recovery`` (they stay where the first re-plan put them), as fractions of healthy
+      throughput over the same iterations after the recovery run's last re-plan;
 (ii) fail-stop, ``--kill`` ranks (default 5) SIGKILLed at ``--kill-at``. ``--kill 2 --kill 5`` breaks both
     replicas (replica 1's stage 0 and replica 0's stage 1): in place, the survivors rebuild a replica
     from the two stage groups left whole; before that plan existed, this case needed a restart.
@@ -34,7 +38,8 @@ documents):
       separately, not added).
 
     python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0] [--slow-rank 7]
-        [--link 0:4] [--link-factor 600] [--kill 5]... [--skip throughput|slow|link|fail_stop]...
+        [--link 0:4] [--link-factor 600] [--recover-at 22] [--kill 5]...
+        [--skip throughput|slow|link|recover|fail_stop]...
 """
 
 from __future__ import annotations
@@ -88,8 +93,11 @@ def events(path: Path, kind: str | None = None) -> list[dict]:
     return [r for r in rows if kind is None or r["event"] == kind]
 
 
-def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int) -> dict:
-    """One throughput run: median iteration seconds in steady state, with its verdicts and re-plans."""
+def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int, fixed_start: bool = False) -> dict:
+    """One throughput run: median iteration seconds in steady state, with its verdicts and re-plans.
+
+    Measured from ``onset + 1`` on, or from the iteration after the last re-plan when that is later
+    (unless ``fixed_start``, which compares two runs over the same iterations)."""
     device = ["--cpu-device-time-scale", str(args.device_time_scale)] if args.device_time_scale else []
     log = work / f"{name}.events.jsonl"
     log.unlink(missing_ok=True)
@@ -99,7 +107,7 @@ def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int) -
     # Steady state: after the onset (and after the re-plan, when there is one) plus one iteration.
     start = onset + 1
     iteration_events = events(log, "iteration")
-    if adapted:
+    if adapted and not fixed_start:
         after_replan = max(start, max(a["iteration"] for a in adapted) + 1)
         if sum(e["iteration"] > after_replan for e in iteration_events) >= 3:
             start = after_replan  # else too few iterations after the last re-plan: measure from onset
@@ -134,7 +142,12 @@ def throughput(args, work: Path) -> dict:
                                                    args.slow_at)
         out[f"{fault}_adapted_over_unadapted"] = round(
             out[f"{fault}_adapted"]["samples_per_s"] / out[f"{fault}_unadapted"]["samples_per_s"], 4)
+    if "recover" not in args.skip:
+        out.update(_recovery(args, work))
     healthy = out["healthy"]["samples_per_s"]
+    if "recover_given_back" in out:
+        for name in ("recover_kept_skewed", "recover_given_back"):
+            out[name]["fraction_of_healthy"] = round(out[name]["samples_per_s"] / healthy, 4)
     if "slow" in faults:
         bound = healthy * (NPROC - 1 + 1.0 / args.factor) / NPROC
         out["capacity_bound"] = {"samples_per_s": round(bound, 3),
@@ -147,6 +160,21 @@ def throughput(args, work: Path) -> dict:
         if name in out:
             out[name]["fraction_of_healthy"] = round(out[name]["samples_per_s"] / healthy, 4)
     return out
+
+
+def _recovery(args, work: Path) -> dict:
+    """``--slow-rank`` slowed ``--factor`` x from ``--slow-at`` until ``--recover-at`` (a throttled device
+    that cools down), adapted both times: with recovery (its micro-batches are given back) and with
+    ``--resihp-no-recovery`` (they stay skewed). Both measured over the same iterations, those after
+    the recovery run's last re-plan."""
+    spec = f"slow:rank={args.slow_rank},factor={args.factor},at={args.slow_at},until={args.recover_at}"
+    back = _throughput_run(args, work, "recover_given_back", ["--resihp-enable", "--resihp-inject", spec],
+                           args.recover_at)
+    kept = _throughput_run(args, work, "recover_kept_skewed",
+                           ["--resihp-enable", "--resihp-no-recovery", "--resihp-inject", spec],
+                           back["from_iteration"] - 1, fixed_start=True)
+    return {"recover_given_back": back, "recover_kept_skewed": kept,
+            "recover_given_back_over_kept_skewed": round(back["samples_per_s"] / kept["samples_per_s"], 4)}
 
 
 def fail_stop(args, work: Path) -> dict:
@@ -226,6 +254,8 @@ def main() -> None:
     parser.add_argument("--slow-rank", type=int, default=7,
                         help="rank slowed in the throughput runs (7: TP rank 1 of the last stage of replica 1)")
     parser.add_argument("--slow-at", type=int, default=10)
+    parser.add_argument("--recover-at", type=int, default=22,
+                        help="iteration at which --slow-rank is fast again in the recovery runs")
     parser.add_argument("--global-batch", type=int, default=32,
                         help="global batch of the throughput runs (8 micro-batches per replica)")
     parser.add_argument("--device-time-scale", type=float, default=16.0,
@@ -237,12 +267,16 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=6)
     parser.add_argument("--kill", type=int, action="append", default=None,
                         help="rank SIGKILLed in the fail-stop runs (repeatable; default 5)")
-    parser.add_argument("--skip", choices=("throughput", "slow", "link", "fail_stop"), action="append", default=[],
-                        help="leave out a part: throughput (every throughput run), slow (the slow-rank runs), "
-                             "link (the slow-link runs), fail_stop")
+    parser.add_argument("--skip", choices=("throughput", "slow", "link", "recover", "fail_stop"), action="append",
+                        default=[], help="leave out a part: throughput (every throughput run), slow (the slow-rank "
+                                         "runs), link (the slow-link runs), recover (the recovery runs), fail_stop")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     args = parser.parse_args()
     args.kill = sorted(set(args.kill or KILL_RANKS))
+    if "recover" not in args.skip and "throughput" not in args.skip and not (
+            args.slow_at < args.recover_at <= args.iters - 12):
+        parser.error(f"--recover-at must be after --slow-at ({args.slow_at}) and at least 12 iterations before "
+                     f"the end (--iters {args.iters}); got {args.recover_at}, or pass --skip recover")
     if any(not 0 <= r < NPROC for r in args.kill):
         parser.error(f"--kill takes ranks 0-{NPROC - 1}; got {args.kill}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="adaptation_"))
@@ -284,6 +318,15 @@ def main() -> None:
                       f"{r['from_iteration']}, n={r['measured_iterations']})  {r['fraction_of_healthy']:.3f} of "
                       f"healthy  verdicts {r['verdicts']} adapted {r['adapted']}")
             print(f"  adapted / unadapted = {t['link_adapted_over_unadapted']}")
+        if "recover_given_back" in t:
+            print(f"rank {args.slow_rank} slowed {args.factor:g}x from iteration {args.slow_at} until {args.recover_at}, "
+                  f"adapted in both runs")
+            for name in ("recover_kept_skewed", "recover_given_back"):
+                r = t[name]
+                print(f"  {name:<19} {r['samples_per_s']:>8} samples/s ({r['median_iteration_s']} s/it, from it. "
+                      f"{r['from_iteration']}, n={r['measured_iterations']})  {r['fraction_of_healthy']:.3f} of "
+                      f"healthy  verdicts {r['verdicts']} adapted {r['adapted']}")
+            print(f"  given back / kept skewed = {t['recover_given_back_over_kept_skewed']}")
     if "fail_stop" in out:
         f = out["fail_stop"]
         print(f"fail-stop (ranks {f['killed_ranks']} SIGKILLed at iteration {f['kill_at']}):")
