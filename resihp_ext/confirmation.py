@@ -76,7 +76,8 @@ class PendingVerdicts:
 
         Confirmed when the first verdict's ranks (or link) are named again; a rank that only the
         second round names is left to a suspicion of its own, as a busy neighbour can slow one
-        round. A confirmed verdict's factors are the geometric means of both rounds'. Otherwise the verdict becomes a Cleared that names both rounds' probe factors.
+        round. A confirmed verdict's factors are the geometric means of both rounds'. Otherwise the
+        verdict becomes a Cleared that names both rounds' probe factors.
         """
         first = waiting.verdict
         confirmed = isinstance(again, Verdict) and again.kind == first.kind and set(first.ranks) <= set(again.ranks)

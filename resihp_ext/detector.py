@@ -346,7 +346,8 @@ class FailSlowDetector:
         # The cost model is not relearned here: a real fault starting during the cooldown would be
         # learned as normal.
         streaks = {"compute": self._group_streak, "link": self._link_streak, "recovery": self._recovery_streak}
-        streaks[suspicion.kind].pop(suspicion.links[0] if suspicion.kind == "link" else (suspicion.replica, suspicion.stage), None)
+        group = (suspicion.replica, suspicion.stage)
+        streaks[suspicion.kind].pop(suspicion.links[0] if suspicion.kind == "link" else group, None)
 
     @staticmethod
     def _subject(suspicion: Suspicion):
@@ -380,22 +381,16 @@ class FailSlowDetector:
             self._muted.add(what)
             return Verdict("hang", tuple(silent), None, probes.iteration, evidence,
                            f"ranks {silent} did not answer validation probes after: {suspicion.reason}")
+        if suspicion.kind != "link":
+            evidence["probe_factors"] = {str(r): round(loc.rank_factors[r], 4)
+                                         for r in suspicion.ranks if r in loc.rank_factors}
         if suspicion.kind == "recovery":
-            evidence["probe_factors"] = {str(r): round(loc.rank_factors[r], 4) for r in suspicion.ranks if r in loc.rank_factors}
-            evidence["known_factors"] = {str(r): round(self._expected.get(r, 1.0), 4) for r in suspicion.ranks}
-            # Faster again when its probe beats the known slowdown by the probe threshold.
-            faster = [r for r in suspicion.ranks
-                      if r in loc.rank_factors and loc.rank_factors[r] * self.config.probe_threshold <= self._expected.get(r, 1.0)]
-            if faster:
-                factor = max(max(loc.rank_factors[r], 1.0) for r in faster)
+            verdict = self._recovered(suspicion, loc, evidence)
+            if verdict is not None:
                 self._muted.add(what)
-                now = ", ".join(f"{r} ({max(loc.rank_factors[r], 1.0):.2f}x, was {self._expected[r]:.2f}x)" for r in faster)
-                return Verdict("recovered", tuple(sorted(faster)), factor, suspicion.onset_iteration, evidence,
-                               f"faster again: ranks {now}; group ran {suspicion.ratio:.2f}x faster than its known "
-                               f"slowdown since iteration {suspicion.onset_iteration}")
+                return verdict
         elif suspicion.kind == "compute":
             slow = [r for r in loc.slow_ranks if r in suspicion.ranks]
-            evidence["probe_factors"] = {str(r): round(loc.rank_factors[r], 4) for r in suspicion.ranks if r in loc.rank_factors}
             if slow:
                 factor = loc.rank_factors[slow[0]]
                 self._muted.add(what)
@@ -411,7 +406,22 @@ class FailSlowDetector:
         self.release(suspicion, probes.iteration)
         found = {"compute": "no slow rank", "link": "no slow link", "recovery": "no rank faster than its known slowdown"}
         return Cleared(probes.iteration, suspicion.ranks, evidence,
-                       f"probes found {found[suspicion.kind]} ({loc.reason}); suspicion at iteration {suspicion.iteration} dropped")
+                       f"probes found {found[suspicion.kind]} ({loc.reason}); "
+                       f"suspicion at iteration {suspicion.iteration} dropped")
+
+    def _recovered(self, suspicion: Suspicion, loc, evidence: dict) -> Verdict | None:
+        """A ``recovered`` verdict for the known slow ranks whose probe beats their known slowdown
+        by ``probe_threshold``, or None if none does."""
+        known = {r: self._expected.get(r, 1.0) for r in suspicion.ranks}
+        evidence["known_factors"] = {str(r): round(f, 4) for r, f in known.items()}
+        now = {r: max(loc.rank_factors[r], 1.0) for r in suspicion.ranks if r in loc.rank_factors
+               and loc.rank_factors[r] * self.config.probe_threshold <= known[r]}
+        if not now:
+            return None
+        named = ", ".join(f"{r} ({f:.2f}x, was {known[r]:.2f}x)" for r, f in sorted(now.items()))
+        return Verdict("recovered", tuple(sorted(now)), max(now.values()), suspicion.onset_iteration, evidence,
+                       f"faster again: ranks {named}; group ran {suspicion.ratio:.2f}x faster than its known "
+                       f"slowdown since iteration {suspicion.onset_iteration}")
 
     # ---------------------------------------------------------------- helpers
 

@@ -42,8 +42,13 @@ class StopTraining(Exception):
         self.exit_code = exit_code
 
 
+def replica_shape(replica) -> tuple:
+    """Layers and TP degree of each stage: what two replicas must share to train alike."""
+    return replica.layers_per_stage, tuple(s.tp_degree for s in replica.stages)
+
+
 def replicas_alike(layout: Layout) -> bool:
-    return len({(r.layers_per_stage, tuple(s.tp_degree for s in r.stages)) for r in layout.replicas}) == 1
+    return len({replica_shape(r) for r in layout.replicas}) == 1
 
 
 class LayoutChanges:
@@ -132,7 +137,8 @@ class LayoutChanges:
                              for r in verdict.ranks})
 
     def _replan(self, iteration: int, verdicts: list[Verdict], objects, quotas):
-        """Fail-slow (compute, link or recovered verdicts): plan with the calibrated cost model and apply it in place.
+        """Fail-slow (compute, link or recovered verdicts): plan with the calibrated cost model, apply
+        it in place.
 
         The plan sees every slowdown found so far in this world (``known_health``), not only these
         verdicts', so quotas moved away from an earlier slow rank stay away when another one slows.
@@ -144,8 +150,9 @@ class LayoutChanges:
             self.known_health = self.known_health.updated(self._verdict_health(verdict))
         horizon = max(self.args.train_iters - iteration, 1)
         plan = plan_adaptation(self.layout, self.known_health, self._calibrated_hardware(self.known_health.slow_links),
-                               current_quotas=tuple(quotas),
-                               horizon_iters=horizon, uniform_tp_per_replica=True)
+                               current_quotas=tuple(quotas), horizon_iters=horizon, uniform_tp_per_replica=True,
+                               reshaped=[r for r, rep in enumerate(self.layout.replicas)
+                                         if replica_shape(rep) != self.launch_shape])
         if self.rank == 0:
             slow_factors = {str(r): round(f, 4) for r, f in sorted(self.known_health.slow_factors.items())}
             self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,

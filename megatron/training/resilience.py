@@ -27,7 +27,7 @@ from megatron.training.detection import LiveDetector, describe, link_probe_bytes
 from megatron.training.heartbeat import HeartbeatMonitor, connect_store
 from megatron.training.link_faults import LINKS
 from megatron.training.logging_utils import EventLog, log_line
-from megatron.training.relayout import LayoutChanges, StopTraining
+from megatron.training.relayout import LayoutChanges, StopTraining, replica_shape
 from megatron.training.reshard import unstage_transfers
 from megatron.training.schedules import RECORDER
 from resihp_ext.confirmation import FAIL_SLOW_KINDS
@@ -77,6 +77,9 @@ class ResilienceHooks(LayoutChanges):
         self.last_observations: list = []
         # Fail-slow verdicts acted on in this world (its ranks): every later plan starts from them.
         self.known_health = Health()
+        # What every replica ran at launch (layers and TP degree per stage): a replica that differs
+        # was reshaped by a plan, and a later plan may shape it back.
+        self.launch_shape = replica_shape(self.layout.replicas[0])
         self.live = None
         if self.cfg.detection_on:
             self.live = LiveDetector(

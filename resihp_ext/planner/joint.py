@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
@@ -125,6 +126,7 @@ def plan_adaptation(
     horizon_iters: int = 500,
     current_quotas: tuple[int, ...] | None = None,
     uniform_tp_per_replica: bool = False,
+    reshaped: Iterable[int] = (),
 ) -> Plan:
     """Re-plan ``layout`` for ``health``: the ResiHP policy.
 
@@ -137,6 +139,9 @@ def plan_adaptation(
         current_quotas: quotas running now (default: equal split).
         uniform_tp_per_replica: only propose replicas whose stages share one TP degree (what an
             executor without activation resharding between stages can run).
+        reshaped: replicas an earlier plan changed for a slowdown (layers moved off a slow rank);
+            they are candidates for change like the affected ones, so that once that rank is fast
+            again its layers can go back.
 
     Returns:
         A Plan: "keep", "adapt" (new layout, quotas, moves) or "checkpoint-restart" with a reason.
@@ -152,7 +157,7 @@ def plan_adaptation(
     if len(quotas_now) != layout.num_replicas or sum(quotas_now) != num_mb:
         raise ValueError(f"current_quotas {quotas_now} must have one entry per replica and sum to {num_mb}")
     before_s = iteration_s(layout, quotas_now, health, hw)
-    affected = set(layout.replicas_touching(health.affected_ranks))
+    affected = set(layout.replicas_touching(health.affected_ranks)) | set(reshaped)
     cross_links = any(
         layout.contains(a) and layout.contains(b) and layout.replica_of(a) != layout.replica_of(b)
         for a, b in health.slow_links)

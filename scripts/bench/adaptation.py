@@ -172,7 +172,7 @@ def _recovery(args, work: Path) -> dict:
                            args.recover_at)
     kept = _throughput_run(args, work, "recover_kept_skewed",
                            ["--resihp-enable", "--resihp-no-recovery", "--resihp-inject", spec],
-                           back["from_iteration"] - 1, fixed_start=True)
+                           back["from_iteration"] - 2, fixed_start=True)  # measured from onset + 2
     return {"recover_given_back": back, "recover_kept_skewed": kept,
             "recover_given_back_over_kept_skewed": round(back["samples_per_s"] / kept["samples_per_s"], 4)}
 

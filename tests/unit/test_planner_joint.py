@@ -6,7 +6,7 @@ import pytest
 
 from hypothesis import given, settings, strategies as st
 
-from resihp_ext.layout import Layout, ModelSpec
+from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
 from resihp_ext.planner import HardwareModel, Health, plan_adaptation
 from resihp_ext.planner.baselines import POLICIES
 from resihp_ext.planner.compare import compare
@@ -39,6 +39,23 @@ def test_quotas_skewed_for_a_slowdown_that_has_gone_are_given_back():
     assert plan.quotas == (16, 16, 16, 16) and plan.iteration_s_after < plan.iteration_s_before
     assert "no affected replica" in plan.reason
     assert plan_adaptation(LAYOUT, Health(), current_quotas=(16, 16, 16, 16)).reason == "keep: no affected replica"
+
+
+def test_layers_moved_off_a_slow_rank_go_back_once_it_is_fast_again():
+    # Replica 1 of a PP2 x DP2 job took 3 layers on stage 0 while its stage 1 rank was slow.
+    model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                      vocab_size=512, seq_length=64, micro_batch_size=2, global_batch_size=32)
+    layout = Layout.uniform(model, tp_degree=1, pp_degree=2, dp_degree=2)
+    old = layout.replicas[1]
+    shifted = ReplicaSpec((StageSpec(0, 3, old.stages[0].ranks), StageSpec(3, 1, old.stages[1].ranks)))
+    layout = layout.with_replicas([layout.replicas[0], shifted])
+    hw = HardwareModel(layer_forward_s=0.01, output_forward_s=0.002, regroup_s=0.5)
+    kwargs = dict(current_quotas=(9, 7), horizon_iters=15, uniform_tp_per_replica=True)
+    assert plan_adaptation(layout, Health(speed={3: 1.0}), hw, **kwargs).action == "keep"  # not told
+    plan = plan_adaptation(layout, Health(speed={3: 1.0}), hw, reshaped=[1], **kwargs)
+    assert plan.action == "adapt" and plan.quotas == (8, 8)
+    assert [r.layers_per_stage for r in plan.layout.replicas] == [(2, 2), (2, 2)]
+    assert plan.moves and plan.iteration_s_after < plan.iteration_s_before
 
 
 def test_fail_stop_moves_come_from_surviving_holders_of_the_same_shard():
