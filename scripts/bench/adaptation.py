@@ -246,6 +246,12 @@ def _link_ends(text: str) -> tuple[int, int]:
     return src, dst
 
 
+def _print_run(name: str, run: dict, fraction: str, of: str) -> None:
+    print(f"  {name:<19} {run['samples_per_s']:>8} samples/s ({run['median_iteration_s']} s/it, from it. "
+          f"{run['from_iteration']}, n={run['measured_iterations']})  {run[fraction]:.3f} of {of}  "
+          f"verdicts {run['verdicts']} adapted {run['adapted']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -304,28 +310,19 @@ def main() -> None:
             print(f"capacity bound {t['capacity_bound']['samples_per_s']} samples/s = "
                   f"{t['capacity_bound']['definition']}")
             for name in ("slow_unadapted", "slow_adapted"):
-                r = t[name]
-                print(f"  {name:<15} {r['samples_per_s']:>8} samples/s ({r['median_iteration_s']} s/it, from it. "
-                      f"{r['from_iteration']}, n={r['measured_iterations']})  {r['fraction_of_bound']:.3f} of bound  "
-                      f"verdicts {r['verdicts']} adapted {r['adapted']}")
+                _print_run(name, t[name], "fraction_of_bound", "bound")
             print(f"  adapted / unadapted = {t['slow_adapted_over_unadapted']}")
         if "link_adapted" in t:
             src, dst = args.link
             print(f"link {src}->{dst} slowed {args.link_factor:g}x at iteration {args.slow_at} (bound: healthy)")
             for name in ("link_unadapted", "link_adapted"):
-                r = t[name]
-                print(f"  {name:<15} {r['samples_per_s']:>8} samples/s ({r['median_iteration_s']} s/it, from it. "
-                      f"{r['from_iteration']}, n={r['measured_iterations']})  {r['fraction_of_healthy']:.3f} of "
-                      f"healthy  verdicts {r['verdicts']} adapted {r['adapted']}")
+                _print_run(name, t[name], "fraction_of_healthy", "healthy")
             print(f"  adapted / unadapted = {t['link_adapted_over_unadapted']}")
         if "recover_given_back" in t:
             print(f"rank {args.slow_rank} slowed {args.factor:g}x from iteration {args.slow_at} until {args.recover_at}, "
                   f"adapted in both runs")
             for name in ("recover_kept_skewed", "recover_given_back"):
-                r = t[name]
-                print(f"  {name:<19} {r['samples_per_s']:>8} samples/s ({r['median_iteration_s']} s/it, from it. "
-                      f"{r['from_iteration']}, n={r['measured_iterations']})  {r['fraction_of_healthy']:.3f} of "
-                      f"healthy  verdicts {r['verdicts']} adapted {r['adapted']}")
+                _print_run(name, t[name], "fraction_of_healthy", "healthy")
             print(f"  given back / kept skewed = {t['recover_given_back_over_kept_skewed']}")
     if "fail_stop" in out:
         f = out["fail_stop"]
