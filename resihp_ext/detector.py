@@ -250,13 +250,13 @@ class FailSlowDetector:
         # Compute first: a slow stage also delays what it sends; among equals, the worst ratio.
         ratio, kind, what, signal = max(ready, key=lambda item: (item[1] == "compute", item[0]))
         if kind == "compute":
-            self._pending.add(what)
-            return self._compute_suspicion(iteration, what, ratio, signal)
-        if kind == "recovery":
-            self._pending.add(("recovery", what))
-            return self._recovery_suspicion(iteration, what, ratio)
-        self._pending.add(what)
-        return self._link_suspicion(iteration, what, ratio)
+            suspicion = self._compute_suspicion(iteration, what, ratio, signal)
+        elif kind == "recovery":
+            suspicion = self._recovery_suspicion(iteration, what, ratio)
+        else:
+            suspicion = self._link_suspicion(iteration, what, ratio)
+        self._pending.add(self._subject(suspicion))
+        return suspicion
 
     def _eligible(self, what, iteration: int) -> bool:
         if what in self._pending or what in self._muted:
@@ -265,11 +265,7 @@ class FailSlowDetector:
 
     def _compute_suspicion(self, iteration: int, g: GroupId, ratio: float, signal: str) -> Suspicion:
         ranks = self._group_ranks[g]
-        # Healthy reference: the same stage of another replica, else another stage (the GEMM
-        # probe is the same on every rank, so any healthy rank is a fair reference).
-        others = [h for h in self._group_ranks if h != g and h not in self._muted]
-        others.sort(key=lambda h: (h[1] != g[1], h))
-        reference = self._group_ranks[others[0]] if others else ()
+        reference = self._reference_ranks(g)
         streak = self._group_streak[g]
         return Suspicion(
             iteration=iteration,
@@ -290,12 +286,18 @@ class FailSlowDetector:
             ),
         )
 
+    def _reference_ranks(self, g: GroupId, also_avoid=()) -> tuple[int, ...]:
+        """Ranks of a healthy group to probe beside ``g``: the same stage of another replica, else
+        another stage (the GEMM probe is the same on every rank, so any healthy rank is a fair
+        reference). Muted groups, and ``also_avoid``, are not healthy references."""
+        others = [h for h in self._group_ranks if h != g and h not in self._muted and h not in also_avoid]
+        others.sort(key=lambda h: (h[1] != g[1], h))
+        return self._group_ranks[others[0]] if others else ()
+
     def _recovery_suspicion(self, iteration: int, g: GroupId, speedup: float) -> Suspicion:
         ranks = self._group_ranks[g]
         known = tuple(r for r in ranks if r in self._expected)
-        others = [h for h in self._group_ranks if h != g and h not in self._muted and h not in self._known_groups]
-        others.sort(key=lambda h: (h[1] != g[1], h))
-        reference = self._group_ranks[others[0]] if others else ()
+        reference = self._reference_ranks(g, also_avoid=self._known_groups)
         streak = self._recovery_streak[g]
         slowdowns = ", ".join(f"{r}: {self._expected[r]:.2f}x" for r in known)
         return Suspicion(

@@ -148,6 +148,7 @@ class LayoutChanges:
         start = time.perf_counter()
         for verdict in verdicts:
             self.known_health = self.known_health.updated(self._verdict_health(verdict))
+        self.live.detector.expect(self.known_health.slow_factors)  # kept across the reset below
         horizon = max(self.args.train_iters - iteration, 1)
         plan = plan_adaptation(self.layout, self.known_health, self._calibrated_hardware(self.known_health.slow_links),
                                current_quotas=tuple(quotas), horizon_iters=horizon, uniform_tp_per_replica=True,
@@ -161,7 +162,6 @@ class LayoutChanges:
                              predicted_iteration_s_after=plan.iteration_s_after)
             log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
         if plan.action != "adapt":
-            self.live.detector.expect(self.known_health.slow_factors)
             return objects, quotas
         if plan.layout != self.layout:
             objects, _ = self._apply_layout(plan.layout, objects, iteration)
@@ -169,7 +169,6 @@ class LayoutChanges:
         duration = time.perf_counter() - start
         # Refit: the known slow device is the new normal; only a further change should alarm.
         self.live.detector.reset(forget_predictor=True)
-        self.live.detector.expect(self.known_health.slow_factors)
         if self.rank == 0:
             self.events.emit("adapted", iteration, world_size=dist.get_world_size(), quotas=quotas,
                              layers_per_replica=[list(r.layers_per_stage) for r in self.layout.replicas],
