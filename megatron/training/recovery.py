@@ -31,6 +31,7 @@ from megatron.training.parallel_state_patch import build_groups, install, reform
 from megatron.training.reshard import stage_transfers
 from resihp_ext.layout import Layout
 from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.health import Health
 from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout, moved_groups, plan_survivors
 from resihp_ext.shard_map import Transfer, transfers
 
@@ -83,8 +84,11 @@ def wait_for_keys(store, keys: list[str], wait_s: float, stop=lambda: None, poll
 
 def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: frozenset[int],
                   describe_preferred, wait_s: float, move_state: bool = True,
-                  hw: HardwareModel | None = None) -> tuple[SurvivorPlan, frozenset[int], dict]:
+                  hw: HardwareModel | None = None, health: Health | None = None
+                  ) -> tuple[SurvivorPlan, frozenset[int], dict]:
     """The lowest surviving rank decides and publishes; everyone reads the same plan back.
+
+    ``health``: the fail-slow verdicts acted on so far (``layout``'s ranks); the quotas follow them.
 
     Returns:
         (the plan, the failed ranks it was made for, the joint planner's preferred plan).
@@ -92,7 +96,7 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
     key = f"resihp/gen{generation}/plan"
     leader = min(set(layout.world_ranks) - failed)
     if rank == leader:
-        plan = plan_survivors(layout, failed, move_state=move_state, hw=hw)
+        plan = plan_survivors(layout, failed, move_state=move_state, hw=hw, health=health)
         store.set(key, json.dumps({"plan": plan.to_dict(), "failed": sorted(failed),
                                    "preferred": describe_preferred(failed)}))
     wait_for_keys(store, [key], wait_s)

@@ -10,6 +10,7 @@ detector, logging its suspicions and verdicts, and applying plans that need no r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -226,7 +227,7 @@ class ResilienceHooks(LayoutChanges):
             plan, failed, preferred = recovery.agree_on_plan(
                 self.store, self.generation, old_rank, self.layout, named | failed | left, self._preferred_plan,
                 wait_s=3 * self.cfg.collective_timeout_s, move_state=not (self.args.bf16 or self.args.fp16),
-                hw=self._survivor_hardware(),
+                hw=self._survivor_hardware(), health=self.known_health,
             )
             self._planned_out = set(self.layout.world_ranks) - set(plan.new_rank)
             leader = old_rank == min(set(self.layout.world_ranks) - failed)
@@ -297,7 +298,10 @@ class ResilienceHooks(LayoutChanges):
         return objects, quotas
 
     def _survivor_hardware(self) -> HardwareModel:
-        """Memory facts for the survivor planner: may a stage run on fewer ranks than its old TP group?"""
+        """The survivor planner's model: memory facts (may a stage run on fewer ranks than its old
+        TP group?) and, once an iteration has been measured, the cost model fitted to this job, so
+        that whether a slower smaller-TP replica is worth adding, and the batch's split, follow
+        this job's own compute and sync times rather than a reference cluster's."""
         gib = self.cfg.device_memory_gb
         if gib is None and torch.cuda.is_available():
             memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -305,8 +309,11 @@ class ResilienceHooks(LayoutChanges):
             memory = gib * 2**30 if gib is not None else HardwareModel.device_memory_bytes
         half = self.args.bf16 or self.args.fp16
         # Megatron keeps fp32 weights, grads and Adam moments (16 bytes) or adds a half copy (18).
-        return HardwareModel(device_memory_bytes=memory, state_bytes_per_param=18.0 if half else 16.0,
-                             activation_bytes_per_value=2.0 if half else 4.0)
+        facts = dict(device_memory_bytes=memory, state_bytes_per_param=18.0 if half else 16.0,
+                     activation_bytes_per_value=2.0 if half else 4.0)
+        if not self.last_observations:
+            return HardwareModel(**facts)
+        return dataclasses.replace(self._calibrated_hardware(self.known_health.slow_links), **facts)
 
     def _failure_among(self, members) -> Callable[[], str | None]:
         """A reason to give up on a world of ``members`` (old ranks): the heartbeats name one failed."""
@@ -325,7 +332,7 @@ class ResilienceHooks(LayoutChanges):
 
     def _preferred_plan(self, failed) -> dict:
         """What the joint planner would do with unrestricted execution (logged for comparison)."""
-        plan = plan_adaptation(self.layout, Health(dead=frozenset(failed)))
+        plan = plan_adaptation(self.layout, self.known_health.updated(Health(dead=frozenset(failed))))
         return {"action": plan.action, "policy": plan.policy, "reason": plan.reason}
 
     def _fallback_checkpoint(self, old_rank, iteration, plan, objects, consumed_samples, failed, backend):

@@ -221,7 +221,7 @@ def plan_adaptation(
     ranked = []
     for combo in set(combos):
         chosen, kept = assemble(combo)
-        if not kept:
+        if not kept or len(kept) > num_mb:  # every kept replica trains at least one micro-batch
             continue
         fill = [c.timing.fill_s for c in kept]
         per = [c.timing.per_microbatch_s for c in kept]

@@ -249,23 +249,25 @@ def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], con
     return tuple(shrunk)
 
 
-def balanced_quotas(replicas: tuple[ReplicaSpec, ...], model: ModelSpec, hw: HardwareModel
-                    ) -> tuple[tuple[int, ...], float]:
-    """Micro-batches per replica that minimise the predicted iteration, and that iteration's seconds
-    (inf when some replica would get none: an idle replica still has to join every sync)."""
-    quotas, seconds = speed_quotas(Layout(replicas, model), Health(), hw, model.num_microbatches)
-    return quotas, seconds if min(quotas) >= 1 else math.inf
+def balanced_quotas(replicas: tuple[ReplicaSpec, ...], model: ModelSpec, hw: HardwareModel,
+                    health: Health | None = None) -> tuple[tuple[int, ...], float]:
+    """Micro-batches per replica that minimise the predicted iteration under ``health`` (known
+    slowdowns of surviving ranks), each replica training at least one, and that iteration's
+    seconds (inf when there are more replicas than micro-batches)."""
+    if len(replicas) > model.num_microbatches:
+        return (), math.inf
+    return speed_quotas(Layout(replicas, model), health or Health(), hw, model.num_microbatches)
 
 
 def worth_adding(base: tuple[ReplicaSpec, ...], extra: tuple[ReplicaSpec, ...], model: ModelSpec,
-                 hw: HardwareModel) -> tuple[tuple[ReplicaSpec, ...], tuple[int, ...]]:
+                 hw: HardwareModel, health: Health | None = None) -> tuple[tuple[ReplicaSpec, ...], tuple[int, ...]]:
     """The replicas of ``extra`` that, added one at a time, shorten the predicted iteration, and
     the quotas of ``base`` plus them (a slower replica helps only if it takes a share of the batch
     worth more than the longer gradient sync it brings)."""
     chosen: tuple[ReplicaSpec, ...] = ()
-    quotas, best = balanced_quotas(base, model, hw) if base else ((), math.inf)
+    quotas, best = balanced_quotas(base, model, hw, health) if base else ((), math.inf)
     for replica in extra:
-        trial_quotas, trial = balanced_quotas((*base, *chosen, replica), model, hw)
+        trial_quotas, trial = balanced_quotas((*base, *chosen, replica), model, hw, health)
         if trial < best:
             chosen, quotas, best = (*chosen, replica), trial_quotas, trial
     return chosen, quotas
@@ -284,7 +286,7 @@ def megatron_order(replicas: tuple[ReplicaSpec, ...]) -> list[int]:
 
 
 def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True,
-                   hw: HardwareModel | None = None) -> SurvivorPlan:
+                   hw: HardwareModel | None = None, health: Health | None = None) -> SurvivorPlan:
     """Keep every replica none of whose ranks died, rebuild what intact stage groups allow, renumber.
 
     New ranks follow megatron-core's order over the new layout (for kept whole replicas of a
@@ -299,6 +301,9 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
             at a smaller TP degree only when state may move.
         hw: the cost and memory model that decides whether a slower, smaller-TP replica is worth
             adding and how the global batch is split; ``HardwareModel()`` when None.
+        health: what is known to be slow among the survivors (fail-slow verdicts acted on before
+            this failure, in the same ranks as ``layout``): the batch is split by the continuing
+            replicas' speed under it, so a replica with a known slow rank keeps a smaller share.
 
     Returns:
         A SurvivorPlan. "adapt" needs at least one replica, whole or rebuilt; otherwise
@@ -312,14 +317,20 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     lost = [i for i in range(layout.num_replicas) if i not in kept]
     rebuilt = rebuild_replicas(layout, lost, dead)
     quotas: tuple[int, ...] = ()
+    hw = hw or HardwareModel()
+    known = Health(speed=(health or Health()).speed, slow_links=(health or Health()).slow_links)
+    sized = layout.model.global_batch_size is not None
     if move_state:
         rebuilt += repack_replicas(layout, lost, dead, (*(layout.replicas[i] for i in kept), *rebuilt))
         base = (*(layout.replicas[i] for i in kept), *rebuilt)
-        hw = hw or HardwareModel()
-        shrunk = shrink_replicas(layout, lost, dead, base, hw) if layout.model.global_batch_size is not None else ()
+        shrunk = shrink_replicas(layout, lost, dead, base, hw) if sized else ()
         if shrunk:
-            shrunk, quotas = worth_adding(base, shrunk, layout.model, hw)
+            shrunk, quotas = worth_adding(base, shrunk, layout.model, hw, known)
             rebuilt += shrunk
+    continuing = (*(layout.replicas[i] for i in kept), *rebuilt)
+    slowed = sorted(r for rep in continuing for r in rep.ranks if r in known.affected_ranks)
+    if slowed and sized and not quotas and len(continuing) > 1:
+        quotas = speed_quotas(Layout(continuing, layout.model), known, hw, layout.model.num_microbatches)[0]
     writers: dict[tuple[int, int], int] = {}
     for replica in layout.replicas:
         for stage_index, stage in enumerate(replica.stages):
@@ -353,6 +364,8 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
         quotas = ()  # replicas alike: Megatron's even split
     if quotas:
         how += f", micro-batches per replica {list(quotas)}"
+        if slowed:
+            how += f" (known slow ranks {slowed})"
     return SurvivorPlan(
         action="adapt", kept_replicas=kept, rebuilt_replicas=rebuilt, new_rank=new_rank, spares=spares,
         checkpoint_writers=writers, quotas=quotas,

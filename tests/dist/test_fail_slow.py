@@ -42,8 +42,8 @@ def test_slow_ranks_are_adapted_in_place_one_after_another_and_training_stays_ex
     # after the second still knows the first slow rank, so quotas stay away from both.
     plans = read_events(log, "plan")
     assert any(p["iteration"] >= first[0]["iteration"] for p in plans), decisions(log)
-    last = [p for p in plans if p["iteration"] >= second[0]["iteration"]]
-    assert last and {"0", "3"} <= set(last[0]["slow_rank_factors"]), decisions(log)
+    last = [p for p in plans if "0" in p["slow_rank_factors"]]
+    assert last and "3" in last[0]["slow_rank_factors"], decisions(log)
     assert len([a for a in read_events(log, "adapted") if a["iteration"] >= first[0]["iteration"]]) >= 2, decisions(log)
     _assert_same_losses(log, reference_losses, 34)
 
@@ -67,6 +67,27 @@ def test_a_slow_rank_that_recovers_gets_its_micro_batches_back(tmp_path, referen
     after = [a for a in adapted if a["iteration"] >= back[0]["evidence"]["confirm_probe_iteration"]]
     assert before and before[-1]["quotas"][1] < before[-1]["quotas"][0], decisions(log)
     assert after and after[0]["quotas"] == [4, 4], decisions(log)
+    _assert_same_losses(log, reference_losses, 34)
+
+
+def test_a_failure_after_a_slowdown_splits_the_batch_by_the_known_speeds(tmp_path, reference_losses):
+    # DP4 on 4 processes (rank = replica). Rank 0 slows 3x at iteration 10 and is re-planned
+    # around; rank 3 is killed at 20. The survivors' plan still knows rank 0 is slow, so replica 0
+    # keeps a small share of the batch rather than Megatron's even split.
+    log = tmp_path / "events.jsonl"
+    check(run_job(4, [*MODEL, "--resihp-enable", "--resihp-collective-timeout-s", "5", "--resihp-event-log", str(log),
+                      "--resihp-inject", "slow:rank=0,factor=3,at=10", "--resihp-inject", "kill:rank=3,at=20"],
+                  launcher="local"))
+    slow = [v for v in read_events(log, "verdict") if v["kind"] == "compute" and v["ranks"] == [0]
+            and 10 <= v["iteration"] < 20]
+    assert slow, decisions(log)
+    survivors = [p for p in read_events(log, "plan") if "executed" in p]
+    assert len(survivors) == 1 and survivors[0]["iteration"] == 20, decisions(log)
+    quotas = survivors[0]["executed"]["quotas"]
+    assert len(quotas) == 3 and 1 <= quotas[0] < min(quotas[1:]), decisions(log)
+    assert "known slow ranks [0]" in survivors[0]["reason"], decisions(log)
+    adapted = [a for a in read_events(log, "adapted") if a["iteration"] == 20]
+    assert adapted and adapted[0]["world_size"] == 3 and adapted[0]["quotas"] == quotas, decisions(log)
     _assert_same_losses(log, reference_losses, 34)
 
 

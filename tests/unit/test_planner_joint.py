@@ -41,6 +41,19 @@ def test_quotas_skewed_for_a_slowdown_that_has_gone_are_given_back():
     assert plan_adaptation(LAYOUT, Health(), current_quotas=(16, 16, 16, 16)).reason == "keep: no affected replica"
 
 
+def test_a_very_slow_replica_trains_one_micro_batch_or_is_dropped_never_idles():
+    # DP4 of a 4-layer model, 8 micro-batches, compute-bound. At 3.3x, replica 0 still earns one
+    # micro-batch; at 20x it is dropped (its ranks become spares) rather than kept with none.
+    small = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
+                      seq_length=64, micro_batch_size=2, global_batch_size=16)
+    layout = Layout.uniform(small, 1, 1, 4)
+    hw = HardwareModel(layer_forward_s=0.002, output_forward_s=0.001, tp_efficiency=1.0, regroup_s=0.5)
+    slow = plan_adaptation(layout, Health(speed={0: 1 / 3.3}), hw, horizon_iters=20)
+    assert slow.action == "adapt" and slow.quotas == (1, 3, 2, 2)
+    crawling = plan_adaptation(layout, Health(speed={0: 1 / 20}), hw, horizon_iters=20)
+    assert crawling.action == "adapt" and crawling.quotas == (3, 3, 2) and crawling.spare_ranks == (0,)
+
+
 def test_layers_moved_off_a_slow_rank_go_back_once_it_is_fast_again():
     # Replica 1 of a PP2 x DP2 job took 3 layers on stage 0 while its stage 1 rank was slow.
     model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
@@ -161,6 +174,7 @@ def test_plans_validate_sum_quotas_and_never_lose_to_a_baseline(health):
         assert sum(plan.quotas) == MODEL.num_microbatches
         assert not set(plan.layout.world_ranks) & health.dead
         assert len(plan.quotas) == plan.layout.num_replicas
+        assert min(plan.quotas) >= 1  # a replica in the job never idles: it would still wait on every sync
     for name, value in result.baselines.items():
         assert result.predicted_throughput >= value * (1 - 1e-9), name
 

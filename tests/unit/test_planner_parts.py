@@ -110,21 +110,29 @@ def test_dp_hand_check_half_speed_replica():
 
 
 def test_dp_fill_cost_counts():
-    # a large fill on replica 0 pushes micro-batches to replica 1
-    assert assign_quotas([10.0, 0.0], [1.0, 1.0], 10) == (0, 10)
+    # a large fill on replica 0 pushes micro-batches to replica 1; it still trains one, since a
+    # replica in the job waits on every gradient sync anyway, unless idling is allowed
+    assert assign_quotas([10.0, 0.0], [1.0, 1.0], 10) == (1, 9)
+    assert assign_quotas([10.0, 0.0], [1.0, 1.0], 10, minimum=0) == (0, 10)
+    with pytest.raises(ValueError, match="drop a replica"):
+        assign_quotas([0.0, 1.0, 2.0], [1.0, 1.0, 1.0], 2)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.0, 5.0), st.floats(0.1, 5.0)), min_size=1, max_size=4),
-       st.integers(0, 9))
-def test_dp_quotas_sum_and_are_optimal(replicas, num_microbatches):
+       st.integers(0, 9), st.sampled_from([0, 1]))
+def test_dp_quotas_sum_and_are_optimal(replicas, num_microbatches, minimum):
     fill = [f for f, _ in replicas]
     per = [c for _, c in replicas]
-    quotas = assign_quotas(fill, per, num_microbatches)
-    assert sum(quotas) == num_microbatches and all(q >= 0 for q in quotas)
+    if minimum * len(replicas) > num_microbatches:
+        with pytest.raises(ValueError):
+            assign_quotas(fill, per, num_microbatches, minimum)
+        return
+    quotas = assign_quotas(fill, per, num_microbatches, minimum)
+    assert sum(quotas) == num_microbatches and all(q >= minimum for q in quotas)
     best = min(
         makespan_s(fill, per, split)
-        for split in itertools.product(range(num_microbatches + 1), repeat=len(replicas))
+        for split in itertools.product(range(minimum, num_microbatches + 1), repeat=len(replicas))
         if sum(split) == num_microbatches
     )
     assert makespan_s(fill, per, quotas) == pytest.approx(best)

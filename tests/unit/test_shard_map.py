@@ -5,6 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
 from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.health import Health
 from resihp_ext.planner.memory import stage_memory_bytes
 from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout, moved_groups, plan_survivors, surviving_layout
 from resihp_ext.shard_map import sync_sets, transfers
@@ -176,6 +177,23 @@ def test_a_smaller_tp_replica_is_added_only_when_the_cost_model_predicts_a_faste
 
 
 
+def test_survivor_quotas_follow_the_slowdowns_known_before_the_failure():
+    # TP1 x PP1 x DP3 (rank = replica), global batch of 16 micro-batches. Rank 0 was found 3x slow
+    # before rank 2 died: the survivors split the batch by speed, not evenly.
+    layout = Layout.uniform(GPT_1B, 1, 1, 3)
+    known = Health(speed={0: 1 / 3})
+    plan = plan_survivors(layout, frozenset({2}), health=known)
+    assert plan.kept_replicas == (0, 1) and sum(plan.quotas) == GPT_1B.num_microbatches
+    assert plan.quotas[1] >= 2.5 * plan.quotas[0] >= 2.5
+    assert "known slow ranks [0]" in plan.reason
+    # Nothing known: Megatron's even split; a slow rank that died is no reason to skew.
+    assert plan_survivors(layout, frozenset({2})).quotas == ()
+    assert plan_survivors(layout, frozenset({0}), health=known).quotas == ()
+    # A replica so slow that speed alone would leave it idle still trains one micro-batch.
+    crawling = plan_survivors(layout, frozenset({2}), health=Health(speed={0: 0.01}))
+    assert crawling.quotas == (1, GPT_1B.num_microbatches - 1)
+
+
 @settings(max_examples=60, deadline=None)
 @given(tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2]), dp=st.integers(1, 3), big=st.booleans(),
        data=st.data())
@@ -183,7 +201,8 @@ def test_every_survivor_plan_is_executable(tp, pp, dp, big, data):
     model = GPT_1B if big else MODEL
     layout = Layout.uniform(model, tp, pp, dp)
     dead = frozenset(data.draw(st.sets(st.sampled_from(layout.world_ranks), min_size=1, max_size=layout.world_size)))
-    plan = plan_survivors(layout, dead)
+    slow = data.draw(st.dictionaries(st.sampled_from(layout.world_ranks), st.floats(0.05, 1.0), max_size=2))
+    plan = plan_survivors(layout, dead, health=Health(speed=slow))
     if plan.action != "adapt":
         return
     new = continuing_layout(layout, plan)  # validates: whole replicas, no rank twice
