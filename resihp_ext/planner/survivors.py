@@ -318,7 +318,8 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     rebuilt = rebuild_replicas(layout, lost, dead)
     quotas: tuple[int, ...] = ()
     hw = hw or HardwareModel()
-    known = Health(speed=(health or Health()).speed, slow_links=(health or Health()).slow_links)
+    known = health or Health()
+    known = Health(speed=known.speed, slow_links=known.slow_links)  # deaths are ``dead``'s to say
     sized = layout.model.global_batch_size is not None
     if move_state:
         rebuilt += repack_replicas(layout, lost, dead, (*(layout.replicas[i] for i in kept), *rebuilt))

@@ -24,6 +24,11 @@ documents):
       recovery (a ``recovered`` verdict gives its micro-batches back) and with
       ``--resihp-no-recovery`` (they stay where the first re-plan put them), as fractions of healthy
       throughput over the same iterations after the recovery run's last re-plan;
+    * after ``--kill`` ranks are SIGKILLed at ``--slow-at``, adapted in place: on devices where a
+      stage fits at TP 1, the survivors of a broken replica go on as a smaller-TP replica when the
+      cost model fitted to the job says it pays; on devices that hold a stage only at its launch TP
+      degree (``--resihp-device-memory-gb 0.004``) they are spares and only whole replicas go on.
+      Both as fractions of healthy throughput over the same iterations;
 (ii) fail-stop, ``--kill`` ranks (default 5) SIGKILLed at ``--kill-at``. ``--kill 2 --kill 5`` breaks both
     replicas (replica 1's stage 0 and replica 0's stage 1): in place, the survivors rebuild a replica
     from the two stage groups left whole; before that plan existed, this case needed a restart.
@@ -39,7 +44,7 @@ documents):
 
     python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0] [--slow-rank 7]
         [--link 0:4] [--link-factor 600] [--recover-at 22] [--kill 5]...
-        [--skip throughput|slow|link|recover|fail_stop]...
+        [--skip throughput|slow|link|recover|shrunk|fail_stop]...
 """
 
 from __future__ import annotations
@@ -93,7 +98,8 @@ def events(path: Path, kind: str | None = None) -> list[dict]:
     return [r for r in rows if kind is None or r["event"] == kind]
 
 
-def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int, fixed_start: bool = False) -> dict:
+def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int, fixed_start: bool = False,
+                    launcher: str = "torchrun") -> dict:
     """One throughput run: median iteration seconds in steady state, with its verdicts and re-plans.
 
     Measured from ``onset + 1`` on, or from the iteration after the last re-plan when that is later
@@ -102,7 +108,7 @@ def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int, f
     log = work / f"{name}.events.jsonl"
     log.unlink(missing_ok=True)
     launch([*MODEL, "--global-batch-size", str(args.global_batch), *device, "--train-iters", str(args.iters),
-            "--resihp-event-log", str(log), *extra])
+            "--resihp-event-log", str(log), *extra], launcher=launcher)
     adapted = events(log, "adapted")
     # Steady state: after the onset (and after the re-plan, when there is one) plus one iteration.
     start = onset + 1
@@ -117,8 +123,8 @@ def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int, f
         "median_iteration_s": round(med, 4), "samples_per_s": round(args.global_batch / med, 3),
         "measured_iterations": len(times), "from_iteration": start + 1,
         "verdicts": [{k: v.get(k) for k in ("iteration", "kind", "ranks", "factor")} for v in events(log, "verdict")],
-        "adapted": [{k: a.get(k) for k in ("iteration", "quotas", "layers_per_replica", "duration_s")}
-                    for a in adapted],
+        "adapted": [{k: a.get(k) for k in ("iteration", "quotas", "layers_per_replica", "world_size", "duration_s")
+                     if k in a} for a in adapted],
         "plans": [{k: p.get(k) for k in ("iteration", "policy", "action", "quotas")} for p in events(log, "plan")],
         "loadavg_after": os.getloadavg(),
     }
@@ -144,9 +150,11 @@ def throughput(args, work: Path) -> dict:
             out[f"{fault}_adapted"]["samples_per_s"] / out[f"{fault}_unadapted"]["samples_per_s"], 4)
     if "recover" not in args.skip:
         out.update(_recovery(args, work))
+    if "shrunk" not in args.skip:
+        out.update(_after_fail_stop(args, work))
     healthy = out["healthy"]["samples_per_s"]
-    if "recover_given_back" in out:
-        for name in ("recover_kept_skewed", "recover_given_back"):
+    for name in ("recover_kept_skewed", "recover_given_back", "killed_whole_replicas_only", "killed_smaller_tp"):
+        if name in out:
             out[name]["fraction_of_healthy"] = round(out[name]["samples_per_s"] / healthy, 4)
     if "slow" in faults:
         bound = healthy * (NPROC - 1 + 1.0 / args.factor) / NPROC
@@ -175,6 +183,19 @@ def _recovery(args, work: Path) -> dict:
                            back["from_iteration"] - 2, fixed_start=True)  # measured from onset + 2
     return {"recover_given_back": back, "recover_kept_skewed": kept,
             "recover_given_back_over_kept_skewed": round(back["samples_per_s"] / kept["samples_per_s"], 4)}
+
+
+def _after_fail_stop(args, work: Path) -> dict:
+    """Throughput after ``--kill`` ranks die at ``--slow-at``, adapted in place with and without the
+    smaller-TP replica, measured over the same iterations (from three after the kill)."""
+    kills = [arg for rank in args.kill for arg in ("--resihp-inject", f"kill:rank={rank},at={args.slow_at}")]
+    resilient = ["--resihp-enable", "--resihp-collective-timeout-s", "5", *kills]
+    smaller = _throughput_run(args, work, "killed_smaller_tp", resilient, args.slow_at + 2, fixed_start=True,
+                              launcher="local")
+    whole = _throughput_run(args, work, "killed_whole_replicas_only", [*resilient, "--resihp-device-memory-gb", "0.004"],
+                            args.slow_at + 2, fixed_start=True, launcher="local")
+    return {"killed_smaller_tp": smaller, "killed_whole_replicas_only": whole,
+            "killed_smaller_tp_over_whole_replicas_only": round(smaller["samples_per_s"] / whole["samples_per_s"], 4)}
 
 
 def fail_stop(args, work: Path) -> dict:
@@ -273,9 +294,11 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=6)
     parser.add_argument("--kill", type=int, action="append", default=None,
                         help="rank SIGKILLed in the fail-stop runs (repeatable; default 5)")
-    parser.add_argument("--skip", choices=("throughput", "slow", "link", "recover", "fail_stop"), action="append",
-                        default=[], help="leave out a part: throughput (every throughput run), slow (the slow-rank "
-                                         "runs), link (the slow-link runs), recover (the recovery runs), fail_stop")
+    parser.add_argument("--skip", choices=("throughput", "slow", "link", "recover", "shrunk", "fail_stop"),
+                        action="append", default=[],
+                        help="leave out a part: throughput (every throughput run), slow (the slow-rank runs), link "
+                             "(the slow-link runs), recover (the recovery runs), shrunk (the runs after a fail-stop, "
+                             "with and without a smaller-TP replica), fail_stop (time to resume)")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     args = parser.parse_args()
     args.kill = sorted(set(args.kill or KILL_RANKS))
@@ -324,6 +347,11 @@ def main() -> None:
             for name in ("recover_kept_skewed", "recover_given_back"):
                 _print_run(name, t[name], "fraction_of_healthy", "healthy")
             print(f"  given back / kept skewed = {t['recover_given_back_over_kept_skewed']}")
+        if "killed_smaller_tp" in t:
+            print(f"ranks {args.kill} SIGKILLed at iteration {args.slow_at}, adapted in place in both runs")
+            for name in ("killed_whole_replicas_only", "killed_smaller_tp"):
+                _print_run(name, t[name], "fraction_of_healthy", "healthy")
+            print(f"  smaller-TP replica kept / whole replicas only = {t['killed_smaller_tp_over_whole_replicas_only']}")
     if "fail_stop" in out:
         f = out["fail_stop"]
         print(f"fail-stop (ranks {f['killed_ranks']} SIGKILLed at iteration {f['kill_at']}):")
