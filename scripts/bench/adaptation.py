@@ -98,6 +98,17 @@ def events(path: Path, kind: str | None = None) -> list[dict]:
     return [r for r in rows if kind is None or r["event"] == kind]
 
 
+def _distinct(rows: list[dict]) -> list[dict]:
+    """Rows in order, each once (every survivor logs the same dead verdict)."""
+    seen, out = set(), []
+    for row in rows:
+        key = json.dumps(row, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out
+
+
 def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int, fixed_start: bool = False,
                     launcher: str = "torchrun") -> dict:
     """One throughput run: median iteration seconds in steady state, with its verdicts and re-plans.
@@ -122,7 +133,8 @@ def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int, f
     return {
         "median_iteration_s": round(med, 4), "samples_per_s": round(args.global_batch / med, 3),
         "measured_iterations": len(times), "from_iteration": start + 1,
-        "verdicts": [{k: v.get(k) for k in ("iteration", "kind", "ranks", "factor")} for v in events(log, "verdict")],
+        "verdicts": _distinct([{k: v.get(k) for k in ("iteration", "kind", "ranks", "factor")}
+                               for v in events(log, "verdict")]),
         "adapted": [{k: a.get(k) for k in ("iteration", "quotas", "layers_per_replica", "world_size", "duration_s")
                      if k in a} for a in adapted],
         "plans": [{k: p.get(k) for k in ("iteration", "policy", "action", "quotas")} for p in events(log, "plan")],
@@ -273,6 +285,13 @@ def _print_run(name: str, run: dict, fraction: str, of: str) -> None:
           f"verdicts {run['verdicts']} adapted {run['adapted']}")
 
 
+def _print_pair(runs: dict, names: tuple[str, str], of: str, ratio: str, label: str) -> None:
+    """A baseline run, the run compared with it, and their ratio ``runs[ratio]``."""
+    for name in names:
+        _print_run(name, runs[name], f"fraction_of_{of}", of)
+    print(f"  {label} = {runs[ratio]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -332,26 +351,22 @@ def main() -> None:
             print(f"rank {args.slow_rank} slowed {args.factor:g}x at iteration {args.slow_at}")
             print(f"capacity bound {t['capacity_bound']['samples_per_s']} samples/s = "
                   f"{t['capacity_bound']['definition']}")
-            for name in ("slow_unadapted", "slow_adapted"):
-                _print_run(name, t[name], "fraction_of_bound", "bound")
-            print(f"  adapted / unadapted = {t['slow_adapted_over_unadapted']}")
+            _print_pair(t, ("slow_unadapted", "slow_adapted"), "bound", "slow_adapted_over_unadapted",
+                        "adapted / unadapted")
         if "link_adapted" in t:
             src, dst = args.link
             print(f"link {src}->{dst} slowed {args.link_factor:g}x at iteration {args.slow_at} (bound: healthy)")
-            for name in ("link_unadapted", "link_adapted"):
-                _print_run(name, t[name], "fraction_of_healthy", "healthy")
-            print(f"  adapted / unadapted = {t['link_adapted_over_unadapted']}")
+            _print_pair(t, ("link_unadapted", "link_adapted"), "healthy", "link_adapted_over_unadapted",
+                        "adapted / unadapted")
         if "recover_given_back" in t:
             print(f"rank {args.slow_rank} slowed {args.factor:g}x from iteration {args.slow_at} until {args.recover_at}, "
                   f"adapted in both runs")
-            for name in ("recover_kept_skewed", "recover_given_back"):
-                _print_run(name, t[name], "fraction_of_healthy", "healthy")
-            print(f"  given back / kept skewed = {t['recover_given_back_over_kept_skewed']}")
+            _print_pair(t, ("recover_kept_skewed", "recover_given_back"), "healthy",
+                        "recover_given_back_over_kept_skewed", "given back / kept skewed")
         if "killed_smaller_tp" in t:
             print(f"ranks {args.kill} SIGKILLed at iteration {args.slow_at}, adapted in place in both runs")
-            for name in ("killed_whole_replicas_only", "killed_smaller_tp"):
-                _print_run(name, t[name], "fraction_of_healthy", "healthy")
-            print(f"  smaller-TP replica kept / whole replicas only = {t['killed_smaller_tp_over_whole_replicas_only']}")
+            _print_pair(t, ("killed_whole_replicas_only", "killed_smaller_tp"), "healthy",
+                        "killed_smaller_tp_over_whole_replicas_only", "smaller-TP replica kept / whole replicas only")
     if "fail_stop" in out:
         f = out["fail_stop"]
         print(f"fail-stop (ranks {f['killed_ranks']} SIGKILLed at iteration {f['kill_at']}):")
