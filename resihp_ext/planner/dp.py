@@ -69,7 +69,9 @@ def assign_quotas(
         # identical replicas: the greedy deals round-robin, lowest index first
         base, extra = divmod(num_microbatches, num_replicas)
         return tuple(base + (1 if r < extra else 0) for r in range(num_replicas))
-    quotas = [minimum if r in runnable else 0 for r in range(num_replicas)]
+    quotas = [0] * num_replicas
+    for r in runnable:
+        quotas[r] = minimum
     heap = [(replica_time_s(fill_s[r], per_microbatch_s[r], minimum + 1), r) for r in runnable]
     heapq.heapify(heap)
     for _ in range(num_microbatches - minimum * len(runnable)):

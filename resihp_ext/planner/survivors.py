@@ -331,7 +331,7 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     continuing = (*(layout.replicas[i] for i in kept), *rebuilt)
     slowed = sorted(r for rep in continuing for r in rep.ranks if r in known.affected_ranks)
     if slowed and sized and not quotas and len(continuing) > 1:
-        quotas = speed_quotas(Layout(continuing, layout.model), known, hw, layout.model.num_microbatches)[0]
+        quotas = balanced_quotas(continuing, layout.model, hw, known)[0]
     writers: dict[tuple[int, int], int] = {}
     for replica in layout.replicas:
         for stage_index, stage in enumerate(replica.stages):
