@@ -204,8 +204,10 @@ def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], con
     the groups left have enough live ranks for, that divides the attention heads and whose shards
     fit ``hw.device_memory_bytes``. A group serves the stage it held when it can (it keeps that
     stage's TP units and receives only the ones it lacks), otherwise a stage that is short, whose
-    state it receives. A replica is made while groups are left for every stage of a broken
-    replica's shape and some survivor holds its whole state.
+    state it receives. A group with more live ranks than the degree is split: its other ranks
+    stay available, so one old group can serve several replicas (a TP-4 group that lost a rank
+    gives a TP-2 replica its stage and a TP-1 replica too). A replica is made while groups are
+    left for every stage of a broken replica's shape and some survivor holds its whole state.
     """
     used = {r for replica in continuing for r in replica.ranks}
     pool: list[tuple[tuple[int, int], tuple[int, ...]]] = []  # (layers held, live unused ranks)
@@ -243,8 +245,10 @@ def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], con
                                           for s, g in zip(shape, picked)))
             if not _has_live_holders(layout, candidate, dead):
                 break
-            for group in picked:
-                pool.remove(group)
+            for held, ranks in picked:
+                pool.remove((held, ranks))
+                if ranks[degree:]:  # the group's other ranks may serve a further replica
+                    pool.append((held, ranks[degree:]))
             shrunk.append(candidate)
     return tuple(shrunk)
 

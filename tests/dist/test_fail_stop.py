@@ -308,3 +308,25 @@ def test_tp_group_that_lost_a_rank_goes_on_at_a_smaller_tp_degree(tmp_path):
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 2, [0, 3])], adapted
     _assert_same_training(log, tmp_path / "ckpt", (tmp_path / "ref", iteration_losses(ref_log)), 16)
+
+
+def test_a_tp_group_that_lost_a_rank_is_split_over_two_smaller_replicas(tmp_path):
+    # TP4 x DP2: replica 0 is ranks 0-3, replica 1 ranks 4-7. Rank 0 dies. Replica 1 goes on
+    # whole; of the three live ranks of replica 0, ranks 1 and 2 run the model at TP 2 and rank 3
+    # at TP 1, so no survivor idles. Three replicas at three TP degrees, the batch split by speed,
+    # and training stays exact.
+    shape = ["--global-batch-size", "16", "--train-iters", "8", "--tensor-model-parallel-size", "4"]
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
+    check(run_job(4, [*MODEL, *shape, "--resihp-event-log", str(ref_log), "--save", str(tmp_path / "ref")]))
+    proc = run_job(8, [*MODEL, *RESILIENT, *shape, "--resihp-event-log", str(log), "--save", str(tmp_path / "ckpt"),
+                       "--resihp-inject", "kill:rank=0,at=4"], launcher="local")
+    check(proc)
+    assert "is a spare" not in proc.stdout + proc.stderr
+    executed = read_events(log, "plan")[-1]["executed"]
+    assert executed["kept_replicas"] == [1]
+    assert [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[[1, 2]], [[3]]]
+    quotas = executed["quotas"]
+    assert sum(quotas) == 8 and quotas[0] > quotas[1] >= quotas[2] >= 1, quotas
+    adapted = read_events(log, "adapted")
+    assert [(a["iteration"], a["world_size"], a["data_parallel_size"]) for a in adapted] == [(4, 7, 3)], adapted
+    _assert_same_training(log, tmp_path / "ckpt", (tmp_path / "ref", iteration_losses(ref_log)), 16)

@@ -177,6 +177,18 @@ def test_a_smaller_tp_replica_is_added_only_when_the_cost_model_predicts_a_faste
 
 
 
+def test_a_group_with_more_live_ranks_than_one_replica_needs_is_split_over_several():
+    # TP4 x DP2, rank 0 dead: ranks 1, 2 run a TP-2 replica and rank 3 a TP-1 one, when compute
+    # (not the gradient sync) sets the iteration. Each new TP group is part of the old one.
+    layout = Layout.uniform(MODEL, 4, 1, 2)
+    compute_bound = HardwareModel(layer_forward_s=0.002, output_forward_s=0.001, tp_efficiency=1.0)
+    plan = plan_survivors(layout, frozenset({0}), hw=compute_bound)
+    assert plan.kept_replicas == (1,) and [r.ranks for r in plan.rebuilt_replicas] == [(1, 2), (3,)]
+    assert plan.quotas == (5, 2, 1) and plan.spares == ()
+    # Under the default model (A100s, 25 GB/s) neither pays for so small a model: no replica added.
+    assert plan_survivors(layout, frozenset({0})).rebuilt_replicas == ()
+
+
 def test_survivor_quotas_follow_the_slowdowns_known_before_the_failure():
     # TP1 x PP1 x DP3 (rank = replica), global batch of 16 micro-batches. Rank 0 was found 3x slow
     # before rank 2 died: the survivors split the batch by speed, not evenly.
@@ -208,6 +220,8 @@ def test_every_survivor_plan_is_executable(tp, pp, dp, big, data):
     new = continuing_layout(layout, plan)  # validates: whole replicas, no rank twice
     assert not set(new.world_ranks) & dead
     assert all(len({s.tp_degree for s in r.stages}) == 1 for r in new.replicas)  # one TP degree per pipeline
+    # Every new TP group is (part of) one old TP group: TP traffic keeps the links it had.
+    assert all(set(s.ranks) <= set(layout.stage_spec_of(s.ranks[0]).ranks) for r in new.replicas for s in r.stages)
     transfers(layout, new, dead)  # every unit has a live holder
     assert sorted(plan.new_rank.values()) == list(range(new.world_size))
     assert set(plan.spares) == set(layout.world_ranks) - dead - set(new.world_ranks)
