@@ -53,8 +53,9 @@ def replicas_alike(layout: Layout) -> bool:
 
 class LayoutChanges:
     """Mixin: expects ``args``, ``cfg``, ``events``, ``rank``, ``layout``, ``sync``, ``live``,
-    ``store``, ``monitor``, ``generation``, ``replica_index``, ``_start_monitor`` and
-    ``_apply_recovery_faults`` on the object it is mixed into."""
+    ``store``, ``monitor``, ``generation``, ``replica_index``, ``known_health``,
+    ``last_observations``, ``_start_monitor`` and ``_apply_recovery_faults`` on the object it is
+    mixed into."""
 
     # ------------------------------------------------------------------ shared steps
     def _rebuild(self, layout: Layout) -> TrainingObjects:
@@ -86,14 +87,15 @@ class LayoutChanges:
             self._start_monitor()
 
     # ------------------------------------------------------------------ fail-slow
-    def _calibrated_hardware(self, slow_links) -> HardwareModel:
+    def _calibrated_hardware(self) -> HardwareModel:
         """The planner's cost model fitted to this job from the last iteration's measured ops (device
         time, so a shared host's scheduling does not count as compute): per-layer forward seconds
         from the healthiest stage that holds only transformer layers' work (not the last one), the
         output layer + loss from what the healthiest last stage spends beyond its layers, and the
         backward/forward ratio. Activations cross pipeline boundaries in the parameters' dtype; a
-        link verdict's probe round gives the healthy links' bandwidth (without one, the default
-        bandwidth stands: every candidate then crosses the same healthy links)."""
+        link verdict's probe round gives the bandwidth of the links not known to be slow
+        (``known_health``; without such a round, the default bandwidth stands: every candidate then
+        crosses the same healthy links)."""
         per_layer, last_stage, ratios = [], [], []
         for obs in self.last_observations:
             replica = self.layout.replicas[obs.replica]
@@ -119,7 +121,8 @@ class LayoutChanges:
         hw["activation_bytes_per_value"] = 2.0 if half else 4.0
         link_rounds = [probes for probes in self.live.probe_rounds if probes.link_s]
         if link_rounds:
-            bandwidth = healthy_link_bandwidth_Bps(link_rounds[-1], set(slow_links), self.live.link_probe_bytes)
+            bandwidth = healthy_link_bandwidth_Bps(link_rounds[-1], set(self.known_health.slow_links),
+                                                   self.live.link_probe_bytes)
             if bandwidth is not None:
                 hw["link_bandwidth_Bps"] = bandwidth
         return HardwareModel(backward_factor=sorted(ratios)[len(ratios) // 2], tp_efficiency=1.0,
@@ -150,7 +153,7 @@ class LayoutChanges:
             self.known_health = self.known_health.updated(self._verdict_health(verdict))
         self.live.detector.expect(self.known_health.slow_factors)  # kept across the reset below
         horizon = max(self.args.train_iters - iteration, 1)
-        plan = plan_adaptation(self.layout, self.known_health, self._calibrated_hardware(self.known_health.slow_links),
+        plan = plan_adaptation(self.layout, self.known_health, self._calibrated_hardware(),
                                current_quotas=tuple(quotas), horizon_iters=horizon, uniform_tp_per_replica=True,
                                reshaped=[r for r, rep in enumerate(self.layout.replicas)
                                          if replica_shape(rep) != self.launch_shape])

@@ -313,7 +313,7 @@ class ResilienceHooks(LayoutChanges):
                      activation_bytes_per_value=2.0 if half else 4.0)
         if not self.last_observations:
             return HardwareModel(**facts)
-        return dataclasses.replace(self._calibrated_hardware(self.known_health.slow_links), **facts)
+        return dataclasses.replace(self._calibrated_hardware(), **facts)
 
     def _failure_among(self, members) -> Callable[[], str | None]:
         """A reason to give up on a world of ``members`` (old ranks): the heartbeats name one failed."""
