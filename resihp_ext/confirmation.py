@@ -74,28 +74,42 @@ class PendingVerdicts:
     def settle(waiting: Waiting, again: Verdict | Cleared, iteration: int) -> Verdict | Cleared:
         """What the second round at ``iteration`` makes of a waiting verdict.
 
-        Confirmed when the first verdict's ranks (or link) are named again; a rank that only the
-        second round names is left to a suspicion of its own, as a busy neighbour can slow one
-        round. A confirmed verdict's factors are the geometric means of both rounds'. Otherwise the
-        verdict becomes a Cleared that names both rounds' probe factors.
+        A link verdict is confirmed when the second round names the same link. A compute or
+        recovery verdict is confirmed for the ranks both rounds name: a rank that only one round
+        names is left to a suspicion of its own, as a busy neighbour can slow one round (seen live:
+        a TP sibling probed 1.30x in the first round and 1.00x in the second, while the slow rank
+        probed 1.48x and 1.53x). A confirmed verdict's factors are the geometric means of both
+        rounds'. A verdict no rank of which is named again becomes a Cleared that names both
+        rounds' probe factors.
         """
         first = waiting.verdict
-        confirmed = isinstance(again, Verdict) and again.kind == first.kind and set(first.ranks) <= set(again.ranks)
         evidence = {**first.evidence, "confirm_probe_iteration": iteration,
                     "confirm_probe_factors": again.evidence.get("probe_factors", {})}
-        if confirmed:
-            # Two rounds measured the same slowdown: their geometric mean is the better estimate.
-            rounds = (first.evidence.get("probe_factors", {}), again.evidence.get("probe_factors", {}))
-            both = {k: round(math.sqrt(rounds[0][k] * rounds[1][k]), 4) for k in rounds[0] if k in rounds[1]}
-            factor = first.factor
-            if first.factor is not None and again.factor is not None:
-                factor = math.sqrt(first.factor * again.factor)
-            return dataclasses.replace(first, factor=factor, evidence={**evidence, "probe_factors": both or rounds[0],
-                                                                        "first_probe_factors": rounds[0]},
-                                       reason=f"{first.reason}; confirmed by probes at iteration {iteration}")
-        return Cleared(iteration, waiting.suspicion.ranks, evidence,
-                       f"the probes at iteration {iteration} did not confirm {first.kind} ranks "
-                       f"{list(first.ranks)} named at iteration {first.evidence.get('probe_iteration')}; dropped")
+        named_again = isinstance(again, Verdict) and again.kind == first.kind
+        if first.kind == "link":
+            kept = tuple(first.ranks) if named_again and set(first.ranks) <= set(again.ranks) else ()
+        else:
+            kept = tuple(sorted(set(first.ranks) & set(again.ranks))) if named_again else ()
+        if not kept:
+            return Cleared(iteration, waiting.suspicion.ranks, evidence,
+                           f"the probes at iteration {iteration} did not confirm {first.kind} ranks "
+                           f"{list(first.ranks)} named at iteration {first.evidence.get('probe_iteration')}; dropped")
+        # Two rounds measured the same slowdown: their geometric mean is the better estimate.
+        rounds = (first.evidence.get("probe_factors", {}), again.evidence.get("probe_factors", {}))
+        both = {k: round(math.sqrt(rounds[0][k] * rounds[1][k]), 4) for k in rounds[0] if k in rounds[1]}
+        factor = first.factor
+        if first.kind != "link" and all(str(r) in both for r in kept):
+            per_rank = [both[str(r)] for r in kept]
+            factor = max(per_rank) if first.kind == "compute" else max(max(per_rank), 1.0)
+        elif first.factor is not None and again.factor is not None:
+            factor = math.sqrt(first.factor * again.factor)
+        reason = f"{first.reason}; confirmed by probes at iteration {iteration}"
+        dropped = sorted(set(first.ranks) - set(kept))
+        if dropped:
+            reason += f" for ranks {list(kept)} only (ranks {dropped} not named again)"
+        return dataclasses.replace(first, ranks=kept, factor=factor, reason=reason,
+                                   evidence={**evidence, "probe_factors": both or rounds[0],
+                                             "first_probe_factors": rounds[0]})
 
     def settle_iteration(self, detector, iteration: int, suspicion: Suspicion | None,
                          probe: Callable[[Suspicion], ProbeResults]) -> list[tuple[Suspicion, Verdict | Cleared]]:

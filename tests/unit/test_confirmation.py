@@ -80,6 +80,32 @@ def test_a_second_round_that_names_other_ranks_drops_the_verdict_and_releases_it
     assert detector._eligible((suspicion.replica, suspicion.stage), iteration + detector.config.cleared_cooldown_iters)
 
 
+def test_a_sibling_that_only_the_first_round_named_is_dropped_and_the_slow_rank_confirmed():
+    detector, pending = FailSlowDetector(), PendingVerdicts(2)
+    trace = synthetic_trace(SPEC, 70, [SLOW_RANK], seed=5)
+    rounds = []
+
+    def probe(suspicion):
+        rounds.append(iteration)
+        faults = [SLOW_RANK]
+        if len(rounds) == 1:  # a busy neighbour slows the slow rank's TP sibling for one round
+            sibling = next(r for r in suspicion.ranks if r != SLOW_RANK.rank)
+            faults.append(parse_fault(f"slow:rank={sibling},factor=1.5,at=1"))
+        return synthetic_probes(SPEC, faults, iteration, suspicion.probe_ranks, suspicion.probe_links)
+
+    held, outcomes = [], []
+    for iteration, observations in trace:
+        outcomes += pending.settle_iteration(detector, iteration, detector.observe(iteration, observations), probe)
+        held += [w.verdict for w in pending._waiting if w.verdict not in held]
+        if outcomes:
+            break
+    assert len(held[0].ranks) == 2, held  # the premise: the first round named both ranks of the group
+    (_, outcome), = outcomes
+    assert isinstance(outcome, Verdict) and outcome.ranks == (SLOW_RANK.rank,), outcome
+    assert outcome.factor == pytest.approx(2.0, rel=0.2)
+    assert "not named again" in outcome.reason
+
+
 def test_rejects_a_negative_wait():
     with pytest.raises(ValueError, match="--resihp-confirm-after-iters"):
         PendingVerdicts(-1)
