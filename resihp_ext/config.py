@@ -54,6 +54,13 @@ class ResiHPConfig:
     """Never raise recovery suspicions: a slow rank that is fast again keeps the smaller share it
     was given (the behaviour to compare recovery against)."""
 
+    no_standby: bool = False
+    """A rank a fail-slow plan leaves out exits, rather than standing by (probing its own device)
+    to rejoin once healthy."""
+
+    standby_probe_interval_s: float = 1.0
+    """Seconds between a standby rank's probes of its own device speed."""
+
     heartbeat_interval_s: float = 0.2
     """Seconds between heartbeats each rank writes to the job's store."""
 
@@ -88,7 +95,7 @@ class ResiHPConfig:
         for name in ("persistence_iters", "warmup_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--resihp-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s"):
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s", "standby_probe_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--resihp-{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -54,7 +54,8 @@ def replicas_alike(layout: Layout) -> bool:
 class LayoutChanges:
     """Mixin: expects ``args``, ``cfg``, ``events``, ``rank``, ``layout``, ``sync``, ``live``,
     ``store``, ``monitor``, ``generation``, ``replica_index``, ``known_health``,
-    ``last_observations``, ``_start_monitor`` and ``_apply_recovery_faults`` on the object it is
+    ``last_observations``, ``identity``, ``standby_on``, ``standbys``, ``renumber``,
+    ``_standing_by``, ``_start_monitor`` and ``_apply_recovery_faults`` on the object it is
     mixed into."""
 
     # ------------------------------------------------------------------ shared steps
@@ -272,11 +273,16 @@ class LayoutChanges:
         if self.monitor is not None:
             self.monitor.stop()
         if old_rank not in kept:
+            if self.standby_on:
+                raise self._standing_by(old_rank)
             dist.destroy_process_group()
             raise StopTraining(0, f"rank {old_rank} is a spare after the re-plan; its shards were handed over")
+        if self.standby_on:
+            self.standbys |= {self.identity[r] for r in old_layout.world_ranks if r not in kept}
         dense = {old: new for new, old in enumerate(kept)}
         relabeled = new_layout.relabel(dense)
         self.known_health = self.known_health.relabel(dense)
+        self.renumber(dense)
         groups = recovery.reform_for_plan(self.store, self.generation, dense[old_rank], len(kept), self.backend,
                                           self.cfg.collective_timeout_s, relabeled)
         self._adopt(relabeled, groups, world_changed=True)

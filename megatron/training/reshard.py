@@ -169,10 +169,14 @@ def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects,
 
     from megatron.training.layer_sync import param_slots
 
-    old_slots = param_slots(old_objects.model.module)
+    old_slots = param_slots(old_objects.model.module) if old_objects is not None else []
     new_slots = param_slots(new_objects.model.module)
     old_holders, new_holders = holders(old_layout), holders(new_layout)
-    template = _adam_template(old_objects, old_slots)
+    if old_objects is not None:
+        template = _adam_template(old_objects, old_slots)
+    else:
+        template = {k: torch.tensor(v, dtype=torch.float32) if k == "step" else None
+                    for k, v in (adam_template or {}).items()} or None
     for i, t in enumerate(transfers):
         if t.dst != rank:
             continue
@@ -188,13 +192,25 @@ def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects,
 
 
 @torch.no_grad()
-def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, new_objects) -> int:
+def adam_template_of(objects) -> dict:
+    """Keys and step count of this rank's Adam state, JSON-ready (empty before the first step)."""
+    for opt in _torch_optimizers(objects.optimizer):
+        for state in opt.state.values():
+            return {k: (float(v) if k == "step" else None) for k, v in state.items()}
+    return {}
+
+
+def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, new_objects,
+                    adam_template: dict | None = None) -> int:
     """Fill the rebuilt model and optimizer of this rank from wherever each unit lives now.
 
     Every rank passes the same ``transfers`` (``resihp_ext.shard_map.transfers``); each unit of
     every tensor of an item (weights, Adam moments) is copied locally when this rank already held
     it, or sent point-to-point over the default group otherwise. All sends and receives are posted
     at once, so no ordering between pairs can deadlock.
+
+    A rank that joins the world holds nothing (``old_objects`` None); ``adam_template``
+    (``adam_template_of`` on a working rank) then shapes its Adam states and gives their step.
 
     Returns:
         Bytes this rank sent or received.
@@ -203,10 +219,14 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
 
     from megatron.training.layer_sync import param_slots
 
-    old_slots = param_slots(old_objects.model.module)
+    old_slots = param_slots(old_objects.model.module) if old_objects is not None else []
     new_slots = param_slots(new_objects.model.module)
     old_holders, new_holders = holders(old_layout), holders(new_layout)
-    template = _adam_template(old_objects, old_slots)
+    if old_objects is not None:
+        template = _adam_template(old_objects, old_slots)
+    else:
+        template = {k: torch.tensor(v, dtype=torch.float32) if k == "step" else None
+                    for k, v in (adam_template or {}).items()} or None
 
     ops, receives, sent = [], [], 0  # sent: bytes through this rank, both directions
     for t in transfers:

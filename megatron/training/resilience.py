@@ -31,6 +31,7 @@ from megatron.training.logging_utils import EventLog, log_line
 from megatron.training.relayout import LayoutChanges, StopTraining, replica_shape
 from megatron.training.reshard import unstage_transfers
 from megatron.training.schedules import RECORDER
+from megatron.training.standby import Readmissions, StandingBy, mark_job_done
 from resihp_ext.confirmation import FAIL_SLOW_KINDS
 from resihp_ext.faults import FaultKind
 from resihp_ext.layout import Layout
@@ -64,7 +65,7 @@ def resume_command(argv: list[str], nproc: int, checkpoint_root: str) -> str:
     return " ".join(["python", "scripts/launch_local.py", f"--nproc-per-node {nproc}", *kept, "--load", checkpoint_root])
 
 
-class ResilienceHooks(LayoutChanges):
+class ResilienceHooks(LayoutChanges, Readmissions):
     def __init__(self, args: argparse.Namespace, events: EventLog):
         self.args = args
         self.cfg = args.resihp
@@ -81,6 +82,12 @@ class ResilienceHooks(LayoutChanges):
         # What every replica ran at launch (layers and TP degree per stage): a replica that differs
         # was reshaped by a plan, and a later plan may shape it back.
         self.launch_shape = replica_shape(self.layout.replicas[0])
+        # Processes keep their launch rank across re-formed worlds; standbys are named by it.
+        self.launch_rank = self.rank
+        self.launch_layout = self.layout
+        self.identity = list(range(dist.get_world_size()))  # this world's rank -> launch rank
+        self.standbys: set[int] = set()
+        self._init_readmissions()
         self.live = None
         if self.cfg.detection_on:
             self.live = LiveDetector(
@@ -100,6 +107,8 @@ class ResilienceHooks(LayoutChanges):
             # this rank's beats exactly when another rank failed during a re-form.
             self.heartbeat_store = connect_store(timeout_s=timeout_s)
             self._start_monitor()
+        # Ranks a fail-slow plan leaves out stand by to rejoin (they need the store to be called).
+        self.standby_on = self.cfg.enable and not self.cfg.no_standby and self.store is not None
         self.trace = None
         if self.cfg.trace and self.rank == 0:
             self.trace = open(self.cfg.trace, "w", encoding="utf-8")
@@ -158,8 +167,10 @@ class ResilienceHooks(LayoutChanges):
                 log_line(f" rank {self.rank}: injecting {fault.spec()}")
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    def _apply_faults(self, iteration: int) -> None:
+    def _apply_faults(self, iteration: int, standing_by: bool = False) -> None:
         for fault in self.faults:
+            if standing_by and fault.kind is FaultKind.LINK:
+                continue  # a standby sends nothing; its links are measured if it rejoins
             if fault.until_iteration == iteration:
                 RECORDER.slowdown_factor = 1.0
                 self.events.emit("inject_end", iteration, fault=fault.spec())
@@ -273,6 +284,7 @@ class ResilienceHooks(LayoutChanges):
         self.sync = None  # its groups belonged to the old world
         old_layout = self.layout
         self.known_health = self.known_health.relabel(plan.new_rank)
+        self.renumber(plan.new_rank)
         self._adopt(new_layout, groups, world_changed=True)
         new_objects = self._rebuild(new_layout)
         if any(t.dst == old_rank and t.src != old_rank for t in moves):
@@ -296,6 +308,11 @@ class ResilienceHooks(LayoutChanges):
         log_line(f" resihp: rank {old_rank} -> {self.rank}: adapted in place, world {dist.get_world_size()}, "
                  f"DP {args.data_parallel_size}, redoing iteration {iteration} ({duration:.2f} s since the failure surfaced)")
         return objects, quotas
+
+    def renumber(self, new_rank) -> None:
+        """This world's ranks became ``new_rank[old]`` (ranks it lacks left the world)."""
+        order = sorted(new_rank, key=new_rank.get)
+        self.identity = [self.identity[old] for old in order]
 
     def _survivor_hardware(self) -> HardwareModel:
         """The survivor planner's model: memory facts (may a stage run on fewer ranks than its old
@@ -366,6 +383,7 @@ class ResilienceHooks(LayoutChanges):
                                         "--save-interval N so that a failure of every holder of a shard can resume")
         resume = resume_command(sys.argv, len(self.layout.world_ranks), root) if saved else None
         if old_rank == survivors[0]:
+            mark_job_done(self.store)
             self.events.emit("fallback_checkpoint", iteration, reason=reason, resume_command=resume, path=saved)
             log_line(f" resihp: no in-place plan: {reason}")
             if resume:
@@ -379,7 +397,7 @@ class ResilienceHooks(LayoutChanges):
             return objects, quotas
         mine = self.live.observation(result.iteration_s, result.ops, result.features, result.busy)
         gathered, settled = self.live.observe(iteration, mine)
-        self.last_observations = gathered
+        self.last_observations, self._observed_layout = gathered, self.layout
         if self.trace is not None:
             for obs in gathered:
                 self.trace.write(json.dumps(observation_to_dict(iteration, obs)) + "\n")
@@ -402,6 +420,8 @@ class ResilienceHooks(LayoutChanges):
         self.events.emit(event.pop("event"), event.pop("iteration"), **event)
 
     def close(self) -> None:
+        if self.store is not None and self.rank == 0:
+            mark_job_done(self.store)
         if self.monitor is not None:
             self.monitor.stop()
         if self.sync is not None:

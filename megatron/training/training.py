@@ -25,6 +25,7 @@ from megatron.training.logging_utils import EventLog, TensorBoard, iteration_lin
 from megatron.training.model_builder import build_training_objects
 from megatron.training.resilience import StopTraining
 from megatron.training.schedules import RECORDER, install_hooks, train_step
+from megatron.training.standby import StandingBy
 
 
 def _is_last_rank() -> bool:
@@ -152,6 +153,9 @@ def pretrain(
         start = time.perf_counter()
         stepped = reduced = advanced = False
         try:
+            if resilience is not None:
+                objects, quotas = resilience.check_standbys(iteration, objects, quotas, sampler.consumed_samples)
+                dp_rank, num_replicas = resilience.replica_index, parallel_state.get_data_parallel_world_size()
             batches = microbatches(train_ds, sampler.microbatch_indices(quotas, dp_rank))
             result = train_step(
                 forward_step_func, iter(batches), objects, quotas[dp_rank],
@@ -164,6 +168,18 @@ def pretrain(
             if resilience is not None:
                 try:
                     objects, quotas = resilience.after_iteration(iteration, elapsed_s, result, objects, quotas)
+                except StandingBy as stop:  # left out by a re-plan: back when called, at the job's iteration
+                    log_line(f" resihp: {stop}")
+                    try:
+                        rejoined = resilience.stand_by()
+                    except StopTraining as end:
+                        _leave(end, iteration, events, board)
+                    objects, quotas = rejoined.objects, rejoined.quotas
+                    sampler = GlobalBatchSampler(len(train_ds), rejoined.consumed_samples, args.micro_batch_size,
+                                                 args.global_batch_size)
+                    dp_rank, num_replicas = resilience.replica_index, parallel_state.get_data_parallel_world_size()
+                    iteration = rejoined.iteration - 1
+                    continue
                 except StopTraining as stop:  # this rank became a spare of a re-plan
                     _leave(stop, iteration, events, board)
                 dp_rank = resilience.replica_index

@@ -1,0 +1,282 @@
+"""Standby ranks: a rank a fail-slow plan leaves out keeps its process and rejoins once healthy.
+
+Responsible for both sides of readmission, executed at iteration boundaries:
+
+* the **standby** (``stand_by``): out of every group, it times the validation GEMM probe on its
+  own device every ``--resihp-standby-probe-interval-s`` and reports its slowdown through the
+  job's store; it follows the job's iteration (so injected faults end on time) and waits to be
+  called. The job's end, or no progress for long, lets it exit 0.
+* the **working ranks** (``check_standbys``): while standbys exist, rank 0 reads their reports at
+  the start of every iteration and broadcasts them, so every working rank sees the same reports
+  at the same iteration. When the set of healthy-looking standbys changes, every rank runs the same
+  pure plan (``resihp_ext.planner.readmission``). To take standbys back, rank 0 calls them with
+  everything a stateless process needs (layouts, iteration, consumed samples, LR schedule, Adam's
+  step, known slowdowns) and says go only once every one has answered, or calls it off.
+* both (``_grow``): a grown world through a fresh store prefix, in which working ranks keep their
+  numbers and joiners follow; new groups; rebuilt model, DDP and optimizer; the joiners' shards,
+  weights and Adam moments sent point-to-point from their holders, never read from a checkpoint.
+
+``StandingBy`` leaves the training loop on the standby; ``stand_by`` brings it back with what the
+loop needs to continue at the same iteration as everyone else.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.training import recovery
+from megatron.training.detection import gemm_probe_s
+from megatron.training.logging_utils import log_line
+from megatron.training.parallel_state_patch import build_groups, install
+from megatron.training.relayout import StopTraining
+from megatron.training.reshard import adam_template_of, apply_transfers
+from resihp_ext.layout import Layout
+from resihp_ext.planner.health import Health
+from resihp_ext.planner.readmission import plan_readmission
+from resihp_ext.shard_map import transfers as plan_transfers
+
+_PREFIX = "resihp/standby/"
+_DONE = _PREFIX + "done"
+_PROGRESS = _PREFIX + "progress"
+# A standby that sees no iteration start for this long gives up (the job died without saying so).
+_ABANDONED_S = 600.0
+
+
+def mark_job_done(store) -> None:
+    """Tell standbys the job has ended (finished, or saved for a restart): they exit 0."""
+    store.set(_DONE, "1")
+
+
+class StandingBy(StopTraining):
+    """This rank left every group to stand by; ``ResilienceHooks.stand_by`` waits for its call."""
+
+    def __init__(self, message: str):
+        super().__init__(0, message)
+
+
+@dataclass
+class Rejoined:
+    """What the training loop of a readmitted rank continues from."""
+
+    objects: object
+    quotas: list[int]
+    iteration: int
+    consumed_samples: int
+
+
+def _report_key(launch_rank: int) -> str:
+    return f"{_PREFIX}report/{launch_rank}"
+
+
+def _call_key(launch_rank: int) -> str:
+    return f"{_PREFIX}call/{launch_rank}"
+
+
+def _go_key(generation: int) -> str:
+    return f"{_PREFIX}go/{generation}"
+
+
+class Readmissions:
+    """Mixin for ``ResilienceHooks``: expects ``args``, ``cfg``, ``events``, ``rank``, ``layout``,
+    ``store``, ``monitor``, ``generation``, ``known_health``, ``live``, ``iteration``, ``identity``
+    (this world's rank -> launch rank), ``launch_rank``, ``launch_layout``, ``standbys`` (their
+    launch ranks), ``backend``, ``_device``, ``_adopt``, ``_rebuild``, ``_calibrated_hardware`` and
+    ``_apply_faults``, and the bookkeeping ``_init_readmissions`` sets up."""
+
+    def _init_readmissions(self) -> None:
+        self._report_seen: dict[int, tuple[int, float]] = {}  # launch rank -> (report seq, first seen)
+        self._last_ready: set[int] = set()  # healthy-looking standbys the last plan was made for
+        self._admitted_at: int | None = None  # iteration this rank rejoined at (planned already)
+        self._observed_layout: Layout | None = None  # layout of the ops behind last_observations
+        self._standby_reference_s = 0.0
+        self._standby_since = 0
+
+    # ------------------------------------------------------------------ the standby
+    def _standing_by(self, old_rank: int) -> StandingBy:
+        """Leave every group to stand by; the reference probe time is taken now, while this rank's
+        slowdown is known: the healthy ranks' latest probes, or this rank's own over its slowdown."""
+        rounds = [p for p in self.live.probe_rounds if p.rank_s] if self.live is not None else []
+        slow = self.known_health.slow_factors
+        healthy = [s for r, s in rounds[-1].rank_s.items() if r not in slow] if rounds else []
+        own = gemm_probe_s(self._device())
+        self._standby_reference_s = statistics.median(healthy) if healthy else own / slow.get(old_rank, 1.0)
+        self._standby_since = self.iteration
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return StandingBy(f"rank {old_rank} (launch rank {self.identity[old_rank]}) stands by after the re-plan; "
+                          f"its shards were handed over")
+
+    def stand_by(self) -> Rejoined:
+        """Probe, report and wait on the standby until called into a grown world, then join it.
+
+        Raises:
+            StopTraining: the job finished (or went silent) while this rank stood by.
+        """
+        me = self.launch_rank
+        store, interval = self.store, self.cfg.standby_probe_interval_s
+        log_line(f" resihp: launch rank {me} stands by from iteration {self._standby_since}, "
+                 f"probing every {interval:g} s (healthy probe {self._standby_reference_s * 1e3:.2f} ms)")
+        self.events.emit("standby", self._standby_since, launch_rank=me,
+                         reference_probe_s=self._standby_reference_s)
+        applied, next_probe, seq = self._standby_since, 0.0, 0
+        progress, last_progress = applied, time.monotonic()
+        while True:
+            if store.check([_DONE]):
+                raise StopTraining(0, f"the job finished while launch rank {me} stood by")
+            if store.check([_PROGRESS]) and int(store.get(_PROGRESS)) != progress:
+                progress, last_progress = int(store.get(_PROGRESS)), time.monotonic()
+                # Faults follow the job's iterations; the one it is starting is applied on joining.
+                for iteration in range(applied + 1, progress):
+                    self._apply_faults(iteration, standing_by=True)
+                    applied = iteration
+            if time.monotonic() - last_progress > max(_ABANDONED_S, 10 * self.cfg.collective_timeout_s):
+                raise StopTraining(0, f"no iteration started for {_ABANDONED_S:.0f} s while launch rank {me} stood by")
+            if store.check([_call_key(me)]):
+                call = json.loads(store.get(_call_key(me)))
+                store.delete_key(_call_key(me))
+                rejoined = self._answer_call(call)
+                if rejoined is not None:
+                    return rejoined
+                next_probe = 0.0
+            if time.monotonic() >= next_probe:
+                factor = gemm_probe_s(self._device()) / self._standby_reference_s
+                seq += 1
+                store.set(_report_key(me), json.dumps({"factor": round(factor, 4), "seq": seq}))
+                next_probe = time.monotonic() + interval
+            time.sleep(0.05)
+
+    def _answer_call(self, call: dict) -> Rejoined | None:
+        """Say this rank is here, wait for go, and join; None when the call was called off."""
+        generation, new_rank, size = call["generation"], call["new_rank"], call["world_size"]
+        self.store.set(f"resihp/gen{generation}/joining/{new_rank}", "1")
+        recovery.wait_for_keys(self.store, [_go_key(generation)], 3 * self.cfg.collective_timeout_s)
+        if self.store.get(_go_key(generation)) != b"1":
+            log_line(f" resihp: launch rank {self.launch_rank}: the call to world {generation} was called off")
+            return None
+        old_layout, new_layout = Layout.from_dict(call["old_layout"]), Layout.from_dict(call["new_layout"])
+        self.known_health = Health(speed={int(r): v for r, v in call["speed"].items()},
+                                   slow_links={(a, b): v for a, b, v in call["slow_links"]})
+        self.standbys = {int(r) for r in call["standbys"]}
+        new_objects = self._grow(call, new_rank, size, old_layout, new_layout, None)
+        new_objects.scheduler.load_state_dict(call["scheduler"])
+        self._admitted_at = call["iteration"]
+        log_line(f" resihp: launch rank {self.launch_rank} rejoined as rank {self.rank} of {size} "
+                 f"at iteration {call['iteration']}")
+        return Rejoined(new_objects, list(call["quotas"]), call["iteration"], call["consumed_samples"])
+
+    # ------------------------------------------------------------------ the working ranks
+    def check_standbys(self, iteration: int, objects, quotas, consumed_samples: int):
+        """At the start of ``iteration``: take standbys back when they report healthy and it pays.
+
+        Collective over the working world while standbys exist (one small broadcast).
+        """
+        if not self.standbys or self._admitted_at == iteration:
+            return objects, quotas
+        order = sorted(self.standbys)
+        factors = torch.full((len(order),), -1.0, dtype=torch.float64)
+        if self.rank == 0:
+            self.store.set(_PROGRESS, str(iteration))
+            now = time.monotonic()
+            for i, launch in enumerate(order):
+                if not self.store.check([_report_key(launch)]):
+                    continue
+                report = json.loads(self.store.get(_report_key(launch)))
+                seen = self._report_seen.get(launch)
+                if seen is None or seen[0] != report["seq"]:
+                    self._report_seen[launch] = seen = (report["seq"], now)
+                # A report that stopped changing comes from a standby that is gone.
+                if now - seen[1] <= max(5 * self.cfg.standby_probe_interval_s, 3 * self.cfg.heartbeat_timeout_s):
+                    factors[i] = report["factor"]
+        device_factors = factors.to(self._device())
+        dist.broadcast(device_factors, src=0)
+        factors = device_factors.cpu()
+        ready = {launch: max(float(f), 1.0) for launch, f in zip(order, factors.tolist())
+                 if 0.0 <= f < self.cfg.probe_threshold}
+        if set(ready) == self._last_ready or self._observed_layout != self.layout:
+            # (The cost model is fitted to the last iteration's ops, which ran on the layout it saw.)
+            return objects, quotas
+        self._last_ready = set(ready)
+        if not ready:
+            return objects, quotas
+        start = time.perf_counter()
+        horizon = max(self.args.train_iters - iteration + 1, 1)
+        decision = plan_readmission(self.layout, self.identity, self.launch_layout, ready, self.known_health,
+                                    self._calibrated_hardware(), quotas, horizon)
+        if self.rank == 0:
+            self.events.emit("plan", iteration, action=decision.action, policy="readmission", reason=decision.reason,
+                             quotas=list(decision.quotas), ready={str(k): v for k, v in sorted(ready.items())},
+                             predicted_iteration_s_before=decision.iteration_s_before,
+                             predicted_iteration_s_after=decision.iteration_s_after)
+            log_line(f" resihp: plan (readmission, {decision.action}): {decision.reason}")
+        if decision.action != "adapt":
+            return objects, quotas
+        return self._admit(iteration, decision, objects, quotas, consumed_samples, start)
+
+    def _admit(self, iteration: int, decision, objects, quotas, consumed_samples: int, start: float):
+        """Call the joiners, and grow the world with them once every one has answered."""
+        generation, size = self.generation + 1, decision.layout.world_size
+        identity = [*self.identity, *decision.joiners]
+        go = _go_key(generation)
+        if self.rank == 0:
+            shared = {"generation": generation, "world_size": size, "iteration": iteration,
+                      "consumed_samples": consumed_samples, "quotas": list(decision.quotas),
+                      "old_layout": self.layout.to_dict(), "new_layout": decision.layout.to_dict(),
+                      "identity": identity, "speed": {str(r): v for r, v in self.known_health.speed.items()},
+                      "slow_links": [[a, b, v] for (a, b), v in self.known_health.slow_links.items()],
+                      "standbys": sorted(self.standbys - set(decision.joiners)),
+                      "scheduler": objects.scheduler.state_dict(), "adam": adam_template_of(objects)}
+            for launch in decision.joiners:
+                self.store.set(_call_key(launch), json.dumps({**shared, "new_rank": identity.index(launch)}))
+            joining = [f"resihp/gen{generation}/joining/{identity.index(r)}" for r in decision.joiners]
+            try:
+                recovery.wait_for_keys(self.store, joining, 3 * self.cfg.standby_probe_interval_s
+                                       + 2 * self.cfg.heartbeat_timeout_s)
+                self.store.set(go, "1")
+            except TimeoutError as error:
+                self.store.set(go, "0")
+                log_line(f" resihp: calling standbys {list(decision.joiners)} off: {error}")
+        recovery.wait_for_keys(self.store, [go], 3 * self.cfg.collective_timeout_s)
+        if self.store.get(go) != b"1":
+            self.generation = generation  # never reuse the prefix a joiner may have written under
+            self._last_ready = set()  # plan again on the next reports
+            return objects, quotas
+        old_layout = self.layout
+        new_objects = self._grow({"generation": generation, "adam": None, "identity": identity}, self.rank, size,
+                                 old_layout, decision.layout, objects)
+        new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
+        self.standbys -= set(decision.joiners)
+        self._last_ready = set()
+        duration = time.perf_counter() - start
+        if self.rank == 0:
+            self.events.emit("adapted", iteration, world_size=size, quotas=list(decision.quotas),
+                             joined_launch_ranks=list(decision.joiners), duration_s=duration,
+                             layers_per_replica=[list(r.layers_per_stage) for r in self.layout.replicas])
+            log_line(f" resihp: readmitted launch ranks {list(decision.joiners)} at iteration {iteration}: world "
+                     f"{old_layout.world_size} -> {size}, micro-batch quotas {list(decision.quotas)} "
+                     f"({duration * 1000:.0f} ms)")
+        return new_objects, list(decision.quotas)
+
+    # ------------------------------------------------------------------ both
+    def _grow(self, call: dict, new_rank: int, size: int, old_layout: Layout, new_layout: Layout, objects):
+        """Meet in the grown world, install its groups, rebuild, and fill the joiners' state."""
+        generation = call["generation"]
+        if self.monitor is not None:
+            self.monitor.stop()
+        self.generation = generation
+        recovery.meet_and_reform(self.store, str(generation), new_rank, size, self.backend,
+                                 self.cfg.collective_timeout_s)
+        self.identity = list(call["identity"])
+        self.sync = None  # its groups belonged to the old world
+        groups = build_groups(new_layout, new_rank, timeout=self.cfg.collective_timeout_s)
+        install(groups)
+        self._adopt(new_layout, groups, world_changed=True)
+        new_objects = self._rebuild(new_layout)
+        apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank, objects,
+                        new_objects, adam_template=call["adam"])
+        return new_objects

@@ -1,0 +1,81 @@
+"""Standbys that are healthy again rejoin and restore their launch replicas (resihp_ext.planner.readmission)."""
+
+import pytest
+
+from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
+from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.health import Health
+from resihp_ext.planner.joint import plan_adaptation
+from resihp_ext.planner.readmission import plan_readmission
+
+MODEL = ModelSpec(4, 64, 4, 256, 1024, 128, 1, 16)
+HW = HardwareModel(layer_forward_s=0.01, output_forward_s=0.005, tp_efficiency=1.0, regroup_s=0.5)
+
+
+def _after_exclusion(launch: Layout, slow: int, factor: float):
+    """The running layout, identity and quotas after a fail-slow plan left ``slow`` out."""
+    plan = plan_adaptation(launch, Health(speed={slow: 1 / factor}), HW, horizon_iters=40,
+                           uniform_tp_per_replica=True)
+    assert plan.action == "adapt" and not plan.layout.contains(slow), plan.reason  # the premise
+    kept = sorted(plan.layout.world_ranks)
+    dense = {old: new for new, old in enumerate(kept)}
+    return plan.layout.relabel(dense), kept, plan.quotas
+
+
+def test_a_healthy_standby_restores_the_tp_group_it_left():
+    launch = Layout.uniform(MODEL, 2, 1, 2)
+    layout, identity, quotas = _after_exclusion(launch, slow=1, factor=3.0)
+    assert identity == [0, 2, 3] and layout.world_size == 3
+    out = plan_readmission(layout, identity, launch, {1: 1.0}, Health(), HW, quotas, horizon_iters=40)
+    assert out.action == "adapt", out.reason
+    assert out.joiners == (1,) and out.new_rank_of(1, 3) == 3
+    # Launch rank 1 joins as rank 3; the restored replica keeps replica 0's place.
+    assert [rep.ranks for rep in out.layout.replicas] == [(0, 3), (1, 2)]
+    assert out.layout.replicas[0].stages[0].tp_degree == 2
+    assert out.quotas == (8, 8) and out.iteration_s_after < out.iteration_s_before
+    assert "standbys 1 (1.00x) rejoin" in out.reason
+
+
+def test_a_standby_still_slow_is_not_taken_back():
+    launch = Layout.uniform(MODEL, 2, 1, 2)
+    layout, identity, quotas = _after_exclusion(launch, slow=3, factor=3.0)
+    out = plan_readmission(layout, identity, launch, {3: 3.0}, Health(), HW, quotas, horizon_iters=40)
+    assert out.action == "keep" and out.layout is layout and out.joiners == ()
+    assert "does not pay off" in out.reason
+
+
+def test_standbys_of_a_whole_dropped_replica_come_back_as_a_new_replica():
+    launch = Layout.uniform(MODEL, 1, 2, 3)  # ranks: replica d holds d (stage 0) and 3 + d (stage 1)
+    running = launch.with_replicas(launch.replicas[:2])  # replica 2 (ranks 2, 5) was dropped
+    identity = [0, 1, 3, 4]
+    layout = running.relabel({r: i for i, r in enumerate(identity)})
+    out = plan_readmission(layout, identity, launch, {2: 1.0, 5: 1.0}, Health(), HW, (8, 8), horizon_iters=40)
+    assert out.action == "adapt", out.reason
+    assert out.joiners == (2, 5) and out.layout.num_replicas == 3
+    assert out.layout.replicas[2].ranks == (4, 5) and sum(out.quotas) == 16
+
+
+def test_a_standby_whose_launch_replica_lost_another_rank_is_not_taken_back():
+    launch = Layout.uniform(MODEL, 2, 1, 2)
+    # Launch rank 3 stands by, but its TP sibling 2 is gone (a fail-stop since).
+    layout = Layout((ReplicaSpec((StageSpec(0, 4, (0, 1)),)),), MODEL)
+    out = plan_readmission(layout, [0, 1], launch, {3: 1.0}, Health(), HW, (16,), horizon_iters=40)
+    assert out.action == "keep" and "complete no launch replica" in out.reason
+
+
+def test_no_report_keeps_the_layout():
+    launch = Layout.uniform(MODEL, 2, 1, 2)
+    layout, identity, quotas = _after_exclusion(launch, slow=3, factor=3.0)
+    assert plan_readmission(layout, identity, launch, {}, Health(), HW, quotas, 40).action == "keep"
+
+
+@pytest.mark.parametrize("identity, ready, match", [
+    ([0, 0, 2], {3: 1.0}, "twice"),
+    ([0, 1, 2], {2: 1.0}, "work in this world"),
+    ([0, 1, 2], {3: 0.5}, "slowdown"),
+])
+def test_rejects_inconsistent_reports(identity, ready, match):
+    launch = Layout.uniform(MODEL, 2, 1, 2)
+    layout, _, quotas = _after_exclusion(launch, slow=3, factor=3.0)
+    with pytest.raises(ValueError, match=match):
+        plan_readmission(layout, identity, launch, ready, Health(), HW, quotas, 40)
