@@ -169,8 +169,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
 
     def _apply_faults(self, iteration: int, standing_by: bool = False) -> None:
         for fault in self.faults:
-            if standing_by and fault.kind is FaultKind.LINK:
-                continue  # a standby sends nothing; its links are measured if it rejoins
+            if standing_by and fault.kind in (FaultKind.LINK, FaultKind.HANG):
+                continue  # a standby sends nothing and makes no progress that could stop
             if fault.until_iteration == iteration:
                 RECORDER.slowdown_factor = 1.0
                 self.events.emit("inject_end", iteration, fault=fault.spec())

@@ -86,8 +86,8 @@ class Readmissions:
     """Mixin for ``ResilienceHooks``: expects ``args``, ``cfg``, ``events``, ``rank``, ``layout``,
     ``store``, ``monitor``, ``generation``, ``known_health``, ``live``, ``iteration``, ``identity``
     (this world's rank -> launch rank), ``launch_rank``, ``launch_layout``, ``standbys`` (their
-    launch ranks), ``backend``, ``_device``, ``_adopt``, ``_rebuild``, ``_calibrated_hardware`` and
-    ``_apply_faults``, and the bookkeeping ``_init_readmissions`` sets up."""
+    launch ranks), ``backend``, ``_device``, ``_adopt``, ``_rebuild``, ``_calibrated_hardware``,
+    ``_failure_among`` and ``_apply_faults``, and the bookkeeping ``_init_readmissions`` sets up."""
 
     def _init_readmissions(self) -> None:
         self._report_seen: dict[int, tuple[int, float]] = {}  # launch rank -> (report seq, first seen)
@@ -126,6 +126,7 @@ class Readmissions:
                          reference_probe_s=self._standby_reference_s)
         applied, next_probe, seq = self._standby_since, 0.0, 0
         progress, last_progress = applied, time.monotonic()
+        abandoned_s = max(_ABANDONED_S, 10 * self.cfg.collective_timeout_s)
         while True:
             if store.check([_DONE]):
                 raise StopTraining(0, f"the job finished while launch rank {me} stood by")
@@ -135,8 +136,8 @@ class Readmissions:
                 for iteration in range(applied + 1, progress):
                     self._apply_faults(iteration, standing_by=True)
                     applied = iteration
-            if time.monotonic() - last_progress > max(_ABANDONED_S, 10 * self.cfg.collective_timeout_s):
-                raise StopTraining(0, f"no iteration started for {_ABANDONED_S:.0f} s while launch rank {me} stood by")
+            if time.monotonic() - last_progress > abandoned_s:
+                raise StopTraining(0, f"no iteration started for {abandoned_s:.0f} s while launch rank {me} stood by")
             if store.check([_call_key(me)]):
                 call = json.loads(store.get(_call_key(me)))
                 store.delete_key(_call_key(me))
@@ -155,15 +156,25 @@ class Readmissions:
         """Say this rank is here, wait for go, and join; None when the call was called off."""
         generation, new_rank, size = call["generation"], call["new_rank"], call["world_size"]
         self.store.set(f"resihp/gen{generation}/joining/{new_rank}", "1")
-        recovery.wait_for_keys(self.store, [_go_key(generation)], 3 * self.cfg.collective_timeout_s)
+        try:
+            recovery.wait_for_keys(self.store, [_go_key(generation)], 3 * self.cfg.collective_timeout_s)
+        except TimeoutError:  # rank 0 failed after calling: the working ranks recover without this rank
+            log_line(f" resihp: launch rank {self.launch_rank}: no go for world {generation}; standing by again")
+            return None
         if self.store.get(_go_key(generation)) != b"1":
             log_line(f" resihp: launch rank {self.launch_rank}: the call to world {generation} was called off")
             return None
         old_layout, new_layout = Layout.from_dict(call["old_layout"]), Layout.from_dict(call["new_layout"])
+        try:
+            self._meet(generation, new_rank, size, stop=lambda: None)
+        except (RuntimeError, TimeoutError) as error:  # the working ranks failed first: stand by again
+            log_line(f" resihp: launch rank {self.launch_rank}: world {generation} did not form ({error}); "
+                     f"standing by again")
+            return None
         self.known_health = Health(speed={int(r): v for r, v in call["speed"].items()},
                                    slow_links={(a, b): v for a, b, v in call["slow_links"]})
         self.standbys = {int(r) for r in call["standbys"]}
-        new_objects = self._grow(call, new_rank, size, old_layout, new_layout, None)
+        new_objects = self._grow(call, old_layout, new_layout, None)
         new_objects.scheduler.load_state_dict(call["scheduler"])
         self._admitted_at = call["iteration"]
         log_line(f" resihp: launch rank {self.launch_rank} rejoined as rank {self.rank} of {size} "
@@ -242,16 +253,19 @@ class Readmissions:
                 self.store.set(go, "0")
                 log_line(f" resihp: calling standbys {list(decision.joiners)} off: {error}")
         recovery.wait_for_keys(self.store, [go], 3 * self.cfg.collective_timeout_s)
+        self.generation = generation  # never reused: a joiner may have written under its prefix
         if self.store.get(go) != b"1":
-            self.generation = generation  # never reuse the prefix a joiner may have written under
             self._last_ready = set()  # plan again on the next reports
             return objects, quotas
         old_layout = self.layout
-        new_objects = self._grow({"generation": generation, "adam": None, "identity": identity}, self.rank, size,
+        self._last_ready = set()  # whatever happens next, plan again on the next reports
+        # A working rank that fails while the world forms is named by the old world's heartbeats:
+        # the RuntimeError sends every working rank into fail-stop recovery, on the old layout.
+        self._meet(generation, self.rank, size, stop=self._failure_among(old_layout.world_ranks))
+        new_objects = self._grow({"generation": generation, "adam": None, "identity": identity},
                                  old_layout, decision.layout, objects)
         new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
         self.standbys -= set(decision.joiners)
-        self._last_ready = set()
         duration = time.perf_counter() - start
         if self.rank == 0:
             self.events.emit("adapted", iteration, world_size=size, quotas=list(decision.quotas),
@@ -263,17 +277,19 @@ class Readmissions:
         return new_objects, list(decision.quotas)
 
     # ------------------------------------------------------------------ both
-    def _grow(self, call: dict, new_rank: int, size: int, old_layout: Layout, new_layout: Layout, objects):
-        """Meet in the grown world, install its groups, rebuild, and fill the joiners' state."""
-        generation = call["generation"]
+    def _meet(self, generation: int, new_rank: int, size: int, stop) -> None:
+        """Form the grown world (the old one is left only once every member has arrived)."""
+        recovery.meet_and_reform(self.store, str(generation), new_rank, size, self.backend,
+                                 self.cfg.collective_timeout_s, stop)
         if self.monitor is not None:
             self.monitor.stop()
         self.generation = generation
-        recovery.meet_and_reform(self.store, str(generation), new_rank, size, self.backend,
-                                 self.cfg.collective_timeout_s)
+
+    def _grow(self, call: dict, old_layout: Layout, new_layout: Layout, objects):
+        """In the grown world: install its groups, rebuild, and fill the joiners' state."""
         self.identity = list(call["identity"])
         self.sync = None  # its groups belonged to the old world
-        groups = build_groups(new_layout, new_rank, timeout=self.cfg.collective_timeout_s)
+        groups = build_groups(new_layout, dist.get_rank(), timeout=self.cfg.collective_timeout_s)
         install(groups)
         self._adopt(new_layout, groups, world_changed=True)
         new_objects = self._rebuild(new_layout)

@@ -24,6 +24,10 @@ documents):
       recovery (a ``recovered`` verdict gives its micro-batches back) and with
       ``--resihp-no-recovery`` (they stay where the first re-plan put them), as fractions of healthy
       throughput over the same iterations after the recovery run's last re-plan;
+    * ``--slow-rank`` slowed ``--standby-factor`` x (enough for the plan to leave its replica's
+      TP group out) from ``--slow-at`` until ``--recover-at``, adapted: the ranks left out stand by
+      and rejoin once healthy, or exit (``--resihp-no-standby``), as fractions of healthy throughput
+      over the same iterations after the rejoin;
     * after ``--kill`` ranks are SIGKILLed at ``--slow-at``, adapted in place: on devices where a
       stage fits at TP 1, the survivors of a broken replica go on as a smaller-TP replica when the
       cost model fitted to the job says it pays; on devices that hold a stage only at its launch TP
@@ -44,7 +48,7 @@ documents):
 
     python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0] [--slow-rank 7]
         [--link 0:4] [--link-factor 600] [--recover-at 22] [--kill 5]...
-        [--skip throughput|slow|link|recover|shrunk|fail_stop]...
+        [--standby-factor 8] [--skip throughput|slow|link|recover|standby|shrunk|fail_stop]...
 """
 
 from __future__ import annotations
@@ -162,10 +166,13 @@ def throughput(args, work: Path) -> dict:
             out[f"{fault}_adapted"]["samples_per_s"] / out[f"{fault}_unadapted"]["samples_per_s"], 4)
     if "recover" not in args.skip:
         out.update(_recovery(args, work))
+    if "standby" not in args.skip:
+        out.update(_standby(args, work))
     if "shrunk" not in args.skip:
         out.update(_after_fail_stop(args, work))
     healthy = out["healthy"]["samples_per_s"]
-    for name in ("recover_kept_skewed", "recover_given_back", "killed_whole_replicas_only", "killed_smaller_tp"):
+    for name in ("recover_kept_skewed", "recover_given_back", "standby_off_exited", "standby_rejoined",
+                 "killed_whole_replicas_only", "killed_smaller_tp"):
         if name in out:
             out[name]["fraction_of_healthy"] = round(out[name]["samples_per_s"] / healthy, 4)
     if "slow" in faults:
@@ -195,6 +202,21 @@ def _recovery(args, work: Path) -> dict:
                            back["from_iteration"] - 2, fixed_start=True)  # measured from onset + 2
     return {"recover_given_back": back, "recover_kept_skewed": kept,
             "recover_given_back_over_kept_skewed": round(back["samples_per_s"] / kept["samples_per_s"], 4)}
+
+
+def _standby(args, work: Path) -> dict:
+    """``--slow-rank`` slowed ``--standby-factor`` x from ``--slow-at`` until ``--recover-at``, so slow
+    that the plan leaves ranks out, adapted both times: the ranks left out stand by and rejoin once
+    healthy, or exit (``--resihp-no-standby``). Both measured over the same iterations, those after
+    the rejoin."""
+    spec = f"slow:rank={args.slow_rank},factor={args.standby_factor},at={args.slow_at},until={args.recover_at}"
+    back = _throughput_run(args, work, "standby_rejoined", ["--resihp-enable", "--resihp-inject", spec],
+                           args.recover_at, launcher="local")
+    gone = _throughput_run(args, work, "standby_off_exited",
+                           ["--resihp-enable", "--resihp-no-standby", "--resihp-inject", spec],
+                           back["from_iteration"] - 2, fixed_start=True, launcher="local")
+    return {"standby_rejoined": back, "standby_off_exited": gone,
+            "standby_rejoined_over_exited": round(back["samples_per_s"] / gone["samples_per_s"], 4)}
 
 
 def _after_fail_stop(args, work: Path) -> dict:
@@ -307,24 +329,27 @@ def main() -> None:
     parser.add_argument("--device-time-scale", type=float, default=16.0,
                         help="--cpu-device-time-scale of the throughput runs (one emulated device per rank; "
                              "0 runs on the shared cores as they are)")
+    parser.add_argument("--standby-factor", type=float, default=8.0,
+                        help="slowdown of --slow-rank in the standby runs (large enough to leave it out)")
     parser.add_argument("--link", type=_link_ends, default=(0, 4),
                         help="SRC:DST of the slowed pipeline link (0:4: replica 0's stage boundary, TP rank 0)")
     parser.add_argument("--link-factor", type=float, default=LINK_FACTOR, help="slowdown of --link")
     parser.add_argument("--kill-at", type=int, default=6)
     parser.add_argument("--kill", type=int, action="append", default=None,
                         help="rank SIGKILLed in the fail-stop runs (repeatable; default 5)")
-    parser.add_argument("--skip", choices=("throughput", "slow", "link", "recover", "shrunk", "fail_stop"),
+    parser.add_argument("--skip", choices=("throughput", "slow", "link", "recover", "standby", "shrunk", "fail_stop"),
                         action="append", default=[],
                         help="leave out a part: throughput (every throughput run), slow (the slow-rank runs), link "
-                             "(the slow-link runs), recover (the recovery runs), shrunk (the runs after a fail-stop, "
+                             "(the slow-link runs), recover (the recovery runs), standby (the runs whose left-out ranks stand "
+                             "by or exit), shrunk (the runs after a fail-stop, "
                              "with and without a smaller-TP replica), fail_stop (time to resume)")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     args = parser.parse_args()
     args.kill = sorted(set(args.kill or KILL_RANKS))
-    if "recover" not in args.skip and "throughput" not in args.skip and not (
+    if not {"recover", "standby"} <= set(args.skip) and "throughput" not in args.skip and not (
             args.slow_at < args.recover_at <= args.iters - 12):
         parser.error(f"--recover-at must be after --slow-at ({args.slow_at}) and at least 12 iterations before "
-                     f"the end (--iters {args.iters}); got {args.recover_at}, or pass --skip recover")
+                     f"the end (--iters {args.iters}); got {args.recover_at}, or pass --skip recover --skip standby")
     if any(not 0 <= r < NPROC for r in args.kill):
         parser.error(f"--kill takes ranks 0-{NPROC - 1}; got {args.kill}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="adaptation_"))
@@ -363,6 +388,11 @@ def main() -> None:
                   f"adapted in both runs")
             _print_pair(t, ("recover_kept_skewed", "recover_given_back"), "healthy",
                         "recover_given_back_over_kept_skewed", "given back / kept skewed")
+        if "standby_rejoined" in t:
+            print(f"rank {args.slow_rank} slowed {args.standby_factor:g}x from iteration {args.slow_at} until "
+                  f"{args.recover_at}, adapted in both runs")
+            _print_pair(t, ("standby_off_exited", "standby_rejoined"), "healthy", "standby_rejoined_over_exited",
+                        "stood by and rejoined / left")
         if "killed_smaller_tp" in t:
             print(f"ranks {args.kill} SIGKILLed at iteration {args.slow_at}, adapted in place in both runs")
             _print_pair(t, ("killed_whole_replicas_only", "killed_smaller_tp"), "healthy",
