@@ -24,10 +24,11 @@ documents):
       recovery (a ``recovered`` verdict gives its micro-batches back) and with
       ``--resihp-no-recovery`` (they stay where the first re-plan put them), as fractions of healthy
       throughput over the same iterations after the recovery run's last re-plan;
-    * ``--slow-rank`` slowed ``--standby-factor`` x (enough for the plan to leave its replica's
-      TP group out) from ``--slow-at`` until ``--recover-at``, adapted: the ranks left out stand by
-      and rejoin once healthy, or exit (``--resihp-no-standby``), as fractions of healthy throughput
-      over the same iterations after the rejoin;
+    * on TP2 x DP4 (PP 1, where TP exclusion is what a very slow rank gets; under PP 2 the plan
+      moves layers off its stage instead), ``--slow-rank`` slowed ``--standby-factor`` x from
+      ``--slow-at`` until ``--recover-at``, adapted: the rank left out stands by and rejoins once
+      healthy, or exits (``--resihp-no-standby``), as fractions of a healthy TP2 x DP4 run's
+      throughput over the same iterations after the rejoin;
     * after ``--kill`` ranks are SIGKILLed at ``--slow-at``, adapted in place: on devices where a
       stage fits at TP 1, the survivors of a broken replica go on as a smaller-TP replica when the
       cost model fitted to the job says it pays; on devices that hold a stage only at its launch TP
@@ -171,8 +172,7 @@ def throughput(args, work: Path) -> dict:
     if "shrunk" not in args.skip:
         out.update(_after_fail_stop(args, work))
     healthy = out["healthy"]["samples_per_s"]
-    for name in ("recover_kept_skewed", "recover_given_back", "standby_off_exited", "standby_rejoined",
-                 "killed_whole_replicas_only", "killed_smaller_tp"):
+    for name in ("recover_kept_skewed", "recover_given_back", "killed_whole_replicas_only", "killed_smaller_tp"):
         if name in out:
             out[name]["fraction_of_healthy"] = round(out[name]["samples_per_s"] / healthy, 4)
     if "slow" in faults:
@@ -210,12 +210,16 @@ def _standby(args, work: Path) -> dict:
     healthy, or exit (``--resihp-no-standby``). Both measured over the same iterations, those after
     the rejoin."""
     spec = f"slow:rank={args.slow_rank},factor={args.standby_factor},at={args.slow_at},until={args.recover_at}"
-    back = _throughput_run(args, work, "standby_rejoined", ["--resihp-enable", "--resihp-inject", spec],
+    pp1 = ["--pipeline-model-parallel-size", "1"]
+    healthy = _throughput_run(args, work, "standby_shape_healthy", [*pp1, "--resihp-detect-only"], onset=2)
+    back = _throughput_run(args, work, "standby_rejoined", [*pp1, "--resihp-enable", "--resihp-inject", spec],
                            args.recover_at, launcher="local")
     gone = _throughput_run(args, work, "standby_off_exited",
-                           ["--resihp-enable", "--resihp-no-standby", "--resihp-inject", spec],
+                           [*pp1, "--resihp-enable", "--resihp-no-standby", "--resihp-inject", spec],
                            back["from_iteration"] - 2, fixed_start=True, launcher="local")
-    return {"standby_rejoined": back, "standby_off_exited": gone,
+    for run in (back, gone):
+        run["fraction_of_healthy"] = round(run["samples_per_s"] / healthy["samples_per_s"], 4)
+    return {"standby_shape_healthy": healthy, "standby_rejoined": back, "standby_off_exited": gone,
             "standby_rejoined_over_exited": round(back["samples_per_s"] / gone["samples_per_s"], 4)}
 
 
@@ -389,8 +393,10 @@ def main() -> None:
             _print_pair(t, ("recover_kept_skewed", "recover_given_back"), "healthy",
                         "recover_given_back_over_kept_skewed", "given back / kept skewed")
         if "standby_rejoined" in t:
-            print(f"rank {args.slow_rank} slowed {args.standby_factor:g}x from iteration {args.slow_at} until "
-                  f"{args.recover_at}, adapted in both runs")
+            r = t["standby_shape_healthy"]
+            print(f"TP2 x DP4: rank {args.slow_rank} slowed {args.standby_factor:g}x from iteration {args.slow_at} "
+                  f"until {args.recover_at}, adapted in both runs; healthy TP2 x DP4 {r['samples_per_s']} samples/s "
+                  f"({r['median_iteration_s']} s/it)")
             _print_pair(t, ("standby_off_exited", "standby_rejoined"), "healthy", "standby_rejoined_over_exited",
                         "stood by and rejoined / left")
         if "killed_smaller_tp" in t:
