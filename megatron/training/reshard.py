@@ -169,14 +169,10 @@ def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects,
 
     from megatron.training.layer_sync import param_slots
 
-    old_slots = param_slots(old_objects.model.module) if old_objects is not None else []
+    old_slots = param_slots(old_objects.model.module)
     new_slots = param_slots(new_objects.model.module)
     old_holders, new_holders = holders(old_layout), holders(new_layout)
-    if old_objects is not None:
-        template = _adam_template(old_objects, old_slots)
-    else:
-        template = {k: torch.tensor(v, dtype=torch.float32) if k == "step" else None
-                    for k, v in (adam_template or {}).items()} or None
+    template = _adam_template(old_objects, old_slots)
     for i, t in enumerate(transfers):
         if t.dst != rank:
             continue
@@ -191,7 +187,6 @@ def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects,
         _unpack(received[i], target)
 
 
-@torch.no_grad()
 def adam_template_of(objects) -> dict:
     """Keys and step count of this rank's Adam state, JSON-ready (empty before the first step)."""
     for opt in _torch_optimizers(objects.optimizer):
@@ -200,6 +195,7 @@ def adam_template_of(objects) -> dict:
     return {}
 
 
+@torch.no_grad()
 def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, new_objects,
                     adam_template: dict | None = None) -> int:
     """Fill the rebuilt model and optimizer of this rank from wherever each unit lives now.
