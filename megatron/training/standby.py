@@ -209,7 +209,7 @@ class Readmissions:
         factors = device_factors.cpu()
         ready = {launch: max(float(f), 1.0) for launch, f in zip(order, factors.tolist())
                  if 0.0 <= f < self.cfg.probe_threshold}
-        if set(ready) == self._last_ready or self._observed_layout != self.layout:
+        if set(ready) == self._last_ready or self._observed_layout is not self.layout:
             # (The cost model is fitted to the last iteration's ops, which ran on the layout it saw.)
             return objects, quotas
         self._last_ready = set(ready)
