@@ -219,25 +219,27 @@ class Readmissions:
         horizon = max(self.args.train_iters - iteration + 1, 1)
         decision = plan_readmission(self.layout, self.identity, self.launch_layout, ready, self.known_health,
                                     self._calibrated_hardware(), quotas, horizon)
+        plan = decision.plan
         if self.rank == 0:
-            self.events.emit("plan", iteration, action=decision.action, policy="readmission", reason=decision.reason,
-                             quotas=list(decision.quotas), ready={str(k): v for k, v in sorted(ready.items())},
-                             predicted_iteration_s_before=decision.iteration_s_before,
-                             predicted_iteration_s_after=decision.iteration_s_after)
-            log_line(f" resihp: plan (readmission, {decision.action}): {decision.reason}")
-        if decision.action != "adapt":
+            self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
+                             quotas=list(plan.quotas), ready={str(k): v for k, v in sorted(ready.items())},
+                             predicted_iteration_s_before=plan.iteration_s_before,
+                             predicted_iteration_s_after=plan.iteration_s_after)
+            log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
+        if plan.action != "adapt":
             return objects, quotas
         return self._admit(iteration, decision, objects, quotas, consumed_samples, start)
 
     def _admit(self, iteration: int, decision, objects, quotas, consumed_samples: int, start: float):
         """Call the joiners, and grow the world with them once every one has answered."""
-        generation, size = self.generation + 1, decision.layout.world_size
+        plan = decision.plan
+        generation, size = self.generation + 1, plan.layout.world_size
         identity = [*self.identity, *decision.joiners]
         go = _go_key(generation)
         if self.rank == 0:
             shared = {"generation": generation, "world_size": size, "iteration": iteration,
-                      "consumed_samples": consumed_samples, "quotas": list(decision.quotas),
-                      "old_layout": self.layout.to_dict(), "new_layout": decision.layout.to_dict(),
+                      "consumed_samples": consumed_samples, "quotas": list(plan.quotas),
+                      "old_layout": self.layout.to_dict(), "new_layout": plan.layout.to_dict(),
                       "identity": identity, "speed": {str(r): v for r, v in self.known_health.speed.items()},
                       "slow_links": [[a, b, v] for (a, b), v in self.known_health.slow_links.items()],
                       "standbys": sorted(self.standbys - set(decision.joiners)),
@@ -263,18 +265,18 @@ class Readmissions:
         # the RuntimeError sends every working rank into fail-stop recovery, on the old layout.
         self._meet(generation, self.rank, size, stop=self._failure_among(old_layout.world_ranks))
         new_objects = self._grow({"generation": generation, "adam": None, "identity": identity},
-                                 old_layout, decision.layout, objects)
+                                 old_layout, plan.layout, objects)
         new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
         self.standbys -= set(decision.joiners)
         duration = time.perf_counter() - start
         if self.rank == 0:
-            self.events.emit("adapted", iteration, world_size=size, quotas=list(decision.quotas),
+            self.events.emit("adapted", iteration, world_size=size, quotas=list(plan.quotas),
                              joined_launch_ranks=list(decision.joiners), duration_s=duration,
                              layers_per_replica=[list(r.layers_per_stage) for r in self.layout.replicas])
             log_line(f" resihp: readmitted launch ranks {list(decision.joiners)} at iteration {iteration}: world "
-                     f"{old_layout.world_size} -> {size}, micro-batch quotas {list(decision.quotas)} "
+                     f"{old_layout.world_size} -> {size}, micro-batch quotas {list(plan.quotas)} "
                      f"({duration * 1000:.0f} ms)")
-        return new_objects, list(decision.quotas)
+        return new_objects, list(plan.quotas)
 
     # ------------------------------------------------------------------ both
     def _meet(self, generation: int, new_rank: int, size: int, stop) -> None:

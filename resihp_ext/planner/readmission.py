@@ -27,6 +27,9 @@ from resihp_ext.planner.cost import iteration_s, speed_quotas
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.moves import move_time_s, state_moves
+from resihp_ext.planner.plan import Plan
+
+POLICY = "readmission"
 
 
 @dataclass(frozen=True)
@@ -34,24 +37,14 @@ class Readmission:
     """A decision on the standbys that report healthy: keep the layout, or grow the world.
 
     Attributes:
-        action: "keep" or "adapt".
-        layout: the layout to run next, in the grown world's ranks (the running one for "keep").
+        plan: "keep" (the running layout) or "adapt" to ``plan.layout``, in the grown world's
+            ranks; its moves fill the joiners; policy "readmission".
         joiners: launch ranks of the standbys that join, in the order of their new ranks, which
             follow the working ranks'.
-        quotas: micro-batches per replica of ``layout``.
-        iteration_s_before, iteration_s_after: predicted seconds per iteration now and after.
-        cost_s: predicted one-time seconds of the change (regroup plus state moves).
-        reason: one readable line.
     """
 
-    action: str
-    layout: Layout
-    joiners: tuple[int, ...]
-    quotas: tuple[int, ...]
-    iteration_s_before: float
-    iteration_s_after: float
-    cost_s: float
-    reason: str
+    plan: Plan
+    joiners: tuple[int, ...] = ()
 
     def new_rank_of(self, launch_rank: int, world_size: int) -> int:
         """A joiner's rank in the grown world of a job whose current world has ``world_size`` ranks."""
@@ -108,7 +101,8 @@ def plan_readmission(
     before_s = iteration_s(layout, current_quotas, health, hw)
 
     def keep(why: str) -> Readmission:
-        return Readmission("keep", layout, (), tuple(current_quotas), before_s, before_s, 0.0, f"keep: {why}")
+        return Readmission(Plan("keep", layout, tuple(current_quotas), (), before_s, before_s, 0.0, f"keep: {why}",
+                                policy=POLICY))
 
     if not ready:
         return keep("no standby reports")
@@ -143,9 +137,10 @@ def plan_readmission(
                     f"now; does not pay off within {horizon_iters} iterations")
     gain = "" if not math.isfinite(before_s) else \
         f"; pays back in {cost_s / max(before_s - after_s, 1e-12):.0f} iterations"
-    return Readmission("adapt", grown, joiners, quotas, before_s, after_s, cost_s,
-                       f"adapt: {what}; world {len(identity)} -> {grown.world_size}; quotas {list(quotas)}; "
-                       f"{before_s:.3f} -> {after_s:.3f} s/iter; {len(moves)} moves, {cost_s:.1f} s{gain}")
+    return Readmission(Plan("adapt", grown, quotas, moves, before_s, after_s, cost_s,
+                            f"adapt: {what}; world {len(identity)} -> {grown.world_size}; quotas {list(quotas)}; "
+                            f"{before_s:.3f} -> {after_s:.3f} s/iter; {len(moves)} moves, {cost_s:.1f} s{gain}",
+                            policy=POLICY), joiners)
 
 
 __all__ = ["Readmission", "plan_readmission"]

@@ -27,21 +27,21 @@ def test_a_healthy_standby_restores_the_tp_group_it_left():
     layout, identity, quotas = _after_exclusion(launch, slow=1, factor=3.0)
     assert identity == [0, 2, 3] and layout.world_size == 3
     out = plan_readmission(layout, identity, launch, {1: 1.0}, Health(), HW, quotas, horizon_iters=40)
-    assert out.action == "adapt", out.reason
+    assert out.plan.action == "adapt", out.plan.reason
     assert out.joiners == (1,) and out.new_rank_of(1, 3) == 3
     # Launch rank 1 joins as rank 3; the restored replica keeps replica 0's place.
-    assert [rep.ranks for rep in out.layout.replicas] == [(0, 3), (1, 2)]
-    assert out.layout.replicas[0].stages[0].tp_degree == 2
-    assert out.quotas == (8, 8) and out.iteration_s_after < out.iteration_s_before
-    assert "standbys 1 (1.00x) rejoin" in out.reason
+    assert [rep.ranks for rep in out.plan.layout.replicas] == [(0, 3), (1, 2)]
+    assert out.plan.layout.replicas[0].stages[0].tp_degree == 2
+    assert out.plan.quotas == (8, 8) and out.plan.iteration_s_after < out.plan.iteration_s_before
+    assert "standbys 1 (1.00x) rejoin" in out.plan.reason
 
 
 def test_a_standby_still_slow_is_not_taken_back():
     launch = Layout.uniform(MODEL, 2, 1, 2)
     layout, identity, quotas = _after_exclusion(launch, slow=3, factor=3.0)
     out = plan_readmission(layout, identity, launch, {3: 3.0}, Health(), HW, quotas, horizon_iters=40)
-    assert out.action == "keep" and out.layout is layout and out.joiners == ()
-    assert "does not pay off" in out.reason
+    assert out.plan.action == "keep" and out.plan.layout is layout and out.joiners == ()
+    assert "does not pay off" in out.plan.reason
 
 
 def test_standbys_of_a_whole_dropped_replica_come_back_as_a_new_replica():
@@ -50,9 +50,9 @@ def test_standbys_of_a_whole_dropped_replica_come_back_as_a_new_replica():
     identity = [0, 1, 3, 4]
     layout = running.relabel({r: i for i, r in enumerate(identity)})
     out = plan_readmission(layout, identity, launch, {2: 1.0, 5: 1.0}, Health(), HW, (8, 8), horizon_iters=40)
-    assert out.action == "adapt", out.reason
-    assert out.joiners == (2, 5) and out.layout.num_replicas == 3
-    assert out.layout.replicas[2].ranks == (4, 5) and sum(out.quotas) == 16
+    assert out.plan.action == "adapt", out.plan.reason
+    assert out.joiners == (2, 5) and out.plan.layout.num_replicas == 3
+    assert out.plan.layout.replicas[2].ranks == (4, 5) and sum(out.plan.quotas) == 16
 
 
 def test_a_standby_whose_launch_replica_lost_another_rank_is_not_taken_back():
@@ -60,13 +60,13 @@ def test_a_standby_whose_launch_replica_lost_another_rank_is_not_taken_back():
     # Launch rank 3 stands by, but its TP sibling 2 is gone (a fail-stop since).
     layout = Layout((ReplicaSpec((StageSpec(0, 4, (0, 1)),)),), MODEL)
     out = plan_readmission(layout, [0, 1], launch, {3: 1.0}, Health(), HW, (16,), horizon_iters=40)
-    assert out.action == "keep" and "complete no launch replica" in out.reason
+    assert out.plan.action == "keep" and "complete no launch replica" in out.plan.reason
 
 
 def test_no_report_keeps_the_layout():
     launch = Layout.uniform(MODEL, 2, 1, 2)
     layout, identity, quotas = _after_exclusion(launch, slow=3, factor=3.0)
-    assert plan_readmission(layout, identity, launch, {}, Health(), HW, quotas, 40).action == "keep"
+    assert plan_readmission(layout, identity, launch, {}, Health(), HW, quotas, 40).plan.action == "keep"
 
 
 @pytest.mark.parametrize("identity, ready, match", [
