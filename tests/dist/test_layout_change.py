@@ -52,19 +52,17 @@ def _model_state(ckpt):
     [([[3, 1], [1, 3]], "5,3", None), ([[2, 2], [1, 3]], "2,6", None), ([[2, 2], [2, 2]], "5,3", [[2, 2], [1, 1]])],
     ids=["both-replicas-repartitioned", "one-replica-repartitioned", "one-replica-at-smaller-tp"],
 )
-def test_heterogeneous_replan_matches_reference(tmp_path, layers, quotas, tp):
-    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "forced.jsonl"
-    check(_run(4, REPO / "pretrain_gpt_resilient.py",
-               [*MODEL, "--save", str(tmp_path / "ref"), "--resihp-event-log", str(ref_log)], tmp_path))
+def test_heterogeneous_replan_matches_reference(tmp_path, layers, quotas, tp, failure_free):
+    log = tmp_path / "forced.jsonl"
     check(_run(8, REPO / "tests" / "dist" / "forced_layout_driver.py",
                [*MODEL, "--save", str(tmp_path / "ours"), "--resihp-event-log", str(log), "--resihp-detect-only",
                 "--forced-layout", json.dumps(layers), "--forced-at", "3", "--forced-quotas", quotas,
                 *(["--forced-tp", json.dumps(tp)] if tp else [])], tmp_path))
     forced = read_events(log, "forced_layout")
     assert forced and max(e["bytes_moved"] for e in forced) > 0  # layers really moved between ranks
-    ours, ref = iteration_losses(log), iteration_losses(ref_log)
+    ours, (ref, ref_checkpoint) = iteration_losses(log), failure_free
     assert [ours[i] for i in range(1, 7)] == pytest.approx([ref[i] for i in range(1, 7)], rel=1e-5)
-    a, b = _model_state(tmp_path / "ref"), _model_state(tmp_path / "ours")
+    a, b = _model_state(ref_checkpoint), _model_state(tmp_path / "ours")
     assert a.keys() == b.keys() and a
     for key, value in a.items():
         if torch.is_tensor(value) and value.is_floating_point():
@@ -72,11 +70,18 @@ def test_heterogeneous_replan_matches_reference(tmp_path, layers, quotas, tp):
 
 
 @pytest.fixture(scope="module")
-def failure_free_losses(tmp_path_factory):
-    """Losses of the 4-rank TP2 x PP2 job, no failure: what every survivor run must reproduce."""
-    ref_log = tmp_path_factory.mktemp("failure_free") / "ref.jsonl"
-    check(_run(4, REPO / "pretrain_gpt_resilient.py", [*MODEL, "--resihp-event-log", str(ref_log)], ref_log.parent))
-    return iteration_losses(ref_log)
+def failure_free(tmp_path_factory):
+    """Losses and final checkpoint of the 4-rank TP2 x PP2 job without failure: what every run here
+    must reproduce. One run serves every test of the module."""
+    tmp = tmp_path_factory.mktemp("failure_free")
+    check(_run(4, REPO / "pretrain_gpt_resilient.py",
+               [*MODEL, "--save", str(tmp / "ref"), "--resihp-event-log", str(tmp / "ref.jsonl")], tmp))
+    return iteration_losses(tmp / "ref.jsonl"), tmp / "ref"
+
+
+@pytest.fixture(scope="module")
+def failure_free_losses(failure_free):
+    return failure_free[0]
 
 
 def _run_forced_under_local_launcher(log, fault: str) -> subprocess.CompletedProcess:
