@@ -36,6 +36,17 @@ class Waiting:
     due_iteration: int
 
 
+def _fastest_factors(first: dict, again: dict) -> dict[str, float]:
+    """Per probed rank: its fastest probe of two rounds over their fastest healthy reference (empty
+    when a round lacks probe seconds)."""
+    refs = [e.get("probe_reference_s") for e in (first, again)]
+    if None in refs:
+        return {}
+    reference = min(refs)
+    times = (first.get("probe_s", {}), again.get("probe_s", {}))
+    return {k: round(min(times[0][k], times[1][k]) / reference, 4) for k in times[0] if k in times[1]}
+
+
 class PendingVerdicts:
     """Compute, link and recovery verdicts waiting for confirmation, oldest first.
 
@@ -78,9 +89,11 @@ class PendingVerdicts:
         recovery verdict is confirmed for the ranks both rounds name: a rank that only one round
         names is left to a suspicion of its own, as a busy neighbour can slow one round (seen live:
         a TP sibling probed 1.30x in the first round and 1.00x in the second, while the slow rank
-        probed 1.48x and 1.53x). A confirmed verdict's factors are the geometric means of both
-        rounds'. A verdict no rank of which is named again becomes a Cleared that names both
-        rounds' probe factors.
+        probed 1.48x and 1.53x). A confirmed rank's factor is its fastest probe over the fastest
+        healthy reference of the two rounds: a probe's work is fixed, so a busy neighbour can only
+        add time, as one round did live (a 1.5x rank probed 1.59x, then 2.24x). A link's factor
+        is the geometric mean of both rounds'. A verdict no rank of which is named again becomes a
+        Cleared that names both rounds' probe factors.
         """
         first = waiting.verdict
         evidence = {**first.evidence, "confirm_probe_iteration": iteration,
@@ -94,9 +107,10 @@ class PendingVerdicts:
             return Cleared(iteration, waiting.suspicion.ranks, evidence,
                            f"the probes at iteration {iteration} did not confirm {first.kind} ranks "
                            f"{list(first.ranks)} named at iteration {first.evidence.get('probe_iteration')}; dropped")
-        # Two rounds measured the same slowdown: their geometric mean is the better estimate.
         rounds = (first.evidence.get("probe_factors", {}), again.evidence.get("probe_factors", {}))
-        both = {k: round(math.sqrt(rounds[0][k] * rounds[1][k]), 4) for k in rounds[0] if k in rounds[1]}
+        both = _fastest_factors(first.evidence, again.evidence) if first.kind != "link" else {}
+        if not both:  # links, and rounds without probe seconds: the geometric mean
+            both = {k: round(math.sqrt(rounds[0][k] * rounds[1][k]), 4) for k in rounds[0] if k in rounds[1]}
         factor = first.factor
         if first.kind != "link" and all(str(r) in both for r in kept):
             per_rank = [both[str(r)] for r in kept]

@@ -386,6 +386,8 @@ class FailSlowDetector:
         if suspicion.kind != "link":
             evidence["probe_factors"] = {str(r): round(loc.rank_factors[r], 4)
                                          for r in suspicion.ranks if r in loc.rank_factors}
+            evidence["probe_s"] = {str(r): probes.rank_s[r] for r in suspicion.ranks if r in probes.rank_s}
+            evidence["probe_reference_s"] = loc.rank_reference_s
         if suspicion.kind == "recovery":
             verdict = self._recovered(suspicion, loc, evidence)
             if verdict is not None:

@@ -51,6 +51,8 @@ class Localisation:
         link_factors: probe time / healthy median, for every probed link.
         unresponsive: ranks that did not answer.
         reason: one readable line.
+        rank_reference_s: the healthy GEMM probe seconds the rank factors divide by (None: no rank
+            was probed).
     """
 
     slow_ranks: tuple[int, ...]
@@ -59,11 +61,12 @@ class Localisation:
     link_factors: Mapping[tuple[int, int], float]
     unresponsive: tuple[int, ...]
     reason: str
+    rank_reference_s: float | None = None
 
 
-def _factors(times: Mapping, threshold: float, reference_s: float | None) -> tuple[dict, list]:
+def _factors(times: Mapping, threshold: float, reference_s: float | None) -> tuple[dict, list, float | None]:
     if not times:
-        return {}, []
+        return {}, [], reference_s
     keys = list(times)
     values = np.array([times[k] for k in keys], dtype=float)
     if reference_s is None:
@@ -74,7 +77,7 @@ def _factors(times: Mapping, threshold: float, reference_s: float | None) -> tup
         reference_s = float(np.median(healthy)) if healthy.size else first
     factors = {k: float(v / reference_s) for k, v in zip(keys, values)}
     slow = sorted((k for k, f in factors.items() if f >= threshold), key=lambda k: -factors[k])
-    return factors, slow
+    return factors, slow, reference_s
 
 
 def localise(
@@ -97,8 +100,8 @@ def localise(
     """
     if threshold <= 1.0:
         raise ValueError(f"probe threshold must be > 1.0 (a slowdown ratio), got {threshold}")
-    rank_factors, slow_ranks = _factors(probes.rank_s, threshold, rank_reference_s)
-    link_factors, slow_links = _factors(probes.link_s, threshold, link_reference_s)
+    rank_factors, slow_ranks, rank_reference_s = _factors(probes.rank_s, threshold, rank_reference_s)
+    link_factors, slow_links, _ = _factors(probes.link_s, threshold, link_reference_s)
     parts = []
     if slow_ranks:
         parts.append("slow ranks " + ", ".join(f"{r} ({rank_factors[r]:.2f}x)" for r in slow_ranks))
@@ -116,6 +119,7 @@ def localise(
         link_factors=link_factors,
         unresponsive=tuple(sorted(probes.unresponsive)),
         reason=reason,
+        rank_reference_s=rank_reference_s,
     )
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from resihp_ext.confirmation import PendingVerdicts
+from resihp_ext.confirmation import PendingVerdicts, Waiting
 from resihp_ext.detector import Cleared, FailSlowDetector, Verdict
 from resihp_ext.faults import parse_fault
 from resihp_ext.traces import synthetic_probes, synthetic_trace
@@ -104,6 +104,21 @@ def test_a_sibling_that_only_the_first_round_named_is_dropped_and_the_slow_rank_
     assert isinstance(outcome, Verdict) and outcome.ranks == (SLOW_RANK.rank,), outcome
     assert outcome.factor == pytest.approx(2.0, rel=0.2)
     assert "not named again" in outcome.reason
+
+
+def test_a_round_slowed_by_a_busy_neighbour_does_not_inflate_the_confirmed_factor():
+    # Seen live: a 1.5x rank probed 1.59x, then 2.24x while its host was busy; the geometric mean
+    # (1.89x) was off by 26%. Interference only adds time, so the fastest probe counts.
+    def probed(rank_s: dict, reference_s: float) -> Verdict:
+        return Verdict("compute", tuple(rank_s), max(rank_s.values()) / reference_s, 10,
+                       {"probe_iteration": 11, "probe_factors": {str(r): t / reference_s for r, t in rank_s.items()},
+                        "probe_s": {str(r): t for r, t in rank_s.items()}, "probe_reference_s": reference_s})
+
+    first, again = probed({3: 1.59e-3}, 1.0e-3), probed({3: 2.30e-3}, 1.03e-3)
+    outcome = PendingVerdicts.settle(Waiting(None, first, 13), again, 13)
+    assert isinstance(outcome, Verdict) and outcome.factor == pytest.approx(1.59)
+    assert outcome.evidence["probe_factors"] == {"3": pytest.approx(1.59)}
+    assert outcome.evidence["first_probe_factors"] == {"3": pytest.approx(1.59)}
 
 
 def test_rejects_a_negative_wait():
