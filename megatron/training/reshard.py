@@ -188,11 +188,11 @@ def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects,
 
 
 def adam_template_of(objects) -> dict:
-    """Keys and step count of this rank's Adam state, JSON-ready (empty before the first step)."""
-    for opt in _torch_optimizers(objects.optimizer):
-        for state in opt.state.values():
-            return {k: (float(v) if k == "step" else None) for k, v in state.items()}
-    return {}
+    """``_adam_template`` JSON-ready: its keys and step count (empty before the first step)."""
+    from megatron.training.layer_sync import param_slots
+
+    template = _adam_template(objects, param_slots(objects.model.module)) or {}
+    return {k: (float(v) if k == "step" else None) for k, v in template.items()}
 
 
 @torch.no_grad()

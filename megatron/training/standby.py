@@ -244,9 +244,10 @@ class Readmissions:
                       "slow_links": [[a, b, v] for (a, b), v in self.known_health.slow_links.items()],
                       "standbys": sorted(self.standbys - set(decision.joiners)),
                       "scheduler": objects.scheduler.state_dict(), "adam": adam_template_of(objects)}
-            for launch in decision.joiners:
-                self.store.set(_call_key(launch), json.dumps({**shared, "new_rank": identity.index(launch)}))
-            joining = [f"resihp/gen{generation}/joining/{identity.index(r)}" for r in decision.joiners]
+            new_rank = {launch: decision.new_rank_of(launch, len(self.identity)) for launch in decision.joiners}
+            for launch, rank in new_rank.items():
+                self.store.set(_call_key(launch), json.dumps({**shared, "new_rank": rank}))
+            joining = [f"resihp/gen{generation}/joining/{rank}" for rank in new_rank.values()]
             try:
                 recovery.wait_for_keys(self.store, joining, 3 * self.cfg.standby_probe_interval_s
                                        + 2 * self.cfg.heartbeat_timeout_s)
