@@ -130,8 +130,9 @@ class Readmissions:
         while True:
             if store.check([_DONE]):
                 raise StopTraining(0, f"the job finished while launch rank {me} stood by")
-            if store.check([_PROGRESS]) and int(store.get(_PROGRESS)) != progress:
-                progress, last_progress = int(store.get(_PROGRESS)), time.monotonic()
+            now_at = int(store.get(_PROGRESS)) if store.check([_PROGRESS]) else progress
+            if now_at != progress:
+                progress, last_progress = now_at, time.monotonic()
                 # Faults follow the job's iterations; the one it is starting is applied on joining.
                 for iteration in range(applied + 1, progress):
                     self._apply_faults(iteration, standing_by=True)
@@ -174,7 +175,7 @@ class Readmissions:
         self.known_health = Health(speed={int(r): v for r, v in call["speed"].items()},
                                    slow_links={(a, b): v for a, b, v in call["slow_links"]})
         self.standbys = {int(r) for r in call["standbys"]}
-        new_objects = self._grow(call, old_layout, new_layout, None)
+        new_objects = self._grow(call["identity"], old_layout, new_layout, None, adam_template=call["adam"])
         new_objects.scheduler.load_state_dict(call["scheduler"])
         self._admitted_at = call["iteration"]
         log_line(f" resihp: launch rank {self.launch_rank} rejoined as rank {self.rank} of {size} "
@@ -257,16 +258,14 @@ class Readmissions:
                 log_line(f" resihp: calling standbys {list(decision.joiners)} off: {error}")
         recovery.wait_for_keys(self.store, [go], 3 * self.cfg.collective_timeout_s)
         self.generation = generation  # never reused: a joiner may have written under its prefix
+        self._last_ready = set()  # whatever happens next, plan again on the next reports
         if self.store.get(go) != b"1":
-            self._last_ready = set()  # plan again on the next reports
             return objects, quotas
         old_layout = self.layout
-        self._last_ready = set()  # whatever happens next, plan again on the next reports
         # A working rank that fails while the world forms is named by the old world's heartbeats:
         # the RuntimeError sends every working rank into fail-stop recovery, on the old layout.
         self._meet(generation, self.rank, size, stop=self._failure_among(old_layout.world_ranks))
-        new_objects = self._grow({"generation": generation, "adam": None, "identity": identity},
-                                 old_layout, plan.layout, objects)
+        new_objects = self._grow(identity, old_layout, plan.layout, objects)
         new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
         self.standbys -= set(decision.joiners)
         duration = time.perf_counter() - start
@@ -288,14 +287,16 @@ class Readmissions:
             self.monitor.stop()
         self.generation = generation
 
-    def _grow(self, call: dict, old_layout: Layout, new_layout: Layout, objects):
-        """In the grown world: install its groups, rebuild, and fill the joiners' state."""
-        self.identity = list(call["identity"])
+    def _grow(self, identity: list[int], old_layout: Layout, new_layout: Layout, objects,
+              adam_template: dict | None = None):
+        """In the grown world: install its groups, rebuild, and fill the joiners' state (a joiner
+        passes no ``objects`` and the working ranks' ``adam_template``)."""
+        self.identity = list(identity)
         self.sync = None  # its groups belonged to the old world
         groups = build_groups(new_layout, dist.get_rank(), timeout=self.cfg.collective_timeout_s)
         install(groups)
         self._adopt(new_layout, groups, world_changed=True)
         new_objects = self._rebuild(new_layout)
         apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank, objects,
-                        new_objects, adam_template=call["adam"])
+                        new_objects, adam_template=adam_template)
         return new_objects
