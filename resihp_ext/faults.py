@@ -14,6 +14,9 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
                                       taking a lost stage, before any of it is sent
     kill:rank=5,at=1,during=replan    rank 5 is SIGKILLed while a fail-slow re-plan at iteration
                                       >= 1 moves layers and optimizer state between ranks
+    kill:rank=3,at=1,during=readmission
+                                      launch rank 3 is SIGKILLed in the world grown to readmit
+                                      standbys at iteration >= 1, before state moves to them
     hang:rank=2,at=40                 rank 2 stops making progress at iteration 40
 
 Executing a fault (sleeping, killing) is the training front end's job, never this module's.
@@ -41,7 +44,7 @@ _KEYS = {
     FaultKind.HANG: {"rank", "at"},
 }
 # Phases of an in-place recovery a kill can be aimed at (a second failure during an adaptation).
-PHASES = ("reform", "moves", "replan")
+PHASES = ("reform", "moves", "replan", "readmission")
 _REQUIRED = {
     FaultKind.SLOW: {"rank", "factor", "at"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},

@@ -69,8 +69,9 @@ class LayoutChanges:
             objects.config.finalize_model_grads_func = self.sync
         return objects
 
-    def _adopt(self, layout: Layout, groups, world_changed: bool) -> None:
-        """Make ``layout`` (in current-world ranks) this process's: rank, replica, sync, detector."""
+    def _adopt(self, layout: Layout, groups, world_changed: bool, start_monitor: bool = True) -> None:
+        """Make ``layout`` (in current-world ranks) this process's: rank, replica, sync, detector, and
+        in a new world its heartbeat monitor (unless the caller started it when the world formed)."""
         args = self.args
         args.groups = groups
         self.rank = args.rank = dist.get_rank()
@@ -84,7 +85,7 @@ class LayoutChanges:
             self.live = LiveDetector(self.cfg, self.rank, replica, stage, layout.tp_rank_of(self.rank),
                                      self.live.device, lambda: self.layout, self.live.link_probe_bytes)
             self.live.detector.expect(self.known_health.slow_factors)
-        if world_changed and self.store is not None:
+        if world_changed and start_monitor and self.store is not None:
             self._start_monitor()
 
     # ------------------------------------------------------------------ fail-slow
@@ -192,6 +193,8 @@ class LayoutChanges:
         Moves only read the old objects, so until every rank has finished its moves the old layout
         and objects are still whole. If a rank fails before that, every survivor goes back to the
         old layout and raises, and the fail-stop recovery starts from a state all of them share.
+        If it fails after every rank has, the new layout and objects are returned as usual: the
+        failure surfaces in the next collective, and the recovery starts from them.
 
         Raises:
             RuntimeError: a rank failed before all moves were done (this rank is back on the old layout).
@@ -201,6 +204,7 @@ class LayoutChanges:
         args = self.args
         old_layout, old_groups, old_sync = self.layout, args.groups, self.sync
         old_replica, old_dp = self.replica_index, args.data_parallel_size
+        failure = None
         try:
             groups = build_groups(new_layout, self.rank, timeout=self.cfg.collective_timeout_s)
             install(groups)
@@ -210,53 +214,43 @@ class LayoutChanges:
             moved = apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank,
                                     objects, new_objects)
             new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
-            self._moves_committed(iteration, done=True)
         except RuntimeError as error:
-            # With every mark there, the new layout stands and the recovery starts from it.
-            if not self._moves_committed(iteration, done=False):
-                new_sync = self.sync
-                self.layout, args.groups, self.sync = old_layout, old_groups, old_sync
-                self.replica_index = args.replica_index = old_replica
-                args.data_parallel_size = old_dp
-                install(old_groups)
-                if new_sync is not None and new_sync is not old_sync:
-                    new_sync.destroy()
-                log_line(f" resihp: rank {self.rank}: the re-plan at iteration {iteration} failed before every "
-                         f"rank had moved its state ({str(error).splitlines()[0][:120]}); back on the old layout")
-            raise
+            failure = error
+        # A rank that failed never counts as finished, so it always goes back with the others.
+        if not self._all_done(f"replan{iteration}", old_layout.world_ranks, finished=failure is None):
+            new_sync = self.sync
+            self.layout, args.groups, self.sync = old_layout, old_groups, old_sync
+            self.replica_index = args.replica_index = old_replica
+            args.data_parallel_size = old_dp
+            install(old_groups)
+            if new_sync is not None and new_sync is not old_sync:
+                new_sync.destroy()
+            why = str(failure).splitlines()[0][:120] if failure is not None else "another rank failed"
+            log_line(f" resihp: rank {self.rank}: the re-plan at iteration {iteration} failed before every "
+                     f"rank had moved its state ({why}); back on the old layout")
+            raise failure or RuntimeError(f"a rank failed before every rank had moved its state for the re-plan "
+                                          f"at iteration {iteration}")
         teardown(old_groups)
         if old_sync is not None:
             old_sync.destroy()
         return new_objects, moved
 
-    def _moves_committed(self, iteration: int, done: bool) -> bool:
-        """Whether every rank finished its state moves for the re-plan at ``iteration``.
-
-        ``done``: this rank finished; it says so in the job's store, then waits until every rank
-        has (True), or until the heartbeats name a failed rank and some rank's mark is still
-        missing (raises RuntimeError). Not done: only reports whether every mark is there.
-        Marks are read again after a failure is seen: a rank that wrote its mark and then died
-        did so before anyone could see it dead, so every survivor reaches the same answer.
+    def _all_done(self, step: str, members, finished: bool) -> bool:
+        """Whether every one of ``members`` (this world's ranks) finished ``step`` of a layout change:
+        one answer for all of them (``recovery.agree_on_commit``). A failure the heartbeats name,
+        or a member missing after three collective timeouts, abandons the step unless every
+        member had finished it. True: the new layout stands (a failure then surfaces in the next
+        collective, whose recovery starts from it). False: every member goes back.
         """
         if self.store is None:  # no store, no recovery: the first error stands as it is
-            return done
-        prefix = f"resihp/gen{self.generation}/replan{iteration}/moved/"
-        keys = [f"{prefix}{r}" for r in sorted(self.layout.world_ranks)]
-        if not done:
-            return self.store.check(keys)
-        self.store.set(f"{prefix}{self.rank}", "1")
+            return finished
 
         def failed() -> str | None:
             ranks = self.monitor.dead_ranks | self.monitor.hung_ranks if self.monitor is not None else frozenset()
-            return (f"ranks {sorted(ranks)} failed before every rank had moved its state for the re-plan at "
-                    f"iteration {iteration}") if ranks else None
+            return f"ranks {sorted(ranks)} failed" if ranks else None
 
-        try:
-            recovery.wait_for_keys(self.store, keys, 3 * self.cfg.collective_timeout_s, stop=failed)
-        except TimeoutError as error:  # as a failure: the caller goes back to the old layout
-            raise RuntimeError(f"not every rank had moved its state for the re-plan at iteration {iteration}: "
-                               f"{error}") from error
-        return True
+        return recovery.agree_on_commit(self.store, f"resihp/gen{self.generation}/{step}/", len(list(members)),
+                                        finished, stop=failed, wait_s=3 * self.cfg.collective_timeout_s)
 
     def _apply_shrinking_layout(self, new_layout: Layout, objects):
         """Spares leave: move state while they are still members, then re-form without them.

@@ -212,8 +212,12 @@ class ResilienceHooks(LayoutChanges, Readmissions):
     def can_recover(self) -> bool:
         return self.cfg.enable and self.monitor is not None
 
-    def recover(self, iteration: int, error: Exception, objects, consumed_samples: int):
+    def recover(self, iteration: int, error: Exception, objects, consumed_samples: int, quotas=None):
         """A collective failed: find who died, agree on a plan, continue in place or leave.
+
+        Ranks of this world outside the layout are leaving it (the joiners of a readmission that
+        failed before every member had its state): they are planned without, like the dead.
+        ``quotas``: the running split of the batch, kept when no rank of the layout failed.
 
         Returns:
             (objects, quotas) rebuilt on the new groups, to redo ``iteration``.
@@ -227,12 +231,17 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         log_line(f" resihp: rank {old_rank}: iteration {iteration} failed: {str(error).splitlines()[0][:160]}")
         self.monitor.mark_recovering()
         failed = left = frozenset()  # left: spares of an earlier attempt's plan, gone or about to go
+        outside = frozenset(range(dist.get_world_size())) - frozenset(self.layout.world_ranks)
         for attempt in range(1, _REFORM_ATTEMPTS + 1):
-            # A hung peer is only named once its stall passes the hang timeout.
-            named = recovery.await_failed_ranks(
-                self.monitor, wait_s=self.cfg.effective_hang_timeout_s + 4 * self.cfg.heartbeat_timeout_s,
-                settle_s=2 * self.cfg.heartbeat_interval_s)
-            if not named - failed:
+            # A hung peer is only named once its stall passes the hang timeout. With ranks leaving
+            # anyway, a re-form is due whoever failed, and one that meets a hung rank fails and
+            # comes back here to wait for its name.
+            leaving = attempt == 1 and bool(outside)
+            wait_s = (2 * self.cfg.heartbeat_timeout_s if leaving
+                      else self.cfg.effective_hang_timeout_s + 4 * self.cfg.heartbeat_timeout_s)
+            named = recovery.await_failed_ranks(self.monitor, wait_s=wait_s,
+                                                settle_s=2 * self.cfg.heartbeat_interval_s) - outside
+            if not named - failed and not leaving:
                 raise error
             self.generation += 1
             plan, failed, preferred = recovery.agree_on_plan(
@@ -240,7 +249,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
                 wait_s=3 * self.cfg.collective_timeout_s, move_state=not (self.args.bf16 or self.args.fp16),
                 hw=self._survivor_hardware(), health=self.known_health,
             )
-            self._planned_out = set(self.layout.world_ranks) - set(plan.new_rank)
+            self._planned_out = set(self.layout.world_ranks) - set(plan.new_rank) | outside
             leader = old_rank == min(set(self.layout.world_ranks) - failed)
             if leader:
                 self.monitor.evict(failed)  # a hung rank among them fences itself
@@ -297,7 +306,9 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             new_objects.optimizer.load_state_dict(objects.optimizer.state_dict())
         new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
         objects, args = new_objects, self.args
-        quotas = plan.quotas or even_quotas(args.global_batch_size // args.micro_batch_size, args.data_parallel_size)
+        if failed or quotas is None or len(quotas) != args.data_parallel_size:
+            quotas = plan.quotas or even_quotas(args.global_batch_size // args.micro_batch_size,
+                                                args.data_parallel_size)
         # Faults follow the process; a slowdown under way keeps its end.
         self.faults = [f for f in self.faults if f.at_iteration > iteration or (f.until_iteration or 0) > iteration]
         LINKS.clear()  # slowed links name old ranks
@@ -381,7 +392,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             else:
                 reason = plan.reason + ("; nothing saved, and no earlier checkpoint exists: pass --save DIR "
                                         "--save-interval N so that a failure of every holder of a shard can resume")
-        resume = resume_command(sys.argv, len(self.layout.world_ranks), root) if saved else None
+        resume = resume_command(sys.argv, len(self.launch_layout.world_ranks), root) if saved else None
         if old_rank == survivors[0]:
             mark_job_done(self.store)
             self.events.emit("fallback_checkpoint", iteration, reason=reason, resume_command=resume, path=saved)

@@ -91,6 +91,9 @@ class Readmissions:
 
     def _init_readmissions(self) -> None:
         self._report_seen: dict[int, tuple[int, float]] = {}  # launch rank -> (report seq, first seen)
+        # Standbys called into a world that did not form or hold -> the report seq they were called on:
+        # only a later report (the standby is back) makes them ready again; a dead one never sends it.
+        self._called_on: dict[int, int] = {}
         self._last_ready: set[int] = set()  # healthy-looking standbys the last plan was made for
         self._admitted_at: int | None = None  # iteration this rank rejoined at (planned already)
         self._observed_layout: Layout | None = None  # layout of the ops behind last_observations
@@ -175,8 +178,18 @@ class Readmissions:
         self.known_health = Health(speed={int(r): v for r, v in call["speed"].items()},
                                    slow_links={(a, b): v for a, b, v in call["slow_links"]})
         self.standbys = {int(r) for r in call["standbys"]}
-        new_objects = self._grow(call["identity"], old_layout, new_layout, None, adam_template=call["adam"])
-        new_objects.scheduler.load_state_dict(call["scheduler"])
+        try:
+            new_objects = self._grow(call["iteration"], call["identity"], old_layout, new_layout, None,
+                                     call["scheduler"], adam_template=call["adam"])
+        except RuntimeError as error:
+            # The working ranks go back to the old layout without this rank, which leaves the world.
+            self.monitor.stop()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.sync = None
+            log_line(f" resihp: launch rank {self.launch_rank}: world {generation} failed before every member "
+                     f"had its state ({str(error).splitlines()[0][:120]}); standing by again")
+            return None
         self._admitted_at = call["iteration"]
         log_line(f" resihp: launch rank {self.launch_rank} rejoined as rank {self.rank} of {size} "
                  f"at iteration {call['iteration']}")
@@ -199,6 +212,9 @@ class Readmissions:
                 if not self.store.check([_report_key(launch)]):
                     continue
                 report = json.loads(self.store.get(_report_key(launch)))
+                if self._called_on.get(launch) == report["seq"]:
+                    continue
+                self._called_on.pop(launch, None)
                 seen = self._report_seen.get(launch)
                 if seen is None or seen[0] != report["seq"]:
                     self._report_seen[launch] = seen = (report["seq"], now)
@@ -247,6 +263,7 @@ class Readmissions:
                       "scheduler": objects.scheduler.state_dict(), "adam": adam_template_of(objects)}
             new_rank = {launch: decision.new_rank_of(launch, len(self.identity)) for launch in decision.joiners}
             for launch, rank in new_rank.items():
+                self._called_on[launch] = self._report_seen[launch][0]
                 self.store.set(_call_key(launch), json.dumps({**shared, "new_rank": rank}))
             joining = [f"resihp/gen{generation}/joining/{rank}" for rank in new_rank.values()]
             try:
@@ -261,13 +278,27 @@ class Readmissions:
         self._last_ready = set()  # whatever happens next, plan again on the next reports
         if self.store.get(go) != b"1":
             return objects, quotas
-        old_layout = self.layout
+        old_layout, old_identity = self.layout, self.identity
         # A working rank that fails while the world forms is named by the old world's heartbeats:
         # the RuntimeError sends every working rank into fail-stop recovery, on the old layout.
         self._meet(generation, self.rank, size, stop=self._failure_among(old_layout.world_ranks))
-        new_objects = self._grow(identity, old_layout, plan.layout, objects)
-        new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
+        try:
+            new_objects = self._grow(iteration, identity, old_layout, plan.layout, objects,
+                                     objects.scheduler.state_dict())
+        except RuntimeError as error:
+            # The old layout is still whole on every working rank. The joiners leave; the fail-stop
+            # recovery re-forms the working ranks that are left (in this world, where they kept
+            # their numbers) and redoes the iteration.
+            self.layout, self.identity, self.sync = old_layout, old_identity, None
+            self.replica_index = self.args.replica_index = old_layout.stage_of(self.rank)[0]
+            self.args.data_parallel_size = old_layout.num_replicas
+            log_line(f" resihp: rank {self.rank}: readmitting launch ranks {list(decision.joiners)} failed before "
+                     f"every member had its state ({str(error).splitlines()[0][:120]}); back on the old layout")
+            raise
         self.standbys -= set(decision.joiners)
+        for launch in decision.joiners:  # a later stand-by starts its reports afresh
+            self._called_on.pop(launch, None)
+            self._report_seen.pop(launch, None)
         duration = time.perf_counter() - start
         if self.rank == 0:
             self.events.emit("adapted", iteration, world_size=size, quotas=list(plan.quotas),
@@ -280,23 +311,42 @@ class Readmissions:
 
     # ------------------------------------------------------------------ both
     def _meet(self, generation: int, new_rank: int, size: int, stop) -> None:
-        """Form the grown world (the old one is left only once every member has arrived)."""
+        """Form the grown world (the old one is left only once every member has arrived), and watch
+        its heartbeats from the start: a member that fails while it is set up must be named."""
         recovery.meet_and_reform(self.store, str(generation), new_rank, size, self.backend,
                                  self.cfg.collective_timeout_s, stop)
         if self.monitor is not None:
             self.monitor.stop()
         self.generation = generation
+        if self.store is not None:
+            self._start_monitor()
 
-    def _grow(self, identity: list[int], old_layout: Layout, new_layout: Layout, objects,
-              adam_template: dict | None = None):
-        """In the grown world: install its groups, rebuild, and fill the joiners' state (a joiner
-        passes no ``objects`` and the working ranks' ``adam_template``)."""
+    def _grow(self, iteration: int, identity: list[int], old_layout: Layout, new_layout: Layout, objects,
+              scheduler_state: dict, adam_template: dict | None = None):
+        """In the grown world: install its groups, rebuild, fill the joiners' state (a joiner passes
+        no ``objects`` and the working ranks' ``adam_template``), then agree that every member did.
+
+        Raises:
+            RuntimeError: a member failed before every member had its state (``_all_done``). Moves
+                only read the old objects, so the working ranks go back to ``old_layout`` whole,
+                and the joiners stand by again. A failure after that point is recovered from the
+                grown world, in the next collective.
+        """
         self.identity = list(identity)
         self.sync = None  # its groups belonged to the old world
-        groups = build_groups(new_layout, dist.get_rank(), timeout=self.cfg.collective_timeout_s)
-        install(groups)
-        self._adopt(new_layout, groups, world_changed=True)
-        new_objects = self._rebuild(new_layout)
-        apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank, objects,
-                        new_objects, adam_template=adam_template)
+        failure = new_objects = None
+        try:
+            groups = build_groups(new_layout, dist.get_rank(), timeout=self.cfg.collective_timeout_s)
+            install(groups)
+            self._adopt(new_layout, groups, world_changed=True, start_monitor=False)
+            new_objects = self._rebuild(new_layout)
+            self._apply_recovery_faults(iteration, "readmission")
+            apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank, objects,
+                            new_objects, adam_template=adam_template)
+            new_objects.scheduler.load_state_dict(scheduler_state)
+        except RuntimeError as error:
+            failure = error
+        if not self._all_done("grown", range(dist.get_world_size()), finished=failure is None):
+            raise failure or RuntimeError(f"a member of world {self.generation} failed before every member had "
+                                          f"its state")
         return new_objects

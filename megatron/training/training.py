@@ -192,7 +192,7 @@ def pretrain(
                 sampler.advance()
                 advanced = True
             try:
-                objects, quotas = resilience.recover(iteration, error, objects, sampler.consumed_samples)
+                objects, quotas = resilience.recover(iteration, error, objects, sampler.consumed_samples, quotas)
             except StopTraining as stop:
                 _leave(stop, iteration, events, board)
             dp_rank, num_replicas = resilience.replica_index, parallel_state.get_data_parallel_world_size()

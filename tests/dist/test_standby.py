@@ -7,6 +7,11 @@ survivors re-form a world of two (ranks 1 and 2, renumbered 0 and 1, each a TP-1
 rank 3 stands by. Once rank 3's slowdown ends it reports healthy and rejoins the grown world as
 its rank 2, and launch replica 1 runs at TP 2 again. No restart, and the losses of a failure-free
 run throughout.
+
+A failure while the world grows to readmit it is survived too. Every member says in the store when
+it has its state (``recovery.agree_on_commit``); until all have, the old layout is whole on every
+working rank, so they go back to it without the joiner, recover from the failure, and the joiner
+stands by again.
 """
 
 import pytest
@@ -21,9 +26,22 @@ SHAPE = [*RUN, "--tensor-model-parallel-size", "2"]
 SLOW = "slow:rank=3,factor=8,at=7,until=16"
 
 
-def test_a_rank_left_out_for_a_slowdown_stands_by_through_a_failure_and_rejoins_when_healthy(tmp_path):
-    ref_log = tmp_path / "reference.jsonl"
-    check(run_job(1, [*RUN, "--resihp-event-log", str(ref_log)]))
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """Losses of the failure-free run every job here must reproduce."""
+    log = tmp_path_factory.mktemp("reference") / "events.jsonl"
+    check(run_job(1, [*RUN, "--resihp-event-log", str(log)]))
+    return iteration_losses(log)
+
+
+def assert_losses_equal(log, reference) -> None:
+    ours = iteration_losses(log)
+    assert sorted(ours) == list(range(1, ITERS + 1))
+    assert [ours[i] for i in range(1, ITERS + 1)] == pytest.approx([reference[i] for i in range(1, ITERS + 1)],
+                                                                    rel=1e-5)
+
+
+def test_a_rank_left_out_for_a_slowdown_stands_by_through_a_failure_and_rejoins_when_healthy(tmp_path, reference):
     log = tmp_path / "events.jsonl"
     proc = run_job(4, [*SHAPE, "--resihp-enable", "--resihp-event-log", str(log), "--resihp-inject", SLOW,
                        "--resihp-inject", "kill:rank=0,at=14"], launcher="local")
@@ -47,10 +65,48 @@ def test_a_rank_left_out_for_a_slowdown_stands_by_through_a_failure_and_rejoins_
     after = [e for e in read_events(log, "iteration") if e["iteration"] > grown[0]["iteration"]]
     assert after and {e["rank"] for e in after} == {3}
     assert not read_events(log, "exit"), decisions(log)  # every live process finished the job
-    ours, reference = iteration_losses(log), iteration_losses(ref_log)
-    assert sorted(ours) == list(range(1, ITERS + 1))
-    assert [ours[i] for i in range(1, ITERS + 1)] == pytest.approx([reference[i] for i in range(1, ITERS + 1)],
-                                                                    rel=1e-5)
+    assert_losses_equal(log, reference)
+
+
+def test_a_working_rank_killed_while_the_world_grows_is_recovered_and_the_standby_rejoins_later(tmp_path,
+                                                                                                reference):
+    log = tmp_path / "events.jsonl"
+    proc = run_job(4, [*SHAPE, "--resihp-enable", "--resihp-event-log", str(log), "--resihp-inject", SLOW,
+                       "--resihp-inject", "kill:rank=1,at=1,during=readmission"], launcher="local")
+    check(proc)
+    out = proc.stdout + proc.stderr
+    assert len(read_events(log, "start")) == 4  # nothing restarted
+    rejoins = [p for p in read_events(log, "plan") if p.get("policy") == "readmission" and p["action"] == "adapt"]
+    assert len(rejoins) == 2 and rejoins[0]["iteration"] > 16, decisions(log)
+    # The first readmission: launch rank 1 dies in the grown world, before every member has its state.
+    assert "launch rank 3: world" in out and "standing by again" in out
+    adapted = read_events(log, "adapted")
+    recovered = [a for a in adapted if "failed_ranks" in a]
+    assert [a["failed_ranks"] for a in recovered] == [[1]] and recovered[0]["iteration"] == rejoins[0]["iteration"], \
+        decisions(log)
+    # The second: launch replica 1 (launch ranks 2 and 3) at TP 2 again, beside what is left of replica 0.
+    grown = [a for a in adapted if a.get("joined_launch_ranks") == [3]]
+    assert len(grown) == 1 and grown[0]["iteration"] == rejoins[1]["iteration"], decisions(log)
+    assert grown[0]["world_size"] == recovered[0]["world_size"] + 1
+    assert "launch rank 3 rejoined as rank" in out
+    assert_losses_equal(log, reference)
+
+
+def test_a_joiner_killed_while_the_world_grows_leaves_the_working_ranks_as_they_were(tmp_path, reference):
+    log = tmp_path / "events.jsonl"
+    proc = run_job(4, [*SHAPE, "--resihp-enable", "--resihp-event-log", str(log), "--resihp-inject", SLOW,
+                       "--resihp-inject", "kill:rank=3,at=1,during=readmission"], launcher="local")
+    check(proc)
+    rejoins = [p for p in read_events(log, "plan") if p.get("policy") == "readmission" and p["action"] == "adapt"]
+    assert len(rejoins) == 1, decisions(log)
+    adapted = read_events(log, "adapted")
+    excluded = [a for a in adapted if "failed_ranks" not in a and a["world_size"] == 3][0]  # rank 3 left out
+    recovered = [a for a in adapted if "failed_ranks" in a]
+    # No rank of the running layout failed: the same three ranks, the same split of the batch.
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"], a["quotas"]) for a in recovered] == \
+        [(rejoins[0]["iteration"], 3, [], excluded["quotas"])], decisions(log)
+    assert not [a for a in adapted if a.get("joined_launch_ranks")], decisions(log)
+    assert_losses_equal(log, reference)
 
 
 def test_without_standby_the_rank_left_out_exits(tmp_path):
