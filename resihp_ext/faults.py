@@ -17,6 +17,10 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
     kill:rank=3,at=1,during=readmission
                                       launch rank 3 is SIGKILLed in the world grown to readmit
                                       standbys at iteration >= 1, before state moves to them
+    kill:rank=3,at=1,during=rendezvous
+                                      launch rank 3 is SIGKILLed as a readmission at iteration >= 1
+                                      is about to form the grown world (every member has said it
+                                      is there; the process group is not formed yet)
     hang:rank=2,at=40                 rank 2 stops making progress at iteration 40
 
 Executing a fault (sleeping, killing) is the training front end's job, never this module's.
@@ -44,7 +48,7 @@ _KEYS = {
     FaultKind.HANG: {"rank", "at"},
 }
 # Phases of an in-place recovery a kill can be aimed at (a second failure during an adaptation).
-PHASES = ("reform", "moves", "replan", "readmission")
+PHASES = ("reform", "moves", "replan", "readmission", "rendezvous")
 _REQUIRED = {
     FaultKind.SLOW: {"rank", "factor", "at"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},

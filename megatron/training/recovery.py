@@ -151,7 +151,7 @@ def state_moves(layout: Layout, plan: SurvivorPlan, failed: frozenset[int]) -> t
 
 
 def meet_and_reform(store, label: str, new_rank: int, world_size: int, backend: str, timeout_s: float,
-                    stop: Callable[[], str | None] = lambda: None) -> None:
+                    stop: Callable[[], str | None] = lambda: None, met: Callable[[], None] = lambda: None) -> None:
     """Every member writes ``resihp/gen<label>/joining/<new_rank>`` and polls for all of them before
     ``reform_world``; only then does the GIL-holding rendezvous of ``init_process_group`` start.
 
@@ -160,13 +160,17 @@ def meet_and_reform(store, label: str, new_rank: int, world_size: int, backend: 
     thread running, and ``stop`` (a failure the heartbeats name among the members) makes them all
     give up on a world that can no longer form together, rather than each on its own timeout.
 
+    ``met`` runs once every member has arrived, just before the rendezvous.
+
     Raises:
-        RuntimeError: ``stop`` gave a reason before every member arrived.
+        RuntimeError: ``stop`` gave a reason before every member arrived (the old world stands), or
+            the rendezvous failed (the old world is gone: ``dist.is_initialized()`` is False).
         TimeoutError: a member was missing after three collective timeouts.
     """
     prefix = f"resihp/gen{label}/joining/"
     store.set(f"{prefix}{new_rank}", "1")
     wait_for_keys(store, [f"{prefix}{r}" for r in range(world_size)], 3 * timeout_s, stop)
+    met()
     reform_world(store, new_rank, world_size, label, backend=backend, timeout=timeout_s)
 
 

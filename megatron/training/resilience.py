@@ -216,7 +216,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         """A collective failed: find who died, agree on a plan, continue in place or leave.
 
         Ranks of this world outside the layout are leaving it (the joiners of a readmission that
-        failed before every member had its state): they are planned without, like the dead.
+        failed before every member had its state): they are planned without, like the dead. With
+        no world at all (a readmission whose rendezvous failed), the layout's ranks re-form.
         ``quotas``: the running split of the batch, kept when no rank of the layout failed.
 
         Returns:
@@ -227,16 +228,17 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             The original error, when the heartbeats name no failed rank.
         """
         start = time.perf_counter()
-        old_rank = dist.get_rank()
+        old_rank = self.rank  # also when a grown world's rendezvous failed and no world is left
         log_line(f" resihp: rank {old_rank}: iteration {iteration} failed: {str(error).splitlines()[0][:160]}")
         self.monitor.mark_recovering()
         failed = left = frozenset()  # left: spares of an earlier attempt's plan, gone or about to go
-        outside = frozenset(range(dist.get_world_size())) - frozenset(self.layout.world_ranks)
+        has_world = dist.is_initialized()
+        outside = frozenset(range(dist.get_world_size()) if has_world else ()) - frozenset(self.layout.world_ranks)
         for attempt in range(1, _REFORM_ATTEMPTS + 1):
             # A hung peer is only named once its stall passes the hang timeout. With ranks leaving
-            # anyway, a re-form is due whoever failed, and one that meets a hung rank fails and
-            # comes back here to wait for its name.
-            leaving = attempt == 1 and bool(outside)
+            # anyway, or no world left, a re-form is due whoever failed, and one that meets a hung
+            # rank fails and comes back here to wait for its name.
+            leaving = attempt == 1 and (bool(outside) or not has_world)
             wait_s = (2 * self.cfg.heartbeat_timeout_s if leaving
                       else self.cfg.effective_hang_timeout_s + 4 * self.cfg.heartbeat_timeout_s)
             named = recovery.await_failed_ranks(self.monitor, wait_s=wait_s,

@@ -170,7 +170,7 @@ class Readmissions:
             return None
         old_layout, new_layout = Layout.from_dict(call["old_layout"]), Layout.from_dict(call["new_layout"])
         try:
-            self._meet(generation, new_rank, size, stop=lambda: None)
+            self._meet(generation, new_rank, size, call["iteration"], stop=lambda: None)
         except (RuntimeError, TimeoutError) as error:  # the working ranks failed first: stand by again
             log_line(f" resihp: launch rank {self.launch_rank}: world {generation} did not form ({error}); "
                      f"standing by again")
@@ -281,7 +281,17 @@ class Readmissions:
         old_layout, old_identity = self.layout, self.identity
         # A working rank that fails while the world forms is named by the old world's heartbeats:
         # the RuntimeError sends every working rank into fail-stop recovery, on the old layout.
-        self._meet(generation, self.rank, size, stop=self._failure_among(old_layout.world_ranks))
+        try:
+            self._meet(generation, self.rank, size, iteration, stop=self._failure_among(old_layout.world_ranks))
+        except (RuntimeError, TimeoutError) as error:
+            if dist.is_initialized():
+                raise RuntimeError(f"world {generation} did not form: {error}") from error
+            # The rendezvous itself failed (a member died after saying it was there): the old
+            # world is gone and the grown one never formed. The old world's heartbeats still run,
+            # so the recovery re-forms the working ranks, without whoever failed.
+            log_line(f" resihp: rank {self.rank}: world {generation} did not form "
+                     f"({str(error).splitlines()[0][:120]}); re-forming the working ranks")
+            raise RuntimeError(f"the rendezvous of world {generation} failed: {error}") from error
         try:
             new_objects = self._grow(iteration, identity, old_layout, plan.layout, objects,
                                      objects.scheduler.state_dict())
@@ -310,11 +320,12 @@ class Readmissions:
         return new_objects, list(plan.quotas)
 
     # ------------------------------------------------------------------ both
-    def _meet(self, generation: int, new_rank: int, size: int, stop) -> None:
+    def _meet(self, generation: int, new_rank: int, size: int, iteration: int, stop) -> None:
         """Form the grown world (the old one is left only once every member has arrived), and watch
         its heartbeats from the start: a member that fails while it is set up must be named."""
         recovery.meet_and_reform(self.store, str(generation), new_rank, size, self.backend,
-                                 self.cfg.collective_timeout_s, stop)
+                                 self.cfg.collective_timeout_s, stop,
+                                 met=lambda: self._apply_recovery_faults(iteration, "rendezvous"))
         if self.monitor is not None:
             self.monitor.stop()
         self.generation = generation

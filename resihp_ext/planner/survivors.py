@@ -371,10 +371,11 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
         how += f", micro-batches per replica {list(quotas)}"
         if slowed:
             how += f" (known slow ranks {slowed})"
-    return SurvivorPlan(
-        action="adapt", kept_replicas=kept, rebuilt_replicas=rebuilt, new_rank=new_rank, spares=spares,
-        checkpoint_writers=writers, quotas=quotas,
-        reason=(f"dead ranks {sorted(dead)} broke replicas {lost}; {how} (DP {layout.num_replicas} -> "
-                f"{len(kept) + len(rebuilt)}, {'/'.join(map(str, sorted(num_stages)))} stages unchanged), global batch "
-                f"kept by re-spreading micro-batches; {len(spares)} surviving ranks become spares"),
-    )
+    if not dead:  # only ranks outside the layout left (joiners of a readmission that did not hold)
+        reason = f"no rank of the layout failed; {how} as they were"
+    else:
+        reason = (f"dead ranks {sorted(dead)} broke replicas {lost}; {how} (DP {layout.num_replicas} -> "
+                  f"{len(kept) + len(rebuilt)}, {'/'.join(map(str, sorted(num_stages)))} stages unchanged), global "
+                  f"batch kept by re-spreading micro-batches; {len(spares)} surviving ranks become spares")
+    return SurvivorPlan(action="adapt", kept_replicas=kept, rebuilt_replicas=rebuilt, new_rank=new_rank,
+                        spares=spares, checkpoint_writers=writers, quotas=quotas, reason=reason)

@@ -92,11 +92,14 @@ def test_a_working_rank_killed_while_the_world_grows_is_recovered_and_the_standb
     assert_losses_equal(log, reference)
 
 
-def test_a_joiner_killed_while_the_world_grows_leaves_the_working_ranks_as_they_were(tmp_path, reference):
+def test_a_joiner_killed_in_the_rendezvous_leaves_the_working_ranks_as_they_were(tmp_path, reference):
+    # Every member has said it is there, so the old world is left; the grown one never forms.
     log = tmp_path / "events.jsonl"
     proc = run_job(4, [*SHAPE, "--resihp-enable", "--resihp-event-log", str(log), "--resihp-inject", SLOW,
-                       "--resihp-inject", "kill:rank=3,at=1,during=readmission"], launcher="local")
+                       "--resihp-inject", "kill:rank=3,at=1,during=rendezvous",
+                       "--resihp-collective-timeout-s", "5"], launcher="local")  # bounds the failed rendezvous
     check(proc)
+    assert "did not form" in proc.stdout + proc.stderr
     rejoins = [p for p in read_events(log, "plan") if p.get("policy") == "readmission" and p["action"] == "adapt"]
     assert len(rejoins) == 1, decisions(log)
     adapted = read_events(log, "adapted")

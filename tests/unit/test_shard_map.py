@@ -69,6 +69,14 @@ def test_survivors_keep_whole_replicas_in_megatron_rank_order():
     assert SurvivorPlan.from_dict(plan.to_dict()) == plan
 
 
+def test_with_no_rank_of_the_layout_dead_every_replica_continues_as_it_was():
+    # What the recovery plans when only ranks outside the layout left (a readmission that did not hold).
+    plan = plan_survivors(UNIFORM, frozenset())
+    assert plan.action == "adapt" and plan.kept_replicas == (0, 1) and plan.spares == ()
+    assert plan.new_rank == {r: r for r in UNIFORM.world_ranks}
+    assert plan.reason.startswith("no rank of the layout failed") and surviving_layout(UNIFORM, plan) == UNIFORM
+
+
 def test_broken_replicas_are_rebuilt_from_their_intact_stage_groups():
     # Rank 2 (replica 1, stage 0) and rank 5 (replica 0, stage 1) die: replica 0's stage 0 and
     # replica 1's stage 1 are still whole, and together hold every layer.
