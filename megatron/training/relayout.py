@@ -217,7 +217,7 @@ class LayoutChanges:
         except RuntimeError as error:
             failure = error
         # A rank that failed never counts as finished, so it always goes back with the others.
-        if not self._all_done(f"replan{iteration}", old_layout.world_ranks, finished=failure is None):
+        if not self._all_done(f"replan{iteration}", old_layout.world_size, finished=failure is None):
             new_sync = self.sync
             self.layout, args.groups, self.sync = old_layout, old_groups, old_sync
             self.replica_index = args.replica_index = old_replica
@@ -235,8 +235,8 @@ class LayoutChanges:
             old_sync.destroy()
         return new_objects, moved
 
-    def _all_done(self, step: str, members, finished: bool) -> bool:
-        """Whether every one of ``members`` (this world's ranks) finished ``step`` of a layout change:
+    def _all_done(self, step: str, members: int, finished: bool) -> bool:
+        """Whether every one of ``members`` ranks of this world finished ``step`` of a layout change:
         one answer for all of them (``recovery.agree_on_commit``). A failure the heartbeats name,
         or a member missing after three collective timeouts, abandons the step unless every
         member had finished it. True: the new layout stands (a failure then surfaces in the next
@@ -249,8 +249,8 @@ class LayoutChanges:
             ranks = self.monitor.dead_ranks | self.monitor.hung_ranks if self.monitor is not None else frozenset()
             return f"ranks {sorted(ranks)} failed" if ranks else None
 
-        return recovery.agree_on_commit(self.store, f"resihp/gen{self.generation}/{step}/", len(list(members)),
-                                        finished, stop=failed, wait_s=3 * self.cfg.collective_timeout_s)
+        return recovery.agree_on_commit(self.store, f"resihp/gen{self.generation}/{step}/", members, finished,
+                                        stop=failed, wait_s=3 * self.cfg.collective_timeout_s)
 
     def _apply_shrinking_layout(self, new_layout: Layout, objects):
         """Spares leave: move state while they are still members, then re-form without them.

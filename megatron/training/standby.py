@@ -284,14 +284,13 @@ class Readmissions:
         try:
             self._meet(generation, self.rank, size, iteration, stop=self._failure_among(old_layout.world_ranks))
         except (RuntimeError, TimeoutError) as error:
-            if dist.is_initialized():
-                raise RuntimeError(f"world {generation} did not form: {error}") from error
-            # The rendezvous itself failed (a member died after saying it was there): the old
-            # world is gone and the grown one never formed. The old world's heartbeats still run,
-            # so the recovery re-forms the working ranks, without whoever failed.
-            log_line(f" resihp: rank {self.rank}: world {generation} did not form "
-                     f"({str(error).splitlines()[0][:120]}); re-forming the working ranks")
-            raise RuntimeError(f"the rendezvous of world {generation} failed: {error}") from error
+            if not dist.is_initialized():
+                # The rendezvous itself failed (a member died after saying it was there): the old
+                # world is gone and the grown one never formed. The old world's heartbeats still
+                # run, so the recovery re-forms the working ranks, without whoever failed.
+                log_line(f" resihp: rank {self.rank}: world {generation} did not form "
+                         f"({str(error).splitlines()[0][:120]}); re-forming the working ranks")
+            raise RuntimeError(f"world {generation} did not form: {error}") from error
         try:
             new_objects = self._grow(iteration, identity, old_layout, plan.layout, objects,
                                      objects.scheduler.state_dict())
@@ -357,7 +356,7 @@ class Readmissions:
             new_objects.scheduler.load_state_dict(scheduler_state)
         except RuntimeError as error:
             failure = error
-        if not self._all_done("grown", range(dist.get_world_size()), finished=failure is None):
+        if not self._all_done("grown", dist.get_world_size(), finished=failure is None):
             raise failure or RuntimeError(f"a member of world {self.generation} failed before every member had "
                                           f"its state")
         return new_objects
