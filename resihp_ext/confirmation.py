@@ -37,8 +37,8 @@ class Waiting:
 
 
 def _fastest_factors(first: dict, again: dict) -> dict[str, float]:
-    """Per probed rank: its fastest probe of two rounds over their fastest healthy reference (empty
-    when a round lacks probe seconds)."""
+    """Per probed rank or link: its fastest probe of two rounds over their fastest healthy reference
+    (empty when a round lacks probe seconds)."""
     refs = [e.get("probe_reference_s") for e in (first, again)]
     if None in refs:
         return {}
@@ -89,11 +89,11 @@ class PendingVerdicts:
         recovery verdict is confirmed for the ranks both rounds name: a rank that only one round
         names is left to a suspicion of its own, as a busy neighbour can slow one round (seen live:
         a TP sibling probed 1.30x in the first round and 1.00x in the second, while the slow rank
-        probed 1.48x and 1.53x). A confirmed rank's factor is its fastest probe over the fastest
-        healthy reference of the two rounds: a probe's work is fixed, so a busy neighbour can only
-        add time, as one round did live (a 1.5x rank probed 1.59x, then 2.24x). A link's factor
-        is the geometric mean of both rounds'. A verdict no rank of which is named again becomes a
-        Cleared that names both rounds' probe factors.
+        probed 1.48x and 1.53x). A confirmed rank's or link's factor is its fastest probe over the
+        fastest healthy reference of the two rounds: a probe's work is fixed (a GEMM, a transfer of
+        fixed bytes), so a busy neighbour can only add time, as one round did live (a 1.5x rank
+        probed 1.59x, then 2.24x). A verdict no rank of which is named again becomes a Cleared that
+        names both rounds' probe factors.
         """
         first = waiting.verdict
         evidence = {**first.evidence, "confirm_probe_iteration": iteration,
@@ -108,13 +108,14 @@ class PendingVerdicts:
                            f"the probes at iteration {iteration} did not confirm {first.kind} ranks "
                            f"{list(first.ranks)} named at iteration {first.evidence.get('probe_iteration')}; dropped")
         rounds = (first.evidence.get("probe_factors", {}), again.evidence.get("probe_factors", {}))
-        both = _fastest_factors(first.evidence, again.evidence) if first.kind != "link" else {}
-        if not both:  # links, and rounds without probe seconds: the geometric mean
+        both = _fastest_factors(first.evidence, again.evidence)
+        if not both:  # rounds without probe seconds: the geometric mean
             both = {k: round(math.sqrt(rounds[0][k] * rounds[1][k]), 4) for k in rounds[0] if k in rounds[1]}
+        named = [f"{kept[0]}->{kept[1]}"] if first.kind == "link" else [str(r) for r in kept]
         factor = first.factor
-        if first.kind != "link" and all(str(r) in both for r in kept):
-            per_rank = [both[str(r)] for r in kept]
-            factor = max(per_rank) if first.kind == "compute" else max(max(per_rank), 1.0)
+        if all(k in both for k in named):
+            slowest = max(both[k] for k in named)
+            factor = max(slowest, 1.0) if first.kind == "recovered" else slowest
         elif first.factor is not None and again.factor is not None:
             factor = math.sqrt(first.factor * again.factor)
         reason = f"{first.reason}; confirmed by probes at iteration {iteration}"

@@ -403,6 +403,8 @@ class FailSlowDetector:
         else:
             slow = [link for link in loc.slow_links if link in suspicion.links]
             evidence["probe_factors"] = {f"{a}->{b}": round(f, 4) for (a, b), f in loc.link_factors.items()}
+            evidence["probe_s"] = {f"{a}->{b}": s for (a, b), s in probes.link_s.items()}
+            evidence["probe_reference_s"] = loc.link_reference_s
             if slow:
                 self._muted.add(what)
                 return Verdict("link", tuple(slow[0]), loc.link_factors[slow[0]], suspicion.onset_iteration, evidence,

@@ -18,9 +18,11 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
                                       launch rank 3 is SIGKILLed in the world grown to readmit
                                       standbys at iteration >= 1, before state moves to them
     kill:rank=3,at=1,during=rendezvous
-                                      launch rank 3 is SIGKILLed as a readmission at iteration >= 1
-                                      is about to form the grown world (every member has said it
-                                      is there; the process group is not formed yet)
+                                      launch rank 3 is SIGKILLed as a world it belongs to is about
+                                      to form (every member has said it is there; the process
+                                      group is not formed yet): the world the survivors of a
+                                      failure at iteration >= 1 re-form, or the world grown to
+                                      readmit standbys at iteration >= 1
     hang:rank=2,at=40                 rank 2 stops making progress at iteration 40
 
 Executing a fault (sleeping, killing) is the training front end's job, never this module's.
@@ -119,8 +121,8 @@ def parse_fault(spec: str) -> Fault:
     except ValueError:
         raise ValueError(
             f"{FLAG} {spec!r}: unknown fault kind {kind_text!r}; use one of "
-            "slow:rank=R,factor=F,at=I[,until=J] | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I[,during=reform|moves|replan] | "
-            "hang:rank=R,at=I"
+            "slow:rank=R,factor=F,at=I[,until=J] | link:src=S,dst=D,factor=F,at=I | "
+            f"kill:rank=R,at=I[,during={'|'.join(PHASES)}] | hang:rank=R,at=I"
         ) from None
     fields: dict[str, str] = {}
     for item in filter(None, body.split(",")) if sep else []:

@@ -53,6 +53,8 @@ class Localisation:
         reason: one readable line.
         rank_reference_s: the healthy GEMM probe seconds the rank factors divide by (None: no rank
             was probed).
+        link_reference_s: the healthy p2p probe seconds the link factors divide by (None: no link
+            was probed).
     """
 
     slow_ranks: tuple[int, ...]
@@ -62,6 +64,7 @@ class Localisation:
     unresponsive: tuple[int, ...]
     reason: str
     rank_reference_s: float | None = None
+    link_reference_s: float | None = None
 
 
 def _factors(times: Mapping, threshold: float, reference_s: float | None) -> tuple[dict, list, float | None]:
@@ -101,7 +104,7 @@ def localise(
     if threshold <= 1.0:
         raise ValueError(f"probe threshold must be > 1.0 (a slowdown ratio), got {threshold}")
     rank_factors, slow_ranks, rank_reference_s = _factors(probes.rank_s, threshold, rank_reference_s)
-    link_factors, slow_links, _ = _factors(probes.link_s, threshold, link_reference_s)
+    link_factors, slow_links, link_reference_s = _factors(probes.link_s, threshold, link_reference_s)
     parts = []
     if slow_ranks:
         parts.append("slow ranks " + ", ".join(f"{r} ({rank_factors[r]:.2f}x)" for r in slow_ranks))
@@ -120,6 +123,7 @@ def localise(
         unresponsive=tuple(sorted(probes.unresponsive)),
         reason=reason,
         rank_reference_s=rank_reference_s,
+        link_reference_s=link_reference_s,
     )
 
 

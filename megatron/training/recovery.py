@@ -189,9 +189,11 @@ def stage_moves(store, generation: int, rank: int, survivors: list[int], moves, 
 
 
 def reform_for_plan(store, generation: int, new_rank: int, new_world_size: int, backend: str,
-                    timeout_s: float, layout: Layout | None, stop: Callable[[], str | None] = lambda: None):
-    """Join the new world and install its groups for megatron-core (kept ranks only)."""
-    meet_and_reform(store, str(generation), new_rank, new_world_size, backend, timeout_s, stop)
+                    timeout_s: float, layout: Layout | None, stop: Callable[[], str | None] = lambda: None,
+                    met: Callable[[], None] = lambda: None):
+    """Join the new world and install its groups for megatron-core (kept ranks only). ``met`` runs
+    once every member has said it is there, just before the process group forms."""
+    meet_and_reform(store, str(generation), new_rank, new_world_size, backend, timeout_s, stop, met)
     if layout is None:
         return None
     groups = build_groups(layout, new_rank, timeout=timeout_s)

@@ -279,7 +279,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
                         self._leave_as_spare(old_rank)
                 groups = recovery.reform_for_plan(self.store, self.generation, plan.new_rank[old_rank],
                                                   plan.new_world_size, self.backend, self.cfg.collective_timeout_s,
-                                                  new_layout, stop=self._failure_among(plan.new_rank))
+                                                  new_layout, stop=self._failure_among(plan.new_rank),
+                                                  met=lambda: self._apply_recovery_faults(iteration, "rendezvous"))
                 break
             except StopTraining:
                 raise

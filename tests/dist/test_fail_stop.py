@@ -227,16 +227,18 @@ def test_every_holder_of_a_shard_dead_points_to_the_last_periodic_checkpoint(tmp
     assert not list(ckpt.glob("*.tmp"))
 
 
-def test_failure_while_the_survivors_reform_is_survived(tmp_path, pp2_reference):
+@pytest.mark.parametrize("phase", ["reform", "rendezvous"])
+def test_failure_while_the_survivors_reform_is_survived(tmp_path, pp2_reference, phase):
     # TP1 x PP2 x DP3: rank = replica + 3 * stage. Rank 2 (replica 2) dies at 4; rank 1 (replica 1)
-    # dies as it is about to join the re-formed world, so that world never forms. The survivors
-    # name rank 1 through the old world's heartbeats, plan again, and finish on replica 0.
+    # dies as it is about to join the re-formed world (reform), or once every member has said it
+    # is there and the process group is forming (rendezvous), so that world never forms. The
+    # survivors name rank 1 through the old world's heartbeats, plan again, and finish on replica 0.
     log = tmp_path / "events.jsonl"
     proc = run_job(6, [*MODEL, *RESILIENT, *PP2_SHAPE, "--resihp-event-log", str(log), "--resihp-inject",
-                       "kill:rank=2,at=4", "--resihp-inject", "kill:rank=1,at=4,during=reform"], launcher="local")
+                       "kill:rank=2,at=4", "--resihp-inject", f"kill:rank=1,at=4,during={phase}"], launcher="local")
     check(proc)
     output = proc.stdout + proc.stderr
-    assert "rank 1: injecting kill:rank=1,at=4,during=reform" in output
+    assert f"rank 1: injecting kill:rank=1,at=4,during={phase}" in output
     assert "re-forming world 1 failed" in output
     plans = read_events(log, "plan")
     assert [(p["attempt"], sorted(p["executed"]["new_rank"])) for p in plans] == [(1, ["0", "1", "3", "4"]),

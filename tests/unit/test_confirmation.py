@@ -121,6 +121,22 @@ def test_a_round_slowed_by_a_busy_neighbour_does_not_inflate_the_confirmed_facto
     assert outcome.evidence["first_probe_factors"] == {"3": pytest.approx(1.59)}
 
 
+def test_a_link_confirmed_by_two_rounds_keeps_its_fastest_transfer():
+    # A transfer of fixed bytes, like a GEMM, can only take longer when the host is busy: a 4x link
+    # that probed 4.1x, then 6.0x, is 4.1x, not the geometric mean (4.96x).
+    def probed(link_s: dict, reference_s: float) -> Verdict:
+        return Verdict("link", (1, 3), link_s[(1, 3)] / reference_s, 20,
+                       {"probe_iteration": 21, "probe_factors": {f"{a}->{b}": t / reference_s for (a, b), t in link_s.items()},
+                        "probe_s": {f"{a}->{b}": t for (a, b), t in link_s.items()}, "probe_reference_s": reference_s})
+
+    first = probed({(1, 3): 4.1e-3, (0, 2): 1.0e-3}, 1.0e-3)
+    again = probed({(1, 3): 6.3e-3, (0, 2): 1.1e-3}, 1.05e-3)
+    outcome = PendingVerdicts.settle(Waiting(None, first, 23), again, 23)
+    assert isinstance(outcome, Verdict) and outcome.kind == "link" and outcome.ranks == (1, 3)
+    assert outcome.factor == pytest.approx(4.1)
+    assert outcome.evidence["probe_factors"]["1->3"] == pytest.approx(4.1)
+
+
 def test_rejects_a_negative_wait():
     with pytest.raises(ValueError, match="--resihp-confirm-after-iters"):
         PendingVerdicts(-1)
