@@ -82,42 +82,28 @@ def wait_for_keys(store, keys: list[str], wait_s: float, stop=lambda: None, poll
         time.sleep(poll_s)
 
 
-# Added to a commit counter by the first member that gives up on a commit; larger than any world.
-_GAVE_UP = 1 << 40
-
-
 def agree_on_commit(store, prefix: str, members: int, finished: bool, stop: Callable[[], str | None],
                     wait_s: float, poll_s: float = 0.02) -> bool:
     """Whether all ``members`` finished a step (True) or it is abandoned (False): one answer for all.
 
-    Each member adds 1 to ``<prefix>finished`` once it has finished, then waits for the count to
-    reach ``members``. A member that did not finish, or that sees a failure (``stop`` gives a
-    reason) or the deadline before the count is complete, gives up: it adds ``_GAVE_UP``. The
-    first to give up (the only one whose addition returns less than twice ``_GAVE_UP``) decides
-    from the count its addition returned, which includes exactly the members that had finished
-    before it, and publishes that in ``<prefix>decision``. Every later addition sees the give-up,
-    so no member can finish after the decision and commit on its own. A member that finished and
-    then died counts as finished, as it would have if it had died a moment later.
+    Each member that finished adds 1 to ``<prefix>finished``, then waits. The answer lives in one
+    key, ``<prefix>decision``, written once by an atomic compare-and-set: "commit" by a member that
+    sees the count reach ``members``, "abandon" by one that did not finish, sees a failure
+    (``stop`` gives a reason) or passes the deadline first. Every member returns what that key
+    holds, never what it saw itself, so members agree whoever dies at whatever point. A member
+    that finished and then died counts as finished, as it would have if it had died a moment later.
     """
     count_key, decision_key = f"{prefix}finished", f"{prefix}decision"
-    count = store.add(count_key, 1 if finished else 0)
+    if finished:
+        store.add(count_key, 1)
     deadline = time.monotonic() + wait_s
-    while count < _GAVE_UP:
-        if count == members:
-            return True
-        if not finished or stop() or time.monotonic() > deadline:
-            count = store.add(count_key, _GAVE_UP)
-            if count < 2 * _GAVE_UP:
-                store.set(decision_key, "commit" if count - _GAVE_UP == members else "abandon")
-            break
-        time.sleep(poll_s)
-        count = store.add(count_key, 0)
-    try:
-        wait_for_keys(store, [decision_key], wait_s)
-    except TimeoutError:
-        # The deciding member died between its two store calls. Taken as abandoned; a member that
-        # saw the full count in that instant has committed, which is the one case left open.
-        return False
+    while not store.check([decision_key]):
+        if store.add(count_key, 0) == members:
+            store.compare_set(decision_key, "", "commit")
+        elif not finished or stop() or time.monotonic() > deadline:
+            store.compare_set(decision_key, "", "abandon")
+        else:
+            time.sleep(poll_s)
     return store.get(decision_key) == b"commit"
 
 

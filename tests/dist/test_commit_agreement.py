@@ -8,7 +8,9 @@ Members here are threads with store clients of their own.
 from __future__ import annotations
 
 import datetime
+import random
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -79,3 +81,83 @@ def test_a_missing_member_abandons_at_the_deadline(server):
     assert agree_on_commit(client(server), "step/", 2, finished=True, stop=NEVER, wait_s=0.3) is False
     # and the member that arrives late learns that, rather than committing.
     assert agree_on_commit(client(server), "step/", 2, finished=True, stop=NEVER, wait_s=0.3) is False
+
+
+class _Died(Exception):
+    """A member's process ends here: it makes no further store call."""
+
+
+class DiesAfter:
+    """A real store client whose member dies after ``calls`` store writes or reads (None: never)."""
+
+    def __init__(self, store, calls: int | None) -> None:
+        self.store, self.left = store, calls
+
+    def __getattr__(self, name):
+        op = getattr(self.store, name)
+
+        def call(*args):
+            if self.left is not None:
+                if self.left == 0:
+                    raise _Died
+                self.left -= 1
+            return op(*args)
+        return call
+
+
+@pytest.mark.parametrize("dies_after_calls", [1, 2, 3, 4])
+def test_a_member_that_dies_as_it_gives_up_leaves_the_others_one_answer(server, dies_after_calls):
+    # Three members finish. The first sees a failure only after the third has finished, gives up,
+    # and dies between two of its store calls. The second, polling slowly, looks only after that;
+    # it must answer as the third did. (Once, a member that died between counting its give-up and
+    # publishing the decision left the second abandoning while the third had committed.)
+    second: list[bool] = []
+    waiting = threading.Thread(target=lambda: second.append(
+        agree_on_commit(client(server), "step/", 3, finished=True, stop=NEVER, wait_s=5.0, poll_s=0.5)))
+    waiting.start()
+    time.sleep(0.1)  # the second member has counted itself and sleeps
+    third: list[bool] = []
+
+    def failure_seen_after_the_third_finished() -> str:
+        third.append(agree_on_commit(client(server), "step/", 3, finished=True, stop=NEVER, wait_s=5.0))
+        return "rank 2 failed"
+
+    with pytest.raises(_Died):
+        agree_on_commit(DiesAfter(client(server), dies_after_calls), "step/", 3, finished=True,
+                        stop=failure_seen_after_the_third_finished, wait_s=5.0)
+    if not third:  # the first died before it looked for failures: the third finishes after that
+        failure_seen_after_the_third_finished()
+    waiting.join(timeout=30)
+    assert second == third and len(third) == 1, (second, third)
+
+
+def test_members_agree_whatever_order_they_finish_fail_give_up_and_die_in(server):
+    # Steps of 4 members: a member finishes or not, arrives after a random delay, may see a failure
+    # at a random moment, and may die between any two of its store calls. In every step the live
+    # members answer alike, and the answer is commit only if every member finished.
+    rng = random.Random(7)
+    clients = [client(server) for _ in range(4)]
+    for step in range(30):
+        plan = [(rng.random() < 0.85, rng.uniform(0, 0.02), rng.choice([None, rng.uniform(0, 0.04)]),
+                 rng.choice([None, None, 0, 1, 2, 3])) for _ in clients]
+        answers: list = [None] * len(plan)
+
+        def member(i: int, finished: bool, delay_s: float, fails_at_s: float | None, dies_after: int | None) -> None:
+            time.sleep(delay_s)
+            start = time.monotonic()
+            stop = (lambda: None) if fails_at_s is None else (
+                lambda: "a rank failed" if time.monotonic() - start > fails_at_s else None)
+            try:
+                answers[i] = agree_on_commit(DiesAfter(clients[i], dies_after), f"step{step}/", len(plan), finished,
+                                             stop, wait_s=0.1, poll_s=0.001)
+            except _Died:
+                answers[i] = "died"
+
+        threads = [threading.Thread(target=member, args=(i, *m)) for i, m in enumerate(plan)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        live = {a for a in answers if a != "died"}
+        assert len(live) <= 1 and None not in answers, (plan, answers)
+        assert True not in live or all(finished for finished, *_ in plan), (plan, answers)
