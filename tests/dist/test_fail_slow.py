@@ -34,7 +34,9 @@ def test_slow_ranks_are_adapted_in_place_one_after_another_and_training_stays_ex
                       "--resihp-inject", "slow:rank=3,factor=3,at=10", "--resihp-inject", "slow:rank=0,factor=3,at=22"]))
     assert len(read_events(log, "start")) == 4  # one start per process: nothing restarted
     verdicts = [v for v in read_events(log, "verdict") if v["kind"] == "compute"]
-    first = [v for v in verdicts if v["ranks"] == [3] and v["factor"] == pytest.approx(3.0, rel=0.2)]
+    # A first estimate of rank 3 may be off when the probes meet a busy host (seen in CI: 2.19x,
+    # then 2.98x at the next verdict, which the plan took on); what the later plans act on is checked.
+    first = [v for v in verdicts if v["ranks"] == [3] and 10 <= v["iteration"] < 22]
     second = [v for v in verdicts if v["ranks"] == [0] and v["factor"] == pytest.approx(3.0, rel=0.2)
               and v["iteration"] >= 22]
     assert first and second, decisions(log)
@@ -43,7 +45,7 @@ def test_slow_ranks_are_adapted_in_place_one_after_another_and_training_stays_ex
     plans = read_events(log, "plan")
     assert any(p["iteration"] >= first[0]["iteration"] for p in plans), decisions(log)
     last = [p for p in plans if "0" in p["slow_rank_factors"]]
-    assert last and "3" in last[0]["slow_rank_factors"], decisions(log)
+    assert last and last[0]["slow_rank_factors"].get("3") == pytest.approx(3.0, rel=0.2), decisions(log)
     assert len([a for a in read_events(log, "adapted") if a["iteration"] >= first[0]["iteration"]]) >= 2, decisions(log)
     _assert_same_losses(log, reference_losses, 34)
 
