@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 TINY_GPT = [
@@ -46,6 +48,16 @@ def decisions(path: Path) -> str:
 
 def iteration_losses(path: Path) -> dict[int, float]:
     return {r["iteration"]: r["lm_loss"] for r in read_events(path, "iteration")}
+
+
+def assert_same_losses(log: Path, reference: dict[int, float], iterations: int) -> None:
+    """The job logged a loss for each of iterations 1..``iterations`` (no more), each equal to the
+    reference's within 1e-5 (relative)."""
+    ours = iteration_losses(log)
+    assert sorted(ours) == list(range(1, iterations + 1)), f"iterations logged: {sorted(ours)}"
+    expected = [reference[i] for i in range(1, iterations + 1)]
+    got = [ours[i] for i in range(1, iterations + 1)]
+    assert got == pytest.approx(expected, rel=1e-5), f"losses {got}\nreference {expected}"
 
 
 def check(proc: subprocess.CompletedProcess) -> None:

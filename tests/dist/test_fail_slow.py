@@ -7,7 +7,7 @@ the verdict names the rank slowed after the detector's warm-up, a plan is applie
 
 import pytest
 
-from tests.dist.launch import check, decisions, iteration_losses, read_events, run_job
+from tests.dist.launch import assert_same_losses, check, decisions, iteration_losses, read_events, run_job
 
 MODEL = [
     "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -49,7 +49,7 @@ def test_slow_ranks_are_adapted_in_place_one_after_another_and_training_stays_ex
     last = [p for p in plans if "0" in p["slow_rank_factors"]]
     assert last and last[0]["slow_rank_factors"].get("3") == pytest.approx(3.0, rel=0.2), decisions(log)
     assert len([a for a in read_events(log, "adapted") if a["iteration"] >= first[0]["iteration"]]) >= 2, decisions(log)
-    _assert_same_losses(log, reference_losses, 34)
+    assert_same_losses(log, reference_losses, 34)
 
 
 def test_a_slow_rank_that_recovers_gets_its_micro_batches_back(tmp_path, reference_losses):
@@ -71,7 +71,7 @@ def test_a_slow_rank_that_recovers_gets_its_micro_batches_back(tmp_path, referen
     after = [a for a in adapted if a["iteration"] >= back[0]["evidence"]["confirm_probe_iteration"]]
     assert before and before[-1]["quotas"][1] < before[-1]["quotas"][0], decisions(log)
     assert after and after[0]["quotas"] == [4, 4], decisions(log)
-    _assert_same_losses(log, reference_losses, 34)
+    assert_same_losses(log, reference_losses, 34)
 
 
 def test_a_failure_after_a_slowdown_splits_the_batch_by_the_known_speeds(tmp_path, reference_losses):
@@ -82,7 +82,8 @@ def test_a_failure_after_a_slowdown_splits_the_batch_by_the_known_speeds(tmp_pat
     # leaving it out ([6, 5, 5]) for any estimate of its slowdown up to 5x. With 8 micro-batches of
     # 2 the two tie at 3x, and an estimate of 4.2x (seen in CI) left rank 0 out.
     log = tmp_path / "events.jsonl"
-    check(run_job(4, [*_with(MODEL, "--micro-batch-size", "1"), "--resihp-enable", "--resihp-collective-timeout-s", "5", "--resihp-event-log", str(log),
+    check(run_job(4, [*_with(MODEL, "--micro-batch-size", "1"), "--resihp-enable", "--resihp-collective-timeout-s", "5",
+                      "--resihp-event-log", str(log),
                       "--resihp-inject", "slow:rank=0,factor=3,at=10", "--resihp-inject", "kill:rank=3,at=20"],
                   launcher="local"))
     slow = [v for v in read_events(log, "verdict") if v["kind"] == "compute" and v["ranks"] == [0]
@@ -95,20 +96,13 @@ def test_a_failure_after_a_slowdown_splits_the_batch_by_the_known_speeds(tmp_pat
     assert "known slow ranks [0]" in survivors[0]["reason"], decisions(log)
     adapted = [a for a in read_events(log, "adapted") if a["iteration"] == 20]
     assert adapted and adapted[0]["world_size"] == 3 and adapted[0]["quotas"] == quotas, decisions(log)
-    _assert_same_losses(log, reference_losses, 34)
+    assert_same_losses(log, reference_losses, 34)
 
 
 def _with(args: list[str], flag: str, value: str) -> list[str]:
     """``args`` with the value of ``flag`` replaced."""
     i = args.index(flag)
     return [*args[:i + 1], value, *args[i + 2:]]
-
-
-def _assert_same_losses(log, reference, iterations):
-    ours = iteration_losses(log)
-    assert sorted(ours) == list(range(1, iterations + 1))
-    assert [ours[i] for i in range(1, iterations + 1)] == pytest.approx(
-        [reference[i] for i in range(1, iterations + 1)], rel=1e-5)
 
 
 ISSUE_SHAPE = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--cpu-device-time-scale", "4"]
@@ -137,7 +131,4 @@ def test_tp2_pp2_dp2_rank_slowed_2x_at_iteration_10_is_replanned_in_place(tmp_pa
     assert named and named[0]["iteration"] <= 13, decisions(log)
     adapted = [a for a in read_events(log, "adapted") if a["iteration"] >= named[0]["iteration"]]
     assert adapted, decisions(log)
-    ours = iteration_losses(log)
-    assert sorted(ours) == list(range(1, ITERS + 1))
-    assert [ours[i] for i in range(1, ITERS + 1)] == pytest.approx(
-        [issue_shape_reference[i] for i in range(1, ITERS + 1)], rel=1e-5)
+    assert_same_losses(log, issue_shape_reference, ITERS)

@@ -16,7 +16,7 @@ stands by again.
 
 import pytest
 
-from tests.dist.launch import check, decisions, iteration_losses, read_events, run_job
+from tests.dist.launch import assert_same_losses, check, decisions, iteration_losses, read_events, run_job
 from tests.dist.test_fail_slow import MODEL
 
 ITERS = 80  # short iterations: the rejoin must pay back its regrouping (about 40 of them here) in what is left
@@ -32,13 +32,6 @@ def reference(tmp_path_factory) -> dict[int, float]:
     log = tmp_path_factory.mktemp("reference") / "events.jsonl"
     check(run_job(1, [*RUN, "--resihp-event-log", str(log)]))
     return iteration_losses(log)
-
-
-def assert_losses_equal(log, reference) -> None:
-    ours = iteration_losses(log)
-    assert sorted(ours) == list(range(1, ITERS + 1))
-    assert [ours[i] for i in range(1, ITERS + 1)] == pytest.approx([reference[i] for i in range(1, ITERS + 1)],
-                                                                    rel=1e-5)
 
 
 def test_a_rank_left_out_for_a_slowdown_stands_by_through_a_failure_and_rejoins_when_healthy(tmp_path, reference):
@@ -65,7 +58,7 @@ def test_a_rank_left_out_for_a_slowdown_stands_by_through_a_failure_and_rejoins_
     after = [e for e in read_events(log, "iteration") if e["iteration"] > grown[0]["iteration"]]
     assert after and {e["rank"] for e in after} == {3}
     assert not read_events(log, "exit"), decisions(log)  # every live process finished the job
-    assert_losses_equal(log, reference)
+    assert_same_losses(log, reference, ITERS)
 
 
 def test_a_working_rank_killed_while_the_world_grows_is_recovered_and_the_standby_rejoins_later(tmp_path,
@@ -89,7 +82,7 @@ def test_a_working_rank_killed_while_the_world_grows_is_recovered_and_the_standb
     assert len(grown) == 1 and grown[0]["iteration"] == rejoins[1]["iteration"], decisions(log)
     assert grown[0]["world_size"] == recovered[0]["world_size"] + 1
     assert "launch rank 3 rejoined as rank" in out
-    assert_losses_equal(log, reference)
+    assert_same_losses(log, reference, ITERS)
 
 
 def test_a_joiner_killed_in_the_rendezvous_leaves_the_working_ranks_as_they_were(tmp_path, reference):
@@ -109,7 +102,7 @@ def test_a_joiner_killed_in_the_rendezvous_leaves_the_working_ranks_as_they_were
     assert [(a["iteration"], a["world_size"], a["failed_ranks"], a["quotas"]) for a in recovered] == \
         [(rejoins[0]["iteration"], 3, [], excluded["quotas"])], decisions(log)
     assert not [a for a in adapted if a.get("joined_launch_ranks")], decisions(log)
-    assert_losses_equal(log, reference)
+    assert_same_losses(log, reference, ITERS)
 
 
 def test_without_standby_the_rank_left_out_exits(tmp_path):
