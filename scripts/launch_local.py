@@ -13,7 +13,10 @@ as one fails, and restarts the whole group if asked to.)
 Usage::
 
     python scripts/launch_local.py --nproc-per-node N [--master-addr 127.0.0.1] \
-        [--master-port P] SCRIPT [ARGS...]
+        [--master-port P] [--preload auto|none|MODULE[,MODULE...]] SCRIPT [ARGS...]
+
+Ranks are forked from a server that has imported the script's top-level modules once
+(``rank_fork_server.py``); ``--preload none`` starts each from a bare interpreter instead.
 
 Exit code: 0 when every rank that was not killed by a signal exited 0 and at least one rank
 finished that way (a job that survived its failed ranks succeeds); otherwise the first non-zero
@@ -23,14 +26,14 @@ code a rank returned, or 128 + signal number when every rank was killed.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+from rank_fork_server import Preload, RankForkServer, script_preload
 
 # Workers read this to know that a dead peer does not take them down with it.
 LAUNCHER_ENV = "RESIHP_LAUNCHER"
@@ -39,7 +42,6 @@ _POLL_S = 0.05
 # After forwarding SIGINT/SIGTERM, workers get this long to exit before SIGKILL (torchrun waits
 # a similar grace period before escalating).
 _GRACE_S = 15.0
-_PR_SET_PDEATHSIG = 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,6 +62,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="address the job's TCPStore listens on (default 127.0.0.1)")
     parser.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=0,
                         help="port of the job's TCPStore (default: a free port chosen by the OS)")
+    parser.add_argument("--preload", default="auto",
+                        help="modules to import once, before the ranks are forked: 'auto' (default) for "
+                             "those the script imports at its top level, 'none', or a comma-separated list")
     parser.add_argument("script", help="training script to run on every rank")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(argv)
@@ -69,7 +74,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--master-port must be in 0..65535, got {args.master_port}; omit it to pick a free port")
     if not os.path.isfile(args.script):
         parser.error(f"SCRIPT {args.script!r} is not a file; pass the path of the training script after the flags")
+    try:
+        args.preload = preload_modules(args.preload, args.script)
+    except SyntaxError as err:
+        parser.error(f"--preload auto could not read the imports of {args.script!r} ({err}); "
+                     "fix the script or pass --preload none")
     return args
+
+
+def preload_modules(spec: str, script: str) -> Preload:
+    if spec == "auto":
+        return script_preload(script)
+    if spec == "none":
+        return Preload()
+    return Preload(tuple(m.strip() for m in spec.split(",") if m.strip()))
 
 
 def worker_env(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
@@ -95,28 +113,19 @@ def worker_env(rank: int, world_size: int, master_addr: str, master_port: int) -
     return env
 
 
-def _die_with_launcher() -> None:
-    # Runs in the child before exec: if the launcher is SIGKILLed its store is gone and the ranks
-    # cannot recover, so they should not linger as orphans. Linux only; elsewhere a no-op.
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 @dataclass
 class _Job:
-    procs: list[subprocess.Popen]
+    pids: dict[int, int]  # rank -> pid
     codes: dict[int, int] = field(default_factory=dict)  # rank -> returncode (negative: signal)
     order: list[int] = field(default_factory=list)  # ranks in the order they ended
 
     def running(self) -> list[int]:
-        return [r for r in range(len(self.procs)) if r not in self.codes]
+        return [r for r in sorted(self.pids) if r not in self.codes]
 
     def signal_running(self, sig: int) -> None:
         for r in self.running():
             try:
-                self.procs[r].send_signal(sig)
+                os.kill(self.pids[r], sig)
             except ProcessLookupError:
                 pass
 
@@ -143,52 +152,50 @@ def _describe(code: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Forked first: the server must not inherit the store's thread.
+    server = RankForkServer.start(args.script, args.script_args, args.preload)
     from torch.distributed import TCPStore  # imported late so --help and CLI errors stay fast
 
     # The store lives here, not in rank 0: it must outlive any rank for survivors to re-form.
     store = TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(minutes=30))
-    port = store.port
     world_size = args.nproc_per_node
-    cmd = [sys.executable, "-u", args.script, *args.script_args]
-
     received: list[int] = []
+    job = _Job({})
 
     def forward(signum, _frame):
         received.append(signum)
         # A second signal means "now": skip the grace period.
         job.signal_running(signal.SIGKILL if len(received) > 1 else signum)
 
-    procs = []
-    job = _Job(procs)
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for rank in range(world_size):
-            # Own process group: a terminal's Ctrl-C reaches the launcher only, which forwards it
-            # once, instead of every rank receiving it twice.
-            procs.append(subprocess.Popen(cmd, env=worker_env(rank, world_size, args.master_addr, port),
-                                          process_group=0, preexec_fn=_die_with_launcher))
+        job.pids.update(server.spawn([worker_env(r, world_size, args.master_addr, store.port)
+                                      for r in range(world_size)]))
+        if received:  # a signal that came while the ranks were being started
+            job.signal_running(received[-1])
         deadline = None
         while job.running():
-            for rank in job.running():
-                code = procs[rank].poll()
-                if code is None:
-                    continue
+            for rank, code in server.ended(_POLL_S):
                 job.codes[rank] = code
                 job.order.append(rank)
                 if code != 0:
                     print(f"launch_local: rank {rank} exited with {_describe(code)}; "
                           f"{len(job.running())} ranks still running", file=sys.stderr, flush=True)
+            if server.gone and job.running():
+                print(f"launch_local: the rank fork server ended with ranks {job.running()} unreported; "
+                      "stopping them", file=sys.stderr, flush=True)
+                return 1
             if received and deadline is None:
                 deadline = time.monotonic() + _GRACE_S
             if deadline is not None and time.monotonic() > deadline:
                 job.signal_running(signal.SIGKILL)
                 deadline = float("inf")
-            time.sleep(_POLL_S)
     finally:
         job.signal_running(signal.SIGKILL)  # only reached with ranks left on a launcher error
         for s, handler in old.items():
             signal.signal(s, handler)
+        server.close()
     return exit_code(job.codes, job.order)
 
 

@@ -1,4 +1,4 @@
-"""Live fail-slow detection on a real TP2 x PP2 x DP2 CPU job (8 gloo processes under torchrun).
+"""Live fail-slow detection on a real TP2 x PP2 x DP2 CPU job (8 gloo processes under scripts/launch_local.py).
 
 Four checks on packed variable-length documents (per-document attention, so a micro-batch costs
 about alpha*N + beta*sum(l_i^2)):

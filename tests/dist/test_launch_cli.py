@@ -16,7 +16,7 @@ ISSUE_LAUNCH = (
 
 def test_tp2_pp2_dp2_launch_trains(tmp_path):
     log = tmp_path / "events.jsonl"
-    proc = run_job(8, [*ISSUE_LAUNCH, "--resihp-event-log", str(log)])
+    proc = run_job(8, [*ISSUE_LAUNCH, "--resihp-event-log", str(log)], launcher="torchrun")
     check(proc)
     lines = [line for line in proc.stdout.splitlines() if " iteration " in line and "lm loss:" in line]
     assert len(lines) == 30

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -93,15 +94,91 @@ def test_sigterm_is_forwarded(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.term")) == ["0.term", "1.term"]
 
 
+# Rank 0 checks what ``python -u SCRIPT ARGS`` would give it and leaves through an atexit handler;
+# rank 1 dies of an uncaught exception.
+AS_MAIN = r'''
+import atexit, os, sys
+import json
+rank = int(os.environ["RANK"])
+here = os.path.dirname(os.path.abspath(__file__))
+seen = {"name": __name__, "argv": sys.argv[1:], "path0": sys.path[0] == here,
+        "script": os.path.abspath(sys.argv[0]) == os.path.abspath(__file__)}
+atexit.register(lambda: open(os.path.join(here, f"exit{rank}.json"), "w").write(json.dumps(seen)))
+if rank == 1:
+    raise ValueError("rank 1 fails on purpose")
+'''
+
+
+@pytest.mark.parametrize("preload", ["auto", "none", "json,os"])
+def test_ranks_run_the_script_as_the_interpreter_would(tmp_path, preload):
+    script = tmp_path / "as_main.py"
+    script.write_text(AS_MAIN)
+    proc = launch(tmp_path, "--nproc-per-node", "2", "--preload", preload, str(script), "a", "--b")
+    assert proc.returncode == 1, proc.stderr
+    assert "ValueError: rank 1 fails on purpose" in proc.stderr and "Traceback" in proc.stderr
+    assert "launch_local: rank 1 exited with code 1" in proc.stderr
+    for rank in (0, 1):  # atexit handlers ran, after the exception too
+        seen = json.loads((tmp_path / f"exit{rank}.json").read_text())
+        assert seen == {"name": "__main__", "argv": ["a", "--b"], "path0": True, "script": True}
+
+
+def test_preload_reads_the_scripts_top_level_imports_and_warning_filters(tmp_path):
+    sys.path.insert(0, str(LAUNCHER.parent))
+    try:
+        from rank_fork_server import script_preload
+    finally:
+        sys.path.remove(str(LAUNCHER.parent))
+    script = tmp_path / "s.py"
+    script.write_text("from __future__ import annotations\nimport os, json\nimport warnings\n"
+                      "warnings.filterwarnings('ignore', message='noisy')\nwarnings.simplefilter(mode)\n"
+                      "from collections import abc\nfrom . import sibling\n"
+                      "def f():\n    import email\nif True:\n    import csv\n")
+    preload = script_preload(str(script))
+    assert preload.modules == ("os", "json", "warnings", "collections")
+    assert preload.warning_filters == (("filterwarnings", ("ignore",), {"message": "noisy"}),)
+
+
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    script = tmp_path / "wait.py"
+    script.write_text("import os, time\nopen(f\"{os.getpid()}.up\", 'w').close()\ntime.sleep(60)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--nproc-per-node", "2", str(script)],
+                            cwd=tmp_path, env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("*.up"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.1)
+        pids = [int(p.name.split(".")[0]) for p in tmp_path.glob("*.up")]
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"ranks {[p for p in pids if _alive(p)]} outlived the launcher"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.parametrize("args, message", [
     (["--nproc-per-node", "0", "x.py"], "--nproc-per-node must be >= 1"),
     (["--nproc-per-node", "two", "x.py"], "--nproc-per-node"),
     (["x.py"], "--nproc-per-node"),
     (["--nproc-per-node", "2", "missing.py"], "is not a file"),
     (["--nproc-per-node", "2", "--master-port", "70000", "x.py"], "--master-port must be in 0..65535"),
+    (["--nproc-per-node", "2", "bad.py"], "--preload auto could not read the imports"),
 ])
 def test_bad_cli_exits_2(tmp_path, args, message):
     (tmp_path / "x.py").write_text("")
+    (tmp_path / "bad.py").write_text("def (:\n")
     proc = launch(tmp_path, *args)
     assert proc.returncode == 2
     assert message in proc.stderr

@@ -41,7 +41,9 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
                       "--save", str(ckpt), "--resihp-event-log", str(first_log)]))
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert not list(ckpt.glob("*.tmp"))
-    check(run_job(4, [*TINY_GPT, *shape, "--load", str(ckpt), "--resihp-event-log", str(resumed_log)]))
+    # Resumed as users launch Megatron.
+    check(run_job(4, [*TINY_GPT, *shape, "--load", str(ckpt), "--resihp-event-log", str(resumed_log)],
+                  launcher="torchrun"))
     full, resumed = iteration_losses(full_log), iteration_losses(resumed_log)
     assert sorted(resumed) == [4, 5, 6]
     assert [resumed[i] for i in (4, 5, 6)] == pytest.approx([full[i] for i in (4, 5, 6)], rel=1e-6)

@@ -1,0 +1,261 @@
+"""Starts a job's ranks from one process that has already imported what they import.
+
+Responsible for: forking, before the launcher starts any thread, a server process that imports
+the training script's modules once; forking each rank from it with the rank's environment and
+running the script there as ``python -u SCRIPT ARGS`` would; reporting every rank's pid and, as
+each ends, its exit code (negative: killed by that signal) back to the launcher.
+
+Why: importing torch and megatron-core costs each rank about 4 s of CPU. Eight ranks on a small
+host pay that eight times over before the first iteration; forked from a server that paid it once,
+they share the imported modules copy-on-write and start at once. (PyTorch's DataLoader forks its
+workers from processes that imported torch in the same way.)
+
+It must never leave ranks behind the launcher: the server dies with the launcher
+(``PR_SET_PDEATHSIG`` = SIGKILL) and every rank dies with the server (SIGTERM), since without the
+launcher's store no rank could recover anyway. If the preloaded modules initialised CUDA, which a
+forked child cannot use, ranks are exec'd fresh instead of run in the fork.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import json
+import os
+import select
+import signal
+import sys
+import warnings
+from dataclasses import dataclass
+
+_PR_SET_PDEATHSIG = 1
+
+
+_WARNING_FILTERS = ("filterwarnings", "simplefilter")
+
+
+@dataclass(frozen=True)
+class Preload:
+    """What the server does before forking: set the script's warning filters, import modules."""
+
+    modules: tuple[str, ...] = ()
+    # (function of ``warnings``, positional args, keyword args), each argument a literal
+    warning_filters: tuple[tuple[str, tuple, dict], ...] = ()
+
+    def apply(self) -> None:
+        for name, args, kwargs in self.warning_filters:
+            getattr(warnings, name)(*args, **kwargs)
+        for module in self.modules:
+            try:
+                __import__(module)
+            except Exception:  # noqa: BLE001 - the rank imports it again and reports the error
+                pass
+
+
+def script_preload(script: str) -> Preload:
+    """The absolute modules the script imports at its top level (``from x import y`` gives ``x``)
+    and the warning filters it sets there with literal arguments: what every rank does before
+    anything rank-specific. The filters come along so that a warning the script silences before
+    its imports stays silent when the server does the importing."""
+    with open(script, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=script)
+    modules: list[str] = []
+    filters = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            modules += [a.name for a in node.names if a.name not in modules]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
+            modules += [node.module] if node.module not in modules else []
+        elif _is_warning_filter(node):
+            call = node.value
+            try:
+                args = tuple(ast.literal_eval(a) for a in call.args)
+                kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            except ValueError:
+                continue  # not literal: the rank sets it when it runs the script
+            filters.append((call.func.attr, args, kwargs))
+    return Preload(tuple(modules), tuple(filters))
+
+
+def _is_warning_filter(node: ast.stmt) -> bool:
+    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Attribute) and node.value.func.attr in _WARNING_FILTERS
+            and isinstance(node.value.func.value, ast.Name) and node.value.func.value.id == "warnings"
+            and all(k.arg is not None for k in node.value.keywords))
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    try:  # Linux only; elsewhere the process outlives its parent
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    except (OSError, AttributeError):
+        pass
+
+
+def _fork() -> int:
+    with warnings.catch_warnings():
+        # Python 3.12+ warns on fork() when torch's import has started a native thread; the rank
+        # never relies on that thread's state (see the module docstring).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
+
+
+def _exit_code_of(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _run_script(script: str, script_args: list[str]) -> int:
+    """Run the script as ``__main__`` the way the interpreter would; return its exit code (after
+    an uncaught Ctrl-C, end by SIGINT as the interpreter does)."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    sys.argv = [script, *script_args]
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)  # as ``python -u``
+    interrupted = False
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code_of(exc)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code, interrupted = 1, True
+    except BaseException:  # noqa: BLE001 - the interpreter's own behaviour: print, exit 1
+        traceback.print_exc()
+        code = 1
+    try:
+        threading._shutdown()  # noqa: SLF001 - join non-daemon threads as interpreter exit does
+    finally:
+        atexit._run_exitfuncs()  # noqa: SLF001
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+
+def _rank_main(script: str, script_args: list[str], env: dict[str, str], fresh: bool) -> None:
+    """Body of a forked rank; never returns."""
+    code = 1
+    try:
+        os.setpgid(0, 0)  # own process group: a terminal's Ctrl-C reaches it once, via the launcher
+        _set_parent_death_signal(signal.SIGTERM)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(env)
+        if fresh:
+            os.execve(sys.executable, [sys.executable, "-u", script, *script_args], env)
+        code = _run_script(script, script_args)
+    finally:
+        os._exit(code & 0xFF)
+
+
+def _server_main(commands, events, script: str, script_args: list[str], preload: Preload) -> None:
+    """The fork server's body; never returns."""
+    code = 0
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards Ctrl-C to the ranks
+        _set_parent_death_signal(signal.SIGKILL)
+        sys.path[0] = os.path.dirname(os.path.abspath(script))  # as ``python SCRIPT`` sets it
+        preload.apply()
+        torch = sys.modules.get("torch")
+        fresh = bool(torch is not None and torch.cuda.is_initialized())
+        envs = json.loads(commands.readline())
+        ranks = {}
+        for rank, env in enumerate(envs):
+            pid = _fork()
+            if pid == 0:
+                # Closed by descriptor: closing the file objects would flush what the server had
+                # buffered, a second time, from here.
+                os.close(commands.fileno())
+                os.close(events.fileno())
+                _rank_main(script, script_args, env, fresh)
+            ranks[pid] = rank
+            events.write(f"pid {rank} {pid}\n")
+            events.flush()
+        while ranks:
+            pid, status = os.wait()
+            if pid in ranks:
+                events.write(f"exit {ranks.pop(pid)} {os.waitstatus_to_exitcode(status)}\n")
+                events.flush()
+    except BaseException:  # noqa: BLE001 - the launcher sees the pipe close and reports it
+        code = 1
+    finally:
+        os._exit(code)
+
+
+class RankForkServer:
+    """The launcher's side: start the server, have it fork the ranks, hear of their ends."""
+
+    def __init__(self, pid: int, commands: int, events: int) -> None:
+        self.pid = pid
+        self._commands = commands  # fd, launcher -> server
+        self._events = events  # fd, server -> launcher
+        self._pending = b""
+        self._early: list[str] = []  # ends heard while ranks were still being started
+        self.gone = False  # the server ended (it does once every rank has been reported)
+
+    @classmethod
+    def start(cls, script: str, script_args: list[str], preload: Preload) -> RankForkServer:
+        """Fork the server. Call before the launcher starts any thread (e.g. its store)."""
+        command_r, command_w = os.pipe()
+        event_r, event_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = _fork()
+        if pid == 0:
+            os.close(command_w)
+            os.close(event_r)
+            _server_main(os.fdopen(command_r), os.fdopen(event_w, "w"), script, script_args, preload)
+        os.close(command_r)
+        os.close(event_w)
+        return cls(pid, command_w, event_r)
+
+    def _lines(self, timeout_s: float | None) -> list[str]:
+        ready, _, _ = select.select([self._events], [], [], timeout_s)
+        if not ready:
+            return []
+        data = os.read(self._events, 65536)
+        if not data:
+            self.gone = True
+            return []
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        return [line.decode() for line in lines]
+
+    def spawn(self, envs: list[dict[str, str]]) -> dict[int, int]:
+        """Fork one rank per environment (rank i gets ``envs[i]``); return rank -> pid."""
+        os.write(self._commands, (json.dumps(envs) + "\n").encode())
+        pids: dict[int, int] = {}
+        while len(pids) < len(envs):
+            for line in self._lines(None):
+                kind, rank, value = line.split()
+                if kind == "pid":
+                    pids[int(rank)] = int(value)
+                else:  # a rank that ended before the others were started
+                    self._early.append(line)
+            if self.gone:
+                raise RuntimeError(f"the rank fork server ended after starting {len(pids)} of {len(envs)} ranks")
+        return pids
+
+    def ended(self, timeout_s: float) -> list[tuple[int, int]]:
+        """(rank, exit code) of ranks that ended since the last call, waiting up to ``timeout_s``
+        for the first; exit codes are negative for ranks killed by a signal."""
+        lines, self._early = self._early + self._lines(timeout_s), []
+        return [(int(rank), int(code)) for _, rank, code in (line.split() for line in lines)]
+
+    def close(self) -> None:
+        os.close(self._commands)
+        os.close(self._events)
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
