@@ -28,6 +28,7 @@ from resihp_ext.detection_baselines import GreyhoundStyleDetector, NvrxStyleDete
 from resihp_ext.detector import FailSlowDetector, Verdict
 from resihp_ext.faults import Fault, FaultKind, parse_fault
 from resihp_ext.predictor import MicrobatchPredictor
+from resihp_ext.repeatability import same_work_spread
 from resihp_ext.traces import SyntheticSpec, load_trace, synthetic_probes, synthetic_trace
 
 ONSET = 40
@@ -138,6 +139,10 @@ def live(path: str, tallies, stats) -> list[str]:
         return synthetic_probes(spec, faults, suspicion.iteration, suspicion.probe_ranks, suspicion.probe_links)
 
     run_one(sorted(trace.iterations.items()), faults, spec, tallies, stats, probes_for)
+    # Before the first fault only: a slowed rank's ops are not the same work done as fast.
+    onset = min((f.at_iteration for f in faults), default=None)
+    stats["same_work"] = same_work_spread(sorted(trace.iterations.items()),
+                                          last_iteration=None if onset is None else onset - 1)
     return notes
 
 
@@ -171,6 +176,9 @@ def main() -> None:
             suspicions_per_1000_healthy=round(1000.0 * tallies["resihp"].suspicions_healthy
                                               / max(tallies["resihp"].healthy_iters, 1), 3),
             mtp_mape=round(statistics.mean(stats["mtp"]), 3) if stats["mtp"] else None,
+            # live traces: how far ops that did identical work spread around their median
+            # (resihp_ext.repeatability), the floor the micro-batch MAPE is read against
+            same_work_mape=round(stats["same_work"].mape_pct, 3) if stats.get("same_work") else None,
             itp_mape=round(100.0 * statistics.mean(stats["itp_err"]), 3) if stats["itp_err"] else None,
             decision_ms_per_iter=round(1000.0 * statistics.mean(stats["decision_s"]), 3),
             decision_overhead_pct=round(decision_pct, 4),
@@ -203,7 +211,8 @@ def main() -> None:
                   f"{fmt(row['detection_latency_max_iters']):>5} {row['detected']:>9} "
                   f"{fmt(row['localisation_accuracy']):>9}")
         r = block["resihp"]
-        print(f"resihp: suspicions/1000 healthy {r['suspicions_per_1000_healthy']}, mtp_mape {r['mtp_mape']}%, "
+        floor = "" if r["same_work_mape"] is None else f" (identical work spreads {r['same_work_mape']}%)"
+        print(f"resihp: suspicions/1000 healthy {r['suspicions_per_1000_healthy']}, mtp_mape {r['mtp_mape']}%{floor}, "
               f"itp_mape {r['itp_mape']}%, decision {r['decision_ms_per_iter']} ms/iter "
               f"({r['decision_overhead_pct']}% of iteration), overhead_pct {r['overhead_pct']}")
     for note in notes:

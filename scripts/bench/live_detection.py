@@ -10,7 +10,9 @@ attention) and measures, in one invocation:
 (d) this host's timing floor: one fixed op (GEMMs, the size of a micro-batch's compute) timed by
     the same busy clock in this process alone, and the MAPE of predicting each run by the median.
     No cost model can predict a micro-batch better than the clock repeats a fixed op, so the
-    predictor's MAPE is printed beside it.
+    predictor's MAPE is printed beside it;
+(e) the same floor inside the run: how far ops that did identical work (same stage, op kind and
+    micro-batch features) spread around their median (``resihp_ext.repeatability``).
 
 Both traces then go through ``scripts/bench/detection.py --trace`` (ours vs the Greyhound-style and
 NVRx-style baselines on the same live timings; that script simulates probe timings from the
@@ -205,6 +207,8 @@ def main() -> None:
         ours = out["replay"][name]["resihp"]
         print(f"  predictor MAPE: micro-batch {ours['mtp_mape']}%, iteration {ours['itp_mape']}%; "
               f"decision {ours['decision_ms_per_iter']} ms/iteration")
+        print(f"  ops that did identical work in this run (same stage, kind, features; before any fault) "
+              f"spread {ours['same_work_mape']}% around their median")
         floor = out["timer_floor"]
         print(f"  timing floor of this host: a fixed {floor['op_ms']} ms op, timed alone, repeats with MAPE "
               f"{floor['mape_pct']}% (CV {floor['cv_pct']}%)")
