@@ -317,8 +317,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.cpu_device_time_scale and (args.device != "cpu" or args.cpu_device_time_scale < 1):
         raise ValueError(f"--cpu-device-time-scale {args.cpu_device_time_scale:g} needs --device cpu and a "
                          "value >= 1 (0 turns it off)")
-    if args.device == "cpu" and (args.bf16 or args.fp16):
-        raise ValueError("--bf16/--fp16 need --device cuda; CPU mode trains in fp32 (drop the flag)")
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save DIR")
     from megatron.training.data.tokenizer import build_tokenizer, padded_vocab_size

@@ -3,8 +3,9 @@
 megatron-core assumes CUDA in a handful of places (current device, synchronize, the CUDA RNG
 tracker, literal ``device="cuda"`` tensors in the schedule, the optimizer and gradient clipping,
 ``torch.cuda.FloatTensor`` type checks). ``enable()`` maps each of them onto the CPU, once per
-process, and ``disable()`` undoes every change. It is a supported mode for development and CI;
-its limits: fp32 only, no Transformer Engine, no sequence parallelism, no distributed optimizer.
+process, and ``disable()`` undoes every change. It is a supported mode for development and CI, in
+fp32, bf16 or fp16; its limits: no Transformer Engine, no sequence parallelism, no distributed
+optimizer.
 
 This module must never change numerics: every replacement computes what the CUDA original does.
 """
@@ -90,6 +91,29 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
                 g.mul_(clip_coeff)
 
 
+def _with_cuda_type_names(init: Callable) -> Callable:
+    """``init`` run while ``Tensor.type()`` names CPU tensors as their CUDA counterparts.
+
+    Why: the mixed-precision optimizer sorts parameters into half and fp32 groups by comparing
+    ``param.type()`` with ``'torch.cuda.BFloat16Tensor'`` and friends, and rejects anything else.
+    """
+    original = torch.Tensor.type
+
+    def cuda_named(tensor, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and tensor.device.type == "cpu":
+            return original(tensor).replace("torch.", "torch.cuda.", 1)
+        return original(tensor, dtype, non_blocking, **kwargs)
+
+    def wrapped(self, *args, **kwargs):
+        torch.Tensor.type = cuda_named
+        try:
+            return init(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    return wrapped
+
+
 def enable() -> None:
     """Map megatron-core's CUDA-only calls onto the CPU (idempotent)."""
     if _undo:
@@ -114,6 +138,8 @@ def enable() -> None:
     # The original asserts grads are torch.cuda.FloatTensor before scaling them.
     _set(clip_grads, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32)
     _set(optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32)
+    half_optimizer = optimizer.Float16OptimizerWithFloat16Params
+    _set(half_optimizer, "__init__", _with_cuda_type_names(half_optimizer.__init__))
     # fork() compares CPU RNG state before/after and warns on every dropout call; on CPU the
     # tracked state *is* the CPU state, so the warning is expected and would flood the log.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)

@@ -109,6 +109,11 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> GPTModel
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
     )
+    if config.params_dtype != torch.float32:
+        # What Megatron's Float16Module does to the module it wraps: norms built without
+        # params_dtype (torch's LayerNorm, without Apex or TE) would otherwise stay fp32 and turn
+        # the activations that pass through them back into fp32.
+        model.to(dtype=config.params_dtype)
     if args.device == "cuda":
         model.cuda(torch.cuda.current_device())
     return model

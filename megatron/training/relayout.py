@@ -30,10 +30,6 @@ from resihp_ext.shard_map import transfers as plan_transfers
 from resihp_ext.validation import Verdict
 
 
-# One-time cost that no remaining-iterations horizon can pay back.
-_NEVER_S = 1e12
-
-
 class StopTraining(Exception):
     """Raised when this process leaves the job (spare, or checkpoint fallback)."""
 
@@ -116,9 +112,6 @@ class LayoutChanges:
             hw = dict(layer_forward_s=layer_s, output_forward_s=output_s, include_embedding_cost=True)
         else:  # one stage: layers and output cannot be told apart
             hw = dict(layer_forward_s=min(t / n for t, n in last_stage), include_embedding_cost=False)
-        # Moving state between ranks handles fp32 parameters and Adam moments; under --bf16/--fp16 the
-        # optimizer's fp32 main copies are not moved yet, so a layout change is priced out of reach
-        # and only micro-batch quotas (which move no state) remain.
         half = self.args.bf16 or self.args.fp16
         hw["activation_bytes_per_value"] = 2.0 if half else 4.0
         link_rounds = [probes for probes in self.live.probe_rounds if probes.link_s]
@@ -128,7 +121,7 @@ class LayoutChanges:
             if bandwidth is not None:
                 hw["link_bandwidth_Bps"] = bandwidth
         return HardwareModel(backward_factor=sorted(ratios)[len(ratios) // 2], tp_efficiency=1.0,
-                             regroup_s=_NEVER_S if half else 0.5, **hw)
+                             regroup_s=0.5, **hw)
 
     @staticmethod
     def _verdict_health(verdict: Verdict) -> Health:

@@ -74,19 +74,40 @@ def _torch_optimizers(optimizer) -> list:
     return [o.optimizer for o in (chained if chained is not None else [optimizer])]
 
 
+def _main_param(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The optimizer's fp32 main copy of a bf16/fp16 model parameter (None in fp32 training).
+
+    Under --bf16/--fp16 megatron-core's optimizer steps fp32 copies and writes them back rounded,
+    so the copy, not the model parameter, is the state: rebuilt from a rounded parameter it would
+    lose every update smaller than the rounding, and Adam's moments are keyed by it.
+    """
+    return getattr(param, "main_param", None)
+
+
 def _adam_state(optimizer, param: torch.nn.Parameter, create_like: dict | None) -> dict | None:
+    key = _main_param(param)
+    key = param if key is None else key
     for opt in _torch_optimizers(optimizer):
-        if any(param is p for group in opt.param_groups for p in group["params"]):
-            if param not in opt.state and create_like is not None:
-                opt.state[param] = {k: (v.clone() if k == "step" else torch.zeros_like(param))
-                                    for k, v in create_like.items()}
-            return opt.state.get(param)
+        if any(key is p for group in opt.param_groups for p in group["params"]):
+            if key not in opt.state and create_like is not None:
+                opt.state[key] = {k: (v.clone() if k == "step" else torch.zeros_like(key))
+                                  for k, v in create_like.items()}
+            return opt.state.get(key)
     return None
 
 
 def _adam_template(objects, slots) -> dict | None:
     """Any Adam state of this rank: every rank has stepped equally often, so it shapes new states."""
     return next((s for slot in slots for s in [_adam_state(objects.optimizer, slot.param, None)] if s), None)
+
+
+def _flat_dtype(views: list[torch.Tensor]) -> torch.dtype:
+    """The dtype one buffer of ``views`` travels in: ``torch.cat``'s, which holds each exactly
+    (bf16 weights beside their fp32 main copies travel as fp32)."""
+    dtype = views[0].dtype
+    for view in views[1:]:
+        dtype = torch.promote_types(dtype, view.dtype)
+    return dtype
 
 
 def _unpack(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
@@ -97,7 +118,8 @@ def _unpack(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
 
 
 def _unit_views(slots, optimizer, holding, t, template) -> list[torch.Tensor]:
-    """Canonical tensor list of one transfer on one side: per slot (by name) weight, then Adam moments."""
+    """Canonical tensor list of one transfer on one side: per slot (by name) weight, its fp32 main
+    copy under --bf16/--fp16, then Adam moments."""
     from resihp_ext.shard_map import unit_range
 
     from megatron.training.layer_sync import unit_view
@@ -107,7 +129,9 @@ def _unit_views(slots, optimizer, holding, t, template) -> list[torch.Tensor]:
         if slot.item != t.item or (slot.partition_dim is None) != t.replicated:
             continue
         state = _adam_state(optimizer, slot.param, template) if optimizer is not None else None
-        tensors = [slot.param.data] + ([state["exp_avg"], state["exp_avg_sq"]] if state else [])
+        main = _main_param(slot.param) if optimizer is not None else None
+        tensors = ([slot.param.data] + ([main.data] if main is not None else [])
+                   + ([state["exp_avg"], state["exp_avg_sq"]] if state else []))
         for tensor in tensors:
             if t.replicated:
                 out.append(tensor)
@@ -141,7 +165,8 @@ def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank) ->
             views = _unit_views(old_slots, old_objects.optimizer, holding, t, template)
             # An item can have no tensor of a kind (with PP 1 and tied embeddings, "last" has no
             # TP-split one): its size goes out as 0 and nothing else is sent.
-            flat = torch.cat([v.reshape(-1) for v in views]) if views else torch.zeros(0)
+            # Always fp32 on the wire: the receiver sizes its buffer before it has a model.
+            flat = torch.cat([v.reshape(-1) for v in views]).float() if views else torch.zeros(0)
             payloads[i] = flat
             sizes.append(dist.P2POp(dist.isend, torch.tensor([flat.numel()], dtype=torch.int64), peer_rank(t.dst)))
         elif t.dst == rank and t.src != rank:
@@ -244,7 +269,7 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
             ops.append(dist.P2POp(dist.isend, flat, t.dst))
             sent += flat.numel() * flat.element_size()
         else:
-            flat = torch.empty(sum(v.numel() for v in target), dtype=target[0].dtype)
+            flat = torch.empty(sum(v.numel() for v in target), dtype=_flat_dtype(target))
             ops.append(dist.P2POp(dist.irecv, flat, t.src))
             receives.append((flat, target))
             sent += flat.numel() * flat.element_size()

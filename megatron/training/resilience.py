@@ -248,7 +248,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             self.generation += 1
             plan, failed, preferred = recovery.agree_on_plan(
                 self.store, self.generation, old_rank, self.layout, named | failed | left, self._preferred_plan,
-                wait_s=3 * self.cfg.collective_timeout_s, move_state=not (self.args.bf16 or self.args.fp16),
+                wait_s=3 * self.cfg.collective_timeout_s,
                 hw=self._survivor_hardware(), health=self.known_health,
             )
             self._planned_out = set(self.layout.world_ranks) - set(plan.new_rank) | outside

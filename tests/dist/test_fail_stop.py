@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.dist.launch import REPO, check, iteration_losses, read_events, run_job
+from tests.dist.launch import REPO, check, iteration_losses, main_copies, read_events, run_job
 
 MODEL = [
     "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -177,6 +177,36 @@ def test_intact_stage_group_takes_a_lost_stage_and_receives_its_state(tmp_path, 
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["data_parallel_size"]) for a in adapted] == [(4, 4, 2)], adapted
     _assert_same_training(log, tmp_path / "ckpt", pp2_reference, 12)
+
+
+@pytest.fixture(scope="module")
+def pp2_reference_bf16(tmp_path_factory):
+    """``pp2_reference`` in bf16: bf16 weights, fp32 main copies in the optimizer."""
+    tmp = tmp_path_factory.mktemp("pp2_reference_bf16")
+    log = tmp / "events.jsonl"
+    check(run_job(2, [*MODEL, *PP2_SHAPE, "--bf16", "--resihp-event-log", str(log), "--save", str(tmp / "ckpt")]))
+    return tmp / "ckpt", iteration_losses(log)
+
+
+def test_a_lost_stage_taken_over_in_bf16_keeps_the_fp32_main_copies(tmp_path, pp2_reference_bf16):
+    # The bf16 twin of the test above: rank 4 receives stage 0's bf16 weights, the optimizer's fp32
+    # main copies of them and their Adam moments. Rebuilt from the bf16 weights instead, the main
+    # copies would lose every update smaller than bf16's rounding (about 4e-3 of a weight).
+    log = tmp_path / "events.jsonl"
+    check(run_job(6, [*MODEL, *RESILIENT, *PP2_SHAPE, "--bf16", "--resihp-event-log", str(log),
+                      "--save", str(tmp_path / "ckpt"),
+                      "--resihp-inject", "kill:rank=1,at=4", "--resihp-inject", "kill:rank=2,at=4"], launcher="local"))
+    executed = read_events(log, "plan")[-1]["executed"]
+    assert [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[[4], [5]]]
+    assert [(a["iteration"], a["data_parallel_size"]) for a in read_events(log, "adapted")] == [(4, 2)]
+    ref_ckpt, ref_losses = pp2_reference_bf16
+    losses = iteration_losses(log)
+    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
+    ours, ref = _params(tmp_path / "ckpt", 8), _params(ref_ckpt, 8)
+    _assert_same_params(ref, ours)
+    ours_main, ref_main = main_copies(ours), main_copies(ref)
+    for shard in ref_main:
+        torch.testing.assert_close(ours_main[shard], ref_main[shard], rtol=0, atol=1e-6, msg=shard)
 
 
 def test_no_in_place_plan_saves_from_survivors_and_resumes(tmp_path, reference):

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.dist.launch import REPO, check, iteration_losses, read_events
+from tests.dist.launch import REPO, check, iteration_losses, main_copies, read_events
 
 MODEL = [
     "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -67,6 +67,33 @@ def test_heterogeneous_replan_matches_reference(tmp_path, layers, quotas, tp, fa
     for key, value in a.items():
         if torch.is_tensor(value) and value.is_floating_point():
             torch.testing.assert_close(b[key], value, rtol=0, atol=1e-5, msg=str(key))
+
+
+def test_layers_moved_in_bf16_carry_their_fp32_main_copies(tmp_path, failure_free_bf16):
+    # Replica 1 goes [2, 2] -> [1, 3]: a layer, its bf16 weights, the optimizer's fp32 main copies
+    # and Adam moments move from stage 0 to stage 1.
+    log = tmp_path / "forced.jsonl"
+    check(_run(8, REPO / "tests" / "dist" / "forced_layout_driver.py",
+               [*MODEL, "--bf16", "--save", str(tmp_path / "ours"), "--resihp-event-log", str(log),
+                "--resihp-detect-only", "--forced-layout", json.dumps([[2, 2], [1, 3]]), "--forced-at", "3",
+                "--forced-quotas", "2,6"], tmp_path))
+    assert max(e["bytes_moved"] for e in read_events(log, "forced_layout")) > 0
+    ours, (ref, ref_checkpoint) = iteration_losses(log), failure_free_bf16
+    assert [ours[i] for i in range(1, 7)] == pytest.approx([ref[i] for i in range(1, 7)], rel=1e-5)
+    shards = {name: [torch.load(p, weights_only=False) for p in sorted((root / "iter_0000006").glob("mp_rank_*/*.pt"))]
+              for name, root in (("ref", ref_checkpoint), ("ours", tmp_path / "ours"))}
+    assert len(shards["ref"]) == len(shards["ours"]) == 4
+    for r, o in zip(main_copies(dict(enumerate(shards["ref"]))).values(),
+                    main_copies(dict(enumerate(shards["ours"]))).values()):
+        torch.testing.assert_close(o, r, rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def failure_free_bf16(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("failure_free_bf16")
+    check(_run(4, REPO / "pretrain_gpt_resilient.py",
+               [*MODEL, "--bf16", "--save", str(tmp / "ref"), "--resihp-event-log", str(tmp / "ref.jsonl")], tmp))
+    return iteration_losses(tmp / "ref.jsonl"), tmp / "ref"
 
 
 @pytest.fixture(scope="module")

@@ -125,7 +125,7 @@ def test_adaptation_that_does_not_pay_off_is_not_taken():
 
 
 def test_unpayable_regroup_cost_leaves_only_quotas():
-    # what the executor uses under --bf16/--fp16, where layout changes cannot move main parameters
+    # a regroup cost that no horizon pays back: only quotas, which move no state, remain
     health = Health(speed={16: 0.5})
     free = plan_adaptation(LAYOUT, health, HardwareModel(regroup_s=0.0), horizon_iters=500)
     assert free.action == "adapt" and free.layout != LAYOUT
