@@ -42,7 +42,7 @@ _IGNORED_FLAGS: tuple[tuple[str, bool], ...] = (
     ("--exit-interval", True),
     ("--context-parallel-size", True), ("--expert-model-parallel-size", True),
     ("--virtual-pipeline-model-parallel-size", True), ("--num-layers-per-virtual-pipeline-stage", True),
-    ("--data-cache-path", True), ("--initial-loss-scale", True), ("--loss-scale", True),
+    ("--data-cache-path", True),
 )
 
 
@@ -84,6 +84,12 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
+    scaling = parser.add_argument_group("fp16 loss scaling (Megatron's names and defaults)")
+    scaling.add_argument("--loss-scale", type=float, default=None, help="static loss scale; default: dynamic")
+    scaling.add_argument("--initial-loss-scale", type=float, default=2**32)
+    scaling.add_argument("--min-loss-scale", type=float, default=1.0)
+    scaling.add_argument("--loss-scale-window", type=float, default=1000)
+    scaling.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--manual-gc", action="store_true",
                    help="turn Python's automatic garbage collection off during training, so no rank "
@@ -319,6 +325,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                          "value >= 1 (0 turns it off)")
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save DIR")
+    for flag, value in (("--loss-scale", args.loss_scale), ("--initial-loss-scale", args.initial_loss_scale),
+                        ("--min-loss-scale", args.min_loss_scale), ("--loss-scale-window", args.loss_scale_window)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value:g}; omit it for Megatron's default")
+    if args.hysteresis < 1:
+        raise ValueError(f"--hysteresis must be >= 1, got {args.hysteresis}")
     from megatron.training.data.tokenizer import build_tokenizer, padded_vocab_size
 
     args.tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.vocab_file, args.merge_file)

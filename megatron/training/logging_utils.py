@@ -54,13 +54,15 @@ def log_line(message: str) -> None:
 def iteration_line(
     *, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float, lr: float,
     global_batch_size: int, lm_loss: float, grad_norm: float | None, tokens_per_s: float,
-    skipped: int, nan: int,
+    skipped: int, nan: int, loss_scale: float = 1.0,
 ) -> str:
+    """Megatron's iteration line; ``skipped`` and ``nan`` count the iterations since the last line."""
     norm = "nan" if grad_norm is None else f"{grad_norm:.3f}"
     return (
         f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:12d} |"
         f" elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} |"
-        f" global batch size: {global_batch_size:5d} | lm loss: {lm_loss:.6E} | grad norm: {norm} |"
+        f" global batch size: {global_batch_size:5d} | lm loss: {lm_loss:.6E} | loss scale: {loss_scale:.1f} |"
+        f" grad norm: {norm} |"
         f" tokens per second: {tokens_per_s:.1f} | number of skipped iterations: {skipped:3d} |"
         f" number of nan iterations: {nan:3d} |"
     )

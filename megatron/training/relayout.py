@@ -21,7 +21,8 @@ from megatron.training.layer_sync import LayoutGradSync
 from megatron.training.logging_utils import log_line
 from megatron.training.model_builder import TrainingObjects, build_training_objects
 from megatron.training.parallel_state_patch import build_groups, install, teardown
-from megatron.training.reshard import apply_transfers, stage_transfers, unstage_transfers
+from megatron.training.reshard import (apply_transfers, load_loss_scale_state, loss_scale_state, stage_transfers,
+                                      unstage_transfers)
 from resihp_ext.layout import Layout
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
@@ -207,6 +208,7 @@ class LayoutChanges:
             moved = apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank,
                                     objects, new_objects)
             new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
+            load_loss_scale_state(new_objects.optimizer, loss_scale_state(objects.optimizer))
         except RuntimeError as error:
             failure = error
         # A rank that failed never counts as finished, so it always goes back with the others.
@@ -276,6 +278,7 @@ class LayoutChanges:
         new_objects = self._rebuild(relabeled)
         unstage_transfers(moves, old_layout, new_layout, old_rank, objects, new_objects, received)
         new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
+        load_loss_scale_state(new_objects.optimizer, loss_scale_state(objects.optimizer))
         return new_objects, moved
 
     @property

@@ -212,6 +212,26 @@ def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects,
         _unpack(received[i], target)
 
 
+def _grad_scalers(optimizer) -> list:
+    chained = getattr(optimizer, "chained_optimizers", None)
+    return [o.grad_scaler for o in (chained if chained is not None else [optimizer])
+            if getattr(o, "grad_scaler", None) is not None]
+
+
+def loss_scale_state(optimizer) -> list[dict]:
+    """fp16's loss-scaler state, JSON-ready (empty without one). A rebuilt optimizer starts its
+    scaler at --initial-loss-scale again; carried over, training keeps the scale it had found."""
+    return [{k: float(v) if torch.is_tensor(v) else v for k, v in scaler.state_dict().items()}
+            for scaler in _grad_scalers(optimizer)]
+
+
+def load_loss_scale_state(optimizer, states: list[dict]) -> None:
+    for scaler, state in zip(_grad_scalers(optimizer), states):
+        if state:
+            scaler.load_state_dict({k: torch.tensor([v], dtype=torch.float32) if k == "scale" else v
+                                    for k, v in state.items()})
+
+
 def adam_template_of(objects) -> dict:
     """``_adam_template`` JSON-ready: its keys and step count (empty before the first step)."""
     from megatron.training.layer_sync import param_slots

@@ -29,7 +29,7 @@ from megatron.training.heartbeat import HeartbeatMonitor, connect_store
 from megatron.training.link_faults import LINKS
 from megatron.training.logging_utils import EventLog, log_line
 from megatron.training.relayout import LayoutChanges, StopTraining, replica_shape
-from megatron.training.reshard import unstage_transfers
+from megatron.training.reshard import load_loss_scale_state, loss_scale_state, unstage_transfers
 from megatron.training.schedules import RECORDER
 from megatron.training.standby import Readmissions, StandingBy, mark_job_done
 from resihp_ext.confirmation import FAIL_SLOW_KINDS
@@ -303,6 +303,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             # This stage group took another stage: its state arrived in the staged buffers.
             unstage_transfers(moves, old_layout, continuing_layout(old_layout, plan), old_rank, objects,
                               new_objects, received)
+            load_loss_scale_state(new_objects.optimizer, loss_scale_state(objects.optimizer))
         else:
             # A rank at the stage it held before: its own state, same shapes, is all it needs.
             new_objects.model.load_state_dict(objects.model.state_dict())

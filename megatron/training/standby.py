@@ -35,7 +35,7 @@ from megatron.training.detection import gemm_probe_s
 from megatron.training.logging_utils import log_line
 from megatron.training.parallel_state_patch import build_groups, install
 from megatron.training.relayout import StopTraining
-from megatron.training.reshard import adam_template_of, apply_transfers
+from megatron.training.reshard import adam_template_of, apply_transfers, load_loss_scale_state, loss_scale_state
 from resihp_ext.layout import Layout
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.readmission import plan_readmission
@@ -180,7 +180,8 @@ class Readmissions:
         self.standbys = {int(r) for r in call["standbys"]}
         try:
             new_objects = self._grow(call["iteration"], call["identity"], old_layout, new_layout, None,
-                                     call["scheduler"], adam_template=call["adam"])
+                                     call["scheduler"], adam_template=call["adam"],
+                                     loss_scale=call.get("loss_scale", []))
         except RuntimeError as error:
             # The working ranks go back to the old layout without this rank, which leaves the world.
             self.monitor.stop()
@@ -260,7 +261,8 @@ class Readmissions:
                       "identity": identity, "speed": {str(r): v for r, v in self.known_health.speed.items()},
                       "slow_links": [[a, b, v] for (a, b), v in self.known_health.slow_links.items()],
                       "standbys": sorted(self.standbys - set(decision.joiners)),
-                      "scheduler": objects.scheduler.state_dict(), "adam": adam_template_of(objects)}
+                      "scheduler": objects.scheduler.state_dict(), "adam": adam_template_of(objects),
+                      "loss_scale": loss_scale_state(objects.optimizer)}
             new_rank = {launch: decision.new_rank_of(launch, len(self.identity)) for launch in decision.joiners}
             for launch, rank in new_rank.items():
                 self._called_on[launch] = self._report_seen[launch][0]
@@ -332,7 +334,7 @@ class Readmissions:
             self._start_monitor()
 
     def _grow(self, iteration: int, identity: list[int], old_layout: Layout, new_layout: Layout, objects,
-              scheduler_state: dict, adam_template: dict | None = None):
+              scheduler_state: dict, adam_template: dict | None = None, loss_scale: list | None = None):
         """In the grown world: install its groups, rebuild, fill the joiners' state (a joiner passes
         no ``objects`` and the working ranks' ``adam_template``), then agree that every member did.
 
@@ -354,6 +356,8 @@ class Readmissions:
             apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank, objects,
                             new_objects, adam_template=adam_template)
             new_objects.scheduler.load_state_dict(scheduler_state)
+            load_loss_scale_state(new_objects.optimizer,
+                                  loss_scale_state(objects.optimizer) if objects is not None else loss_scale or [])
         except RuntimeError as error:
             failure = error
         if not self._all_done("grown", dist.get_world_size(), finished=failure is None):

@@ -222,9 +222,11 @@ def pretrain(
                     iteration=iteration, train_iters=args.train_iters, consumed_samples=sampler.consumed_samples,
                     elapsed_ms=per_iter * 1000, lr=lr, global_batch_size=args.global_batch_size, lm_loss=loss,
                     grad_norm=result.grad_norm, tokens_per_s=tokens_per_iter / per_iter, skipped=skipped, nan=nan,
+                    loss_scale=float(objects.optimizer.get_loss_scale()),
                 ))
         if iteration % args.log_interval == 0:
             interval_start, interval_iters = time.perf_counter(), 0
+            skipped = nan = 0  # per interval, as Megatron counts them
         garbage_collection.after_iteration(args, iteration)
         if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
             evaluate(args, forward_step_func, valid_ds, objects, iteration, num_replicas, dp_rank)

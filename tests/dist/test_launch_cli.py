@@ -21,6 +21,7 @@ def test_tp2_pp2_dp2_launch_trains(tmp_path):
     lines = [line for line in proc.stdout.splitlines() if " iteration " in line and "lm loss:" in line]
     assert len(lines) == 30
     assert "consumed samples:          480" in lines[-1] and "tokens per second:" in lines[-1]
+    assert "| loss scale: 1.0 |" in lines[-1] and "number of skipped iterations:   0 |" in lines[-1]
     losses = iteration_losses(log)
     assert losses[30] < losses[1]
 
