@@ -166,6 +166,11 @@ def _server_main(commands, events, script: str, script_args: list[str], preload:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards Ctrl-C to the ranks
         _set_parent_death_signal(signal.SIGKILL)
         sys.path[0] = os.path.dirname(os.path.abspath(script))  # as ``python SCRIPT`` sets it
+        # A module that asks torch whether CUDA is available while it is imported would otherwise
+        # start the CUDA driver here, and the driver does not survive a fork; torch answers from
+        # NVML instead under this switch, which exists for this case. Ranks get the launcher's
+        # environment, without it.
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         preload.apply()
         torch = sys.modules.get("torch")
         fresh = bool(torch is not None and torch.cuda.is_initialized())

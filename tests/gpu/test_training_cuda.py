@@ -8,10 +8,13 @@ from tests.dist.launch import TINY_GPT, check, iteration_losses, run_job
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_trains_on_cuda(tmp_path):
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_trains_on_cuda(tmp_path, precision):
+    # Started by scripts/launch_local.py: its rank is forked from a server that imported torch and
+    # megatron-core, so this also shows the fork left CUDA usable.
     args = [a if a != "cpu" else "cuda" for a in TINY_GPT]
     log = tmp_path / "events.jsonl"
-    check(run_job(1, [*args, "--train-iters", "20", "--resihp-event-log", str(log)]))
+    check(run_job(1, [*args, *precision, "--train-iters", "20", "--resihp-event-log", str(log)]))
     losses = iteration_losses(log)
     assert sorted(losses) == list(range(1, 21))
     assert losses[20] < losses[1]
