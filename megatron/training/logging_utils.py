@@ -56,7 +56,8 @@ def iteration_line(
     global_batch_size: int, lm_loss: float, grad_norm: float | None, tokens_per_s: float,
     skipped: int, nan: int, loss_scale: float = 1.0,
 ) -> str:
-    """Megatron's iteration line; ``skipped`` and ``nan`` count the iterations since the last line."""
+    """Megatron's iteration line; like Megatron's, ``lm_loss`` is the mean over the iterations since
+    the last line (finite ones), and ``skipped`` and ``nan`` count them."""
     norm = "nan" if grad_norm is None else f"{grad_norm:.3f}"
     return (
         f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:12d} |"

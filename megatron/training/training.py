@@ -142,6 +142,7 @@ def pretrain(
     last_loss = None
     tokens_per_iter = args.global_batch_size * args.seq_length
     interval_start, interval_iters = time.perf_counter(), 0
+    interval_losses: list[float] = []  # finite losses since the last line, averaged on it as Megatron does
     while iteration < args.train_iters:
         iteration += 1
         if resilience is not None:
@@ -210,6 +211,8 @@ def pretrain(
         nan += not math.isfinite(loss)
         last_loss = loss
         interval_iters += 1
+        if math.isfinite(loss):
+            interval_losses.append(loss)
         if _is_last_rank():
             lr = objects.optimizer.param_groups[0]["lr"]
             events.emit("iteration", iteration, lm_loss=loss, grad_norm=result.grad_norm, elapsed_s=elapsed_s,
@@ -220,12 +223,14 @@ def pretrain(
                 per_iter = (time.perf_counter() - interval_start) / interval_iters
                 log_line(iteration_line(
                     iteration=iteration, train_iters=args.train_iters, consumed_samples=sampler.consumed_samples,
-                    elapsed_ms=per_iter * 1000, lr=lr, global_batch_size=args.global_batch_size, lm_loss=loss,
+                    elapsed_ms=per_iter * 1000, lr=lr, global_batch_size=args.global_batch_size,
+                    lm_loss=sum(interval_losses) / len(interval_losses) if interval_losses else loss,
                     grad_norm=result.grad_norm, tokens_per_s=tokens_per_iter / per_iter, skipped=skipped, nan=nan,
                     loss_scale=float(objects.optimizer.get_loss_scale()),
                 ))
         if iteration % args.log_interval == 0:
             interval_start, interval_iters = time.perf_counter(), 0
+            interval_losses = []
             skipped = nan = 0  # per interval, as Megatron counts them
         garbage_collection.after_iteration(args, iteration)
         if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:

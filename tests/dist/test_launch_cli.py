@@ -26,6 +26,19 @@ def test_tp2_pp2_dp2_launch_trains(tmp_path):
     assert losses[30] < losses[1]
 
 
+def test_a_log_line_reports_its_intervals_mean_loss(tmp_path):
+    log = tmp_path / "ev.jsonl"
+    args = list(TINY_GPT)
+    args[args.index("--log-interval") + 1] = "2"
+    proc = run_job(1, [*args, "--train-iters", "4", "--resihp-event-log", str(log)])
+    check(proc)
+    lines = [line for line in proc.stdout.splitlines() if " iteration " in line and "lm loss:" in line]
+    assert [line.split("iteration")[1].split("/")[0].strip() for line in lines] == ["2", "4"]
+    losses = iteration_losses(log)
+    printed = [float(line.split("lm loss:")[1].split("|")[0]) for line in lines]
+    assert printed == pytest.approx([(losses[1] + losses[2]) / 2, (losses[3] + losses[4]) / 2], rel=1e-6)
+
+
 def _parse_only(argv, tmp_path):
     """Runs the entry point in one process; a validation error must stop it before any group or file."""
     return subprocess.run(
