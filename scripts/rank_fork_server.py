@@ -163,7 +163,11 @@ def _server_main(commands, events, script: str, script_args: list[str], preload:
     """The fork server's body; never returns."""
     code = 0
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards Ctrl-C to the ranks
+        # Out of the launcher's process group: a signal to that group (a terminal's Ctrl-C, a
+        # scheduler's SIGTERM) is for the launcher to forward to the ranks, and must not end the
+        # server, whose end would tell the launcher that the ranks are lost.
+        os.setpgid(0, 0)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         _set_parent_death_signal(signal.SIGKILL)
         sys.path[0] = os.path.dirname(os.path.abspath(script))  # as ``python SCRIPT`` sets it
         # A module that asks torch whether CUDA is available while it is imported would otherwise

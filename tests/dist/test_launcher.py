@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,24 +75,33 @@ def test_failing_rank_sets_exit_code(tmp_path):
     assert "launch_local: rank 1 exited with code 3; 1 ranks still running" in proc.stderr
 
 
-def test_sigterm_is_forwarded(tmp_path):
+# "group": SIGTERM to the launcher's whole process group, as a scheduler or a shell's job control
+# sends it; the ranks must still hear it once, and get their grace period.
+@pytest.mark.parametrize("target", ["launcher", "group"])
+def test_sigterm_is_forwarded(tmp_path, target):
     script = tmp_path / "wait.py"
     script.write_text("import os, signal, sys, time\n"
-                      "signal.signal(signal.SIGTERM, lambda *a: (open(os.environ['RANK'] + '.term', 'w').close(), sys.exit(0)))\n"
+                      "def leave(*_):\n    time.sleep(0.5)  # a rank taking its time to save\n"
+                      "    open(os.environ['RANK'] + '.term', 'a').write('x')\n    sys.exit(0)\n"
+                      "signal.signal(signal.SIGTERM, leave)\n"
                       "open(os.environ['RANK'] + '.up', 'w').close()\ntime.sleep(60)\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--nproc-per-node", "2", str(script)],
-                            cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 30
         while len(list(tmp_path.glob("*.up"))) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start"
             time.sleep(0.1)
-        proc.terminate()
+        if target == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.terminate()
         assert proc.wait(timeout=20) == 0, proc.stderr.read()
     finally:
         proc.kill()
     assert sorted(p.name for p in tmp_path.glob("*.term")) == ["0.term", "1.term"]
+    assert [p.read_text() for p in sorted(tmp_path.glob("*.term"))] == ["x", "x"]  # once each
 
 
 # Rank 0 checks what ``python -u SCRIPT ARGS`` would give it and leaves through an atexit handler;
