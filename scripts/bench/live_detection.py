@@ -21,6 +21,11 @@ suspicions whose simulated probes blamed a rank). Our own live suspicions, clear
 (with real probes) are counted from the event logs. Prints only what it measured.
 
     python scripts/bench/live_detection.py [--json] [--healthy-iters 200] [--shape tp2pp2dp2]
+    python scripts/bench/live_detection.py --shape tp1pp2dp1 --model medium  # a rank per core
+    python scripts/bench/live_detection.py --device cuda --shape tp1pp1dp1    # one GPU
+
+With one rank, the slowdown goes to rank 0, and there is no other rank for the probes to compare
+it with.
 """
 
 from __future__ import annotations
@@ -38,14 +43,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-SHAPES = {"tp2pp2dp2": (2, 2, 2), "tp1pp2dp2": (1, 2, 2)}
+# tp1pp1dp1 is for one GPU: the micro-batch predictor's error on a device whose op times repeat.
+SHAPES = {"tp2pp2dp2": (2, 2, 2), "tp1pp2dp2": (1, 2, 2), "tp1pp2dp1": (1, 2, 1), "tp1pp1dp1": (1, 1, 1)}
+# (hidden size, attention heads, sequence length). "tiny" is the tests' model, whose ops last a few
+# ms, so that the interpreter's and the host's jitter are a large part of each; "medium" ops last
+# tens of ms.
+MODELS = {"tiny": (64, 4, 64), "medium": (256, 8, 256)}
 SLOW_RANK, FACTOR, ONSET = 3, 1.5, 10
 
 
-def model_args(tp: int, pp: int) -> list[str]:
+def model_args(tp: int, pp: int, device: str = "cpu", model: str = "tiny") -> list[str]:
+    hidden, heads, seq = MODELS[model]
     return [
-        "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+        "--device", device, "--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", "2",
         "--global-batch-size", "16", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "512", "--log-interval", "10",
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
@@ -95,7 +106,7 @@ def median_iteration_s(log: Path, skip: int) -> float:
     return statistics.median(e["elapsed_s"] for e in events(log, "iteration") if e["iteration"] > skip)
 
 
-def event_counts(log: Path, onset: int | None) -> dict:
+def event_counts(log: Path, onset: int | None, slow_rank: int = SLOW_RANK) -> dict:
     sus, clr, ver = events(log, "suspicion"), events(log, "cleared"), events(log, "verdict")
     judged_before = [e for e in events(log, "iteration") if onset is None or e["iteration"] < onset]
     out = {
@@ -112,7 +123,7 @@ def event_counts(log: Path, onset: int | None) -> dict:
     out["suspicions_per_1000_healthy"] = round(1000.0 * out["suspicions_healthy"] / n, 2)
     out["verdicts_per_1000_healthy"] = round(1000.0 * out["verdicts_healthy"] / n, 2)
     if onset is not None:
-        right = [v for v in ver if v["kind"] == "compute" and v["ranks"] == [SLOW_RANK]
+        right = [v for v in ver if v["kind"] == "compute" and v["ranks"] == [slow_rank]
                  and v["evidence"].get("suspicion_iteration", -1) >= onset]
         if right:
             v = right[0]
@@ -131,6 +142,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tp2pp2dp2")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: one GPU per rank (NCCL); with one GPU, use --shape tp1pp1dp1")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--healthy-iters", type=int, default=200)
     parser.add_argument("--slow-iters", type=int, default=40)
     parser.add_argument("--overhead-iters", type=int, default=20)
@@ -142,19 +156,23 @@ def main() -> None:
     nproc = tp * pp * dp
     work = Path(args.workdir or tempfile.mkdtemp(prefix="live_detection_"))
     work.mkdir(parents=True, exist_ok=True)
-    base = model_args(tp, pp)
-    out: dict = {"shape": f"TP{tp} x PP{pp} x DP{dp} ({nproc} processes)", "cpu_count": os.cpu_count(),
-                 "loadavg_start": os.getloadavg(), "workdir": str(work), "timer_floor": timer_floor()}
+    base = model_args(tp, pp, args.device, args.model)
+    slow_rank = min(SLOW_RANK, nproc - 1)
+    hidden, heads, seq = MODELS[args.model]
+    out: dict = {"shape": f"TP{tp} x PP{pp} x DP{dp} ({nproc} processes), {args.model} model (hidden {hidden}, "
+                          f"{heads} heads, sequence {seq})",
+                 "cpu_count": os.cpu_count(), "loadavg_start": os.getloadavg(), "workdir": str(work),
+                 "timer_floor": timer_floor()}
 
     runs = {"healthy": (args.healthy_iters, []),
-            "slow": (args.slow_iters, ["--resihp-inject", f"slow:rank={SLOW_RANK},factor={FACTOR},at={ONSET}"])}
+            "slow": (args.slow_iters, ["--resihp-inject", f"slow:rank={slow_rank},factor={FACTOR},at={ONSET}"])}
     for name, (iters, extra) in ({} if args.overhead_only else runs).items():
         log, trace = work / f"{name}.events.jsonl", work / f"{name}.trace.jsonl"
         log.unlink(missing_ok=True)
         wall = launch(nproc, [*base, "--train-iters", str(iters), "--resihp-detect-only",
                               "--resihp-event-log", str(log), "--resihp-trace", str(trace), *extra])
         out[name] = {"wall_s": round(wall, 1), "median_iteration_s": round(median_iteration_s(log, 3), 4),
-                     **event_counts(log, ONSET if extra else None), "loadavg_after": os.getloadavg()}
+                     **event_counts(log, ONSET if extra else None, slow_rank), "loadavg_after": os.getloadavg()}
 
     # Hook overhead: hooks on vs off, detection off, alternated; skip the first 3 iterations.
     medians = {"on": [], "off": []}
@@ -199,7 +217,7 @@ def main() -> None:
         for v in r["verdict_list"]:
             print(f"    verdict {v}")
         if name == "slow":
-            print(f"  rank {SLOW_RANK} named: {r['detected']}")
+            print(f"  rank {slow_rank} named: {r['detected']}")
         for det_name in ("resihp", "greyhound", "nvrx"):
             b = out["replay"][name][det_name]
             print(f"  replay {det_name:<9} FA/1000 {b['false_alarms_per_1000']:>7} detected {b['detected']} "
@@ -207,8 +225,11 @@ def main() -> None:
         ours = out["replay"][name]["resihp"]
         print(f"  predictor MAPE: micro-batch {ours['mtp_mape']}%, iteration {ours['itp_mape']}%; "
               f"decision {ours['decision_ms_per_iter']} ms/iteration")
-        print(f"  ops that did identical work in this run (same stage, kind, features; before any fault) "
-              f"spread {ours['same_work_mape']}% around their median")
+        if ours["same_work_mape"] is None:
+            print("  no work repeated 8 times in this run (same stage, kind, features), so no same-run floor")
+        else:
+            print(f"  ops that did identical work in this run (same stage, kind, features; before any fault) "
+                  f"spread {ours['same_work_mape']}% around their median")
         floor = out["timer_floor"]
         print(f"  timing floor of this host: a fixed {floor['op_ms']} ms op, timed alone, repeats with MAPE "
               f"{floor['mape_pct']}% (CV {floor['cv_pct']}%)")
