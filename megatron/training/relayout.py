@@ -21,8 +21,7 @@ from megatron.training.layer_sync import LayoutGradSync
 from megatron.training.logging_utils import log_line
 from megatron.training.model_builder import TrainingObjects, build_training_objects
 from megatron.training.parallel_state_patch import build_groups, install, teardown
-from megatron.training.reshard import (apply_transfers, load_loss_scale_state, loss_scale_state, stage_transfers,
-                                      unstage_transfers)
+from megatron.training.reshard import apply_transfers, carry_schedule, stage_transfers, unstage_transfers
 from resihp_ext.layout import Layout
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
@@ -207,8 +206,7 @@ class LayoutChanges:
             self._apply_recovery_faults(iteration, "replan")
             moved = apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank,
                                     objects, new_objects)
-            new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
-            load_loss_scale_state(new_objects.optimizer, loss_scale_state(objects.optimizer))
+            carry_schedule(objects, new_objects)
         except RuntimeError as error:
             failure = error
         # A rank that failed never counts as finished, so it always goes back with the others.
@@ -277,8 +275,7 @@ class LayoutChanges:
         self._adopt(relabeled, groups, world_changed=True)
         new_objects = self._rebuild(relabeled)
         unstage_transfers(moves, old_layout, new_layout, old_rank, objects, new_objects, received)
-        new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
-        load_loss_scale_state(new_objects.optimizer, loss_scale_state(objects.optimizer))
+        carry_schedule(objects, new_objects)
         return new_objects, moved
 
     @property

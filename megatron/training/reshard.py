@@ -69,9 +69,13 @@ def copy_stage_state_from_replica(
 __all__ = ["copy_stage_state_from_replica"]
 
 
-def _torch_optimizers(optimizer) -> list:
+def _megatron_optimizers(optimizer) -> list:
     chained = getattr(optimizer, "chained_optimizers", None)
-    return [o.optimizer for o in (chained if chained is not None else [optimizer])]
+    return list(chained) if chained is not None else [optimizer]
+
+
+def _torch_optimizers(optimizer) -> list:
+    return [o.optimizer for o in _megatron_optimizers(optimizer)]
 
 
 def _main_param(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -213,9 +217,7 @@ def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects,
 
 
 def _grad_scalers(optimizer) -> list:
-    chained = getattr(optimizer, "chained_optimizers", None)
-    return [o.grad_scaler for o in (chained if chained is not None else [optimizer])
-            if getattr(o, "grad_scaler", None) is not None]
+    return [o.grad_scaler for o in _megatron_optimizers(optimizer) if getattr(o, "grad_scaler", None) is not None]
 
 
 def loss_scale_state(optimizer) -> list[dict]:
@@ -230,6 +232,13 @@ def load_loss_scale_state(optimizer, states: list[dict]) -> None:
         if state:
             scaler.load_state_dict({k: torch.tensor([v], dtype=torch.float32) if k == "scale" else v
                                     for k, v in state.items()})
+
+
+def carry_schedule(old_objects, new_objects) -> None:
+    """What a rebuilt optimizer and LR scheduler must keep besides the moved tensors: the
+    scheduler's step and fp16's loss scale."""
+    new_objects.scheduler.load_state_dict(old_objects.scheduler.state_dict())
+    load_loss_scale_state(new_objects.optimizer, loss_scale_state(old_objects.optimizer))
 
 
 def adam_template_of(objects) -> dict:

@@ -29,7 +29,7 @@ from megatron.training.heartbeat import HeartbeatMonitor, connect_store
 from megatron.training.link_faults import LINKS
 from megatron.training.logging_utils import EventLog, log_line
 from megatron.training.relayout import LayoutChanges, StopTraining, replica_shape
-from megatron.training.reshard import load_loss_scale_state, loss_scale_state, unstage_transfers
+from megatron.training.reshard import carry_schedule, unstage_transfers
 from megatron.training.schedules import RECORDER
 from megatron.training.standby import Readmissions, StandingBy, mark_job_done
 from resihp_ext.confirmation import FAIL_SLOW_KINDS
@@ -303,12 +303,11 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             # This stage group took another stage: its state arrived in the staged buffers.
             unstage_transfers(moves, old_layout, continuing_layout(old_layout, plan), old_rank, objects,
                               new_objects, received)
-            load_loss_scale_state(new_objects.optimizer, loss_scale_state(objects.optimizer))
         else:
             # A rank at the stage it held before: its own state, same shapes, is all it needs.
             new_objects.model.load_state_dict(objects.model.state_dict())
             new_objects.optimizer.load_state_dict(objects.optimizer.state_dict())
-        new_objects.scheduler.load_state_dict(objects.scheduler.state_dict())
+        carry_schedule(objects, new_objects)
         objects, args = new_objects, self.args
         if failed or quotas is None or len(quotas) != args.data_parallel_size:
             quotas = plan.quotas or even_quotas(args.global_batch_size // args.micro_batch_size,
