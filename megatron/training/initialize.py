@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron.training import cpu_mode
+from megatron.training import cpu_mode, host_memory
 
 
 def initialize_distributed(args: argparse.Namespace) -> None:
     """Join the job's default group (torchrun-style env) and build megatron-core's groups."""
     if args.device == "cpu":
         cpu_mode.enable()
+        host_memory.keep_freed_memory()
         torch.set_num_threads(int(os.environ.get("RESIHP_CPU_THREADS", "1")))
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -1,0 +1,67 @@
+"""CPU ranks keep the memory they free: steady training steps touch no new pages."""
+
+import ctypes.util
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Each variant runs in a fresh process: glibc's settings last for the process's life.
+_STEPS = """
+import resource, statistics, sys
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+if sys.argv[1] == "keep":
+    from megatron.training.host_memory import keep_freed_memory
+    assert keep_freed_memory()
+elif sys.argv[1] == "cpu-rank":  # a CPU rank's own start-up
+    from megatron.training.arguments import parse_args
+    from megatron.training.initialize import initialize_distributed
+    initialize_distributed(parse_args(sys.argv[2:]))
+layer = torch.nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True)
+x = torch.randn(2, 256, 256)
+faults = []
+for step in range(16):
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    layer(x).sum().backward()
+    faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+print(statistics.median(faults[6:]))
+"""
+
+_TINY_ARGS = ("--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+              "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "64",
+              "--device", "cpu")
+
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux" or "libc.so" not in (ctypes.util.find_library("c") or ""),
+    reason="glibc's mallopt and per-thread page-fault counts are Linux-only",
+)
+
+
+def _median_faults_per_step(variant: str, *args: str) -> float:
+    done = subprocess.run([sys.executable, "-c", _STEPS, variant, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    return float(done.stdout.split()[-1])
+
+
+@pytest.fixture(scope="module")
+def default_faults() -> float:
+    faults = _median_faults_per_step("default")
+    assert faults >= 50, f"glibc's defaults gave {faults} faults per step; the comparison needs them to fault"
+    return faults
+
+
+def test_kept_memory_serves_steady_steps_without_page_faults(default_faults):
+    kept = _median_faults_per_step("keep")
+    assert kept <= default_faults / 20, (default_faults, kept)
+
+
+def test_a_cpu_rank_keeps_freed_memory_from_start_up(default_faults):
+    rank = _median_faults_per_step("cpu-rank", *_TINY_ARGS)
+    assert rank <= default_faults / 20, (default_faults, rank)
