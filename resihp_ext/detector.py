@@ -90,6 +90,7 @@ class FailSlowDetector:
         self._signature = stage_signature or (lambda replica, stage, tp: (stage, tp))
         self.last_report: DetectorReport | None = None
         self._expected: dict[int, float] = {}
+        self._probe_baselines: dict[int, float] = {}
         self.reset()
 
     def expect(self, slow_factors) -> None:
@@ -99,6 +100,17 @@ class FailSlowDetector:
         and only a further change alarms. Replaces what an earlier call said; kept across
         ``reset``."""
         self._expected = {int(r): float(f) for r, f in slow_factors.items() if f > 1.0}
+
+    def needs_probe_baselines(self, groups: Sequence[Sequence[int]]) -> bool:
+        """Whether a suspicion among ``groups`` (each a stage group's ranks) could find no healthy
+        group to probe beside it, so the probes need each rank's own healthy probe time."""
+        return len(groups) < 2
+
+    def set_probe_baselines(self, rank_s) -> None:
+        """Each rank's GEMM probe seconds while healthy (rank -> seconds), measured before any
+        fault. A probe round with no healthy peer (every probed rank a suspect) compares each rank
+        with its own; kept across ``reset``, since a re-plan does not change a device's speed."""
+        self._probe_baselines = {int(r): float(s) for r, s in rank_s.items() if s > 0}
 
     def reset(self, forget_predictor: bool = True) -> None:
         """Start over after a re-plan: new groups, new costs, warm-up again."""
@@ -371,7 +383,9 @@ class FailSlowDetector:
         """
         what = self._subject(suspicion)
         self._pending.discard(what)
-        loc = localise(probes, self.config.probe_threshold)
+        peers = set(probes.rank_s) - set(suspicion.ranks)
+        loc = localise(probes, self.config.probe_threshold,
+                       rank_baselines_s=None if peers else self._probe_baselines)
         evidence = {
             "observed_ratio": round(float(suspicion.ratio), 4),
             "onset_iteration": suspicion.onset_iteration,

@@ -83,11 +83,19 @@ def _factors(times: Mapping, threshold: float, reference_s: float | None) -> tup
     return factors, slow, reference_s
 
 
+def _own_baseline_factors(times: Mapping[int, float], threshold: float,
+                          baselines_s: Mapping[int, float]) -> tuple[dict, list, float]:
+    factors = {r: float(v / baselines_s[r]) for r, v in times.items()}
+    slow = sorted((r for r, f in factors.items() if f >= threshold), key=lambda r: -factors[r])
+    return factors, slow, float(np.median([baselines_s[r] for r in times]))
+
+
 def localise(
     probes: ProbeResults,
     threshold: float,
     rank_reference_s: float | None = None,
     link_reference_s: float | None = None,
+    rank_baselines_s: Mapping[int, float] | None = None,
 ) -> Localisation:
     """Name the slow ranks and links in one probe round.
 
@@ -97,13 +105,20 @@ def localise(
         rank_reference_s: known healthy GEMM probe seconds; default: the median of this round's
             probes (probe a few ranks outside the suspect group so the median is healthy).
         link_reference_s: known healthy p2p probe seconds; default: median of this round's.
+        rank_baselines_s: each rank's own healthy GEMM probe seconds. When every probed rank has
+            one, each rank is compared with its own (for a round with no healthy peer to compare
+            with, such as a one-rank job's); ``rank_reference_s`` is then ignored and the
+            Localisation's ``rank_reference_s`` is the median of the baselines used.
 
     Returns:
         A ``Localisation``; slow ranks and links are ordered slowest first.
     """
     if threshold <= 1.0:
         raise ValueError(f"probe threshold must be > 1.0 (a slowdown ratio), got {threshold}")
-    rank_factors, slow_ranks, rank_reference_s = _factors(probes.rank_s, threshold, rank_reference_s)
+    if rank_baselines_s and probes.rank_s and all(r in rank_baselines_s for r in probes.rank_s):
+        rank_factors, slow_ranks, rank_reference_s = _own_baseline_factors(probes.rank_s, threshold, rank_baselines_s)
+    else:
+        rank_factors, slow_ranks, rank_reference_s = _factors(probes.rank_s, threshold, rank_reference_s)
     link_factors, slow_links, link_reference_s = _factors(probes.link_s, threshold, link_reference_s)
     parts = []
     if slow_ranks:

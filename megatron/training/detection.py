@@ -135,6 +135,19 @@ class LiveDetector:
         self.probe_rounds: list[ProbeResults] = []  # this iteration's, in the order they ran
         self.pending = PendingVerdicts(config.confirm_after_iters)
 
+    def measure_probe_baselines(self) -> dict[int, float]:
+        """Time each rank's GEMM probe once, one rank at a time (collective), when the layout has
+        no second stage group to probe beside a suspect (one stage, one replica): the detector then
+        compares a suspect's probe with its own healthy time. Call before training; returns the
+        baselines ({} when not needed)."""
+        layout = self.layout_getter()
+        groups = [stage.ranks for replica in layout.replicas for stage in replica.stages]
+        if not self.detector.needs_probe_baselines(groups):
+            return {}
+        baselines = self._probe_ranks(sorted(r for g in groups for r in g))
+        self.detector.set_probe_baselines(baselines)
+        return baselines
+
     def observation(self, iteration_s: float, ops, features, busy=()) -> RankObservation:
         shift = self.clock_offset_s
         return RankObservation(

@@ -95,6 +95,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
                 parallel_state.get_tensor_model_parallel_rank(), self._device(), lambda: self.layout,
                 link_probe_bytes(args),
             )
+            self.live.measure_probe_baselines()
         self.generation = 0
         self.store = self.heartbeat_store = None
         self.monitor = None

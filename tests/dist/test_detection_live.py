@@ -137,3 +137,21 @@ def test_injected_link_slowdown_is_named_by_link_probes_and_replanned(tmp_path):
     ours, ref = iteration_losses(log), iteration_losses(ref_log)
     assert sorted(ours) == list(range(1, 21))
     assert [ours[i] for i in range(1, 21)] == pytest.approx([ref[i] for i in range(1, 21)], rel=1e-5)
+
+
+def test_a_one_rank_job_names_its_own_slowdown_against_its_healthy_probe(tmp_path):
+    """With one stage group there is no healthy peer to probe beside a suspect: the rank's probe
+    at start-up is the reference (``LiveDetector.measure_probe_baselines``)."""
+    log, trace = tmp_path / "events.jsonl", tmp_path / "trace.jsonl"
+    one_rank = list(SHAPE)
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+        one_rank[one_rank.index(flag) + 1] = "1"
+    proc = run_job(1, [*one_rank, "--train-iters", "20", "--resihp-detect-only", "--resihp-event-log", str(log),
+                       "--resihp-inject", f"slow:rank=0,factor={FACTOR},at={ONSET}"], timeout_s=240)
+    check(proc)
+    verdicts = read_events(log, "verdict")
+    context = [e for e in read_events(log) if e["event"] in ("suspicion", "cleared", "verdict")]
+    assert verdicts, f"no verdict: {context}"
+    assert verdicts[0]["kind"] == "compute" and verdicts[0]["ranks"] == [0], verdicts[0]
+    assert abs(verdicts[0]["factor"] - FACTOR) <= 0.2 * FACTOR, verdicts[0]
+    assert ONSET <= verdicts[0]["evidence"]["suspicion_iteration"] <= ONSET + 3, context

@@ -192,6 +192,57 @@ def test_localise_names_slow_rank_and_factor():
         localise(ProbeResults(1, {0: 1.0}), threshold=1.0)
 
 
+def test_localise_compares_each_rank_with_its_own_baseline_when_given_one_for_every_probed_rank():
+    probes = ProbeResults(1, {0: 0.0150})
+    alone = localise(probes, threshold=1.2)
+    assert alone.slow_ranks == () and alone.rank_factors[0] == pytest.approx(1.0)  # its own reference
+    own = localise(probes, threshold=1.2, rank_baselines_s={0: 0.0100})
+    assert own.slow_ranks == (0,) and own.rank_factors[0] == pytest.approx(1.5)
+    assert own.rank_reference_s == pytest.approx(0.0100)
+    # Devices of different speeds each against their own: neither is slow.
+    both = localise(ProbeResults(1, {0: 0.010, 1: 0.020}), 1.2, rank_baselines_s={0: 0.010, 1: 0.019})
+    assert both.slow_ranks == ()
+    # A rank without a baseline: the round's median, as without baselines.
+    assert localise(ProbeResults(1, {0: 0.010, 1: 0.030}), 1.2, rank_baselines_s={0: 0.010}).slow_ranks == (1,)
+
+
+ONE_GROUP = SyntheticSpec(tp_degree=1, pp_degree=1, dp_degree=1, num_microbatches=8, seq_length=4096)
+
+
+def _one_rank_job(baseline_s=None):
+    """A one-rank job slowed 1.5x at 40: the detector's verdicts, probes timed as the fault says."""
+    fault = parse_fault("slow:rank=0,factor=1.5,at=40")
+    det = FailSlowDetector()
+    if baseline_s is not None:
+        det.set_probe_baselines({0: baseline_s})
+    assert det.needs_probe_baselines([(0,)])
+    outcomes = []
+    for iteration, obs in synthetic_trace(ONE_GROUP, 60, [fault], seed=3):
+        suspicion = det.observe(iteration, obs)
+        if suspicion is not None:
+            assert suspicion.probe_ranks == (0,)  # nobody to probe beside it
+            probes = synthetic_probes(ONE_GROUP, [fault], iteration, suspicion.probe_ranks, ())
+            outcomes.append(det.conclude(suspicion, probes))
+    return outcomes
+
+
+def test_a_one_rank_job_names_its_slow_device_against_the_devices_own_healthy_probe():
+    healthy = synthetic_probes(ONE_GROUP, [], 0, (0,), ()).rank_s[0]
+    outcomes = _one_rank_job(baseline_s=healthy)
+    verdicts = [o for o in outcomes if isinstance(o, Verdict)]
+    assert verdicts and verdicts[0].ranks == (0,) and verdicts[0].factor == pytest.approx(1.5, rel=0.05)
+    assert verdicts[0].evidence["probe_reference_s"] == pytest.approx(healthy)
+    # Without the baseline the probe is its own reference, and every suspicion is cleared.
+    blind = _one_rank_job()
+    assert blind and all(isinstance(o, Cleared) for o in blind)
+
+
+def test_probe_baselines_are_only_needed_without_a_second_stage_group():
+    det = FailSlowDetector()
+    assert det.needs_probe_baselines([(0, 1)])  # TP2, one stage, one replica
+    assert not det.needs_probe_baselines([(0,), (1,)])
+
+
 def test_observation_validation():
     with pytest.raises(ValueError, match="bad op"):
         RankObservation(0, 0, 0, 0, (("X", 0, 0.0, 1.0),), ((10, 100),), 1.0)
