@@ -142,7 +142,7 @@ def test_injected_link_slowdown_is_named_by_link_probes_and_replanned(tmp_path):
 def test_a_one_rank_job_names_its_own_slowdown_against_its_healthy_probe(tmp_path):
     """With one stage group there is no healthy peer to probe beside a suspect: the rank's probe
     at start-up is the reference (``LiveDetector.measure_probe_baselines``)."""
-    log, trace = tmp_path / "events.jsonl", tmp_path / "trace.jsonl"
+    log = tmp_path / "events.jsonl"
     one_rank = list(SHAPE)
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
         one_rank[one_rank.index(flag) + 1] = "1"
