@@ -10,6 +10,7 @@ Format (one JSON object per line, UTF-8):
 
     {"event": "probe", "iteration": 19, "rank_s": {"3": 0.0151, "4": 0.0101},
      "link_s": [[3, 11, 0.0049]], "unresponsive": []}                            <- optional
+    {"event": "probe_baselines", "rank_s": {"0": 0.0019}}          <- optional, the last one counts
 
 ``ops`` items are ``[kind, microbatch, start_s, end_s]`` (or objects with those keys),
 ``features`` items ``[num_tokens, sum_sq, num_docs]`` (or objects with those keys; traces without
@@ -56,12 +57,15 @@ class Trace:
         iterations: iteration -> observations of that iteration, in file order.
         skipped: malformed lines that were skipped.
         probes: iteration -> validation-probe timings recorded after it (live runs only).
+        probe_baselines: rank -> healthy GEMM probe seconds (the last ``probe_baselines`` row;
+            live one-stage-group jobs only).
     """
 
     header: dict
     iterations: dict[int, tuple[RankObservation, ...]]
     skipped: int = 0
     probes: dict[int, ProbeResults] = field(default_factory=dict)
+    probe_baselines: dict[int, float] = field(default_factory=dict)
 
     def faults(self) -> tuple[Fault, ...]:
         """The faults the header says were injected (``--resihp-inject`` specs)."""
@@ -123,6 +127,12 @@ def probe_to_dict(probes: ProbeResults) -> dict:
     }
 
 
+def probe_baselines_to_dict(rank_s) -> dict:
+    """A trace row with each rank's healthy GEMM probe seconds (a one-stage-group job's own
+    references; the last such row of a trace holds the final ones)."""
+    return {"event": "probe_baselines", "rank_s": {str(r): s for r, s in sorted(rank_s.items())}}
+
+
 def probe_from_dict(row: dict) -> ProbeResults:
     """Parse one probe row."""
     return ProbeResults(
@@ -157,6 +167,7 @@ def load_trace(path: str) -> Trace:
     header: dict = {}
     per_iter: dict[int, list[RankObservation]] = defaultdict(list)
     probes: dict[int, ProbeResults] = {}
+    baselines: dict[int, float] = {}
     skipped = 0
     with open(path, encoding="utf-8") as src:
         for line in src:
@@ -172,6 +183,11 @@ def load_trace(path: str) -> Trace:
                 skipped += 1
             elif row.get("format") == FORMAT or ("layout" in row and "ops" not in row):
                 header = row
+            elif row.get("event") == "probe_baselines":
+                try:
+                    baselines = {int(r): float(v) for r, v in row["rank_s"].items()}
+                except (KeyError, TypeError, ValueError, AttributeError):
+                    skipped += 1
             elif row.get("event") == "probe":
                 try:
                     probes[int(row["iteration"])] = probe_from_dict(row)
@@ -191,7 +207,7 @@ def load_trace(path: str) -> Trace:
             "pp": 1 + max(o.stage for o in any_iter),
             "dp": 1 + max(o.replica for o in any_iter),
         }}
-    return Trace(header, {i: tuple(per_iter[i]) for i in sorted(per_iter)}, skipped, probes)
+    return Trace(header, {i: tuple(per_iter[i]) for i in sorted(per_iter)}, skipped, probes, baselines)
 
 
 @dataclass(frozen=True)

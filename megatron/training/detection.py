@@ -23,6 +23,7 @@ from resihp_ext.validation import Cleared, ProbeResults, Verdict
 
 _PROBE_SIZE = 256
 _PROBE_REPEATS = 8
+_BASELINE_ROUNDS = 5  # probe rounds behind a one-stage-group job's own baselines
 # Link probes send what the pipeline sends (one micro-batch's activations), and at least this much,
 # so bandwidth rather than per-message latency dominates their time.
 _MIN_LINK_PROBE_BYTES = 64 << 10
@@ -134,19 +135,33 @@ class LiveDetector:
         self.clock_offset_s = job_clock_offset()
         self.probe_rounds: list[ProbeResults] = []  # this iteration's, in the order they ran
         self.pending = PendingVerdicts(config.confirm_after_iters)
+        self.probe_baselines: dict[int, float] = {}
+        self.refined_baselines: dict[int, float] | None = None  # set by the iteration that refined them
+        self._baseline_ranks: list[int] = []
+        self._baseline_rounds_left = 0
 
-    def measure_probe_baselines(self) -> dict[int, float]:
-        """Time each rank's GEMM probe once, one rank at a time (collective), when the layout has
-        no second stage group to probe beside a suspect (one stage, one replica): the detector then
-        compares a suspect's probe with its own healthy time. Call before training; returns the
-        baselines ({} when not needed)."""
+    def measure_probe_baselines(self, rounds: int = _BASELINE_ROUNDS) -> dict[int, float]:
+        """Time each rank's GEMM probe, one rank at a time (collective), when the layout has no
+        second stage group to probe beside a suspect (one stage, one replica): the detector then
+        compares a suspect's probe with the rank's own healthy time. Call before training: the
+        first round runs now, the others after each of the next ``rounds - 1`` iterations, and
+        each rank's baseline is its fastest. One round at start-up is not enough on a shared host:
+        one came out 27% above the device's speed, and a 1.5x slowdown then probed 1.19x and
+        was cleared four times. Returns the baselines ({} when not needed)."""
         layout = self.layout_getter()
         groups = [stage.ranks for replica in layout.replicas for stage in replica.stages]
         if not self.detector.needs_probe_baselines(groups):
             return {}
-        baselines = self._probe_ranks(sorted(r for g in groups for r in g))
-        self.detector.set_probe_baselines(baselines)
-        return baselines
+        self._baseline_ranks = sorted(r for g in groups for r in g)
+        self._baseline_rounds_left = rounds
+        return self._refine_probe_baselines()
+
+    def _refine_probe_baselines(self) -> dict[int, float]:
+        times = self._probe_ranks(self._baseline_ranks)
+        self.probe_baselines = {r: min(t, self.probe_baselines.get(r, t)) for r, t in times.items()}
+        self.detector.set_probe_baselines(self.probe_baselines)
+        self._baseline_rounds_left -= 1
+        return dict(self.probe_baselines)
 
     def observation(self, iteration_s: float, ops, features, busy=()) -> RankObservation:
         shift = self.clock_offset_s
@@ -172,6 +187,7 @@ class LiveDetector:
         # Every rank holds the same suspicions and probes, so all of them probe and wait alike.
         settled = self.pending.settle_iteration(self.detector, iteration, suspicion,
                                                 lambda s: self._probe(iteration, s))
+        self.refined_baselines = self._refine_probe_baselines() if self._baseline_rounds_left > 0 else None
         return gathered, settled
 
     def _probe(self, iteration: int, suspicion) -> ProbeResults:

@@ -39,7 +39,7 @@ from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
 from resihp_ext.planner.survivors import continuing_layout, surviving_layout
-from resihp_ext.traces import observation_to_dict, probe_to_dict
+from resihp_ext.traces import observation_to_dict, probe_baselines_to_dict, probe_to_dict
 from resihp_ext.validation import Verdict, fail_stop_verdict
 
 # Exit code of a survivor that saved a checkpoint because no in-place plan existed.
@@ -88,14 +88,14 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         self.identity = list(range(dist.get_world_size()))  # this world's rank -> launch rank
         self.standbys: set[int] = set()
         self._init_readmissions()
-        self.live = None
+        self.live, self.probe_baselines = None, {}
         if self.cfg.detection_on:
             self.live = LiveDetector(
                 self.cfg, self.rank, self.replica_index, parallel_state.get_pipeline_model_parallel_rank(),
                 parallel_state.get_tensor_model_parallel_rank(), self._device(), lambda: self.layout,
                 link_probe_bytes(args),
             )
-            self.live.measure_probe_baselines()
+            self.probe_baselines = self.live.measure_probe_baselines()
         self.generation = 0
         self.store = self.heartbeat_store = None
         self.monitor = None
@@ -119,6 +119,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
                       "num_microbatches": args.global_batch_size // args.micro_batch_size,
                       "faults": [f.spec() for f in self.cfg.faults]}
             self.trace.write(json.dumps(header) + "\n")
+            if self.probe_baselines:
+                self.trace.write(json.dumps(probe_baselines_to_dict(self.probe_baselines)) + "\n")
 
     @property
     def layout(self) -> Layout:
@@ -418,6 +420,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
                 self.trace.write(json.dumps(observation_to_dict(iteration, obs)) + "\n")
             for probes in self.live.probe_rounds:
                 self.trace.write(json.dumps(probe_to_dict(probes)) + "\n")
+            if self.live.refined_baselines:
+                self.trace.write(json.dumps(probe_baselines_to_dict(self.live.refined_baselines)) + "\n")
         for suspicion, outcome in settled:
             if self.rank == 0:
                 self._emit(suspicion.to_event())

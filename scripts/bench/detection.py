@@ -70,9 +70,10 @@ def _truth(fault: Fault) -> frozenset[int]:
     return frozenset((fault.rank, fault.dst)) if fault.kind is FaultKind.LINK else frozenset((fault.rank,))
 
 
-def run_one(iterations, faults, spec, tallies, stats, probes_for) -> None:
+def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baselines=None) -> None:
     """Feed one trace to all detectors and add to the tallies."""
     ours = FailSlowDetector(ResiHPConfig(), MicrobatchPredictor(error_window=10**7))
+    ours.set_probe_baselines(probe_baselines or {})
     baselines = {"greyhound": GreyhoundStyleDetector(), "nvrx": NvrxStyleDetector()}
     onset = min((f.at_iteration for f in faults), default=None)
     truth = _truth(faults[0]) if faults else None
@@ -138,7 +139,7 @@ def live(path: str, tallies, stats) -> list[str]:
                      "probe timings simulated from the header's faults")
         return synthetic_probes(spec, faults, suspicion.iteration, suspicion.probe_ranks, suspicion.probe_links)
 
-    run_one(sorted(trace.iterations.items()), faults, spec, tallies, stats, probes_for)
+    run_one(sorted(trace.iterations.items()), faults, spec, tallies, stats, probes_for, trace.probe_baselines)
     # Before the first fault only: a slowed rank's ops are not the same work done as fast.
     onset = min((f.at_iteration for f in faults), default=None)
     stats["same_work"] = same_work_spread(sorted(trace.iterations.items()),

@@ -271,6 +271,19 @@ def test_trace_round_trip_and_tolerant_loader(tmp_path):
     assert load_trace(str(path)).header["layout"] == {"tp": 2, "pp": 2, "dp": 2}
 
 
+def test_a_trace_keeps_the_last_probe_baselines_row(tmp_path):
+    from resihp_ext.traces import probe_baselines_to_dict
+
+    path = tmp_path / "t.jsonl"
+    rows = [{"format": "resihp-trace", "version": 1, "layout": {"tp": 1, "pp": 1, "dp": 1}},
+            probe_baselines_to_dict({0: 0.004}), {"event": "probe_baselines", "rank_s": ["bad"]},
+            probe_baselines_to_dict({0: 0.003})]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trace = load_trace(str(path))
+    assert trace.probe_baselines == {0: 0.003} and trace.skipped == 1
+    assert load_trace(str(path)).probes == {}
+
+
 def test_config_thresholds_are_used():
     fault = "slow:rank=5,factor=1.5,at=30"
     strict = FailSlowDetector(ResiHPConfig(slowdown_threshold=1.6))
