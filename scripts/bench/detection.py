@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from resihp_ext.config import ResiHPConfig
+from resihp_ext.confirmation import PendingVerdicts
 from resihp_ext.detection_baselines import GreyhoundStyleDetector, NvrxStyleDetector
 from resihp_ext.detector import FailSlowDetector, Verdict
 from resihp_ext.faults import Fault, FaultKind, parse_fault
@@ -42,6 +43,8 @@ FAULTS = (
     "link:src=140,dst=204,factor=3,at=40",  # replica 1, stage 2 -> 3, TP rank 4
 )
 NAMES = ("resihp", "greyhound", "nvrx")
+# Iterations a fault run needs after the onset: persistence (2), then confirmation (2), with room.
+AFTER_ONSET = 8
 
 
 class _Tally:
@@ -72,8 +75,11 @@ def _truth(fault: Fault) -> frozenset[int]:
 
 def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baselines=None) -> None:
     """Feed one trace to all detectors and add to the tallies."""
-    ours = FailSlowDetector(ResiHPConfig(), MicrobatchPredictor(error_window=10**7))
+    config = ResiHPConfig()
+    ours = FailSlowDetector(config, MicrobatchPredictor(error_window=10**7))
     ours.set_probe_baselines(probe_baselines or {})
+    # As live: a fail-slow verdict counts once a second probe round confirms it.
+    pending = PendingVerdicts(config.confirm_after_iters)
     baselines = {"greyhound": GreyhoundStyleDetector(), "nvrx": NvrxStyleDetector()}
     onset = min((f.at_iteration for f in faults), default=None)
     truth = _truth(faults[0]) if faults else None
@@ -90,13 +96,16 @@ def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baseline
         if report.judged and report.predicted_iteration_s and healthy:
             stats["itp_err"].append(abs(report.predicted_iteration_s - report.observed_iteration_s)
                                     / report.observed_iteration_s)
-        alarms = {}
-        if suspicion is not None:
-            outcome = ours.conclude(suspicion, probes_for(suspicion))
-            if healthy:
-                tallies["resihp"].suspicions_healthy += 1
-            if isinstance(outcome, Verdict):
+        alarms, noticed = {}, {}
+        if suspicion is not None and healthy:
+            tallies["resihp"].suspicions_healthy += 1
+        settled = pending.settle_iteration(ours, iteration, suspicion, lambda s: probes_for(iteration, s))
+        for _, outcome in settled:
+            if isinstance(outcome, Verdict) and "resihp" not in alarms:
                 alarms["resihp"] = frozenset(outcome.ranks)
+                # Latency counts from the suspicion, as live runs report it; the verdict is
+                # actionable confirm_after_iters later.
+                noticed["resihp"] = outcome.evidence.get("suspicion_iteration", iteration)
         for name, det in baselines.items():
             alarm = det.observe(iteration, observations)
             if alarm is not None:
@@ -107,7 +116,7 @@ def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baseline
                 tallies[name].false_alarms += name in alarms
             elif name in alarms and first[name] is None:
                 first[name] = iteration
-                tallies[name].latencies.append(iteration - onset)
+                tallies[name].latencies.append(max(noticed.get(name, iteration) - onset, 0))
                 tallies[name].localised += alarms[name] == truth
     if ours.predictor.mape() is not None:
         stats["mtp"].append(ours.predictor.mape())
@@ -117,11 +126,11 @@ def synthetic(args, tallies, stats) -> None:
     spec = SyntheticSpec()
     for seed in range(args.healthy_runs):
         run_one(synthetic_trace(spec, args.healthy_iters, seed=1000 + seed), [], spec, tallies, stats,
-                lambda s: synthetic_probes(spec, [], s.iteration, s.probe_ranks, s.probe_links))
+                lambda it, s: synthetic_probes(spec, [], it, s.probe_ranks, s.probe_links))
     for i, text in enumerate(FAULTS):
         faults = [parse_fault(text)]
         run_one(synthetic_trace(spec, args.fault_iters, faults, seed=i), faults, spec, tallies, stats,
-                lambda s, faults=faults: synthetic_probes(spec, faults, s.iteration, s.probe_ranks, s.probe_links))
+                lambda it, s, faults=faults: synthetic_probes(spec, faults, it, s.probe_ranks, s.probe_links))
 
 
 def live(path: str, tallies, stats) -> list[str]:
@@ -131,13 +140,14 @@ def live(path: str, tallies, stats) -> list[str]:
              f"faults {[f.spec() for f in faults]}, {trace.skipped} malformed lines skipped"]
     spec = SyntheticSpec()
 
-    def probes_for(suspicion):
-        later = sorted(i for i in trace.probes if i >= suspicion.iteration)
+    def probes_for(iteration, suspicion):
+        # Live runs record each probe round at the iteration it ran after.
+        later = sorted(i for i in trace.probes if i >= iteration)
         if later:
             return trace.probes[later[0]]
-        notes.append(f"{path}: no recorded probes after iteration {suspicion.iteration}; "
+        notes.append(f"{path}: no recorded probes after iteration {iteration}; "
                      "probe timings simulated from the header's faults")
-        return synthetic_probes(spec, faults, suspicion.iteration, suspicion.probe_ranks, suspicion.probe_links)
+        return synthetic_probes(spec, faults, iteration, suspicion.probe_ranks, suspicion.probe_links)
 
     run_one(sorted(trace.iterations.items()), faults, spec, tallies, stats, probes_for, trace.probe_baselines)
     # Before the first fault only: a slowed rank's ops are not the same work done as fast.
@@ -156,8 +166,9 @@ def main() -> None:
     parser.add_argument("--trace", action="append", default=[], help="live trace JSONL (repeatable)")
     parser.add_argument("--overhead-from", help="JSON with the live hook overhead ({'overhead_pct': x})")
     args = parser.parse_args()
-    if args.fault_iters <= ONSET:
-        parser.error(f"--fault-iters must exceed the fault onset ({ONSET})")
+    if args.fault_iters < ONSET + AFTER_ONSET:
+        parser.error(f"--fault-iters must be at least {ONSET + AFTER_ONSET}: the fault starts at {ONSET}, and a "
+                     f"verdict needs a suspicion and a second probe round after it")
 
     results = {}
     notes = []

@@ -195,7 +195,7 @@ def main() -> None:
         print(json.dumps(out) if args.json else json.dumps(out, indent=1))
         return
     det = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "detection.py"), "--json",
-                          "--healthy-iters", "20", "--fault-iters", "41",
+                          "--healthy-iters", "20", "--fault-iters", "48",
                           "--trace", str(work / "healthy.trace.jsonl"), "--trace", str(work / "slow.trace.jsonl")],
                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if det.returncode:

@@ -169,7 +169,7 @@ def test_a_one_rank_job_names_its_own_slowdown_against_its_healthy_probe(tmp_pat
     baselines = load_trace(str(trace)).probe_baselines
     assert list(baselines) == [0] and 0 < baselines[0] < 1, baselines
     replay = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "detection.py"), "--json",
-                             "--healthy-iters", "20", "--fault-iters", "41", "--trace", str(trace)],
+                             "--healthy-iters", "20", "--fault-iters", "48", "--trace", str(trace)],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert replay.returncode == 0, replay.stderr
     ours = json.loads(replay.stdout)["resihp"]
