@@ -6,13 +6,13 @@ frees and reallocates the same activations touches new pages every time: each fi
 page fault, and the kernel's time for it is charged to the rank's thread. The count varies from
 step to step, and with it the step's CPU time, which is what the detector measures as device time
 on CPU (``schedules.py``). Measured on this project's 2-core host (4-layer encoder, hidden 256,
-sequence 256, one thread, 150 forward+backward steps, thread CPU time):
+sequence 256, one thread, 150 forward+backward steps, thread CPU time, 4 runs each):
 
 ======================  ======================  =====================================
                         page faults per step    spread of identical steps (mean |dev|)
 ======================  ======================  =====================================
-glibc defaults          median 864-1,456        1.43-1.60%
-``keep_freed_memory``   median 0                0.82-0.85%, and 1.5% faster
+glibc defaults          median 560-1,456        1.43-2.40%
+``keep_freed_memory``   median 0                0.66-0.85%, and 1.5% faster
 ======================  ======================  =====================================
 
 ``keep_freed_memory()`` sets glibc's thresholds (``mallopt``) so blocks up to 32 MiB come from the

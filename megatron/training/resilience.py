@@ -88,14 +88,14 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         self.identity = list(range(dist.get_world_size()))  # this world's rank -> launch rank
         self.standbys: set[int] = set()
         self._init_readmissions()
-        self.live, self.probe_baselines = None, {}
+        self.live = None
         if self.cfg.detection_on:
             self.live = LiveDetector(
                 self.cfg, self.rank, self.replica_index, parallel_state.get_pipeline_model_parallel_rank(),
                 parallel_state.get_tensor_model_parallel_rank(), self._device(), lambda: self.layout,
                 link_probe_bytes(args),
             )
-            self.probe_baselines = self.live.measure_probe_baselines()
+            self.live.measure_probe_baselines()
         self.generation = 0
         self.store = self.heartbeat_store = None
         self.monitor = None
@@ -119,8 +119,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
                       "num_microbatches": args.global_batch_size // args.micro_batch_size,
                       "faults": [f.spec() for f in self.cfg.faults]}
             self.trace.write(json.dumps(header) + "\n")
-            if self.probe_baselines:
-                self.trace.write(json.dumps(probe_baselines_to_dict(self.probe_baselines)) + "\n")
+            if self.live is not None and self.live.probe_baselines:
+                self.trace.write(json.dumps(probe_baselines_to_dict(self.live.probe_baselines)) + "\n")
 
     @property
     def layout(self) -> Layout:
