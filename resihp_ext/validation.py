@@ -79,15 +79,17 @@ def _factors(times: Mapping, threshold: float, reference_s: float | None) -> tup
         healthy = values[values < threshold * first]
         reference_s = float(np.median(healthy)) if healthy.size else first
     factors = {k: float(v / reference_s) for k, v in zip(keys, values)}
-    slow = sorted((k for k, f in factors.items() if f >= threshold), key=lambda k: -factors[k])
-    return factors, slow, reference_s
+    return factors, _slowest_first(factors, threshold), reference_s
 
 
 def _own_baseline_factors(times: Mapping[int, float], threshold: float,
                           baselines_s: Mapping[int, float]) -> tuple[dict, list, float]:
     factors = {r: float(v / baselines_s[r]) for r, v in times.items()}
-    slow = sorted((r for r, f in factors.items() if f >= threshold), key=lambda r: -factors[r])
-    return factors, slow, float(np.median([baselines_s[r] for r in times]))
+    return factors, _slowest_first(factors, threshold), float(np.median([baselines_s[r] for r in times]))
+
+
+def _slowest_first(factors: Mapping, threshold: float) -> list:
+    return sorted((k for k, f in factors.items() if f >= threshold), key=lambda k: -factors[k])
 
 
 def localise(

@@ -24,8 +24,8 @@ suspicions whose simulated probes blamed a rank). Our own live suspicions, clear
     python scripts/bench/live_detection.py --shape tp1pp2dp1 --model medium  # a rank per core
     python scripts/bench/live_detection.py --device cuda --shape tp1pp1dp1    # one GPU
 
-With one rank, the slowdown goes to rank 0, and there is no other rank for the probes to compare
-it with.
+With one rank, the slowdown goes to rank 0; with no other rank to probe beside it, its probes are
+compared with its own from the first iterations.
 """
 
 from __future__ import annotations
