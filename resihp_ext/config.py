@@ -41,6 +41,14 @@ class ResiHPConfig:
     probe_threshold: float = 1.2
     """A validation probe this many times the healthy median names its rank or link slow."""
 
+    speed_level_halflife_iters: float = 2.0
+    """Healthy iterations over which a stage group's speed level (how much slower or faster than its
+    cost model it has run lately) halves the weight of what it saw; 0 turns speed levels off."""
+
+    max_speed_drift: float = 0.05
+    """Largest drift a stage group's speed level may follow (0.05: within 5% of the cost model), so
+    a fail-slow can never become the norm; must leave room below --resihp-slowdown-threshold."""
+
     cleared_cooldown_iters: int = 3
     """Iterations a group stays unsuspected after its probes cleared it (avoids probe storms)."""
 
@@ -87,6 +95,15 @@ class ResiHPConfig:
         if self.probe_threshold <= 1.0:
             raise ValueError(
                 f"--resihp-probe-threshold must be > 1.0 (probe time over healthy median), got {self.probe_threshold}"
+            )
+        if self.speed_level_halflife_iters < 0:
+            raise ValueError(f"--resihp-speed-level-halflife-iters must be >= 0 (0 turns speed levels off), "
+                             f"got {self.speed_level_halflife_iters}")
+        # A level may absorb up to max_speed_drift of a slowdown; past the threshold it could hide one.
+        if not 0.0 <= self.max_speed_drift < self.slowdown_threshold - 1.0:
+            raise ValueError(
+                f"--resihp-max-speed-drift must be >= 0 and below --resihp-slowdown-threshold - 1 "
+                f"({self.slowdown_threshold - 1.0:g}), got {self.max_speed_drift}"
             )
         if self.confirm_after_iters < 0:
             raise ValueError(f"--resihp-confirm-after-iters must be >= 0, got {self.confirm_after_iters}")

@@ -45,6 +45,7 @@ from resihp_ext.observations import (  # noqa: F401  (part of this module's API)
 )
 from resihp_ext.op_signals import Baselines, Streak, group_op_durations, link_gaps, op_times
 from resihp_ext.predictor import MicrobatchPredictor, as_feature_array, predict_replica
+from resihp_ext.speed_level import SpeedLevels
 from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of this API)
     Cleared,
     ProbeResults,
@@ -91,6 +92,7 @@ class FailSlowDetector:
         self.last_report: DetectorReport | None = None
         self._expected: dict[int, float] = {}
         self._probe_baselines: dict[int, float] = {}
+        self.levels = SpeedLevels(self.config.speed_level_halflife_iters, self.config.max_speed_drift)
         self.reset()
 
     def expect(self, slow_factors) -> None:
@@ -116,6 +118,7 @@ class FailSlowDetector:
         """Start over after a re-plan: new groups, new costs, warm-up again."""
         if forget_predictor:
             self.predictor.reset()
+        self.levels.reset()  # groups are renamed by a re-plan; each learns its level again
         self._seen = 0
         self._group_streak: dict[GroupId, Streak] = defaultdict(Streak)
         self._recovery_streak: dict[GroupId, Streak] = defaultdict(Streak)
@@ -178,9 +181,11 @@ class FailSlowDetector:
                 others = float(np.median(busy[:-1]))
                 if others > 0:
                     sibling_ratio[g] = busy[-1] / others
+        # Per group, each op's predicted seconds: the model times the group's speed level.
+        op_predicted = {g: self._predict_ops(keys[g], feats[g[0]], self.levels.level(g)) for g in groups}
         if fitted:
             for g, (fwd, bwd) in durations.items():
-                predicted = self._predict_busy(keys[g], feats[g[0]])
+                predicted = float(sum(p.sum() for p in op_predicted[g]))
                 if predicted <= 0:
                     continue
                 stage_ratio[g] = float(np.nansum(fwd) + np.nansum(bwd)) / predicted
@@ -224,13 +229,17 @@ class FailSlowDetector:
                     or sibling_ratio.get(g, 1.0) > threshold
                     or (g in known and stage_ratio.get(g, 1.0) * threshold < 1.0)):  # faster than known: not the norm
                 continue
+            level = self.levels.level(g)
             for key, dur in zip(keys[g], (fwd, bwd)):
-                batches[key].append(np.column_stack([feats[g[0]], dur]))
+                batches[key].append(np.column_stack([feats[g[0]], dur, np.full(len(dur), level)]))
+            if op_predicted[g] is not None:  # the level learns from predictions made before this iteration
+                self.levels.update(g, np.concatenate([fwd, bwd]), np.concatenate(op_predicted[g]))
         for key, parts in batches.items():
-            data = np.concatenate(parts)  # columns: tokens, sum_sq, documents, seconds
+            data = np.concatenate(parts)  # columns: tokens, sum_sq, documents, seconds, speed level
             data = data[np.isfinite(data[:, 3]) & (data[:, 3] > 0)]
             if len(data):
-                self.predictor.observe_batch(key, data[:, 0], data[:, 1], data[:, 3], num_docs=data[:, 2])
+                self.predictor.observe_batch(key, data[:, 0], data[:, 1], data[:, 3], num_docs=data[:, 2],
+                                             scale=data[:, 4])
         for link, (gap, _) in gaps.items():
             if link_ratio.get(link, 1.0) <= threshold and link not in self._muted:
                 self._link_history.add(link, gap)
@@ -468,12 +477,12 @@ class FailSlowDetector:
     def _keys(self, g: GroupId, tp_degree: int):
         return self.keys_for(g[0], g[1], tp_degree)
 
-    def _predict_busy(self, keys, feats: np.ndarray) -> float:
-        total = 0.0
-        for key in keys:
-            c = self.predictor.coefficients(key)
-            total += float(c.predict(feats[:, 0], feats[:, 1], feats[:, 2]).sum())
-        return total
+    def _predict_ops(self, keys, feats: np.ndarray, level: float) -> tuple[np.ndarray, ...] | None:
+        """Predicted seconds of each forward and each backward of a group (None if unfitted)."""
+        coefs = [self.predictor.coefficients(key) for key in keys]
+        if any(c is None for c in coefs):
+            return None
+        return tuple(level * c.predict(feats[:, 0], feats[:, 1], feats[:, 2]) for c in coefs)
 
     def _predict_iteration(self, groups, keys, feats, observed_iter: float, contention: float) -> float | None:
         """The iteration's wall time from the predicted busy time of its ops.
@@ -495,7 +504,8 @@ class FailSlowDetector:
                 up, down = self._group_ranks[(r, s)], self._group_ranks[(r, s + 1)]
                 known = [self._link_base[(a, b)] for a, b in zip(up, down) if (a, b) in self._link_base]
                 p2p.append(max(known) if known else 0.0)
-            pred = predict_replica(self.predictor, [keys[(r, s)] for s in stages], feats[r], p2p, op_scale=scale)
+            pred = predict_replica(self.predictor, [keys[(r, s)] for s in stages], feats[r], p2p,
+                                   op_scale=[scale * self.levels.level((r, s)) for s in stages])
             spans.append(pred.total_s)
         span = max(spans)
         # Work outside the schedule (DP gradient sync, optimizer step) is learnt as the median

@@ -203,6 +203,7 @@ class MicrobatchPredictor:
         self.ridge = ridge
         self._models: dict[Hashable, _KeyModel] = {}
         self._errors: deque[float] = deque(maxlen=error_window)
+        self._model_errors: deque[float] = deque(maxlen=error_window)
 
     def reset(self, keys: Sequence[Hashable] | None = None) -> None:
         """Forget fits, e.g. after a re-plan changed stage configurations.
@@ -213,6 +214,7 @@ class MicrobatchPredictor:
         if keys is None:
             self._models.clear()
             self._errors.clear()
+            self._model_errors.clear()
         else:
             for key in keys:
                 self._models.pop(key, None)
@@ -237,24 +239,27 @@ class MicrobatchPredictor:
         return coef.predict(num_tokens, sum_sq, num_docs)
 
     def observe(self, key: Hashable, num_tokens: float, sum_sq: float, seconds: float,
-                num_docs: float = 0.0) -> bool:
+                num_docs: float = 0.0, scale: float = 1.0) -> bool:
         """Score the model on one measured op, then learn from it.
+
+        Args:
+            scale: the device's current speed level (``resihp_ext.speed_level``): the op was
+                predicted to take ``scale`` times the model, and the model learns from
+                ``seconds / scale``, so a drifting device does not bend the fit.
 
         Returns:
             True if the sample was learnt from, False if rejected as an outlier.
         """
-        if seconds <= 0 or num_tokens < 0 or sum_sq < 0 or num_docs < 0:
-            raise ValueError(f"need seconds > 0 and non-negative features, got {seconds}, {num_tokens}, "
-                             f"{sum_sq}, {num_docs}")
-        model = self._models.get(key)
-        if model is None:
-            model = self._models[key] = _KeyModel(self.min_samples, self.outlier_ratio, self.ridge)
-        if model.coef is not None:
-            self._errors.append(abs(model.coef.predict(num_tokens, sum_sq, num_docs) - seconds) / seconds)
-        return model.add(float(num_tokens), float(sum_sq), float(num_docs), float(seconds))
+        if seconds <= 0 or num_tokens < 0 or sum_sq < 0 or num_docs < 0 or not scale > 0:
+            raise ValueError(f"need seconds > 0, scale > 0 and non-negative features, got {seconds}, {scale}, "
+                             f"{num_tokens}, {sum_sq}, {num_docs}")
+        return self.observe_batch(key, [num_tokens], [sum_sq], [seconds], [num_docs], scale=scale) == 1
 
-    def observe_batch(self, key: Hashable, num_tokens, sum_sq, seconds, num_docs=None) -> int:
+    def observe_batch(self, key: Hashable, num_tokens, sum_sq, seconds, num_docs=None, scale=1.0) -> int:
         """``observe`` for many samples of one key at once (same semantics, one solve).
+
+        Args:
+            scale: one speed level for all samples, or one per sample (see ``observe``).
 
         Returns:
             How many samples were learnt from.
@@ -263,19 +268,28 @@ class MicrobatchPredictor:
         s = np.asarray(sum_sq, dtype=float)
         y = np.asarray(seconds, dtype=float)
         d = np.zeros_like(n) if num_docs is None else np.asarray(num_docs, dtype=float)
+        level = np.broadcast_to(np.asarray(scale, dtype=float), y.shape)
         if not (n.shape == s.shape == d.shape == y.shape) or (y <= 0).any() or (n < 0).any() or (s < 0).any() \
-                or (d < 0).any():
-            raise ValueError("need equal-length feature/time arrays with seconds > 0 and features >= 0")
+                or (d < 0).any() or not (level > 0).all():
+            raise ValueError("need equal-length feature/time arrays with seconds > 0, scale > 0 and features >= 0")
         model = self._models.get(key)
         if model is None:
             model = self._models[key] = _KeyModel(self.min_samples, self.outlier_ratio, self.ridge)
         if model.coef is not None:
-            self._errors.extend((np.abs(model.coef.predict(n, s, d) - y) / y).tolist())
-        return model.add_batch(n, s, d, y)
+            base = model.coef.predict(n, s, d)
+            self._errors.extend((np.abs(level * base - y) / y).tolist())
+            self._model_errors.extend((np.abs(base - y) / y).tolist())
+        return model.add_batch(n, s, d, y / level)
 
-    def mape(self) -> float | None:
-        """Mean absolute percentage error (in %) over recent held-out predictions, or None."""
-        return 100.0 * float(np.mean(self._errors)) if self._errors else None
+    def mape(self, model_only: bool = False) -> float | None:
+        """Mean absolute percentage error (in %) over recent held-out predictions, or None.
+
+        Args:
+            model_only: score the fitted model alone, without the speed level each prediction
+                was made with (the figure before ``resihp_ext.speed_level`` existed).
+        """
+        errors = self._model_errors if model_only else self._errors
+        return 100.0 * float(np.mean(errors)) if errors else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,7 +320,7 @@ def predict_replica(
     p2p_s: float | Sequence[float] = 0.0,
     allreduce_s: float | Sequence[float] = 0.0,
     overhead_s: float = 0.0,
-    op_scale: float = 1.0,
+    op_scale: float | Sequence[float] = 1.0,
 ) -> ReplicaPrediction:
     """Predict one replica's iteration from its micro-batch features under 1F1B.
 
@@ -318,7 +332,8 @@ def predict_replica(
         allreduce_s: gradient-sync seconds (float or per stage).
         overhead_s: seconds added to the total for work outside the schedule (optimizer step).
         op_scale: wall seconds per predicted op second (1 on a dedicated device; more when ranks
-            share cores, so an op's wall time exceeds the busy time the predictor fits).
+            share cores, so an op's wall time exceeds the busy time the predictor fits), one for
+            all stages or one per stage (e.g. times each stage group's speed level).
 
     Returns:
         A ``ReplicaPrediction``.
@@ -326,12 +341,15 @@ def predict_replica(
     num_stages = len(stage_keys)
     feats = as_feature_array(features)
     fwd, bwd = [], []
-    for fkey, bkey in stage_keys:
+    scales = [float(op_scale)] * num_stages if np.isscalar(op_scale) else [float(x) for x in op_scale]
+    if len(scales) != num_stages:
+        raise ValueError(f"op_scale needs one value per stage ({num_stages}), got {len(scales)}")
+    for (fkey, bkey), scale in zip(stage_keys, scales):
         cf, cb = predictor.coefficients(fkey), predictor.coefficients(bkey)
         if cf is None or cb is None:
             raise KeyError(f"stage keys {fkey!r}/{bkey!r} are not fitted yet")
-        fwd.append(tuple(op_scale * cf.predict(feats[:, 0], feats[:, 1], feats[:, 2])))
-        bwd.append(tuple(op_scale * cb.predict(feats[:, 0], feats[:, 1], feats[:, 2])))
+        fwd.append(tuple(scale * cf.predict(feats[:, 0], feats[:, 1], feats[:, 2])))
+        bwd.append(tuple(scale * cb.predict(feats[:, 0], feats[:, 1], feats[:, 2])))
     sim = simulate_iteration(one_f_one_b(num_stages, len(feats)), fwd, bwd, p2p_s, allreduce_s, keep_ops=False)
     if overhead_s:
         sim = IterationPrediction(sim.total_s + overhead_s, tuple(t + overhead_s for t in sim.stage_finish_s))

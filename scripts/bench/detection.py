@@ -80,6 +80,10 @@ def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baseline
     ours.set_probe_baselines(probe_baselines or {})
     # As live: a fail-slow verdict counts once a second probe round confirms it.
     pending = PendingVerdicts(config.confirm_after_iters)
+    # The same detector without speed levels, on the same timings: the predictors' baseline.
+    flat = FailSlowDetector(ResiHPConfig(speed_level_halflife_iters=0), MicrobatchPredictor(error_window=10**7))
+    flat.set_probe_baselines(probe_baselines or {})
+    flat_pending = PendingVerdicts(config.confirm_after_iters)
     baselines = {"greyhound": GreyhoundStyleDetector(), "nvrx": NvrxStyleDetector()}
     onset = min((f.at_iteration for f in faults), default=None)
     truth = _truth(faults[0]) if faults else None
@@ -96,6 +100,13 @@ def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baseline
         if report.judged and report.predicted_iteration_s and healthy:
             stats["itp_err"].append(abs(report.predicted_iteration_s - report.observed_iteration_s)
                                     / report.observed_iteration_s)
+        flat_suspicion = flat.observe(iteration, observations)
+        stats["flat_suspicions"] += flat_suspicion is not None and healthy
+        flat_pending.settle_iteration(flat, iteration, flat_suspicion, lambda s: probes_for(iteration, s))
+        flat_report = flat.last_report
+        if flat_report.judged and flat_report.predicted_iteration_s and healthy:
+            stats["itp_err_flat"].append(abs(flat_report.predicted_iteration_s - flat_report.observed_iteration_s)
+                                         / flat_report.observed_iteration_s)
         alarms, noticed = {}, {}
         if suspicion is not None and healthy:
             tallies["resihp"].suspicions_healthy += 1
@@ -120,6 +131,8 @@ def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baseline
                 tallies[name].localised += alarms[name] == truth
     if ours.predictor.mape() is not None:
         stats["mtp"].append(ours.predictor.mape())
+    if flat.predictor.mape() is not None:
+        stats["mtp_flat"].append(flat.predictor.mape())
 
 
 def synthetic(args, tallies, stats) -> None:
@@ -177,7 +190,8 @@ def main() -> None:
         notes.append("no --trace given: live traces skipped")
     for kind, path in sources:
         tallies = {name: _Tally() for name in NAMES}
-        stats = {"decision_s": [], "iteration_s": [], "itp_err": [], "mtp": []}
+        stats = {"decision_s": [], "iteration_s": [], "itp_err": [], "mtp": [], "mtp_flat": [], "itp_err_flat": [],
+                 "flat_suspicions": 0}
         if kind == "synthetic":
             synthetic(args, tallies, stats)
         else:
@@ -188,6 +202,12 @@ def main() -> None:
             suspicions_per_1000_healthy=round(1000.0 * tallies["resihp"].suspicions_healthy
                                               / max(tallies["resihp"].healthy_iters, 1), 3),
             mtp_mape=round(statistics.mean(stats["mtp"]), 3) if stats["mtp"] else None,
+            # the same detector without speed levels (resihp_ext.speed_level), on the same timings
+            mtp_mape_without_levels=round(statistics.mean(stats["mtp_flat"]), 3) if stats["mtp_flat"] else None,
+            suspicions_per_1000_healthy_without_levels=round(
+                1000.0 * stats["flat_suspicions"] / max(tallies["resihp"].healthy_iters, 1), 3),
+            itp_mape_without_levels=(round(100.0 * statistics.mean(stats["itp_err_flat"]), 3)
+                                     if stats["itp_err_flat"] else None),
             # live traces: how far ops that did identical work spread around their median
             # (resihp_ext.repeatability), the floor the micro-batch MAPE is read against
             same_work_mape=round(stats["same_work"].mape_pct, 3) if stats.get("same_work") else None,
@@ -225,7 +245,8 @@ def main() -> None:
         r = block["resihp"]
         floor = "" if r["same_work_mape"] is None else f" (identical work spreads {r['same_work_mape']}%)"
         print(f"resihp: suspicions/1000 healthy {r['suspicions_per_1000_healthy']}, mtp_mape {r['mtp_mape']}%{floor}, "
-              f"itp_mape {r['itp_mape']}%, decision {r['decision_ms_per_iter']} ms/iter "
+              f"itp_mape {r['itp_mape']}% (without speed levels: {r['mtp_mape_without_levels']}%, "
+              f"{r['itp_mape_without_levels']}%, suspicions/1000 {r['suspicions_per_1000_healthy_without_levels']}), decision {r['decision_ms_per_iter']} ms/iter "
               f"({r['decision_overhead_pct']}% of iteration), overhead_pct {r['overhead_pct']}")
     for note in notes:
         print("note:", note)

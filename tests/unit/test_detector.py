@@ -325,7 +325,11 @@ def test_a_known_slow_rank_that_recovers_is_named_faster_again():
     det = FailSlowDetector()
     det.expect({5: 4.0})
     _, events = _run(_trace(30, (still,)), (still,), detector=det)
-    assert events and events[0][1].kind == "recovered" and events[0][1].factor == pytest.approx(2.0, rel=0.1)
+    # The shared stage-1 fit starts from both replicas, one of them 2x faster than its known
+    # slowdown says, so the healthy replica may look slow for an iteration; its probes clear it.
+    named = [v for _, v in events if isinstance(v, Verdict)]
+    assert all(isinstance(v, Cleared) and 5 not in v.ranks for _, v in events if not isinstance(v, Verdict)), events
+    assert named and named[0].kind == "recovered" and named[0].factor == pytest.approx(2.0, rel=0.1)
     # Faster ops but probes that still find the old slowdown: dropped.
     det = FailSlowDetector()
     det.expect({5: 2.0})
