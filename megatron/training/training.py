@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from typing import Callable
 
@@ -24,7 +25,7 @@ from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.logging_utils import EventLog, TensorBoard, iteration_line, log_line
 from megatron.training.model_builder import build_training_objects
 from megatron.training.resilience import StopTraining
-from megatron.training.schedules import RECORDER, install_hooks, train_step
+from megatron.training.schedules import RECORDER, install_hooks, train_step, uninstall_hooks
 from megatron.training.standby import StandingBy
 
 
@@ -97,6 +98,22 @@ def evaluate(args, forward_step_func, dataset, objects, iteration: int, num_repl
     return loss
 
 
+def _alternate_detection() -> int | None:
+    """``RESIHP_ALTERNATE_DETECTION`` (``odd`` or ``even``), for measuring what detection costs:
+    the op hooks and the per-iteration detection run only on iterations of that parity, and each
+    iteration event carries ``detecting`` and ``step_s`` (the iteration's time including
+    detection). Two runs of opposite parity time every iteration's data both ways. Returns the
+    parity (1 odd, 0 even) or None when unset."""
+    value = os.environ.get("RESIHP_ALTERNATE_DETECTION")
+    if not value:
+        return None
+    if value not in ("odd", "even"):
+        print(f"error: RESIHP_ALTERNATE_DETECTION must be 'odd' or 'even' (the iterations that detect), "
+              f"got {value!r}", file=sys.stderr)
+        raise SystemExit(2)
+    return 1 if value == "odd" else 0
+
+
 def pretrain(
     args: argparse.Namespace,
     datasets_provider: Callable[[argparse.Namespace, tuple[int, int, int]], tuple],
@@ -104,6 +121,7 @@ def pretrain(
     resilience_factory: Callable | None = None,
 ) -> dict:
     """Run training to ``--train-iters``. Returns a summary dict (last loss, iterations run)."""
+    alternate = _alternate_detection()
     if args.resihp.detection_on:
         # Forked before anything starts a thread (process groups do): see heartbeat_beacon.
         heartbeat_beacon.start_beacon(args.resihp.heartbeat_interval_s)
@@ -151,6 +169,10 @@ def pretrain(
         if objects is not settled:  # rebuilt by an adaptation: collect the old ones now, on every rank
             garbage_collection.settle()
             settled = objects
+        # Measuring detection's cost: on alternate iterations hooks and detection are off.
+        detecting = alternate is None or iteration % 2 == alternate
+        if alternate is not None:
+            (install_hooks if detecting else uninstall_hooks)()
         start = time.perf_counter()
         stepped = reduced = advanced = False
         try:
@@ -166,7 +188,7 @@ def pretrain(
             loss_sum, num_tokens = _reduce_loss(result.loss_sum, result.num_tokens)
             reduced = True
             elapsed_s = time.perf_counter() - start
-            if resilience is not None:
+            if resilience is not None and detecting:
                 try:
                     objects, quotas = resilience.after_iteration(iteration, elapsed_s, result, objects, quotas)
                 except StandingBy as stop:  # left out by a re-plan: back when called, at the job's iteration
@@ -215,8 +237,10 @@ def pretrain(
             interval_losses.append(loss)
         if _is_last_rank():
             lr = objects.optimizer.param_groups[0]["lr"]
+            measured = {} if alternate is None else {"detecting": detecting,
+                                                      "step_s": time.perf_counter() - start}
             events.emit("iteration", iteration, lm_loss=loss, grad_norm=result.grad_norm, elapsed_s=elapsed_s,
-                        consumed_samples=sampler.consumed_samples, lr=lr)
+                        consumed_samples=sampler.consumed_samples, lr=lr, **measured)
             board.scalars(iteration, {"lm loss": loss, "learning-rate": lr, "grad-norm": result.grad_norm,
                                       "iteration-time": elapsed_s})
             if iteration % args.log_interval == 0:

@@ -5,8 +5,12 @@ attention) and measures, in one invocation:
 
 (a) a healthy run of ``--healthy-iters`` iterations with ``--resihp-detect-only --resihp-trace``;
 (b) the same job with ``slow:rank=3,factor=1.5,at=10`` injected;
-(c) the op-timing hooks' cost: runs with hooks on and off (``RESIHP_DISABLE_OP_HOOKS=1``), no
-    detection, alternated ``--overhead-repeats`` times; ratio of median iteration times;
+(c) what detection costs: two runs of ``--overhead-iters`` with ``RESIHP_ALTERNATE_DETECTION``
+    ``odd`` and ``even``, in which the op hooks and the per-iteration detection (gathering every
+    rank's timings, judging) run on every other iteration only. Every iteration's data is thus
+    timed with detection on in one run and off in the other, and the overhead is the geometric
+    mean of those per-iteration ratios (iteration time including detection), so neither the data's
+    swing nor the host's drift between runs enters it;
 (d) this host's timing floor: one fixed op (GEMMs, the size of a micro-batch's compute) timed by
     the same busy clock in this process alone, and the MAPE of predicting each run by the median.
     No cost model can predict a micro-batch better than the clock repeats a fixed op, so the
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -102,6 +107,30 @@ def events(path: Path, kind: str | None = None) -> list[dict]:
     return [r for r in rows if kind is None or r["event"] == kind]
 
 
+def paired_overhead(logs: list[Path], skip: int) -> dict:
+    """Detection's cost from runs of opposite ``RESIHP_ALTERNATE_DETECTION`` parity: per iteration
+    after ``skip``, its time with detection over its time without (the same data both times)."""
+    on, off, after_step = {}, {}, {}
+    for log in logs:
+        for e in events(log, "iteration"):
+            if e["iteration"] > skip:
+                (on if e["detecting"] else off)[e["iteration"]] = e["step_s"]
+                if e["detecting"]:  # what detection added after the training step, timed directly
+                    after_step[e["iteration"]] = e["step_s"] - e["elapsed_s"]
+    both = sorted(on.keys() & off.keys())
+    if len(both) < 4:
+        raise SystemExit(f"only {len(both)} iterations timed both ways; raise --overhead-iters")
+    logs_ratio = [math.log(on[i] / off[i]) for i in both]
+    mean = statistics.mean(logs_ratio)
+    half_width = 1.96 * statistics.stdev(logs_ratio) / math.sqrt(len(logs_ratio))
+    return {"iterations_paired": len(both), "overhead_pct": round(100 * math.expm1(mean), 3),
+            "ci95_pct": [round(100 * math.expm1(mean - half_width), 3), round(100 * math.expm1(mean + half_width), 3)],
+            "after_step_pct": round(100 * statistics.mean(after_step[i] for i in both)
+                                    / statistics.mean(off[i] for i in both), 3),
+            "median_step_s_on": round(statistics.median(on[i] for i in both), 4),
+            "median_step_s_off": round(statistics.median(off[i] for i in both), 4)}
+
+
 def median_iteration_s(log: Path, skip: int) -> float:
     return statistics.median(e["elapsed_s"] for e in events(log, "iteration") if e["iteration"] > skip)
 
@@ -147,10 +176,10 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--healthy-iters", type=int, default=200)
     parser.add_argument("--slow-iters", type=int, default=40)
-    parser.add_argument("--overhead-iters", type=int, default=20)
-    parser.add_argument("--overhead-repeats", type=int, default=3)
+    parser.add_argument("--overhead-iters", type=int, default=60,
+                        help="iterations of each of the two runs that time detection's cost")
     parser.add_argument("--workdir", help="keep logs and traces here (default: a temporary folder)")
-    parser.add_argument("--overhead-only", action="store_true", help="only the hooks on/off measurement")
+    parser.add_argument("--overhead-only", action="store_true", help="only the measurement of detection's cost")
     args = parser.parse_args()
     tp, pp, dp = SHAPES[args.shape]
     nproc = tp * pp * dp
@@ -174,21 +203,17 @@ def main() -> None:
         out[name] = {"wall_s": round(wall, 1), "median_iteration_s": round(median_iteration_s(log, 3), 4),
                      **event_counts(log, ONSET if extra else None, slow_rank), "loadavg_after": os.getloadavg()}
 
-    # Hook overhead: hooks on vs off, detection off, alternated; skip the first 3 iterations.
-    medians = {"on": [], "off": []}
-    for repeat in range(args.overhead_repeats):
-        for mode in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
-            log = work / f"overhead_{mode}_{repeat}.events.jsonl"
-            log.unlink(missing_ok=True)
-            launch(nproc, [*base, "--train-iters", str(args.overhead_iters), "--resihp-event-log", str(log)],
-                   {"RESIHP_DISABLE_OP_HOOKS": "1"} if mode == "off" else None)
-            medians[mode].append(median_iteration_s(log, 3))
-    on, off = statistics.median(medians["on"]), statistics.median(medians["off"])
-    out["hook_overhead"] = {"median_iteration_s_on": round(on, 4), "median_iteration_s_off": round(off, 4),
-                            "ratio_on_off": round(on / off, 4),
-                            "per_repeat_on": [round(x, 4) for x in medians["on"]],
-                            "per_repeat_off": [round(x, 4) for x in medians["off"]],
-                            "loadavg_after": os.getloadavg()}
+    # Detection's cost: every iteration timed with detection on (one run) and off (the other);
+    # the first iterations fit the predictor and, on one stage group, measure probe baselines.
+    logs = []
+    for parity in ("odd", "even"):
+        log = work / f"overhead_{parity}.events.jsonl"
+        log.unlink(missing_ok=True)
+        launch(nproc, [*base, "--train-iters", str(args.overhead_iters), "--resihp-detect-only",
+                       "--resihp-event-log", str(log)], {"RESIHP_ALTERNATE_DETECTION": parity})
+        logs.append(log)
+    out["detection_overhead"] = {**paired_overhead(logs, skip=10), "loadavg_after": os.getloadavg()}
+    (work / "detection_overhead.json").write_text(json.dumps(out["detection_overhead"]))
 
     if args.overhead_only:
         out["loadavg_end"] = os.getloadavg()
@@ -196,6 +221,7 @@ def main() -> None:
         return
     det = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "detection.py"), "--json",
                           "--healthy-iters", "20", "--fault-iters", "48",
+                          "--overhead-from", str(work / "detection_overhead.json"),
                           "--trace", str(work / "healthy.trace.jsonl"), "--trace", str(work / "slow.trace.jsonl")],
                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if det.returncode:
@@ -233,9 +259,10 @@ def main() -> None:
         floor = out["timer_floor"]
         print(f"  timing floor of this host: a fixed {floor['op_ms']} ms op, timed alone, repeats with MAPE "
               f"{floor['mape_pct']}% (CV {floor['cv_pct']}%)")
-    h = out["hook_overhead"]
-    print(f"\nhooks on/off: {h['median_iteration_s_on']} / {h['median_iteration_s_off']} s = {h['ratio_on_off']} "
-          f"(per repeat on {h['per_repeat_on']}, off {h['per_repeat_off']})")
+    h = out["detection_overhead"]
+    print(f"\ndetection on/off, {h['iterations_paired']} iterations each timed both ways: overhead {h['overhead_pct']}% "
+          f"(95% interval {h['ci95_pct']}), median iteration {h['median_step_s_on']} / {h['median_step_s_off']} s; "
+          f"the detection step after each training step took {h['after_step_pct']}% of an iteration")
     print(f"load average at end {out['loadavg_end']}")
 
 

@@ -26,8 +26,10 @@ TINY_GPT = [
 ]
 
 
-def run_job(nproc: int, args: list[str], timeout_s: float = 300, launcher: str = "local") -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def run_job(nproc: int, args: list[str], timeout_s: float = 300, launcher: str = "local",
+            env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           **(env_extra or {})}
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     else:
