@@ -14,13 +14,14 @@ import datetime
 import hashlib
 import os
 import random
+import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron.training import cpu_mode, host_memory
+from megatron.training import cpu_affinity, cpu_mode, host_memory
 
 
 def initialize_distributed(args: argparse.Namespace) -> None:
@@ -29,6 +30,11 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         cpu_mode.enable()
         host_memory.keep_freed_memory()
         torch.set_num_threads(int(os.environ.get("RESIHP_CPU_THREADS", "1")))
+        try:
+            cpu_affinity.pin_this_rank()
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if args.resihp.enable:

@@ -55,14 +55,15 @@ SHAPES = {"tp2pp2dp2": (2, 2, 2), "tp1pp2dp2": (1, 2, 2), "tp1pp2dp1": (1, 2, 1)
 # tens of ms.
 MODELS = {"tiny": (64, 4, 64), "medium": (256, 8, 256)}
 SLOW_RANK, FACTOR, ONSET = 3, 1.5, 10
+MICRO_BATCH, GLOBAL_BATCH = 2, 16
 
 
 def model_args(tp: int, pp: int, device: str = "cpu", model: str = "tiny") -> list[str]:
     hidden, heads, seq = MODELS[model]
     return [
         "--device", device, "--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
-        "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", "2",
-        "--global-batch-size", "16", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(MICRO_BATCH),
+        "--global-batch-size", str(GLOBAL_BATCH), "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "512", "--log-interval", "10",
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--mock-doc-lengths", "lognormal:median=48,sigma=1.0,min=8,max=1024",
@@ -129,6 +130,29 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
                                     / statistics.mean(off[i] for i in both), 3),
             "median_step_s_on": round(statistics.median(on[i] for i in both), 4),
             "median_step_s_off": round(statistics.median(off[i] for i in both), 4)}
+
+
+def hook_cost_s(calls: int = 20000) -> float:
+    """Seconds the op-timing hook adds to one op on CPU: the recorder around a no-op, less the
+    bare call (the fastest of 5 rounds of each)."""
+    from megatron.training.schedules import OpRecorder
+    from resihp_ext.schedule import OpKind
+
+    recorder = OpRecorder()
+    recorder.use_device("cpu")
+
+    def per_call(fn) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls
+
+    hooked = bare = math.inf
+    for _ in range(5):
+        recorder.start_iteration()
+        hooked = min(hooked, per_call(lambda: recorder.timed(OpKind.FORWARD, lambda: None)))
+        bare = min(bare, per_call(lambda: (lambda: None)()))
+    return max(hooked - bare, 0.0)
 
 
 def median_iteration_s(log: Path, skip: int) -> float:
@@ -212,7 +236,13 @@ def main() -> None:
         launch(nproc, [*base, "--train-iters", str(args.overhead_iters), "--resihp-detect-only",
                        "--resihp-event-log", str(log)], {"RESIHP_ALTERNATE_DETECTION": parity})
         logs.append(log)
-    out["detection_overhead"] = {**paired_overhead(logs, skip=10), "loadavg_after": os.getloadavg()}
+    paired = paired_overhead(logs, skip=10)
+    # Direct account: the detection step's own time, plus the hooks' cost per op times the ops a
+    # rank runs per iteration (a forward and a backward per micro-batch of its replica).
+    ops_per_iteration = 2 * (GLOBAL_BATCH // MICRO_BATCH) // dp
+    hooks_pct = 100 * hook_cost_s() * ops_per_iteration / paired["median_step_s_off"]
+    paired.update(hooks_pct=round(hooks_pct, 4), direct_pct=round(paired["after_step_pct"] + hooks_pct, 3))
+    out["detection_overhead"] = {**paired, "loadavg_after": os.getloadavg()}
     (work / "detection_overhead.json").write_text(json.dumps(out["detection_overhead"]))
 
     if args.overhead_only:
@@ -249,7 +279,8 @@ def main() -> None:
             print(f"  replay {det_name:<9} FA/1000 {b['false_alarms_per_1000']:>7} detected {b['detected']} "
                   f"latency {b['detection_latency_iters']} localisation {b['localisation_accuracy']}")
         ours = out["replay"][name]["resihp"]
-        print(f"  predictor MAPE: micro-batch {ours['mtp_mape']}%, iteration {ours['itp_mape']}%; "
+        print(f"  predictor MAPE: micro-batch {ours['mtp_mape']}%, iteration {ours['itp_mape']}% (without speed levels "
+              f"{ours['mtp_mape_without_levels']}%, {ours['itp_mape_without_levels']}%); "
               f"decision {ours['decision_ms_per_iter']} ms/iteration")
         if ours["same_work_mape"] is None:
             print("  no work repeated 8 times in this run (same stage, kind, features), so no same-run floor")
@@ -262,7 +293,8 @@ def main() -> None:
     h = out["detection_overhead"]
     print(f"\ndetection on/off, {h['iterations_paired']} iterations each timed both ways: overhead {h['overhead_pct']}% "
           f"(95% interval {h['ci95_pct']}), median iteration {h['median_step_s_on']} / {h['median_step_s_off']} s; "
-          f"the detection step after each training step took {h['after_step_pct']}% of an iteration")
+          f"the detection step after each training step took {h['after_step_pct']}% of an iteration, the hooks "
+          f"{h['hooks_pct']}%: {h['direct_pct']}% in all")
     print(f"load average at end {out['loadavg_end']}")
 
 
