@@ -62,14 +62,14 @@ def pp2_reference(tmp_path_factory):
     return tmp / "ckpt", iteration_losses(log)
 
 
-def _assert_same_training(log, checkpoint, reference, global_batch):
+def _assert_same_training(log, checkpoint, reference, global_batch, param_tol=1e-5):
     """Losses of iterations 1-8, parameters and consumed samples after 8 equal the reference's."""
     ref_ckpt, ref_losses = reference
     losses = iteration_losses(log)
     assert [losses[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
     ours = _params(checkpoint, 8)
     assert {s["consumed_samples"] for s in ours.values()} == {8 * global_batch}
-    _assert_same_params(_params(ref_ckpt, 8), ours)
+    _assert_same_params(_params(ref_ckpt, 8), ours, tol=param_tol)
 
 
 def _run_tp2pp2dp2(tmp_path, fault: str):
@@ -339,7 +339,12 @@ def test_tp_group_that_lost_a_rank_goes_on_at_a_smaller_tp_degree(tmp_path):
         [([1], 4)], [([2], 4)]]
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 2, [0, 3])], adapted
-    _assert_same_training(log, tmp_path / "ckpt", (tmp_path / "ref", iteration_losses(ref_log)), 16)
+    # The reference runs TP1 throughout; this job's first 3 iterations ran at TP2, whose row-parallel
+    # reductions sum in another order, and Adam turns such rounding in near-zero gradients into
+    # update differences of its own: on an AVX-512 host one fc1 weight ends 1.6e-5 away (the next
+    # largest 3.5e-6), so this comparison allows 5e-5.
+    _assert_same_training(log, tmp_path / "ckpt", (tmp_path / "ref", iteration_losses(ref_log)), 16,
+                          param_tol=5e-5)
 
 
 def test_a_tp_group_that_lost_a_rank_is_split_over_two_smaller_replicas(tmp_path):
