@@ -42,12 +42,12 @@ class ResiHPConfig:
     """A validation probe this many times the healthy median names its rank or link slow."""
 
     speed_level_halflife_iters: float = 2.0
-    """Healthy iterations over which a stage group's speed level (how much slower or faster than its
-    cost model it has run lately) halves the weight of what it saw; 0 turns speed levels off."""
+    """Half-life in healthy iterations of each stage group's speed level (its recent drift from the cost model); 0 turns levels off.
+    The prediction a group is judged by is the cost model times its level (resihp_ext/speed_level.py)."""
 
     max_speed_drift: float = 0.05
-    """Largest drift a stage group's speed level may follow (0.05: within 5% of the cost model), so
-    a fail-slow can never become the norm; must leave room below --resihp-slowdown-threshold."""
+    """Largest drift from the cost model a speed level may follow (0.05 = 5%); below --resihp-slowdown-threshold - 1.
+    The bound keeps a fail-slow from becoming the norm: a slowdown f is judged at f / (1 + drift) at worst."""
 
     cleared_cooldown_iters: int = 3
     """Iterations a group stays unsuspected after its probes cleared it (avoids probe storms)."""

@@ -167,7 +167,7 @@ def _add_resihp_args(parser: argparse.ArgumentParser) -> None:
         flag = "--resihp-" + f.name.replace("_", "-")
         kind = hints[f.name]
         dest = "resihp_" + f.name
-        help_text = helps.get(f.name, "")
+        help_text = helps.get(f.name, "").replace("%", "%%")  # argparse %-formats help strings
         if kind is bool:
             g.add_argument(flag, dest=dest, action="store_true", help=help_text)
         elif typing.get_origin(kind) is list:
