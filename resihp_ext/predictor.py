@@ -203,7 +203,6 @@ class MicrobatchPredictor:
         self.ridge = ridge
         self._models: dict[Hashable, _KeyModel] = {}
         self._errors: deque[float] = deque(maxlen=error_window)
-        self._model_errors: deque[float] = deque(maxlen=error_window)
 
     def reset(self, keys: Sequence[Hashable] | None = None) -> None:
         """Forget fits, e.g. after a re-plan changed stage configurations.
@@ -214,7 +213,6 @@ class MicrobatchPredictor:
         if keys is None:
             self._models.clear()
             self._errors.clear()
-            self._model_errors.clear()
         else:
             for key in keys:
                 self._models.pop(key, None)
@@ -276,20 +274,12 @@ class MicrobatchPredictor:
         if model is None:
             model = self._models[key] = _KeyModel(self.min_samples, self.outlier_ratio, self.ridge)
         if model.coef is not None:
-            base = model.coef.predict(n, s, d)
-            self._errors.extend((np.abs(level * base - y) / y).tolist())
-            self._model_errors.extend((np.abs(base - y) / y).tolist())
+            self._errors.extend((np.abs(level * model.coef.predict(n, s, d) - y) / y).tolist())
         return model.add_batch(n, s, d, y / level)
 
-    def mape(self, model_only: bool = False) -> float | None:
-        """Mean absolute percentage error (in %) over recent held-out predictions, or None.
-
-        Args:
-            model_only: score the fitted model alone, without the speed level each prediction
-                was made with (the figure before ``resihp_ext.speed_level`` existed).
-        """
-        errors = self._model_errors if model_only else self._errors
-        return 100.0 * float(np.mean(errors)) if errors else None
+    def mape(self) -> float | None:
+        """Mean absolute percentage error (in %) over recent held-out predictions, or None."""
+        return 100.0 * float(np.mean(self._errors)) if self._errors else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,18 +95,15 @@ def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baseline
         start = time.perf_counter()
         suspicion = ours.observe(iteration, observations)
         stats["decision_s"].append(time.perf_counter() - start)
-        report = ours.last_report
-        stats["iteration_s"].append(report.observed_iteration_s)
-        if report.judged and report.predicted_iteration_s and healthy:
-            stats["itp_err"].append(abs(report.predicted_iteration_s - report.observed_iteration_s)
-                                    / report.observed_iteration_s)
+        stats["iteration_s"].append(ours.last_report.observed_iteration_s)
         flat_suspicion = flat.observe(iteration, observations)
         stats["flat_suspicions"] += flat_suspicion is not None and healthy
         flat_pending.settle_iteration(flat, iteration, flat_suspicion, lambda s: probes_for(iteration, s))
-        flat_report = flat.last_report
-        if flat_report.judged and flat_report.predicted_iteration_s and healthy:
-            stats["itp_err_flat"].append(abs(flat_report.predicted_iteration_s - flat_report.observed_iteration_s)
-                                         / flat_report.observed_iteration_s)
+        for det, errors in ((ours, stats["itp_err"]), (flat, stats["itp_err_flat"])):
+            report = det.last_report
+            if report.judged and report.predicted_iteration_s and healthy:
+                errors.append(abs(report.predicted_iteration_s - report.observed_iteration_s)
+                              / report.observed_iteration_s)
         alarms, noticed = {}, {}
         if suspicion is not None and healthy:
             tallies["resihp"].suspicions_healthy += 1
