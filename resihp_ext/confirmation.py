@@ -47,6 +47,19 @@ def _fastest_factors(first: dict, again: dict) -> dict[str, float]:
     return {k: round(min(times[0][k], times[1][k]) / reference, 4) for k in times[0] if k in times[1]}
 
 
+@dataclass(frozen=True)
+class ProbePlan:
+    """The probe rounds one probe step runs: each due verdict's second round, then a new suspicion's first."""
+
+    due: tuple[Waiting, ...]
+    suspicion: Suspicion | None
+
+    @property
+    def subjects(self) -> list[Suspicion]:
+        """The suspicion behind each round, in the order the rounds run."""
+        return [w.suspicion for w in self.due] + ([self.suspicion] if self.suspicion is not None else [])
+
+
 class PendingVerdicts:
     """Compute, link and recovery verdicts waiting for confirmation, oldest first.
 
@@ -126,9 +139,46 @@ class PendingVerdicts:
                                    evidence={**evidence, "probe_factors": both or rounds[0],
                                              "first_probe_factors": rounds[0]})
 
+    def plan_probes(self, iteration: int, suspicion: Suspicion | None) -> ProbePlan:
+        """What the probe step at ``iteration`` must probe: the verdicts due by then (taken out of
+        the queue) and a new suspicion. Planned ahead when the probes run an iteration after the
+        decision (the live job decides on one rank and tells the others what to probe)."""
+        return ProbePlan(tuple(self.take_due(iteration)), suspicion)
+
+    def put_back(self, plan: ProbePlan) -> None:
+        """Queue again the verdicts of a plan that will not be probed (a re-plan dropped it)."""
+        self._waiting = sorted([*plan.due, *self._waiting], key=lambda w: w.due_iteration)
+
+    def settle_probed(self, detector, iteration: int, plan: ProbePlan,
+                      rounds: list[ProbeResults]) -> list[tuple[Suspicion, Verdict | Cleared]]:
+        """Conclude a plan from its probe rounds (one per ``plan.subjects``, in order), run at ``iteration``.
+
+        Returns:
+            ``(suspicion, outcome)`` pairs settled now, oldest first: confirmed verdicts, dropped
+            ones (Cleared), and first-round outcomes that need no confirmation. A new fail-slow
+            verdict is held, not returned.
+        """
+        if len(rounds) != len(plan.subjects):
+            raise ValueError(f"{len(plan.subjects)} probe rounds planned, {len(rounds)} given")
+        settled = []
+        for waiting, probes in zip(plan.due, rounds):
+            again = detector.conclude(waiting.suspicion, probes)
+            outcome = self.settle(waiting, again, iteration)
+            if isinstance(again, Verdict) and not isinstance(outcome, Verdict):
+                detector.release(waiting.suspicion, iteration)  # slow, but not the same ones
+            settled.append((waiting.suspicion, outcome))
+        if plan.suspicion is not None:
+            outcome = detector.conclude(plan.suspicion, rounds[-1])
+            if self.needs_confirmation(outcome):
+                self.hold(plan.suspicion, outcome, iteration)
+            else:
+                settled.append((plan.suspicion, outcome))
+        return settled
+
     def settle_iteration(self, detector, iteration: int, suspicion: Suspicion | None,
                          probe: Callable[[Suspicion], ProbeResults]) -> list[tuple[Suspicion, Verdict | Cleared]]:
-        """One iteration's validation: probe again the verdicts due, then probe a new suspicion.
+        """One iteration's validation, probed at once: probe again the verdicts due, then probe a new
+        suspicion (``plan_probes`` and ``settle_probed`` in one step).
 
         Args:
             detector: the ``FailSlowDetector`` that raised the suspicions (it concludes probe
@@ -136,23 +186,6 @@ class PendingVerdicts:
             iteration: the iteration just judged.
             suspicion: what ``detector.observe`` raised for it, or None.
             probe: runs one probe round for a suspicion and returns its timings.
-
-        Returns:
-            ``(suspicion, outcome)`` pairs settled now, oldest first: confirmed verdicts, dropped
-            ones (Cleared), and first-round outcomes that need no confirmation. A new fail-slow
-            verdict is held, not returned.
         """
-        settled = []
-        for waiting in self.take_due(iteration):
-            again = detector.conclude(waiting.suspicion, probe(waiting.suspicion))
-            outcome = self.settle(waiting, again, iteration)
-            if isinstance(again, Verdict) and not isinstance(outcome, Verdict):
-                detector.release(waiting.suspicion, iteration)  # slow, but not the same ones
-            settled.append((waiting.suspicion, outcome))
-        if suspicion is not None:
-            outcome = detector.conclude(suspicion, probe(suspicion))
-            if self.needs_confirmation(outcome):
-                self.hold(suspicion, outcome, iteration)
-            else:
-                settled.append((suspicion, outcome))
-        return settled
+        plan = self.plan_probes(iteration, suspicion)
+        return self.settle_probed(detector, iteration, plan, [probe(s) for s in plan.subjects])

@@ -1,25 +1,47 @@
-"""Live fail-slow detection: gather every rank's op timings, run validation probes, report.
+"""Live fail-slow detection: bring every rank's op timings to one rank, run validation probes, report.
 
 Responsible for the collective side of detection: each rank turns its recorded ops into a
-``RankObservation``, all ranks all-gather them, and every rank runs the same pure
-``FailSlowDetector`` on the same data, so all reach the same suspicion without a broadcast.
-A suspicion triggers a probe round (a fixed GEMM timed on every rank, stretched like real compute
-when a slowdown is injected), whose timings are gathered the same way and concluded by the
-detector. Decisions are never made here.
+``RankObservation`` and sends it to the deciding rank (rank 0), which runs the pure
+``FailSlowDetector`` on all of them. A suspicion triggers a probe round (a fixed GEMM timed on the
+suspects and their references, stretched like real compute when a slowdown is injected), which
+the detector concludes. Decisions are never made here.
+
+One rank decides, and the others do not wait for it. After iteration ``i`` every rank sends its
+observation without waiting; the decider judges it and sends every rank a ``Command``: the probe
+rounds to run after iteration ``i + 1`` and the compute costs fitted to iteration ``i``. Ranks
+read it after ``i + 1``, when it has long arrived. So a probe round runs one iteration after the
+suspicion it tests, and a verdict comes one iteration later than if every rank decided. What that
+buys: with every rank deciding, each iteration ended in an all-gather of every rank's timings,
+which held every rank until the slowest arrived, and the same decision ran on every rank; on 8
+ranks sharing 2 cores the two cost 6-8% of each iteration. A probe step is a collective anyway:
+after one, the decider broadcasts what it settled and its next command, so every rank acts on a
+verdict at the same iteration and nothing is left in flight when a re-plan changes the groups.
+
+Messages travel on a gloo group of the whole world (the world group itself on CPU): a CPU control
+plane that neither touches the accelerator nor opens a communicator per pair of ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megatron.training.link_faults import LINKS
+from megatron.training.object_messages import Outbox, recv_object
 from megatron.training.schedules import RECORDER
-from resihp_ext.confirmation import PendingVerdicts
+from resihp_ext.confirmation import PendingVerdicts, ProbePlan
 from resihp_ext.detector import FailSlowDetector, RankObservation
+from resihp_ext.observations import Suspicion
+from resihp_ext.planner.calibration import ComputeCosts, fit_compute_costs
 from resihp_ext.validation import Cleared, ProbeResults, Verdict
+
+DECIDER = 0  # the rank that judges every rank's observations
+_OBSERVATION_TAG, _COMMAND_TAG = 7301, 7302
 
 _PROBE_SIZE = 256
 _PROBE_REPEATS = 8
@@ -115,6 +137,29 @@ def job_clock_offset() -> float:
     return (time.time() - time.perf_counter()) - origin[0]
 
 
+@dataclass(frozen=True)
+class Command:
+    """What the decider tells every rank after judging an iteration.
+
+    Attributes:
+        iteration: the iteration judged.
+        probes: the suspicion behind each probe round to run at the next detection step, in order.
+        costs: compute costs fitted to the iteration's ops (None when they held no full op pair).
+    """
+
+    iteration: int
+    probes: tuple[Suspicion, ...]
+    costs: ComputeCosts | None
+
+
+def message_group(timeout_s: float):
+    """The group detection's messages travel on: the world group when it is gloo, else a gloo group
+    of the world (collective: every rank calls it at the same point)."""
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 class LiveDetector:
     """One per rank; call ``observe`` after every iteration (collective over the world group)."""
 
@@ -139,6 +184,15 @@ class LiveDetector:
         self.refined_baselines: dict[int, float] | None = None  # set by the iteration that refined them
         self._baseline_ranks: list[int] = []
         self._baseline_rounds_left = 0
+        self.world_size = dist.get_world_size()
+        self.group = message_group(config.collective_timeout_s)
+        self.outbox = Outbox()
+        self.costs: ComputeCosts | None = None  # the latest command's: every rank holds the same
+        self._next: Command | None = None  # delivered: its probes run at the next step
+        self._in_flight: Command | None = None  # decider: sent point-to-point, delivered at the next step
+        self._awaiting = False  # the others: a command was sent point-to-point, to be read at the next step
+        self._plan: ProbePlan | None = None  # decider: the plan behind the next step's probes
+        self._lost: RuntimeError | None = None  # a receive that failed, left to the next iteration
 
     def measure_probe_baselines(self, rounds: int = _BASELINE_ROUNDS) -> dict[int, float]:
         """Time each rank's GEMM probe, one rank at a time (collective), when the layout has no
@@ -171,24 +225,81 @@ class LiveDetector:
             features=tuple(tuple(f) for f in features), iteration_s=iteration_s, busy=tuple(busy),
         )
 
-    def observe(self, iteration: int, mine: RankObservation) -> tuple[list[RankObservation], list]:
-        """All-gather observations, judge, probe a new suspicion, and probe again the verdicts due.
+    def observe(self, iteration: int, mine: RankObservation) -> tuple[list[RankObservation] | None, list]:
+        """Send this iteration's observation to the decider, run the probe rounds the last command
+        asked for, and (on the decider) judge this iteration.
 
         Returns:
-            (every rank's observation, the ``(suspicion, Verdict | Cleared)`` pairs settled at this
-            iteration: confirmed or dropped verdicts, and outcomes that need no confirmation).
+            (every rank's observation on the decider, None elsewhere; the ``(suspicion, Verdict |
+            Cleared)`` pairs settled at this iteration, the same on every rank: confirmed or
+            dropped verdicts, and outcomes that need no confirmation).
         """
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        start = time.perf_counter()
-        suspicion = self.detector.observe(iteration, gathered)
-        self.decision_s += time.perf_counter() - start
+        if self._lost is not None:  # a whole iteration ran since, and nothing failed: not a lost peer
+            raise self._lost
+        deciding = self.rank == DECIDER
+        gathered = None
+        try:
+            if deciding:
+                gathered = [mine] + [recv_object(r, _OBSERVATION_TAG, self.group) for r in range(1, self.world_size)]
+            else:
+                self.outbox.send(mine, [DECIDER], _OBSERVATION_TAG, self.group)
+                if self._awaiting:
+                    self._deliver(recv_object(DECIDER, _COMMAND_TAG, self.group))
+                    self._awaiting = False
+        except RuntimeError as error:
+            # A peer that finished its iteration, sent its message and then died (or a decider that
+            # died after sending its command) fails this receive before anyone runs the next
+            # iteration. Its failure is left to the next iteration's collectives, where every rank
+            # meets it before its optimizer step, as when every iteration ended in a collective:
+            # all ranks then redo the same iteration. This iteration is not judged.
+            self._lost = error
+            return None, []
+        if deciding and self._in_flight is not None:
+            self._deliver(self._in_flight)
+            self._in_flight = None
+        command, self._next = self._next, None
         self.probe_rounds = []
-        # Every rank holds the same suspicions and probes, so all of them probe and wait alike.
-        settled = self.pending.settle_iteration(self.detector, iteration, suspicion,
-                                                lambda s: self._probe(iteration, s))
+        # Every rank holds the same command, so all of them probe and wait alike.
+        rounds = [self._probe(iteration, s) for s in (command.probes if command is not None else ())]
+        settled: list = []
+        if deciding and rounds:
+            settled = self.pending.settle_probed(self.detector, iteration, self._plan, rounds)
         self.refined_baselines = self._refine_probe_baselines() if self._baseline_rounds_left > 0 else None
+        following = None
+        if deciding:
+            start = time.perf_counter()
+            suspicion = self.detector.observe(iteration, gathered)
+            self._plan = self.pending.plan_probes(iteration + 1, suspicion)
+            following = Command(iteration, tuple(self._plan.subjects),
+                                fit_compute_costs(iteration, gathered, self.layout_getter()))
+            self.decision_s += time.perf_counter() - start
+        if rounds:
+            # The probes held every rank here anyway: hand out the outcome and the next command now.
+            shared = [(settled, following)]
+            dist.broadcast_object_list(shared, src=DECIDER, group=self.group)
+            settled, following = shared[0]
+            self._deliver(following)
+        elif deciding:
+            self.outbox.send(following, range(1, self.world_size), _COMMAND_TAG, self.group)
+            self._in_flight = following
+        else:
+            self._awaiting = True
         return gathered, settled
+
+    def _deliver(self, command: Command) -> None:
+        self._next = command
+        if command.costs is not None:
+            self.costs = command.costs
+
+    def drop_planned_probes(self) -> None:
+        """Forget the probe rounds planned for the next step, on the layout a re-plan just replaced
+        (call on every rank; a re-plan follows a probe step, so every rank holds the command).
+        Verdicts that were due wait for the step after."""
+        if self._next is not None:
+            self._next = dataclasses.replace(self._next, probes=())
+        if self._plan is not None:
+            self.pending.put_back(self._plan)
+            self._plan = None
 
     def _probe(self, iteration: int, suspicion) -> ProbeResults:
         probes = ProbeResults(iteration=iteration, rank_s=self._probe_ranks(suspicion.probe_ranks),

@@ -50,7 +50,7 @@ def replicas_alike(layout: Layout) -> bool:
 class LayoutChanges:
     """Mixin: expects ``args``, ``cfg``, ``events``, ``rank``, ``layout``, ``sync``, ``live``,
     ``store``, ``monitor``, ``generation``, ``replica_index``, ``known_health``,
-    ``last_observations``, ``identity``, ``standby_on``, ``standbys``, ``renumber``,
+    ``costs``, ``identity``, ``standby_on``, ``standbys``, ``renumber``,
     ``_standing_by``, ``_start_monitor`` and ``_apply_recovery_faults`` on the object it is
     mixed into."""
 
@@ -81,37 +81,19 @@ class LayoutChanges:
             self.live = LiveDetector(self.cfg, self.rank, replica, stage, layout.tp_rank_of(self.rank),
                                      self.live.device, lambda: self.layout, self.live.link_probe_bytes)
             self.live.detector.expect(self.known_health.slow_factors)
+        elif self.live is not None:
+            self.live.replica, self.live.stage, self.live.tp_rank = replica, stage, layout.tp_rank_of(self.rank)
         if world_changed and start_monitor and self.store is not None:
             self._start_monitor()
 
     # ------------------------------------------------------------------ fail-slow
     def _calibrated_hardware(self) -> HardwareModel:
-        """The planner's cost model fitted to this job from the last iteration's measured ops (device
-        time, so a shared host's scheduling does not count as compute): per-layer forward seconds
-        from the healthiest stage that holds only transformer layers' work (not the last one), the
-        output layer + loss from what the healthiest last stage spends beyond its layers, and the
-        backward/forward ratio. Activations cross pipeline boundaries in the parameters' dtype; a
-        link verdict's probe round gives the bandwidth of the links not known to be slow
-        (``known_health``; without such a round, the default bandwidth stands: every candidate then
-        crosses the same healthy links)."""
-        per_layer, last_stage, ratios = [], [], []
-        for obs in self.last_observations:
-            replica = self.layout.replicas[obs.replica]
-            stage = replica.stages[obs.stage]
-            busy = obs.op_busy()
-            fwd = sorted(t for (k, *_), t in zip(obs.ops, busy) if k == "F")
-            bwd = sorted(t for (k, *_), t in zip(obs.ops, busy) if k == "B")
-            if fwd and bwd:
-                f, b = fwd[len(fwd) // 2], bwd[len(bwd) // 2]
-                is_last = obs.stage == len(replica.stages) - 1
-                (last_stage if is_last else per_layer).append((f * stage.tp_degree, stage.num_layers))
-                ratios.append(b / f)
-        if per_layer:
-            layer_s = min(t / n for t, n in per_layer)
-            output_s = min(max(t - n * layer_s, 0.0) for t, n in last_stage)
-            hw = dict(layer_forward_s=layer_s, output_forward_s=output_s, include_embedding_cost=True)
-        else:  # one stage: layers and output cannot be told apart
-            hw = dict(layer_forward_s=min(t / n for t, n in last_stage), include_embedding_cost=False)
+        """The planner's cost model fitted to this job: the compute costs the decider fitted to a
+        measured iteration (``resihp_ext.planner.calibration``; every rank holds the same), in the
+        parameters' dtype across pipeline boundaries. A link verdict's probe round gives the
+        bandwidth of the links not known to be slow (``known_health``; without such a round, the
+        default bandwidth stands: every candidate then crosses the same healthy links)."""
+        hw = {}
         half = self.args.bf16 or self.args.fp16
         hw["activation_bytes_per_value"] = 2.0 if half else 4.0
         link_rounds = [probes for probes in self.live.probe_rounds if probes.link_s]
@@ -120,8 +102,9 @@ class LayoutChanges:
                                                    self.live.link_probe_bytes)
             if bandwidth is not None:
                 hw["link_bandwidth_Bps"] = bandwidth
-        return HardwareModel(backward_factor=sorted(ratios)[len(ratios) // 2], tp_efficiency=1.0,
-                             regroup_s=0.5, **hw)
+        if self.costs is None:  # no iteration measured yet
+            return HardwareModel(regroup_s=0.5, **hw)
+        return self.costs.hardware(regroup_s=0.5, **hw)
 
     @staticmethod
     def _verdict_health(verdict: Verdict) -> Health:
@@ -167,6 +150,7 @@ class LayoutChanges:
         duration = time.perf_counter() - start
         # Refit: the known slow device is the new normal; only a further change should alarm.
         self.live.detector.reset(forget_predictor=True)
+        self.live.drop_planned_probes()
         if self.rank == 0:
             self.events.emit("adapted", iteration, world_size=dist.get_world_size(), quotas=quotas,
                              layers_per_replica=[list(r.layers_per_stage) for r in self.layout.replicas],

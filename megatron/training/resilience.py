@@ -31,7 +31,7 @@ from megatron.training.logging_utils import EventLog, log_line
 from megatron.training.relayout import LayoutChanges, StopTraining, replica_shape
 from megatron.training.reshard import carry_schedule, unstage_transfers
 from megatron.training.schedules import RECORDER
-from megatron.training.standby import Readmissions, StandingBy, mark_job_done
+from megatron.training.standby import Readmissions, mark_job_done
 from resihp_ext.confirmation import FAIL_SLOW_KINDS
 from resihp_ext.faults import FaultKind
 from resihp_ext.layout import Layout
@@ -76,7 +76,10 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         self.faults = [f for f in self.cfg.faults if self.rank in (f.rank, f.dst)]
         args.replica_index = self.replica_index
         self.sync = None  # LayoutGradSync while replicas differ
-        self.last_observations: list = []
+        # The compute costs the planner uses: fitted by the decider to a measured iteration and
+        # handed to every rank with its commands (kept across re-plans: they are per layer).
+        self.costs = None
+        self._layout_changed_at = -1  # the iteration during which the layout last changed
         # Fail-slow verdicts acted on in this world (its ranks): every later plan starts from them.
         self.known_health = Health()
         # What every replica ran at launch (layers and TP degree per stage): a replica that differs
@@ -128,6 +131,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
 
     @layout.setter
     def layout(self, value: Layout) -> None:
+        if value is not getattr(self.args, "layout", None):
+            self._layout_changed_at = getattr(self, "iteration", 0)
         self.args.layout = value
 
     def _device(self) -> torch.device:
@@ -345,7 +350,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         # Megatron keeps fp32 weights, grads and Adam moments (16 bytes) or adds a half copy (18).
         facts = dict(device_memory_bytes=memory, state_bytes_per_param=18.0 if half else 16.0,
                      activation_bytes_per_value=2.0 if half else 4.0)
-        if not self.last_observations:
+        if self.costs is None:
             return HardwareModel(**facts)
         return dataclasses.replace(self._calibrated_hardware(), **facts)
 
@@ -414,7 +419,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             return objects, quotas
         mine = self.live.observation(result.iteration_s, result.ops, result.features, result.busy)
         gathered, settled = self.live.observe(iteration, mine)
-        self.last_observations, self._observed_layout = gathered, self.layout
+        self.costs = self.live.costs or self.costs
         if self.trace is not None:
             for obs in gathered:
                 self.trace.write(json.dumps(observation_to_dict(iteration, obs)) + "\n")

@@ -84,7 +84,7 @@ def _go_key(generation: int) -> str:
 
 class Readmissions:
     """Mixin for ``ResilienceHooks``: expects ``args``, ``cfg``, ``events``, ``rank``, ``layout``,
-    ``store``, ``monitor``, ``generation``, ``known_health``, ``live``, ``iteration``, ``identity``
+    ``store``, ``monitor``, ``generation``, ``known_health``, ``live``, ``iteration``, ``costs``, ``_layout_changed_at``, ``identity``
     (this world's rank -> launch rank), ``launch_rank``, ``launch_layout``, ``standbys`` (their
     launch ranks), ``backend``, ``_device``, ``_adopt``, ``_rebuild``, ``_calibrated_hardware``,
     ``_failure_among`` and ``_apply_faults``, and the bookkeeping ``_init_readmissions`` sets up."""
@@ -96,7 +96,6 @@ class Readmissions:
         self._called_on: dict[int, int] = {}
         self._last_ready: set[int] = set()  # healthy-looking standbys the last plan was made for
         self._admitted_at: int | None = None  # iteration this rank rejoined at (planned already)
-        self._observed_layout: Layout | None = None  # layout of the ops behind last_observations
         self._standby_reference_s = 0.0
         self._standby_since = 0
 
@@ -227,8 +226,8 @@ class Readmissions:
         factors = device_factors.cpu()
         ready = {launch: max(float(f), 1.0) for launch, f in zip(order, factors.tolist())
                  if 0.0 <= f < self.cfg.probe_threshold}
-        if set(ready) == self._last_ready or self._observed_layout is not self.layout:
-            # (The cost model is fitted to the last iteration's ops, which ran on the layout it saw.)
+        if set(ready) == self._last_ready or self.costs is None or self.costs.iteration <= self._layout_changed_at:
+            # (The cost model is fitted to a measured iteration: wait for one on the current layout.)
             return objects, quotas
         self._last_ready = set(ready)
         if not ready:

@@ -67,6 +67,8 @@ def test_injected_slowdown_is_named_within_three_iterations(tmp_path):
     assert ONSET <= raised <= ONSET + 3, f"suspicion raised at {raised}, onset {ONSET}: {context}"
     suspicions = [s for s in read_events(log, "suspicion") if s["iteration"] == raised]
     assert suspicions and SLOW_RANK in suspicions[0]["ranks"], suspicions
+    # Rank 0 judged the iteration, and every rank ran the probes after the next one, as told.
+    assert first["evidence"]["probe_iteration"] == raised + 1, first
 
 
 HEALTHY_ITERS = 60

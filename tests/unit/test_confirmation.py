@@ -140,3 +140,53 @@ def test_a_link_confirmed_by_two_rounds_keeps_its_fastest_transfer():
 def test_rejects_a_negative_wait():
     with pytest.raises(ValueError, match="--resihp-confirm-after-iters"):
         PendingVerdicts(-1)
+
+
+def _run_lagged(wait_iters: int, iterations: int = 70):
+    """As the live job runs it: the decider plans the probes after judging an iteration, and every
+    rank runs them after the next one."""
+    detector, pending = FailSlowDetector(), PendingVerdicts(wait_iters)
+    trace = synthetic_trace(SPEC, iterations, [SLOW_RANK], seed=5)
+    settled, raised, plan = [], [], None
+    for iteration, observations in trace:
+        if plan is not None:
+            rounds = [synthetic_probes(SPEC, [SLOW_RANK], iteration, s.probe_ranks, s.probe_links)
+                      for s in plan.subjects]
+            settled += [(iteration, s, o) for s, o in pending.settle_probed(detector, iteration, plan, rounds)]
+        suspicion = detector.observe(iteration, observations)
+        if suspicion is not None:
+            raised.append(suspicion)
+        plan = pending.plan_probes(iteration + 1, suspicion)
+    return settled, raised
+
+
+def test_probes_run_an_iteration_after_the_decision_confirm_the_slow_rank_one_iteration_later():
+    settled, raised = _run_lagged(wait_iters=2)
+    suspected = next(s for s in raised if s.kind == "compute")
+    named = [(i, o) for i, s, o in settled if isinstance(o, Verdict)]
+    assert named, settled
+    acted_at, verdict = named[0]
+    assert verdict.ranks == (5,) and verdict.factor == pytest.approx(2.0, rel=0.2)
+    assert verdict.evidence["suspicion_iteration"] == suspected.iteration
+    assert verdict.evidence["probe_iteration"] == suspected.iteration + 1
+    assert acted_at == suspected.iteration + 1 + 2  # first round one iteration later, second round 2 after it
+
+
+def test_a_plan_put_back_is_probed_at_the_next_step():
+    settled, raised = _run_lagged(wait_iters=2)
+    first_round = next(s for s in raised if s.kind == "compute")
+    detector, pending = FailSlowDetector(), PendingVerdicts(2)
+    verdict = Verdict("compute", (5,), 2.0, first_round.iteration + 1, {"probe_factors": {"5": 2.0}}, "slow")
+    pending.hold(first_round, verdict, first_round.iteration + 1)
+    plan = pending.plan_probes(first_round.iteration + 3, None)
+    assert [w.verdict for w in plan.due] == [verdict] and len(pending) == 0
+    pending.put_back(plan)  # a re-plan dropped the step that would have probed it
+    assert [w.verdict for w in pending.plan_probes(first_round.iteration + 4, None).due] == [verdict]
+
+
+def test_settling_a_plan_needs_one_probe_round_per_subject():
+    detector, pending = FailSlowDetector(), PendingVerdicts(2)
+    _, raised = _run_lagged(wait_iters=2)
+    plan = pending.plan_probes(10, raised[0])
+    with pytest.raises(ValueError, match="1 probe rounds planned, 0 given"):
+        pending.settle_probed(detector, 10, plan, [])

@@ -1,0 +1,92 @@
+"""Small Python objects sent from one rank to another without the sender waiting.
+
+Responsible for ``send_object`` / ``recv_object`` over a gloo group, and ``Outbox``, which keeps
+sends alive until their receivers take them.
+
+torch's ``send_object_list`` sends a length and then the bytes, and returns once the receiver has
+taken both: a gloo send completes only when the matching receive is posted. Detection sends one
+object per rank per iteration to a rank that may still be computing, so the sender must not wait.
+Here an object travels as one message of ``CAPACITY`` bytes whose first 8 hold its pickled
+length, and, only when it does not fit, a second message with the rest; ``send_object`` returns
+at once, and the receiver reads one message (two for a large object).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed as dist
+
+CAPACITY = 16 << 10  # bytes of the first message: an 8-rank observation pickles to about 3 KiB
+_HEADER = 8
+
+
+def send_object(obj, dsts, tag: int, group=None) -> list:
+    """Start sending ``obj`` to each rank of ``dsts`` (global ranks); returns ``(work, buffer)``
+    pairs. Keep them (an ``Outbox`` does) until the sends complete: a buffer dropped early may be
+    freed before it is sent."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    first = torch.zeros(CAPACITY, dtype=torch.uint8)
+    first[:_HEADER] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    head = min(len(data), CAPACITY - _HEADER)
+    first[_HEADER:_HEADER + head] = payload[:head]
+    rest = payload[head:].clone() if len(data) > head else None
+    works = []
+    for dst in dsts:
+        works.append((dist.isend(first, dst, group=_group_arg(group), tag=tag), first))
+        if rest is not None:
+            works.append((dist.isend(rest, dst, group=_group_arg(group), tag=tag), rest))
+    return works
+
+
+def recv_object(src: int, tag: int, group=None):
+    """Receive the next object ``src`` sent with ``tag`` (blocks until it arrives)."""
+    first = torch.empty(CAPACITY, dtype=torch.uint8)
+    dist.recv(first, src, group=_group_arg(group), tag=tag)
+    size = int(first[:_HEADER].view(torch.int64)[0])
+    head = min(size, CAPACITY - _HEADER)
+    data = first[_HEADER:_HEADER + head].numpy().tobytes()
+    if size > head:
+        rest = torch.empty(size - head, dtype=torch.uint8)
+        dist.recv(rest, src, group=_group_arg(group), tag=tag)
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
+
+
+def _group_arg(group):
+    return group if group is not None else dist.group.WORLD
+
+
+class Outbox:
+    """Sends under way, a batch per ``send``: holds their buffers until the receivers take them.
+
+    A gloo send's handle only learns that it completed by being waited on, so each ``send`` first
+    waits on the batches older than the last ``in_flight``: by then their receivers must have
+    taken them (a rank receives the previous step's messages before it sends the next step's),
+    and the wait returns at once. The newest batches are never waited on: their receivers may
+    still be computing.
+    """
+
+    def __init__(self, in_flight: int = 1) -> None:
+        self.in_flight = in_flight
+        self._batches: list[list] = []
+
+    def send(self, obj, dsts, tag: int, group=None) -> None:
+        """Send ``obj`` to every rank of ``dsts`` (pickled once) without waiting for them."""
+        while len(self._batches) >= max(self.in_flight, 1):
+            for work, _ in self._batches.pop(0):
+                work.wait()
+        self._batches.append(send_object(obj, dsts, tag, group))
+
+    def wait_all(self) -> None:
+        """Wait until every receiver took what was sent to it."""
+        for batch in self._batches:
+            for work, _ in batch:
+                work.wait()
+        self._batches = []
+
+    def __len__(self) -> int:
+        """Messages sent and not yet waited on."""
+        return sum(len(batch) for batch in self._batches)

@@ -1,0 +1,86 @@
+"""The planner's compute costs, fitted to one measured iteration of this job.
+
+Responsible for ``ComputeCosts``: per-layer forward seconds, the output layer + loss, and the
+backward/forward ratio, read from every rank's recorded ops of one iteration and the layout they
+ran on. The numbers are per layer at TP 1, so they outlive a change of layout: a plan made after a
+re-plan or a failure can use the last fit whatever layout measured it.
+
+Only the rank that decides sees every rank's ops; the fit is what it hands the others (a few
+numbers, however many ranks), so that every rank plans from the same costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from resihp_ext.layout import Layout
+from resihp_ext.observations import RankObservation
+from resihp_ext.planner.hardware import HardwareModel
+
+
+@dataclass(frozen=True)
+class ComputeCosts:
+    """Compute costs of this job, measured (device time, so a shared host's scheduling does not
+    count as compute).
+
+    Attributes:
+        iteration: the iteration whose ops they were fitted to.
+        layer_forward_s: forward seconds of one transformer layer for one micro-batch at TP 1.
+        output_forward_s: forward seconds of the output layer + loss at TP 1; None when the job has
+            one stage, where layers and output cannot be told apart (``layer_forward_s`` then
+            carries the output's share, and the output is not charged again).
+        backward_factor: backward seconds / forward seconds (median over ranks).
+    """
+
+    iteration: int
+    layer_forward_s: float
+    output_forward_s: float | None
+    backward_factor: float
+
+    def hardware(self, **facts) -> HardwareModel:
+        """A ``HardwareModel`` with these costs and ``facts`` (memory, bandwidth, ...) beside them.
+
+        TP efficiency is 1: the fit is per TP-1 layer from ranks that ran at their own TP degree,
+        so what TP loses is already in it.
+        """
+        costs = dict(layer_forward_s=self.layer_forward_s, backward_factor=self.backward_factor,
+                     include_embedding_cost=self.output_forward_s is not None, tp_efficiency=1.0)
+        if self.output_forward_s is not None:
+            costs["output_forward_s"] = self.output_forward_s
+        return HardwareModel(**{**costs, **facts})
+
+
+def fit_compute_costs(iteration: int, observations: Iterable[RankObservation], layout: Layout) -> ComputeCosts | None:
+    """Fit ``ComputeCosts`` to one iteration's observations, which ran on ``layout``.
+
+    Per-layer forward seconds come from the healthiest stage that holds only transformer layers'
+    work (not the last one); the output layer + loss from what the healthiest last stage spends
+    beyond its layers. Each rank's op time is the median of its forwards (backwards), so one
+    disturbed micro-batch moves nothing.
+
+    Returns:
+        The fit, or None when no rank ran both a forward and a backward.
+    """
+    per_layer, last_stage, ratios = [], [], []
+    for obs in observations:
+        replica = layout.replicas[obs.replica]
+        stage = replica.stages[obs.stage]
+        busy = obs.op_busy()
+        fwd = sorted(t for (k, *_), t in zip(obs.ops, busy) if k == "F")
+        bwd = sorted(t for (k, *_), t in zip(obs.ops, busy) if k == "B")
+        if not (fwd and bwd):
+            continue
+        f, b = fwd[len(fwd) // 2], bwd[len(bwd) // 2]
+        is_last = obs.stage == len(replica.stages) - 1
+        (last_stage if is_last else per_layer).append((f * stage.tp_degree, stage.num_layers))
+        ratios.append(b / f)
+    if not ratios:
+        return None
+    ratio = sorted(ratios)[len(ratios) // 2]
+    if per_layer:
+        layer_s = min(t / n for t, n in per_layer)
+        output_s = min((max(t - n * layer_s, 0.0) for t, n in last_stage), default=0.0)
+        return ComputeCosts(iteration, layer_s, output_s, ratio)
+    return ComputeCosts(iteration, min(t / n for t, n in last_stage), None, ratio)
+
