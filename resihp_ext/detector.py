@@ -29,6 +29,7 @@ observations, ``now`` and probe timings in, and acts on what comes back.
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Sequence
 
@@ -178,7 +179,7 @@ class FailSlowDetector:
             # them it tells nothing: the prediction alone judges such a group.
             if len(obs) > 1 and g not in known:
                 busy = sorted(rank_busy[o.rank] for o in obs)
-                others = float(np.median(busy[:-1]))
+                others = statistics.median(busy[:-1])
                 if others > 0:
                     sibling_ratio[g] = busy[-1] / others
         # Per group, each op's predicted seconds: the model times the group's speed level.
@@ -198,12 +199,12 @@ class FailSlowDetector:
         gaps = link_gaps(groups, times)
         link_ratio = {}
         self._link_base = self._link_history.medians(min_count=3)
-        observed_iter = float(np.median([o.iteration_s for o in observations]))
+        observed_iter = statistics.median(o.iteration_s for o in observations)
         # A transfer is only suspect when its excess, over all the link's transfers in the
         # iteration, matters to the iteration: a sub-millisecond baseline jittering by a few
         # microseconds is not a 2x slowdown.
         min_excess_s = max(_MIN_LINK_EXCESS_S, _MIN_LINK_EXCESS_FRACTION * observed_iter)
-        shared = float(np.median(self._contention_history or [contention])) >= _SHARED_DEVICE_CONTENTION
+        shared = statistics.median(self._contention_history or [contention]) >= _SHARED_DEVICE_CONTENTION
         for link, (gap, transfers) in gaps.items():
             base = self._link_base.get(link)
             if base is None or shared:
@@ -491,7 +492,7 @@ class FailSlowDetector:
         longer than their busy time when ranks share a device (CPU cores); the median over recent
         healthy iterations turns predicted busy times into wall times (1 on a dedicated device).
         """
-        scale = float(np.median(self._contention_history)) if self._contention_history else contention
+        scale = statistics.median(self._contention_history) if self._contention_history else contention
         replicas = sorted({g[0] for g in groups})
         spans = []
         for r in replicas:
@@ -510,7 +511,7 @@ class FailSlowDetector:
         span = max(spans)
         # Work outside the schedule (DP gradient sync, optimizer step) is learnt as the median
         # residual of recent healthy iterations.
-        overhead = float(np.median(self._overhead_history)) if self._overhead_history else 0.0
+        overhead = statistics.median(self._overhead_history) if self._overhead_history else 0.0
         settled = len(self._overhead_history) >= 3  # before that the estimate itself is unknown
         if not settled or observed_iter / max(span + overhead, 1e-12) <= self.config.slowdown_threshold:
             self._overhead_history.append(max(observed_iter - span, 0.0))

@@ -7,9 +7,10 @@ suspects and their references, stretched like real compute when a slowdown is in
 the detector concludes. Decisions are never made here.
 
 One rank decides, and the others do not wait for it. After iteration ``i`` every rank sends its
-observation without waiting; the decider judges it and sends every rank a ``Command``: the probe
-rounds to run after iteration ``i + 1`` and the compute costs fitted to iteration ``i``. Ranks
-read it after ``i + 1``, when it has long arrived. So a probe round runs one iteration after the
+observation without waiting; the decider judges it on a thread of its own, behind its next
+iteration, and sends every rank a ``Command``: the probe rounds to run after iteration ``i + 1``
+and the compute costs fitted to iteration ``i``. Ranks read it after ``i + 1``, when it has long
+arrived. So a probe round runs one iteration after the
 suspicion it tests, and a verdict comes one iteration later than if every rank decided. What that
 buys: with every rank deciding, each iteration ended in an all-gather of every rank's timings,
 which held every rank until the slowest arrived, and the same decision ran on every rank; on 8
@@ -24,6 +25,7 @@ plane that neither touches the accelerator nor opens a communicator per pair of 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -161,7 +163,8 @@ def message_group(timeout_s: float):
 
 
 class LiveDetector:
-    """One per rank; call ``observe`` after every iteration (collective over the world group)."""
+    """One per rank; call ``observe`` on every rank after every iteration (rank 0 decides; probe
+    steps are collective over the world group)."""
 
     def __init__(self, config, rank: int, replica: int, stage: int, tp_rank: int, device: torch.device,
                  layout_getter, link_probe_bytes: int = _MIN_LINK_PROBE_BYTES):
@@ -176,7 +179,9 @@ class LiveDetector:
             return (stage, tp_degree, layout_getter().replicas[replica].stages[stage].num_layers)
 
         self.detector = FailSlowDetector(config, stage_signature=signature)
-        self.decision_s = 0.0  # time spent in the pure decision logic (for the overhead figure)
+        # Time spent in the pure decision logic (for the overhead figures): wall, and CPU of the
+        # thread that decided (rank 0 decides behind the next iteration, sharing the CPU with it).
+        self.decision_s = self.decision_cpu_s = 0.0
         self.clock_offset_s = job_clock_offset()
         self.probe_rounds: list[ProbeResults] = []  # this iteration's, in the order they ran
         self.pending = PendingVerdicts(config.confirm_after_iters)
@@ -193,6 +198,8 @@ class LiveDetector:
         self._awaiting = False  # the others: a command was sent point-to-point, to be read at the next step
         self._plan: ProbePlan | None = None  # decider: the plan behind the next step's probes
         self._lost: RuntimeError | None = None  # a receive that failed, left to the next iteration
+        self._deciding: threading.Thread | None = None  # rank 0: judging the last iteration, in the background
+        self._decision_error: BaseException | None = None
 
     def measure_probe_baselines(self, rounds: int = _BASELINE_ROUNDS) -> dict[int, float]:
         """Time each rank's GEMM probe, one rank at a time (collective), when the layout has no
@@ -254,9 +261,13 @@ class LiveDetector:
             # all ranks then redo the same iteration. This iteration is not judged.
             self._lost = error
             return None, []
-        if deciding and self._in_flight is not None:
-            self._deliver(self._in_flight)
-            self._in_flight = None
+        if deciding:
+            error = self.finish_deciding()
+            if error is not None:
+                raise error
+            if self._in_flight is not None:
+                self._deliver(self._in_flight)
+                self._in_flight = None
         command, self._next = self._next, None
         self.probe_rounds = []
         # Every rank holds the same command, so all of them probe and wait alike.
@@ -265,26 +276,52 @@ class LiveDetector:
         if deciding and rounds:
             settled = self.pending.settle_probed(self.detector, iteration, self._plan, rounds)
         self.refined_baselines = self._refine_probe_baselines() if self._baseline_rounds_left > 0 else None
-        following = None
-        if deciding:
-            start = time.perf_counter()
-            suspicion = self.detector.observe(iteration, gathered)
-            self._plan = self.pending.plan_probes(iteration + 1, suspicion)
-            following = Command(iteration, tuple(self._plan.subjects),
-                                fit_compute_costs(iteration, gathered, self.layout_getter()))
-            self.decision_s += time.perf_counter() - start
         if rounds:
-            # The probes held every rank here anyway: hand out the outcome and the next command now.
+            # The probes held every rank here anyway: decide now, and hand out the outcome and the
+            # next command at once.
+            following = self._decide(iteration, gathered) if deciding else None
             shared = [(settled, following)]
             dist.broadcast_object_list(shared, src=DECIDER, group=self.group)
             settled, following = shared[0]
             self._deliver(following)
         elif deciding:
-            self.outbox.send(following, range(1, self.world_size), _COMMAND_TAG, self.group)
-            self._in_flight = following
+            # Decide behind the next iteration: nobody needs the command before its end.
+            self._deciding = threading.Thread(target=self._decide_and_send, args=(iteration, gathered),
+                                              name="resihp-decide", daemon=True)
+            self._deciding.start()
         else:
             self._awaiting = True
         return gathered, settled
+
+    def _decide(self, iteration: int, gathered: list[RankObservation]) -> Command:
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        suspicion = self.detector.observe(iteration, gathered)
+        self._plan = self.pending.plan_probes(iteration + 1, suspicion)
+        command = Command(iteration, tuple(self._plan.subjects),
+                          fit_compute_costs(iteration, gathered, self.layout_getter()))
+        self.decision_s += time.perf_counter() - start
+        self.decision_cpu_s += time.thread_time() - cpu_start
+        return command
+
+    def _decide_and_send(self, iteration: int, gathered: list[RankObservation]) -> None:
+        try:
+            command = self._decide(iteration, gathered)
+            self.outbox.send(command, range(1, self.world_size), _COMMAND_TAG, self.group)
+            self._in_flight = command
+        except BaseException as error:  # noqa: BLE001 - handed to the training thread by finish_deciding
+            self._decision_error = error
+
+    def finish_deciding(self) -> BaseException | None:
+        """Wait for rank 0's decision under way behind the training thread; returns what it raised.
+
+        Call before the world's groups change (a recovery, a readmission, a new layout, the end):
+        the decision sends on them. Detection's next step calls it itself.
+        """
+        if self._deciding is not None:
+            self._deciding.join()
+            self._deciding = None
+        error, self._decision_error = self._decision_error, None
+        return error
 
     def _deliver(self, command: Command) -> None:
         self._next = command

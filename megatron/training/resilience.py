@@ -236,6 +236,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             The original error, when the heartbeats name no failed rank.
         """
         start = time.perf_counter()
+        self._finish_deciding()
         old_rank = self.rank  # also when a grown world's rendezvous failed and no world is left
         log_line(f" resihp: rank {old_rank}: iteration {iteration} failed: {str(error).splitlines()[0][:160]}")
         self.monitor.mark_recovering()
@@ -364,6 +365,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         return reason
 
     def _leave_as_spare(self, old_rank: int) -> None:
+        self._finish_deciding()
         self.monitor.stop()
         if dist.is_initialized():  # not after a failed re-form
             dist.destroy_process_group()
@@ -420,7 +422,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         mine = self.live.observation(result.iteration_s, result.ops, result.features, result.busy)
         gathered, settled = self.live.observe(iteration, mine)
         self.costs = self.live.costs or self.costs
-        if self.trace is not None:
+        if self.trace is not None and gathered is not None:
             for obs in gathered:
                 self.trace.write(json.dumps(observation_to_dict(iteration, obs)) + "\n")
             for probes in self.live.probe_rounds:
@@ -443,7 +445,14 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         event = dict(event)
         self.events.emit(event.pop("event"), event.pop("iteration"), **event)
 
+    def _finish_deciding(self) -> None:
+        """Let rank 0's background decision finish before the groups it sends on change or go.
+        What it raised is dropped: the world it sent to is being replaced."""
+        if self.live is not None:
+            self.live.finish_deciding()
+
     def close(self) -> None:
+        self._finish_deciding()
         if self.store is not None and self.rank == 0:
             mark_job_done(self.store)
         if self.monitor is not None:
@@ -454,7 +463,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         if self.trace is not None:
             self.trace.close()
         if self.live is not None and self.rank == 0:
-            self.events.emit("detector_overhead", -1, decision_s=self.live.decision_s)
+            self.events.emit("detector_overhead", -1, decision_s=self.live.decision_s,
+                             decision_cpu_s=self.live.decision_cpu_s)
 
 
 def build_resilience(args: argparse.Namespace, events: EventLog, objects) -> ResilienceHooks | None:

@@ -108,28 +108,69 @@ def events(path: Path, kind: str | None = None) -> list[dict]:
     return [r for r in rows if kind is None or r["event"] == kind]
 
 
+def _mean_ci(samples: list[float]) -> tuple[float, float]:
+    """Mean of log ratios and the half width of its 95% interval."""
+    return statistics.mean(samples), 1.96 * statistics.stdev(samples) / math.sqrt(len(samples))
+
+
+def _pct(log_ratio: float) -> float:
+    return round(100 * math.expm1(log_ratio), 3)
+
+
 def paired_overhead(logs: list[Path], skip: int) -> dict:
-    """Detection's cost from runs of opposite ``RESIHP_ALTERNATE_DETECTION`` parity: per iteration
-    after ``skip``, its time with detection over its time without (the same data both times)."""
-    on, off, after_step = {}, {}, {}
-    for log in logs:
+    """Detection's cost from two runs of opposite ``RESIHP_ALTERNATE_DETECTION`` parity.
+
+    Two estimates of the same quantity, per iteration after ``skip``:
+
+    - across runs: its time with detection over its time without (the same data both times; the
+      two times were taken minutes apart, so the host's drift between runs is in every ratio);
+    - within runs (the headline): in each run, the iteration's log time less the mean of its two
+      neighbours' (which ran the other way), and half the difference of that between the runs.
+      The neighbours remove the host's drift, the other run removes what the data costs.
+
+    Both see rank 0's decision only where it lands: it runs behind the next iteration, which is
+    one without detection in these runs, so it counts against the baseline and both estimates
+    fall short of it by up to twice what it costs. The headline adds that back, in full: twice
+    the CPU seconds rank 0's decisions took per detecting iteration (``detector_overhead``
+    events), as if the whole job had waited for them.
+    """
+    on, off, after_step, times, detecting = {}, {}, {}, [{}, {}], [{}, {}]
+    decision_cpu_s, decided = 0.0, 0
+    for run, log in enumerate(logs):
         for e in events(log, "iteration"):
+            times[run][e["iteration"]] = math.log(e["step_s"])
+            detecting[run][e["iteration"]] = e["detecting"]
+            decided += e["detecting"]
             if e["iteration"] > skip:
                 (on if e["detecting"] else off)[e["iteration"]] = e["step_s"]
                 if e["detecting"]:  # what detection added after the training step, timed directly
                     after_step[e["iteration"]] = e["step_s"] - e["elapsed_s"]
+        decision_cpu_s += sum(e.get("decision_cpu_s", 0.0) for e in events(log, "detector_overhead"))
     both = sorted(on.keys() & off.keys())
     if len(both) < 4:
         raise SystemExit(f"only {len(both)} iterations timed both ways; raise --overhead-iters")
-    logs_ratio = [math.log(on[i] / off[i]) for i in both]
-    mean = statistics.mean(logs_ratio)
-    half_width = 1.96 * statistics.stdev(logs_ratio) / math.sqrt(len(logs_ratio))
-    return {"iterations_paired": len(both), "overhead_pct": round(100 * math.expm1(mean), 3),
-            "ci95_pct": [round(100 * math.expm1(mean - half_width), 3), round(100 * math.expm1(mean + half_width), 3)],
+    cross_mean, cross_half = _mean_ci([math.log(on[i] / off[i]) for i in both])
+    within = []
+    a, b = times
+    for i in both:
+        if all(k in a and k in b for k in (i - 1, i + 1)):
+            da, db = a[i] - (a[i - 1] + a[i + 1]) / 2, b[i] - (b[i - 1] + b[i + 1]) / 2
+            within.append((da - db) / 2 if detecting[0][i] else (db - da) / 2)
+    within_mean, within_half = _mean_ci(within)
+    median_off = statistics.median(off[i] for i in both)
+    background = 2 * decision_cpu_s / max(decided, 1) / median_off
+    headline = within_mean + math.log1p(background)
+    return {"iterations_paired": len(both), "overhead_pct": _pct(headline),
+            "ci95_pct": [_pct(headline - within_half), _pct(headline + within_half)],
+            "within_run_pct": _pct(within_mean), "within_run_ci95_pct": [_pct(within_mean - within_half),
+                                                                         _pct(within_mean + within_half)],
+            "decider_background_pct": round(100 * background, 3),
+            "cross_run_pct": _pct(cross_mean), "cross_run_ci95_pct": [_pct(cross_mean - cross_half),
+                                                                      _pct(cross_mean + cross_half)],
             "after_step_pct": round(100 * statistics.mean(after_step[i] for i in both)
                                     / statistics.mean(off[i] for i in both), 3),
             "median_step_s_on": round(statistics.median(on[i] for i in both), 4),
-            "median_step_s_off": round(statistics.median(off[i] for i in both), 4)}
+            "median_step_s_off": round(median_off, 4)}
 
 
 def hook_cost_s(calls: int = 20000) -> float:
@@ -292,9 +333,11 @@ def main() -> None:
               f"{floor['mape_pct']}% (CV {floor['cv_pct']}%)")
     h = out["detection_overhead"]
     print(f"\ndetection on/off, {h['iterations_paired']} iterations each timed both ways: overhead {h['overhead_pct']}% "
-          f"(95% interval {h['ci95_pct']}), median iteration {h['median_step_s_on']} / {h['median_step_s_off']} s; "
-          f"the detection step after each training step took {h['after_step_pct']}% of an iteration, the hooks "
-          f"{h['hooks_pct']}%: {h['direct_pct']}% in all")
+          f"(95% interval {h['ci95_pct']}): within runs {h['within_run_pct']}% plus twice rank 0's decisions "
+          f"behind the next iteration, {h['decider_background_pct']}%; across runs {h['cross_run_pct']}% "
+          f"(95% interval {h['cross_run_ci95_pct']}); median iteration {h['median_step_s_on']} / "
+          f"{h['median_step_s_off']} s; the detection step after each training step took {h['after_step_pct']}% "
+          f"of an iteration on the last rank, the hooks {h['hooks_pct']}%: {h['direct_pct']}% in all")
     print(f"load average at end {out['loadavg_end']}")
 
 
