@@ -25,6 +25,7 @@ plane that neither touches the accelerator nor opens a communicator per pair of 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.link_faults import LINKS
-from megatron.training.object_messages import Outbox, recv_object
+from megatron.training.object_messages import Outbox, PostedReceive
 from megatron.training.schedules import RECORDER
 from resihp_ext.confirmation import PendingVerdicts, ProbePlan
 from resihp_ext.detector import FailSlowDetector, RankObservation
@@ -44,6 +45,9 @@ from resihp_ext.validation import Cleared, ProbeResults, Verdict
 
 DECIDER = 0  # the rank that judges every rank's observations
 _OBSERVATION_TAG, _COMMAND_TAG = 7301, 7302
+# While rank 0 judges on its own thread, the training thread asks for the GIL back after every
+# kernel it launches; at Python's default 5 ms each ask can wait that long.
+_DECIDING_SWITCH_INTERVAL_S = 1e-4
 
 _PROBE_SIZE = 256
 _PROBE_REPEATS = 8
@@ -195,10 +199,17 @@ class LiveDetector:
         self.costs: ComputeCosts | None = None  # the latest command's: every rank holds the same
         self._next: Command | None = None  # delivered: its probes run at the next step
         self._in_flight: Command | None = None  # decider: sent point-to-point, delivered at the next step
-        self._awaiting = False  # the others: a command was sent point-to-point, to be read at the next step
+        # The others: the receive of a command sent point-to-point, to be read at the next step.
+        self._awaiting: PostedReceive | None = None
+        self._posted: list[PostedReceive] | None = None  # rank 0: receives of the next observations
         self._plan: ProbePlan | None = None  # decider: the plan behind the next step's probes
         self._lost: RuntimeError | None = None  # a receive that failed, left to the next iteration
         self._deciding: threading.Thread | None = None  # rank 0: judging the last iteration, in the background
+        self._held: tuple | None = None  # rank 0: (iteration, observations) to judge, not started yet
+        # Measurement only (RESIHP_ALTERNATE_DETECTION): rank 0 starts judging at the start of the
+        # next detecting iteration, not of the next iteration, so that the judging runs beside an
+        # iteration that detects, as it always does when every iteration detects.
+        self.hold_decisions = False
         self._decision_error: BaseException | None = None
 
     def measure_probe_baselines(self, rounds: int = _BASELINE_ROUNDS) -> dict[int, float]:
@@ -247,12 +258,17 @@ class LiveDetector:
         gathered = None
         try:
             if deciding:
-                gathered = [mine] + [recv_object(r, _OBSERVATION_TAG, self.group) for r in range(1, self.world_size)]
+                posted = self._posted or [PostedReceive(r, _OBSERVATION_TAG, self.group)
+                                          for r in range(1, self.world_size)]
+                self._posted = None
+                gathered = [mine] + [receive.take() for receive in posted]
+                # Next iteration's observations can arrive while this rank computes.
+                self._posted = [PostedReceive(r, _OBSERVATION_TAG, self.group) for r in range(1, self.world_size)]
             else:
                 self.outbox.send(mine, [DECIDER], _OBSERVATION_TAG, self.group)
-                if self._awaiting:
-                    self._deliver(recv_object(DECIDER, _COMMAND_TAG, self.group))
-                    self._awaiting = False
+                if self._awaiting is not None:
+                    self._deliver(self._awaiting.take())
+                    self._awaiting = None
         except RuntimeError as error:
             # A peer that finished its iteration, sent its message and then died (or a decider that
             # died after sending its command) fails this receive before anyone runs the next
@@ -286,11 +302,11 @@ class LiveDetector:
             self._deliver(following)
         elif deciding:
             # Decide behind the next iteration: nobody needs the command before its end.
-            self._deciding = threading.Thread(target=self._decide_and_send, args=(iteration, gathered),
-                                              name="resihp-decide", daemon=True)
-            self._deciding.start()
+            self._held = (iteration, gathered)
+            if not self.hold_decisions:
+                self.release_held_decision()
         else:
-            self._awaiting = True
+            self._awaiting = PostedReceive(DECIDER, _COMMAND_TAG, self.group)
         return gathered, settled
 
     def _decide(self, iteration: int, gathered: list[RankObservation]) -> Command:
@@ -304,12 +320,24 @@ class LiveDetector:
         return command
 
     def _decide_and_send(self, iteration: int, gathered: list[RankObservation]) -> None:
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(_DECIDING_SWITCH_INTERVAL_S)
         try:
             command = self._decide(iteration, gathered)
             self.outbox.send(command, range(1, self.world_size), _COMMAND_TAG, self.group)
             self._in_flight = command
         except BaseException as error:  # noqa: BLE001 - handed to the training thread by finish_deciding
             self._decision_error = error
+        finally:
+            sys.setswitchinterval(interval)
+
+    def release_held_decision(self) -> None:
+        """Start judging the iteration rank 0 holds (it starts at once unless ``hold_decisions``)."""
+        if self._held is not None:
+            self._deciding = threading.Thread(target=self._decide_and_send, args=self._held,
+                                              name="resihp-decide", daemon=True)
+            self._held = None
+            self._deciding.start()
 
     def finish_deciding(self) -> BaseException | None:
         """Wait for rank 0's decision under way behind the training thread; returns what it raised.
@@ -317,6 +345,7 @@ class LiveDetector:
         Call before the world's groups change (a recovery, a readmission, a new layout, the end):
         the decision sends on them. Detection's next step calls it itself.
         """
+        self.release_held_decision()
         if self._deciding is not None:
             self._deciding.join()
             self._deciding = None

@@ -1,7 +1,8 @@
 """Small Python objects sent from one rank to another without the sender waiting.
 
-Responsible for ``send_object`` / ``recv_object`` over a gloo group, and ``Outbox``, which keeps
-sends alive until their receivers take them.
+Responsible for ``send_object`` / ``recv_object`` over a gloo group, ``PostedReceive`` (a
+receive posted ahead of its message), and ``Outbox``, which keeps sends alive until their
+receivers take them.
 
 torch's ``send_object_list`` sends a length and then the bytes, and returns once the receiver has
 taken both: a gloo send completes only when the matching receive is posted. Detection sends one
@@ -45,6 +46,30 @@ def recv_object(src: int, tag: int, group=None):
     """Receive the next object ``src`` sent with ``tag`` (blocks until it arrives)."""
     first = torch.empty(CAPACITY, dtype=torch.uint8)
     dist.recv(first, src, group=_group_arg(group), tag=tag)
+    return _unpack(first, src, tag, group)
+
+
+class PostedReceive:
+    """A receive posted before its message is sent: ``take`` returns the object.
+
+    A gloo transfer needs both sides: a receive posted only when the object is wanted waits for
+    the sender's process to be scheduled again, which on a host with more ranks than cores takes
+    milliseconds. Posted ahead, the transfer happens whenever both are ready, and ``take`` finds
+    it done.
+    """
+
+    def __init__(self, src: int, tag: int, group=None) -> None:
+        self.src, self.tag, self.group = src, tag, group
+        self._first = torch.empty(CAPACITY, dtype=torch.uint8)
+        self._work = dist.irecv(self._first, src, group=_group_arg(group), tag=tag)
+
+    def take(self):
+        """The object (blocks until it arrived)."""
+        self._work.wait()
+        return _unpack(self._first, self.src, self.tag, self.group)
+
+
+def _unpack(first: torch.Tensor, src: int, tag: int, group):
     size = int(first[:_HEADER].view(torch.int64)[0])
     head = min(size, CAPACITY - _HEADER)
     data = first[_HEADER:_HEADER + head].numpy().tobytes()

@@ -419,6 +419,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
     def after_iteration(self, iteration: int, elapsed_s: float, result, objects, quotas):
         if self.live is None:
             return objects, quotas
+        self.live.hold_decisions = self.hold_decisions
         mine = self.live.observation(result.iteration_s, result.ops, result.features, result.busy)
         gathered, settled = self.live.observe(iteration, mine)
         self.costs = self.live.costs or self.costs
@@ -444,6 +445,13 @@ class ResilienceHooks(LayoutChanges, Readmissions):
     def _emit(self, event: dict) -> None:
         event = dict(event)
         self.events.emit(event.pop("event"), event.pop("iteration"), **event)
+
+    hold_decisions = False  # measurement only: see LiveDetector.hold_decisions
+
+    def release_held_decision(self) -> None:
+        """Measuring detection's cost: start rank 0's judging of the last detecting iteration now."""
+        if self.live is not None:
+            self.live.release_held_decision()
 
     def _finish_deciding(self) -> None:
         """Let rank 0's background decision finish before the groups it sends on change or go.

@@ -124,15 +124,15 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
 
     - across runs: its time with detection over its time without (the same data both times; the
       two times were taken minutes apart, so the host's drift between runs is in every ratio);
-    - within runs (the headline): in each run, the iteration's log time less the mean of its two
+    - within runs (``overhead_pct``): in each run, the iteration's log time less the mean of its two
       neighbours' (which ran the other way), and half the difference of that between the runs.
       The neighbours remove the host's drift, the other run removes what the data costs.
 
-    Both see rank 0's decision only where it lands: it runs behind the next iteration, which is
-    one without detection in these runs, so it counts against the baseline and both estimates
-    fall short of it by up to twice what it costs. The headline adds that back, in full: twice
-    the CPU seconds rank 0's decisions took per detecting iteration (``detector_overhead``
-    events), as if the whole job had waited for them.
+    Rank 0 judges each detecting iteration on a thread beside the next iteration that detects
+    (``LiveDetector.hold_decisions``), as it does beside every next iteration when all detect, so
+    what judging costs the job lands on detecting iterations and both estimates count it.
+    ``decider_cpu_pct`` says how much CPU it took: rank 0's judging per detecting iteration
+    (``decision_cpu_s`` of the ``detector_overhead`` events) over the median iteration.
     """
     on, off, after_step, times, detecting = {}, {}, {}, [{}, {}], [{}, {}]
     decision_cpu_s, decided = 0.0, 0
@@ -158,13 +158,9 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
             within.append((da - db) / 2 if detecting[0][i] else (db - da) / 2)
     within_mean, within_half = _mean_ci(within)
     median_off = statistics.median(off[i] for i in both)
-    background = 2 * decision_cpu_s / max(decided, 1) / median_off
-    headline = within_mean + math.log1p(background)
-    return {"iterations_paired": len(both), "overhead_pct": _pct(headline),
-            "ci95_pct": [_pct(headline - within_half), _pct(headline + within_half)],
-            "within_run_pct": _pct(within_mean), "within_run_ci95_pct": [_pct(within_mean - within_half),
-                                                                         _pct(within_mean + within_half)],
-            "decider_background_pct": round(100 * background, 3),
+    return {"iterations_paired": len(both), "overhead_pct": _pct(within_mean),
+            "ci95_pct": [_pct(within_mean - within_half), _pct(within_mean + within_half)],
+            "decider_cpu_pct": round(100 * decision_cpu_s / max(decided, 1) / median_off, 3),
             "cross_run_pct": _pct(cross_mean), "cross_run_ci95_pct": [_pct(cross_mean - cross_half),
                                                                       _pct(cross_mean + cross_half)],
             "after_step_pct": round(100 * statistics.mean(after_step[i] for i in both)
@@ -333,8 +329,8 @@ def main() -> None:
               f"{floor['mape_pct']}% (CV {floor['cv_pct']}%)")
     h = out["detection_overhead"]
     print(f"\ndetection on/off, {h['iterations_paired']} iterations each timed both ways: overhead {h['overhead_pct']}% "
-          f"(95% interval {h['ci95_pct']}): within runs {h['within_run_pct']}% plus twice rank 0's decisions "
-          f"behind the next iteration, {h['decider_background_pct']}%; across runs {h['cross_run_pct']}% "
+          f"(95% interval {h['ci95_pct']}), within runs; rank 0's judging took {h['decider_cpu_pct']}% of an "
+          f"iteration in CPU beside the next; across runs {h['cross_run_pct']}% "
           f"(95% interval {h['cross_run_ci95_pct']}); median iteration {h['median_step_s_on']} / "
           f"{h['median_step_s_off']} s; the detection step after each training step took {h['after_step_pct']}% "
           f"of an iteration on the last rank, the hooks {h['hooks_pct']}%: {h['direct_pct']}% in all")
