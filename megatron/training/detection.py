@@ -7,16 +7,17 @@ suspects and their references, stretched like real compute when a slowdown is in
 the detector concludes. Decisions are never made here.
 
 One rank decides, and the others do not wait for it. After iteration ``i`` every rank sends its
-observation without waiting; the decider judges it on a thread of its own, behind its next
-iteration, and sends every rank a ``Command``: the probe rounds to run after iteration ``i + 1``
-and the compute costs fitted to iteration ``i``. Ranks read it after ``i + 1``, when it has long
-arrived. So a probe round runs one iteration after the
-suspicion it tests, and a verdict comes one iteration later than if every rank decided. What that
-buys: with every rank deciding, each iteration ended in an all-gather of every rank's timings,
-which held every rank until the slowest arrived, and the same decision ran on every rank; on 8
-ranks sharing 2 cores the two cost 6-8% of each iteration. A probe step is a collective anyway:
-after one, the decider broadcasts what it settled and its next command, so every rank acts on a
-verdict at the same iteration and nothing is left in flight when a re-plan changes the groups.
+observation without waiting; the decider judges it and sends every rank a ``Command``: the probe
+rounds to run after iteration ``i + 1`` and the compute costs fitted to iteration ``i``. The
+others read it after ``i + 1``, when it has long arrived. So a probe round runs one iteration
+after the suspicion it tests, and a verdict comes one iteration later than if every rank
+decided. What that buys: with every rank deciding, each iteration ended in an all-gather of
+every rank's timings, which held every rank until the slowest arrived, and the same decision ran
+on every rank; on 8 ranks sharing 2 cores the two cost 6-8% of each iteration. A probe step is a
+collective anyway: after one, the decider broadcasts what it settled and its next command, so
+every rank acts on a verdict at the same iteration and nothing is left in flight when a re-plan
+changes the groups. Rank 0 judges in its training thread: on a thread of its own it would share
+the GIL with the training thread, and delays of rank 0's sends would read as slow links.
 
 Messages travel on a gloo group of the whole world (the world group itself on CPU): a CPU control
 plane that neither touches the accelerator nor opens a communicator per pair of ranks.
@@ -25,8 +26,6 @@ plane that neither touches the accelerator nor opens a communicator per pair of 
 from __future__ import annotations
 
 import dataclasses
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,9 +44,6 @@ from resihp_ext.validation import Cleared, ProbeResults, Verdict
 
 DECIDER = 0  # the rank that judges every rank's observations
 _OBSERVATION_TAG, _COMMAND_TAG = 7301, 7302
-# While rank 0 judges on its own thread, the training thread asks for the GIL back after every
-# kernel it launches; at Python's default 5 ms each ask can wait that long.
-_DECIDING_SWITCH_INTERVAL_S = 1e-4
 
 _PROBE_SIZE = 256
 _PROBE_REPEATS = 8
@@ -183,8 +179,7 @@ class LiveDetector:
             return (stage, tp_degree, layout_getter().replicas[replica].stages[stage].num_layers)
 
         self.detector = FailSlowDetector(config, stage_signature=signature)
-        # Time spent in the pure decision logic (for the overhead figures): wall, and CPU of the
-        # thread that decided (rank 0 decides behind the next iteration, sharing the CPU with it).
+        # Time spent in the pure decision logic (for the overhead figures): wall and CPU.
         self.decision_s = self.decision_cpu_s = 0.0
         self.clock_offset_s = job_clock_offset()
         self.probe_rounds: list[ProbeResults] = []  # this iteration's, in the order they ran
@@ -204,13 +199,6 @@ class LiveDetector:
         self._posted: list[PostedReceive] | None = None  # rank 0: receives of the next observations
         self._plan: ProbePlan | None = None  # decider: the plan behind the next step's probes
         self._lost: RuntimeError | None = None  # a receive that failed, left to the next iteration
-        self._deciding: threading.Thread | None = None  # rank 0: judging the last iteration, in the background
-        self._held: tuple | None = None  # rank 0: (iteration, observations) to judge, not started yet
-        # Measurement only (RESIHP_ALTERNATE_DETECTION): rank 0 starts judging at the start of the
-        # next detecting iteration, not of the next iteration, so that the judging runs beside an
-        # iteration that detects, as it always does when every iteration detects.
-        self.hold_decisions = False
-        self._decision_error: BaseException | None = None
 
     def measure_probe_baselines(self, rounds: int = _BASELINE_ROUNDS) -> dict[int, float]:
         """Time each rank's GEMM probe, one rank at a time (collective), when the layout has no
@@ -277,13 +265,9 @@ class LiveDetector:
             # all ranks then redo the same iteration. This iteration is not judged.
             self._lost = error
             return None, []
-        if deciding:
-            error = self.finish_deciding()
-            if error is not None:
-                raise error
-            if self._in_flight is not None:
-                self._deliver(self._in_flight)
-                self._in_flight = None
+        if deciding and self._in_flight is not None:
+            self._deliver(self._in_flight)
+            self._in_flight = None
         command, self._next = self._next, None
         self.probe_rounds = []
         # Every rank holds the same command, so all of them probe and wait alike.
@@ -301,10 +285,9 @@ class LiveDetector:
             settled, following = shared[0]
             self._deliver(following)
         elif deciding:
-            # Decide behind the next iteration: nobody needs the command before its end.
-            self._held = (iteration, gathered)
-            if not self.hold_decisions:
-                self.release_held_decision()
+            following = self._decide(iteration, gathered)
+            self.outbox.send(following, range(1, self.world_size), _COMMAND_TAG, self.group)
+            self._in_flight = following
         else:
             self._awaiting = PostedReceive(DECIDER, _COMMAND_TAG, self.group)
         return gathered, settled
@@ -318,39 +301,6 @@ class LiveDetector:
         self.decision_s += time.perf_counter() - start
         self.decision_cpu_s += time.thread_time() - cpu_start
         return command
-
-    def _decide_and_send(self, iteration: int, gathered: list[RankObservation]) -> None:
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(_DECIDING_SWITCH_INTERVAL_S)
-        try:
-            command = self._decide(iteration, gathered)
-            self.outbox.send(command, range(1, self.world_size), _COMMAND_TAG, self.group)
-            self._in_flight = command
-        except BaseException as error:  # noqa: BLE001 - handed to the training thread by finish_deciding
-            self._decision_error = error
-        finally:
-            sys.setswitchinterval(interval)
-
-    def release_held_decision(self) -> None:
-        """Start judging the iteration rank 0 holds (it starts at once unless ``hold_decisions``)."""
-        if self._held is not None:
-            self._deciding = threading.Thread(target=self._decide_and_send, args=self._held,
-                                              name="resihp-decide", daemon=True)
-            self._held = None
-            self._deciding.start()
-
-    def finish_deciding(self) -> BaseException | None:
-        """Wait for rank 0's decision under way behind the training thread; returns what it raised.
-
-        Call before the world's groups change (a recovery, a readmission, a new layout, the end):
-        the decision sends on them. Detection's next step calls it itself.
-        """
-        self.release_held_decision()
-        if self._deciding is not None:
-            self._deciding.join()
-            self._deciding = None
-        error, self._decision_error = self._decision_error, None
-        return error
 
     def _deliver(self, command: Command) -> None:
         self._next = command

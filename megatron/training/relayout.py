@@ -50,7 +50,7 @@ def replicas_alike(layout: Layout) -> bool:
 class LayoutChanges:
     """Mixin: expects ``args``, ``cfg``, ``events``, ``rank``, ``layout``, ``sync``, ``live``,
     ``store``, ``monitor``, ``generation``, ``replica_index``, ``known_health``,
-    ``costs``, ``_finish_deciding``, ``identity``, ``standby_on``, ``standbys``, ``renumber``,
+    ``costs``, ``identity``, ``standby_on``, ``standbys``, ``renumber``,
     ``_standing_by``, ``_start_monitor`` and ``_apply_recovery_faults`` on the object it is
     mixed into."""
 
@@ -176,7 +176,6 @@ class LayoutChanges:
         Raises:
             RuntimeError: a rank failed before all moves were done (this rank is back on the old layout).
         """
-        self._finish_deciding()
         if set(new_layout.world_ranks) != set(self.layout.world_ranks):
             return self._apply_shrinking_layout(new_layout, objects)
         args = self.args

@@ -236,7 +236,6 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             The original error, when the heartbeats name no failed rank.
         """
         start = time.perf_counter()
-        self._finish_deciding()
         old_rank = self.rank  # also when a grown world's rendezvous failed and no world is left
         log_line(f" resihp: rank {old_rank}: iteration {iteration} failed: {str(error).splitlines()[0][:160]}")
         self.monitor.mark_recovering()
@@ -365,7 +364,6 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         return reason
 
     def _leave_as_spare(self, old_rank: int) -> None:
-        self._finish_deciding()
         self.monitor.stop()
         if dist.is_initialized():  # not after a failed re-form
             dist.destroy_process_group()
@@ -419,7 +417,6 @@ class ResilienceHooks(LayoutChanges, Readmissions):
     def after_iteration(self, iteration: int, elapsed_s: float, result, objects, quotas):
         if self.live is None:
             return objects, quotas
-        self.live.hold_decisions = self.hold_decisions
         mine = self.live.observation(result.iteration_s, result.ops, result.features, result.busy)
         gathered, settled = self.live.observe(iteration, mine)
         self.costs = self.live.costs or self.costs
@@ -446,21 +443,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         event = dict(event)
         self.events.emit(event.pop("event"), event.pop("iteration"), **event)
 
-    hold_decisions = False  # measurement only: see LiveDetector.hold_decisions
-
-    def release_held_decision(self) -> None:
-        """Measuring detection's cost: start rank 0's judging of the last detecting iteration now."""
-        if self.live is not None:
-            self.live.release_held_decision()
-
-    def _finish_deciding(self) -> None:
-        """Let rank 0's background decision finish before the groups it sends on change or go.
-        What it raised is dropped: the world it sent to is being replaced."""
-        if self.live is not None:
-            self.live.finish_deciding()
-
     def close(self) -> None:
-        self._finish_deciding()
         if self.store is not None and self.rank == 0:
             mark_job_done(self.store)
         if self.monitor is not None:

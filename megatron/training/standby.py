@@ -85,7 +85,7 @@ def _go_key(generation: int) -> str:
 class Readmissions:
     """Mixin for ``ResilienceHooks``: expects ``args``, ``cfg``, ``events``, ``rank``, ``layout``,
     ``store``, ``monitor``, ``generation``, ``known_health``, ``live``, ``iteration``, ``costs``,
-    ``_layout_changed_at``, ``_finish_deciding``, ``identity`` (this world's rank -> launch rank),
+    ``_layout_changed_at``, ``identity`` (this world's rank -> launch rank),
     ``launch_rank``, ``launch_layout``, ``standbys`` (their launch ranks), ``backend``, ``_device``,
     ``_adopt``, ``_rebuild``, ``_calibrated_hardware``, ``_failure_among`` and ``_apply_faults``,
     and the bookkeeping ``_init_readmissions`` sets up."""
@@ -104,7 +104,6 @@ class Readmissions:
     def _standing_by(self, old_rank: int) -> StandingBy:
         """Leave every group to stand by; the reference probe time is taken now, while this rank's
         slowdown is known: the healthy ranks' latest probes, or this rank's own over its slowdown."""
-        self._finish_deciding()
         rounds = [p for p in self.live.probe_rounds if p.rank_s] if self.live is not None else []
         slow = self.known_health.slow_factors
         healthy = [s for r, s in rounds[-1].rank_s.items() if r not in slow] if rounds else []
@@ -251,7 +250,6 @@ class Readmissions:
 
     def _admit(self, iteration: int, decision, objects, quotas, consumed_samples: int, start: float):
         """Call the joiners, and grow the world with them once every one has answered."""
-        self._finish_deciding()
         plan = decision.plan
         generation, size = self.generation + 1, plan.layout.world_size
         identity = [*self.identity, *decision.joiners]

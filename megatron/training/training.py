@@ -102,10 +102,8 @@ def _alternate_detection() -> int | None:
     """``RESIHP_ALTERNATE_DETECTION`` (``odd`` or ``even``), for measuring what detection costs:
     the op hooks and the per-iteration detection run only on iterations of that parity, and each
     iteration event carries ``detecting`` and ``step_s`` (the iteration's time including
-    detection). Two runs of opposite parity time every iteration's data both ways. Rank 0 judges
-    each detecting iteration beside the next one that detects, as it judges each iteration beside
-    the next when all detect, so that its cost is counted where it lands. Returns the parity
-    (1 odd, 0 even) or None when unset."""
+    detection). Two runs of opposite parity time every iteration's data both ways. Returns the
+    parity (1 odd, 0 even) or None when unset."""
     value = os.environ.get("RESIHP_ALTERNATE_DETECTION")
     if not value:
         return None
@@ -147,8 +145,6 @@ def pretrain(
     dp_rank = parallel_state.get_data_parallel_rank()
     quotas = even_quotas(sampler.num_microbatches, num_replicas)
     resilience = resilience_factory(args, events, objects) if resilience_factory else None
-    if resilience is not None and alternate is not None:
-        resilience.hold_decisions = True  # rank 0 judges beside the next iteration that detects
     board = TensorBoard(args.tensorboard_dir if _is_last_rank() else None)
     if _is_last_rank():
         log_line(
@@ -177,8 +173,6 @@ def pretrain(
         detecting = alternate is None or iteration % 2 == alternate
         if alternate is not None:
             (install_hooks if detecting else uninstall_hooks)()
-            if detecting and resilience is not None:
-                resilience.release_held_decision()
         start = time.perf_counter()
         stepped = reduced = advanced = False
         try:

@@ -128,11 +128,8 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
       neighbours' (which ran the other way), and half the difference of that between the runs.
       The neighbours remove the host's drift, the other run removes what the data costs.
 
-    Rank 0 judges each detecting iteration on a thread beside the next iteration that detects
-    (``LiveDetector.hold_decisions``), as it does beside every next iteration when all detect, so
-    what judging costs the job lands on detecting iterations and both estimates count it.
-    ``decider_cpu_pct`` says how much CPU it took: rank 0's judging per detecting iteration
-    (``decision_cpu_s`` of the ``detector_overhead`` events) over the median iteration.
+    ``decider_cpu_pct`` is rank 0's judging per detecting iteration, in CPU seconds
+    (``decision_cpu_s`` of the ``detector_overhead`` events), over the median iteration.
     """
     on, off, after_step, times, detecting = {}, {}, {}, [{}, {}], [{}, {}]
     decision_cpu_s, decided = 0.0, 0
@@ -330,7 +327,7 @@ def main() -> None:
     h = out["detection_overhead"]
     print(f"\ndetection on/off, {h['iterations_paired']} iterations each timed both ways: overhead {h['overhead_pct']}% "
           f"(95% interval {h['ci95_pct']}), within runs; rank 0's judging took {h['decider_cpu_pct']}% of an "
-          f"iteration in CPU beside the next; across runs {h['cross_run_pct']}% "
+          f"iteration in CPU; across runs {h['cross_run_pct']}% "
           f"(95% interval {h['cross_run_ci95_pct']}); median iteration {h['median_step_s_on']} / "
           f"{h['median_step_s_off']} s; the detection step after each training step took {h['after_step_pct']}% "
           f"of an iteration on the last rank, the hooks {h['hooks_pct']}%: {h['direct_pct']}% in all")
