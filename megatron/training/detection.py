@@ -284,12 +284,16 @@ class LiveDetector:
             dist.broadcast_object_list(shared, src=DECIDER, group=self.group)
             settled, following = shared[0]
             self._deliver(following)
-        elif deciding:
-            following = self._decide(iteration, gathered)
-            self.outbox.send(following, range(1, self.world_size), _COMMAND_TAG, self.group)
-            self._in_flight = following
         else:
-            self._awaiting = PostedReceive(DECIDER, _COMMAND_TAG, self.group)
+            try:
+                if deciding:
+                    following = self._decide(iteration, gathered)
+                    self._in_flight = following
+                    self.outbox.send(following, range(1, self.world_size), _COMMAND_TAG, self.group)
+                else:
+                    self._awaiting = PostedReceive(DECIDER, _COMMAND_TAG, self.group)
+            except RuntimeError as error:  # a peer that died since it sent: as above
+                self._lost = error
         return gathered, settled
 
     def _decide(self, iteration: int, gathered: list[RankObservation]) -> Command:
