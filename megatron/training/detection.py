@@ -246,12 +246,10 @@ class LiveDetector:
         gathered = None
         try:
             if deciding:
-                posted = self._posted or [PostedReceive(r, _OBSERVATION_TAG, self.group)
-                                          for r in range(1, self.world_size)]
-                self._posted = None
+                posted = self._posted or self._post_observation_receives()
                 gathered = [mine] + [receive.take() for receive in posted]
                 # Next iteration's observations can arrive while this rank computes.
-                self._posted = [PostedReceive(r, _OBSERVATION_TAG, self.group) for r in range(1, self.world_size)]
+                self._posted = self._post_observation_receives()
             else:
                 self.outbox.send(mine, [DECIDER], _OBSERVATION_TAG, self.group)
                 if self._awaiting is not None:
@@ -295,6 +293,9 @@ class LiveDetector:
             except RuntimeError as error:  # a peer that died since it sent: as above
                 self._lost = error
         return gathered, settled
+
+    def _post_observation_receives(self) -> list[PostedReceive]:
+        return [PostedReceive(r, _OBSERVATION_TAG, self.group) for r in range(1, self.world_size)]
 
     def _decide(self, iteration: int, gathered: list[RankObservation]) -> Command:
         start, cpu_start = time.perf_counter(), time.thread_time()

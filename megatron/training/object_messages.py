@@ -44,9 +44,7 @@ def send_object(obj, dsts, tag: int, group=None) -> list:
 
 def recv_object(src: int, tag: int, group=None):
     """Receive the next object ``src`` sent with ``tag`` (blocks until it arrives)."""
-    first = torch.empty(CAPACITY, dtype=torch.uint8)
-    dist.recv(first, src, group=_group_arg(group), tag=tag)
-    return _unpack(first, src, tag, group)
+    return PostedReceive(src, tag, group).take()
 
 
 class PostedReceive:
