@@ -105,8 +105,9 @@ class PendingVerdicts:
         probed 1.48x and 1.53x). A confirmed rank's or link's factor is its fastest probe over the
         fastest healthy reference of the two rounds: a probe's work is fixed (a GEMM, a transfer of
         fixed bytes), so a busy neighbour can only add time, as one round did live (a 1.5x rank
-        probed 1.59x, then 2.24x). A verdict no rank of which is named again becomes a Cleared that
-        names both rounds' probe factors.
+        probed 1.59x, then 2.24x). The onset is the second round's, which saw more of the slowdown.
+        A verdict no rank of which is named again becomes a Cleared that names both rounds' probe
+        factors.
         """
         first = waiting.verdict
         evidence = {**first.evidence, "confirm_probe_iteration": iteration,
@@ -132,11 +133,16 @@ class PendingVerdicts:
         elif first.factor is not None and again.factor is not None:
             factor = math.sqrt(first.factor * again.factor)
         reason = f"{first.reason}; confirmed by probes at iteration {iteration}"
+        # The second round's conclusion saw more of the subject's streak, so its onset is the later word.
+        # (Never after the first round, which already found the slowdown.)
+        onset = min(again.iteration, first.evidence.get("probe_iteration", again.iteration))
+        if onset != first.iteration:
+            reason += f"; began at iteration {onset}, where its readings stepped up"
         dropped = sorted(set(first.ranks) - set(kept))
         if dropped:
             reason += f" for ranks {list(kept)} only (ranks {dropped} not named again)"
-        return dataclasses.replace(first, ranks=kept, factor=factor, reason=reason,
-                                   evidence={**evidence, "probe_factors": both or rounds[0],
+        return dataclasses.replace(first, ranks=kept, factor=factor, reason=reason, iteration=onset,
+                                   evidence={**evidence, "onset_iteration": onset, "probe_factors": both or rounds[0],
                                              "first_probe_factors": rounds[0]})
 
     def plan_probes(self, iteration: int, suspicion: Suspicion | None) -> ProbePlan:

@@ -14,6 +14,9 @@ Decisions:
     * per directed link: ratio = observed transfer gap / its healthy baseline, the gap being the
       smallest delay between a sender's op end and the receiver's op start over the iteration's
       micro-batches (the receiver waited at least once, so the minimum is the transfer itself);
+    * a slowdown every group (or every link) shows alike is the host's or the job's, not a
+      device's: each ratio is judged over the smallest of the others' (when above 1), so only a
+      group or link slower than all its peers is suspect;
     * a ratio above ``slowdown_threshold`` for ``persistence_iters`` consecutive judged
       iterations becomes a Suspicion (a single noisy iteration triggers nothing);
     * ``conclude`` localises with the probes (``resihp_ext.validation``) and returns a Verdict or
@@ -132,6 +135,8 @@ class FailSlowDetector:
         self._muted: set = set()
         self._cooldown: dict = {}
         self._link_base: dict[LinkId, float] = {}
+        self._stage_common: dict[GroupId, float] = {}
+        self._link_common: dict[LinkId, float] = {}
         self._group_ranks: dict[GroupId, tuple[int, ...]] = {}
         self._rank_group: dict[int, GroupId] = {}
 
@@ -219,9 +224,11 @@ class FailSlowDetector:
         )
 
         threshold = self.config.slowdown_threshold
+        slow_stage, self._stage_common = _beyond_common(stage_ratio)
+        slow_link, self._link_common = _beyond_common(link_ratio)
         suspicion = None
         if judged:
-            suspicion = self._decide(iteration, stage_ratio, sibling_ratio, link_ratio)
+            suspicion = self._decide(iteration, slow_stage, sibling_ratio, slow_link, stage_ratio)
         # Learn only from what is not suspect, so a persistent slowdown never becomes the norm;
         # never from the first iteration after a (re)start, which pays one-off set-up costs.
         batches: dict = defaultdict(list)
@@ -246,16 +253,22 @@ class FailSlowDetector:
                 self._link_history.add(link, gap)
         return suspicion
 
-    def _decide(self, iteration, stage_ratio, sibling_ratio, link_ratio) -> Suspicion | None:
+    def _decide(self, iteration, slow_stage, sibling_ratio, slow_link, stage_ratio) -> Suspicion | None:
+        """Update the streaks and return the worst subject that is ready to probe, if any.
+
+        ``slow_stage`` and ``slow_link`` are the ratios beyond the common slowdown (slowness is
+        judged on them); ``stage_ratio`` is the plain one (a recovery is judged on it, since a
+        slowdown elsewhere must not make a known slow group look fast).
+        """
         threshold, need = self.config.slowdown_threshold, self.config.persistence_iters
         ready = []
-        for g in stage_ratio.keys() | sibling_ratio.keys():
-            ratio, signal = max((stage_ratio.get(g, 0.0), "predicted"), (sibling_ratio.get(g, 0.0), "siblings"))
-            count = self._group_streak[g].update(ratio > threshold, iteration)
+        for g in slow_stage.keys() | sibling_ratio.keys():
+            ratio, signal = max((slow_stage.get(g, 0.0), "predicted"), (sibling_ratio.get(g, 0.0), "siblings"))
+            count = self._group_streak[g].update(ratio > threshold, iteration, ratio)
             if count >= need and self._eligible(g, iteration):
                 ready.append((ratio, "compute", g, signal))
-        for link, ratio in link_ratio.items():
-            count = self._link_streak[link].update(ratio > threshold, iteration)
+        for link, ratio in slow_link.items():
+            count = self._link_streak[link].update(ratio > threshold, iteration, ratio)
             if count >= need and self._eligible(link, iteration):
                 ready.append((ratio, "link", link, None))
         for g in () if self.config.no_recovery else self._known_groups:
@@ -289,6 +302,8 @@ class FailSlowDetector:
         ranks = self._group_ranks[g]
         reference = self._reference_ranks(g)
         streak = self._group_streak[g]
+        common = self._stage_common.get(g, 1.0)
+        beyond = f" beyond the {common:.2f}x every other group ran" if signal == "predicted" and common > 1.0 else ""
         return Suspicion(
             iteration=iteration,
             onset_iteration=streak.onset,
@@ -302,7 +317,7 @@ class FailSlowDetector:
             ratio=ratio,
             reason=(
                 f"replica {g[0]} stage {g[1]} (ranks {list(ranks)}) ran {ratio:.2f}x "
-                + ("its predicted compute time" if signal == "predicted"
+                + (f"its predicted compute time{beyond}" if signal == "predicted"
                    else "in its slowest rank's compute against its TP siblings'")
                 + f" for {streak.count} iterations since {streak.onset} (threshold {self.config.slowdown_threshold})"
             ),
@@ -341,6 +356,8 @@ class FailSlowDetector:
         siblings = sorted((other for other in self._link_history if other != link and boundary(other)),
                           key=lambda other: (self._rank_group[other[0]][0] != g[0], other))[:_LINK_REFERENCES]
         streak = self._link_streak[link]
+        common = self._link_common.get(link, 1.0)
+        beyond = f" beyond the {common:.2f}x every other link took" if common > 1.0 else ""
         return Suspicion(
             iteration=iteration,
             onset_iteration=streak.onset,
@@ -353,7 +370,7 @@ class FailSlowDetector:
             probe_links=(link, *siblings),
             ratio=ratio,
             reason=(
-                f"transfer {link[0]}->{link[1]} took {ratio:.2f}x its healthy time for {streak.count} "
+                f"transfer {link[0]}->{link[1]} took {ratio:.2f}x its healthy time{beyond} for {streak.count} "
                 f"iterations since {streak.onset}"
             ),
         )
@@ -393,12 +410,13 @@ class FailSlowDetector:
         """
         what = self._subject(suspicion)
         self._pending.discard(what)
+        onset = self._onset(suspicion)
         peers = set(probes.rank_s) - set(suspicion.ranks)
         loc = localise(probes, self.config.probe_threshold,
                        rank_baselines_s=None if peers else self._probe_baselines)
         evidence = {
             "observed_ratio": round(float(suspicion.ratio), 4),
-            "onset_iteration": suspicion.onset_iteration,
+            "onset_iteration": onset,
             "suspicion_iteration": suspicion.iteration,
             "probe_iteration": probes.iteration,
         }
@@ -422,8 +440,8 @@ class FailSlowDetector:
             if slow:
                 factor = loc.rank_factors[slow[0]]
                 self._muted.add(what)
-                return Verdict("compute", tuple(sorted(slow)), factor, suspicion.onset_iteration, evidence,
-                               f"{loc.reason}; group ran {suspicion.ratio:.2f}x predicted since iteration {suspicion.onset_iteration}")
+                return Verdict("compute", tuple(sorted(slow)), factor, onset, evidence,
+                               f"{loc.reason}; group ran {suspicion.ratio:.2f}x predicted since iteration {onset}")
         else:
             slow = [link for link in loc.slow_links if link in suspicion.links]
             evidence["probe_factors"] = {f"{a}->{b}": round(f, 4) for (a, b), f in loc.link_factors.items()}
@@ -431,13 +449,30 @@ class FailSlowDetector:
             evidence["probe_reference_s"] = loc.link_reference_s
             if slow:
                 self._muted.add(what)
-                return Verdict("link", tuple(slow[0]), loc.link_factors[slow[0]], suspicion.onset_iteration, evidence,
-                               f"{loc.reason}; transfers ran {suspicion.ratio:.2f}x baseline since iteration {suspicion.onset_iteration}")
+                return Verdict("link", tuple(slow[0]), loc.link_factors[slow[0]], onset, evidence,
+                               f"{loc.reason}; transfers ran {suspicion.ratio:.2f}x baseline since iteration {onset}")
         self.release(suspicion, probes.iteration)
         found = {"compute": "no slow rank", "link": "no slow link", "recovery": "no rank faster than its known slowdown"}
         return Cleared(probes.iteration, suspicion.ranks, evidence,
                        f"probes found {found[suspicion.kind]} ({loc.reason}); "
                        f"suspicion at iteration {suspicion.iteration} dropped")
+
+    def _onset(self, suspicion: Suspicion) -> int:
+        """When the slowdown behind ``suspicion`` began, as far as its streak can tell by now.
+
+        A suspicion's onset is where its streak began, and the streak can begin with milder
+        readings than the fault: live, a busy host ran every replica 1.45x predicted from
+        iteration 6, one of them was suspected at 9, and the 3x slowdown injected at 10 was
+        what its probes (at 10, one iteration after the suspicion) found. Its streak, which
+        goes on while the subject is probed and held, then shows the step up at 10.
+        """
+        if suspicion.kind == "recovery":
+            return suspicion.onset_iteration
+        streak = (self._link_streak.get(suspicion.links[0]) if suspicion.kind == "link"
+                  else self._group_streak.get((suspicion.replica, suspicion.stage)))
+        if streak is None or streak.count == 0 or streak.onset != suspicion.onset_iteration:
+            return suspicion.onset_iteration  # the streak broke since: nothing newer to go by
+        return streak.step_onset(self.config.slowdown_threshold, self.config.persistence_iters)
 
     def _recovered(self, suspicion: Suspicion, loc, evidence: dict) -> Verdict | None:
         """A ``recovered`` verdict for the known slow ranks whose probe beats their known slowdown
@@ -517,3 +552,20 @@ class FailSlowDetector:
             self._overhead_history.append(max(observed_iter - span, 0.0))
             self._contention_history.append(contention)
         return span + overhead
+
+
+def _beyond_common(ratios: dict) -> tuple[dict, dict]:
+    """Each ratio over the slowdown all the others share: the smallest of their ratios, when above 1.
+
+    A slowdown every group or link shows is the host's or the job's (a busy host, a job-wide clock
+    change), not one device's, and no re-plan helps it. Measured on the others only, so one slow
+    subject among healthy ones keeps its whole ratio.
+
+    Returns:
+        (the ratios beyond the common slowdown, each subject's common slowdown).
+    """
+    if len(ratios) < 2:
+        return dict(ratios), {}
+    ordered = sorted(ratios.values())
+    common = {k: max(ordered[1] if r == ordered[0] else ordered[0], 1.0) for k, r in ratios.items()}
+    return {k: r / common[k] for k, r in ratios.items()}, common

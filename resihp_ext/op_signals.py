@@ -69,22 +69,47 @@ class Baselines:
 
 
 class Streak:
-    """Consecutive iterations above threshold for one group or link."""
+    """Consecutive iterations above threshold for one group or link, with their ratios."""
 
-    __slots__ = ("count", "onset")
+    __slots__ = ("count", "onset", "ratios")
+
+    # Ratios kept for ``step_onset``; a streak longer than this keeps its latest ones.
+    KEPT = 32
 
     def __init__(self) -> None:
         self.count = 0
         self.onset = -1
+        self.ratios: list[tuple[int, float]] = []
 
-    def update(self, slow: bool, iteration: int) -> int:
+    def update(self, slow: bool, iteration: int, ratio: float = float("nan")) -> int:
         if slow:
             if self.count == 0:
                 self.onset = iteration
+                self.ratios = []
             self.count += 1
+            self.ratios.append((iteration, ratio))
+            del self.ratios[:-self.KEPT]
         else:
             self.count = 0
         return self.count
+
+    def step_onset(self, step: float, min_after: int) -> int:
+        """The iteration the streak stepped up at, else its onset.
+
+        A streak can begin with a milder slowdown than the one it ends in: a busy host or a noisy
+        link runs above the threshold for a few iterations, and a fault starts while it is still
+        suspect. The step is the earliest iteration from which at least ``min_after`` ratios all
+        exceed every earlier ratio of the streak by ``step`` times; the fault started there.
+        """
+        ratios = [r for _, r in self.ratios]
+        if self.count != len(ratios):  # longer than kept, or ratios not given: no earlier level known
+            return self.onset
+        highest_before = 0.0
+        for k in range(1, len(ratios) - min_after + 1):
+            highest_before = max(highest_before, ratios[k - 1])
+            if min(ratios[k:]) >= step * highest_before:
+                return self.ratios[k][0]
+        return self.onset
 
 
 def group_op_durations(rank_times: list[np.ndarray]):

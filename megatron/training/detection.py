@@ -47,6 +47,7 @@ _OBSERVATION_TAG, _COMMAND_TAG = 7301, 7302
 
 _PROBE_SIZE = 256
 _PROBE_REPEATS = 8
+_PROBE_PASSES = 5  # samples per probed rank or link; each one's time is its fastest
 _BASELINE_ROUNDS = 5  # probe rounds behind a one-stage-group job's own baselines
 # Link probes send what the pipeline sends (one micro-batch's activations), and at least this much,
 # so bandwidth rather than per-message latency dominates their time.
@@ -329,29 +330,35 @@ class LiveDetector:
         return probes
 
     def _probe_ranks(self, ranks) -> dict[int, float]:
-        """GEMM probe on each listed rank, one rank at a time (collective).
+        """GEMM probe on each listed rank, one rank at a time, in passes over the ranks (collective).
 
         One at a time because ranks may share cores or a power budget (always on CPU): probing
-        concurrently would measure contention between them, not each device's speed.
+        concurrently would measure contention between them, not each device's speed. In passes,
+        one sample of each rank per pass, so the suspects' samples and their references' spread
+        over the same span: a host busy for part of the round slows both alike, where each rank's
+        samples back to back could all fall in the busy part for the suspect alone.
         """
-        mine = 0.0
-        for rank in sorted(ranks):
-            if rank == self.rank:
-                mine = gemm_probe_s(self.device)
-            dist.barrier()
+        mine = []
+        for _ in range(_PROBE_PASSES):
+            for rank in sorted(ranks):
+                if rank == self.rank:
+                    mine.append(gemm_probe_s(self.device, samples=1))
+                dist.barrier()
         times: list = [None] * dist.get_world_size()
-        dist.all_gather_object(times, mine)
+        dist.all_gather_object(times, min(mine, default=0.0))
         return {r: times[r] for r in sorted(ranks)}
 
     def _probe_links(self, links) -> dict[tuple[int, int], float]:
-        """p2p probe on each listed link, one link at a time (collective), for the same reason."""
-        mine = {}
-        for src, dst in links:
-            if self.rank in (src, dst):
-                seconds = link_probe_s(src, dst, self.device, self.link_probe_bytes)
-                if seconds is not None:
-                    mine[(src, dst)] = seconds
-            dist.barrier()
+        """p2p probe on each listed link, one link at a time, in passes (collective), for the same reasons."""
+        samples: dict[tuple[int, int], list[float]] = {}
+        for _ in range(_PROBE_PASSES):
+            for src, dst in links:
+                if self.rank in (src, dst):
+                    seconds = link_probe_s(src, dst, self.device, self.link_probe_bytes, samples=1)
+                    if seconds is not None:
+                        samples.setdefault((src, dst), []).append(seconds)
+                dist.barrier()
+        mine = {link: min(times) for link, times in samples.items()}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return {link: seconds for table in gathered for link, seconds in table.items()}

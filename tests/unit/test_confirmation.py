@@ -6,7 +6,7 @@ from resihp_ext.confirmation import PendingVerdicts, Waiting
 from resihp_ext.detector import Cleared, FailSlowDetector, Verdict
 from resihp_ext.faults import parse_fault
 from resihp_ext.traces import synthetic_probes, synthetic_trace
-from tests.unit.test_detector import SPEC
+from tests.unit.test_detector import SPEC, _busy
 
 # Rank 5 (replica 0, stage 1) slows at iteration 60; link 2 -> 6 slows at 59, but only the first
 # probe round sees it (a busy neighbour), so its verdict waits and is then dropped.
@@ -190,3 +190,30 @@ def test_settling_a_plan_needs_one_probe_round_per_subject():
     plan = pending.plan_probes(10, raised[0])
     with pytest.raises(ValueError, match="1 probe rounds planned, 0 given"):
         pending.settle_probed(detector, 10, plan, [])
+
+
+def test_a_verdict_dates_from_where_its_readings_stepped_up_not_from_milder_noise_before_the_fault():
+    # Rank 5's group (ranks 4 and 5) runs 1.4x from two iterations before rank 5 slows 2x (its
+    # group then 2.8x): suspected on the noise, probed after the fault started, and named. The
+    # fault started where the group's readings stepped up, not where the streak began.
+    trace = list(synthetic_trace(SPEC, 70, [SLOW_RANK], seed=5))
+    fault_at = SLOW_RANK.at_iteration
+    for i, (iteration, observations) in enumerate(trace):
+        if iteration >= fault_at - 2:
+            trace[i] = (iteration, _busy(observations, {4: 1.4, 5: 1.4}))
+    detector, pending = FailSlowDetector(), PendingVerdicts(2)
+    settled, raised, plan = [], [], None
+    for iteration, observations in trace:
+        if plan is not None:
+            rounds = [synthetic_probes(SPEC, [SLOW_RANK], iteration, s.probe_ranks, s.probe_links)
+                      for s in plan.subjects]
+            settled += [o for _, o in pending.settle_probed(detector, iteration, plan, rounds)]
+        suspicion = detector.observe(iteration, observations)
+        raised += [suspicion] if suspicion is not None else []
+        plan = pending.plan_probes(iteration + 1, suspicion)
+    assert raised[0].ranks == (4, 5) and raised[0].onset_iteration == fault_at - 2, raised
+    verdicts = [o for o in settled if isinstance(o, Verdict)]
+    assert verdicts and verdicts[0].ranks == (5,), settled
+    assert verdicts[0].evidence["probe_iteration"] == fault_at  # the first round already saw the fault
+    assert verdicts[0].iteration == fault_at and verdicts[0].evidence["onset_iteration"] == fault_at
+    assert f"began at iteration {fault_at}" in verdicts[0].reason

@@ -10,6 +10,7 @@ import pytest
 from resihp_ext.config import ResiHPConfig
 from resihp_ext.detector import Cleared, FailSlowDetector, RankObservation, Verdict, judge_heartbeats
 from resihp_ext.faults import parse_fault
+from resihp_ext.op_signals import Streak
 from resihp_ext.traces import SyntheticSpec, load_trace, save_trace, synthetic_probes, synthetic_trace
 from resihp_ext.validation import ProbeResults, fail_stop_verdict, localise
 
@@ -97,6 +98,48 @@ def test_slow_rank_shows_against_its_tp_siblings_when_the_prediction_is_off():
     assert det.last_report.sibling_ratio[(0, 1)] == pytest.approx(1.5, rel=0.05)
     assert len(raised) == 1 and raised[0].ranks == (4, 5) and 40 <= raised[0].iteration <= 42
     assert "TP siblings" in raised[0].reason
+
+
+def test_a_slowdown_every_group_shares_is_the_hosts_and_raises_nothing():
+    # From iteration 40 every rank computes 1.5x its learnt speed (a busy host, as a CI run saw:
+    # every replica 1.45x predicted). No device is slower than the others, and no re-plan helps.
+    trace = list(_trace(60))
+    for i in range(40, 60):
+        trace[i] = (trace[i][0], _busy(trace[i][1], {r: 1.5 for r in range(8)}))
+    det, events = _run(trace)
+    assert det.last_report.stage_ratio[(0, 1)] == pytest.approx(1.5, rel=0.1)  # each one is 1.5x predicted
+    assert events == []
+
+
+def test_a_group_slower_than_every_other_is_judged_beyond_their_common_slowdown():
+    # The same busy host, and rank 5's group 2x on top of it: 3x predicted, 2x beyond the others.
+    trace = list(_trace(60))
+    for i in range(40, 60):
+        factors = {r: 1.5 for r in range(8)}
+        factors[4] = factors[5] = 3.0
+        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
+    det = FailSlowDetector()
+    raised = [s for s in (det.observe(i, obs) for i, obs in trace) if s is not None]
+    onset = trace[40][0]
+    assert len(raised) == 1 and raised[0].ranks == (4, 5)
+    assert raised[0].onset_iteration == onset and raised[0].iteration == onset + 1
+    assert raised[0].ratio == pytest.approx(2.0, rel=0.1)
+    assert "every other group ran" in raised[0].reason
+
+
+def test_a_streak_steps_up_where_its_later_readings_all_exceed_the_earlier_ones():
+    stepped = Streak()
+    for iteration, ratio in enumerate([1.4, 1.45, 3.0, 2.9, 3.1], start=6):
+        stepped.update(True, iteration, ratio)
+    assert stepped.onset == 6 and stepped.step_onset(1.25, 2) == 8
+    spike = Streak()  # one high reading at the end is not a step: it needs two after it
+    for iteration, ratio in enumerate([1.6, 1.5, 1.7, 2.5], start=6):
+        spike.update(True, iteration, ratio)
+    assert spike.step_onset(1.25, 2) == 6
+    restarted = Streak()  # a break starts the streak, and its readings, over
+    for iteration, ratio in enumerate([1.4, 3.0, 1.0, 3.0, 3.1], start=6):
+        restarted.update(ratio > 1.25, iteration, ratio)
+    assert restarted.onset == 9 and restarted.step_onset(1.25, 2) == 9
 
 
 def test_single_noisy_iteration_raises_nothing():
