@@ -26,11 +26,11 @@ elif sys.argv[1] == "cpu-rank":  # a CPU rank's own start-up
 layer = torch.nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True)
 x = torch.randn(2, 256, 256)
 faults = []
-for step in range(16):
+for step in range(32):
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     layer(x).sum().backward()
     faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
-print(statistics.median(faults[6:]))
+print(statistics.median(faults[6:]), statistics.mean(faults[6:]))
 """
 
 _TINY_ARGS = ("--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
@@ -43,25 +43,29 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _median_faults_per_step(variant: str, *args: str) -> float:
+def _faults_per_step(variant: str, *args: str) -> tuple[float, float]:
+    """Page faults per steady step (after 6 warm-up steps): their median and their mean."""
     done = subprocess.run([sys.executable, "-c", _STEPS, variant, *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr
-    return float(done.stdout.split()[-1])
+    median, mean = done.stdout.split()[-2:]
+    return float(median), float(mean)
 
 
 @pytest.fixture(scope="module")
 def default_faults() -> float:
-    faults = _median_faults_per_step("default")
+    # On the mean: under glibc's defaults steps fault in bursts (0 in one step, 1,000-3,500 in
+    # another, depending on when the heap top is trimmed), and the median of some runs is 0.
+    _, faults = _faults_per_step("default")
     assert faults >= 50, f"glibc's defaults gave {faults} faults per step; the comparison needs them to fault"
     return faults
 
 
 def test_kept_memory_serves_steady_steps_without_page_faults(default_faults):
-    kept = _median_faults_per_step("keep")
-    assert kept <= default_faults / 20, (default_faults, kept)
+    median, mean = _faults_per_step("keep")
+    assert median <= default_faults / 20 and mean <= default_faults / 5, (default_faults, median, mean)
 
 
 def test_a_cpu_rank_keeps_freed_memory_from_start_up(default_faults):
-    rank = _median_faults_per_step("cpu-rank", *_TINY_ARGS)
-    assert rank <= default_faults / 20, (default_faults, rank)
+    median, mean = _faults_per_step("cpu-rank", *_TINY_ARGS)
+    assert median <= default_faults / 20 and mean <= default_faults / 5, (default_faults, median, mean)
