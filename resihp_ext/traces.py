@@ -56,7 +56,9 @@ class Trace:
         header: the header object (``{}`` if the file had none; ``layout`` is then inferred).
         iterations: iteration -> observations of that iteration, in file order.
         skipped: malformed lines that were skipped.
-        probes: iteration -> validation-probe timings recorded after it (live runs only).
+        probes: iteration -> the validation-probe rounds recorded after it, in the order they ran
+            (live runs only; a step can run several: the second rounds of verdicts that are due,
+            then a new suspicion's first).
         probe_baselines: rank -> healthy GEMM probe seconds (the last ``probe_baselines`` row;
             live one-stage-group jobs only).
     """
@@ -64,7 +66,7 @@ class Trace:
     header: dict
     iterations: dict[int, tuple[RankObservation, ...]]
     skipped: int = 0
-    probes: dict[int, ProbeResults] = field(default_factory=dict)
+    probes: dict[int, tuple[ProbeResults, ...]] = field(default_factory=dict)
     probe_baselines: dict[int, float] = field(default_factory=dict)
 
     def faults(self) -> tuple[Fault, ...]:
@@ -166,7 +168,7 @@ def load_trace(path: str) -> Trace:
     """Read a trace written by ``save_trace`` or by a live run (tolerant; see module doc)."""
     header: dict = {}
     per_iter: dict[int, list[RankObservation]] = defaultdict(list)
-    probes: dict[int, ProbeResults] = {}
+    probes: dict[int, tuple[ProbeResults, ...]] = {}
     baselines: dict[int, float] = {}
     skipped = 0
     with open(path, encoding="utf-8") as src:
@@ -190,7 +192,8 @@ def load_trace(path: str) -> Trace:
                     skipped += 1
             elif row.get("event") == "probe":
                 try:
-                    probes[int(row["iteration"])] = probe_from_dict(row)
+                    probe = probe_from_dict(row)
+                    probes[probe.iteration] = (*probes.get(probe.iteration, ()), probe)
                 except (KeyError, TypeError, ValueError, IndexError):
                     skipped += 1
             else:

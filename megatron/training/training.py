@@ -98,20 +98,21 @@ def evaluate(args, forward_step_func, dataset, objects, iteration: int, num_repl
     return loss
 
 
-def _alternate_detection() -> int | None:
-    """``RESIHP_ALTERNATE_DETECTION`` (``odd`` or ``even``), for measuring what detection costs:
-    the op hooks and the per-iteration detection run only on iterations of that parity, and each
-    iteration event carries ``detecting`` and ``step_s`` (the iteration's time including
-    detection). Two runs of opposite parity time every iteration's data both ways. Returns the
-    parity (1 odd, 0 even) or None when unset."""
+def _alternate_detection() -> tuple[int, int] | None:
+    """``RESIHP_ALTERNATE_DETECTION=PERIOD:PHASE``, for measuring what detection costs: the op
+    hooks and the per-iteration detection run only on iterations ``i`` with ``i % PERIOD == PHASE``,
+    and each iteration event carries ``detecting`` and ``step_s`` (the iteration's time including
+    detection). Two runs of different phases time iterations both ways. Returns
+    ``(period, phase)``, or None when unset."""
     value = os.environ.get("RESIHP_ALTERNATE_DETECTION")
     if not value:
         return None
-    if value not in ("odd", "even"):
-        print(f"error: RESIHP_ALTERNATE_DETECTION must be 'odd' or 'even' (the iterations that detect), "
-              f"got {value!r}", file=sys.stderr)
-        raise SystemExit(2)
-    return 1 if value == "odd" else 0
+    period, _, phase = value.partition(":")
+    if period.isdigit() and phase.isdigit() and 0 <= int(phase) < int(period):
+        return int(period), int(phase)
+    print(f"error: RESIHP_ALTERNATE_DETECTION must be PERIOD:PHASE with 0 <= PHASE < PERIOD (4:0 detects on "
+          f"iterations 4, 8, ...), got {value!r}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def pretrain(
@@ -170,7 +171,7 @@ def pretrain(
             garbage_collection.settle()
             settled = objects
         # Measuring detection's cost: on alternate iterations hooks and detection are off.
-        detecting = alternate is None or iteration % 2 == alternate
+        detecting = alternate is None or iteration % alternate[0] == alternate[1]
         if alternate is not None:
             (install_hooks if detecting else uninstall_hooks)()
         start = time.perf_counter()

@@ -151,12 +151,17 @@ def live(path: str, tallies, stats) -> list[str]:
     spec = SyntheticSpec()
 
     def probes_for(iteration, suspicion):
-        # Live runs record each probe round at the iteration it ran after.
-        later = sorted(i for i in trace.probes if i >= iteration)
-        if later:
-            return trace.probes[later[0]]
-        notes.append(f"{path}: no recorded probes after iteration {iteration}; "
-                     "probe timings simulated from the header's faults")
+        # Live runs record each probe round at the iteration it ran after, which is later than the
+        # replay's (live, one iteration after the suspicion), and one step can run several rounds.
+        # A suspicion's round is the first from its iteration on that probed all it names: the
+        # next round in time can be another suspicion's (a 1.5x rank was missed that way).
+        ranks, links = set(suspicion.probe_ranks), set(suspicion.probe_links)
+        for i in sorted(i for i in trace.probes if i >= iteration):
+            for probes in trace.probes[i]:
+                if ranks <= set(probes.rank_s) and links <= set(probes.link_s):
+                    return probes
+        notes.append(f"{path}: no recorded probe round of ranks {sorted(ranks)} and links {sorted(links)} after "
+                     f"iteration {iteration}; probe timings simulated from the header's faults")
         return synthetic_probes(spec, faults, iteration, suspicion.probe_ranks, suspicion.probe_links)
 
     run_one(sorted(trace.iterations.items()), faults, spec, tallies, stats, probes_for, trace.probe_baselines)

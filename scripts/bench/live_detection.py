@@ -6,11 +6,11 @@ attention) and measures, in one invocation:
 (a) a healthy run of ``--healthy-iters`` iterations with ``--resihp-detect-only --resihp-trace``;
 (b) the same job with ``slow:rank=3,factor=1.5,at=10`` injected;
 (c) what detection costs: two runs of ``--overhead-iters`` with ``RESIHP_ALTERNATE_DETECTION``
-    ``odd`` and ``even``, in which the op hooks and the per-iteration detection (gathering every
-    rank's timings, judging) run on every other iteration only. Every iteration's data is thus
-    timed with detection on in one run and off in the other, and the overhead is the geometric
-    mean of those per-iteration ratios (iteration time including detection), so neither the data's
-    swing nor the host's drift between runs enters it;
+    ``4:0`` and ``4:2``, in which the op hooks and the per-iteration detection (sending timings to
+    rank 0, its judging) run on every 4th iteration only, half a period apart. Each detection's
+    iteration and the next (which pays for rank 0's judging) are thus timed with detection in
+    one run and clean in the other, and neighbouring pairs take out the host's drift
+    (``paired_overhead``);
 (d) this host's timing floor: one fixed op (GEMMs, the size of a micro-batch's compute) timed by
     the same busy clock in this process alone, and the MAPE of predicting each run by the median.
     No cost model can predict a micro-batch better than the clock repeats a fixed op, so the
@@ -117,52 +117,78 @@ def _pct(log_ratio: float) -> float:
     return round(100 * math.expm1(log_ratio), 3)
 
 
+# The two runs that time detection's cost: each detects on every 4th iteration, half a period apart.
+ALTERNATE_PHASES = ("4:0", "4:2")
+
+
 def paired_overhead(logs: list[Path], skip: int) -> dict:
-    """Detection's cost from two runs of opposite ``RESIHP_ALTERNATE_DETECTION`` parity.
+    """Detection's cost from the two runs of ``ALTERNATE_PHASES`` (``RESIHP_ALTERNATE_DETECTION``).
 
-    Two estimates of the same quantity, per iteration after ``skip``:
+    Detecting after iteration ``i`` costs time in ``i`` (the detection step) and in ``i + 1``: rank 0
+    judges after its step, so it starts ``i + 1`` late, and the ranks that wait for it in the
+    pipeline and the gradient all-reduce pay for that in their ``i + 1``. So the unit is the pair
+    ``(i, i + 1)``: when one run detects after ``i``, the other detects after ``i - 2`` and
+    ``i + 2``, and its pair ``(i, i + 1)`` is clean while its neighbouring pairs are not (and the
+    other way round). Two estimates, per detecting iteration after ``skip``:
 
-    - across runs: its time with detection over its time without (the same data both times; the
-      two times were taken minutes apart, so the host's drift between runs is in every ratio);
-    - within runs (``overhead_pct``): in each run, the iteration's log time less the mean of its two
-      neighbours' (which ran the other way), and half the difference of that between the runs.
-      The neighbours remove the host's drift, the other run removes what the data costs.
+    - across runs: the pair's time with detection over its time without (the same data both times;
+      the two times were taken minutes apart, so the host's drift between runs is in every ratio);
+    - within runs (``overhead_pct``): in each run, the pair's log time less the mean of its two
+      neighbouring pairs' (which ran the other way), and half the difference of that between the
+      runs. The neighbours remove the host's drift, the other run removes what the data costs.
+
+    Both are the pair's extra time; as a share of one iteration that is twice it, and that is
+    what detection costs a job that detects after every iteration, which is what they report.
+    (With every other iteration detecting, as this estimate once was, the cost carried into the
+    next iteration landed on the baseline and was subtracted: it read -0.79%, interval -1.32% to
+    -0.26%, on 470 iterations of 8 ranks over 2 cores, while rank 0 judged for 0.52% of an
+    iteration in CPU.)
 
     ``decider_cpu_pct`` is rank 0's judging per detecting iteration, in CPU seconds
-    (``decision_cpu_s`` of the ``detector_overhead`` events), over the median iteration.
+    (``decision_cpu_s`` of the ``detector_overhead`` events), over the median clean iteration.
     """
-    on, off, after_step, times, detecting = {}, {}, {}, [{}, {}], [{}, {}]
+    times, detecting, elapsed = [{}, {}], [{}, {}], [{}, {}]
     decision_cpu_s, decided = 0.0, 0
     for run, log in enumerate(logs):
         for e in events(log, "iteration"):
-            times[run][e["iteration"]] = math.log(e["step_s"])
+            times[run][e["iteration"]] = e["step_s"]
+            elapsed[run][e["iteration"]] = e["elapsed_s"]
             detecting[run][e["iteration"]] = e["detecting"]
             decided += e["detecting"]
-            if e["iteration"] > skip:
-                (on if e["detecting"] else off)[e["iteration"]] = e["step_s"]
-                if e["detecting"]:  # what detection added after the training step, timed directly
-                    after_step[e["iteration"]] = e["step_s"] - e["elapsed_s"]
         decision_cpu_s += sum(e.get("decision_cpu_s", 0.0) for e in events(log, "detector_overhead"))
-    both = sorted(on.keys() & off.keys())
-    if len(both) < 4:
-        raise SystemExit(f"only {len(both)} iterations timed both ways; raise --overhead-iters")
-    cross_mean, cross_half = _mean_ci([math.log(on[i] / off[i]) for i in both])
-    within = []
-    a, b = times
-    for i in both:
-        if all(k in a and k in b for k in (i - 1, i + 1)):
-            da, db = a[i] - (a[i - 1] + a[i + 1]) / 2, b[i] - (b[i - 1] + b[i + 1]) / 2
-            within.append((da - db) / 2 if detecting[0][i] else (db - da) / 2)
+
+    def pair(run: int, i: int) -> float:
+        return math.log(times[run][i] + times[run][i + 1])
+
+    cross, within, clean, on, after_step = [], [], [], [], []
+    for x in (0, 1):
+        y = 1 - x
+        for i in sorted(times[x]):
+            span = range(i - 2, i + 4)
+            if i <= skip or not detecting[x][i] or not all(k in times[x] and k in times[y] for k in span):
+                continue
+            if detecting[y][i] or detecting[y][i + 1] or detecting[x][i + 1] or not detecting[y][i - 2]:
+                raise SystemExit(f"{logs[x]} and {logs[y]} are not runs of RESIHP_ALTERNATE_DETECTION "
+                                 f"{ALTERNATE_PHASES[0]} and {ALTERNATE_PHASES[1]}")
+            cross.append(2 * (pair(x, i) - pair(y, i)))
+            dx = pair(x, i) - (pair(x, i - 2) + pair(x, i + 2)) / 2
+            dy = pair(y, i) - (pair(y, i - 2) + pair(y, i + 2)) / 2
+            within.append(dx - dy)  # twice the half difference: per iteration, not per pair
+            clean += [times[y][i], times[y][i + 1]]
+            on.append(times[x][i])
+            after_step.append(times[x][i] - elapsed[x][i])  # the detection step, timed directly
+    if len(within) < 4:
+        raise SystemExit(f"only {len(within)} detecting iterations timed both ways; raise --overhead-iters")
+    cross_mean, cross_half = _mean_ci(cross)
     within_mean, within_half = _mean_ci(within)
-    median_off = statistics.median(off[i] for i in both)
-    return {"iterations_paired": len(both), "overhead_pct": _pct(within_mean),
+    median_off = statistics.median(clean)
+    return {"detections_paired": len(within), "overhead_pct": _pct(within_mean),
             "ci95_pct": [_pct(within_mean - within_half), _pct(within_mean + within_half)],
             "decider_cpu_pct": round(100 * decision_cpu_s / max(decided, 1) / median_off, 3),
             "cross_run_pct": _pct(cross_mean), "cross_run_ci95_pct": [_pct(cross_mean - cross_half),
                                                                       _pct(cross_mean + cross_half)],
-            "after_step_pct": round(100 * statistics.mean(after_step[i] for i in both)
-                                    / statistics.mean(off[i] for i in both), 3),
-            "median_step_s_on": round(statistics.median(on[i] for i in both), 4),
+            "after_step_pct": round(100 * statistics.mean(after_step) / statistics.mean(clean), 3),
+            "median_step_s_on": round(statistics.median(on), 4),
             "median_step_s_off": round(median_off, 4)}
 
 
@@ -234,7 +260,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--healthy-iters", type=int, default=200)
     parser.add_argument("--slow-iters", type=int, default=40)
-    parser.add_argument("--overhead-iters", type=int, default=60,
+    parser.add_argument("--overhead-iters", type=int, default=120,
                         help="iterations of each of the two runs that time detection's cost")
     parser.add_argument("--workdir", help="keep logs and traces here (default: a temporary folder)")
     parser.add_argument("--overhead-only", action="store_true", help="only the measurement of detection's cost")
@@ -264,11 +290,11 @@ def main() -> None:
     # Detection's cost: every iteration timed with detection on (one run) and off (the other);
     # the first iterations fit the predictor and, on one stage group, measure probe baselines.
     logs = []
-    for parity in ("odd", "even"):
-        log = work / f"overhead_{parity}.events.jsonl"
+    for phase in ALTERNATE_PHASES:
+        log = work / f"overhead_{phase.replace(':', '_')}.events.jsonl"
         log.unlink(missing_ok=True)
         launch(nproc, [*base, "--train-iters", str(args.overhead_iters), "--resihp-detect-only",
-                       "--resihp-event-log", str(log)], {"RESIHP_ALTERNATE_DETECTION": parity})
+                       "--resihp-event-log", str(log)], {"RESIHP_ALTERNATE_DETECTION": phase})
         logs.append(log)
     paired = paired_overhead(logs, skip=10)
     # Direct account: the detection step's own time, plus the hooks' cost per op times the ops a
@@ -325,7 +351,8 @@ def main() -> None:
         print(f"  timing floor of this host: a fixed {floor['op_ms']} ms op, timed alone, repeats with MAPE "
               f"{floor['mape_pct']}% (CV {floor['cv_pct']}%)")
     h = out["detection_overhead"]
-    print(f"\ndetection on/off, {h['iterations_paired']} iterations each timed both ways: overhead {h['overhead_pct']}% "
+    print(f"\ndetection on/off, {h['detections_paired']} detections timed with the next iteration against the same "
+          f"iterations clean: overhead {h['overhead_pct']}% of an iteration "
           f"(95% interval {h['ci95_pct']}), within runs; rank 0's judging took {h['decider_cpu_pct']}% of an "
           f"iteration in CPU; across runs {h['cross_run_pct']}% "
           f"(95% interval {h['cross_run_ci95_pct']}); median iteration {h['median_step_s_on']} / "

@@ -179,22 +179,22 @@ def test_a_one_rank_job_names_its_own_slowdown_against_its_healthy_probe(tmp_pat
 
 
 def test_alternate_detection_times_each_iteration_with_detection_on_or_off(tmp_path):
-    # What live_detection.py measures detection's cost with: only even iterations detect.
+    # What live_detection.py measures detection's cost with: only iterations 2, 6, ... detect.
     log, trace = tmp_path / "events.jsonl", tmp_path / "trace.jsonl"
     shape = [a for a in SHAPE]
     shape[shape.index("--tensor-model-parallel-size") + 1] = "1"
     proc = run_job(2, [*shape, "--train-iters", "8", "--resihp-detect-only", "--resihp-event-log", str(log),
-                       "--resihp-trace", str(trace)], timeout_s=240, env_extra={"RESIHP_ALTERNATE_DETECTION": "even"})
+                       "--resihp-trace", str(trace)], timeout_s=240, env_extra={"RESIHP_ALTERNATE_DETECTION": "4:2"})
     check(proc)
     iterations = read_events(log, "iteration")
     assert [e["iteration"] for e in iterations] == list(range(1, 9))
     for e in iterations:
-        assert e["detecting"] == (e["iteration"] % 2 == 0), e
+        assert e["detecting"] == (e["iteration"] % 4 == 2), e
         assert e["step_s"] >= e["elapsed_s"] > 0, e
-    # Detection (and its trace) ran on the even iterations only, with both ranks' op timings.
+    # Detection (and its trace) ran on those iterations only, with both ranks' op timings.
     recorded = load_trace(str(trace)).iterations
-    assert sorted(recorded) == [2, 4, 6, 8]
+    assert sorted(recorded) == [2, 6]
     assert all(len(obs) == 2 and all(o.ops for o in obs) for obs in recorded.values())
 
-    bad = run_job(2, [*shape, "--train-iters", "2"], timeout_s=240, env_extra={"RESIHP_ALTERNATE_DETECTION": "2"})
-    assert bad.returncode == 2 and "RESIHP_ALTERNATE_DETECTION must be 'odd' or 'even'" in bad.stderr, bad.stderr[-2000:]
+    bad = run_job(2, [*shape, "--train-iters", "2"], timeout_s=240, env_extra={"RESIHP_ALTERNATE_DETECTION": "4:4"})
+    assert bad.returncode == 2 and "RESIHP_ALTERNATE_DETECTION must be PERIOD:PHASE" in bad.stderr, bad.stderr[-2000:]

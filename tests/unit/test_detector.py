@@ -296,7 +296,8 @@ def test_observation_validation():
 def test_trace_round_trip_and_tolerant_loader(tmp_path):
     trace = _trace(8)
     path = tmp_path / "t.jsonl"
-    save_trace(str(path), SPEC.header(), trace, [ProbeResults(3, {1: 0.01}, {(1, 5): 0.004})])
+    rounds = [ProbeResults(3, {1: 0.01}, {(1, 5): 0.004}), ProbeResults(3, {2: 0.02})]  # one step, two rounds
+    save_trace(str(path), SPEC.header(), trace, rounds)
     with open(path, "a") as f:
         f.write("\n# a comment\nnot json\n{\"iteration\": 9}\n")
     loaded = load_trace(str(path))
@@ -306,7 +307,8 @@ def test_trace_round_trip_and_tolerant_loader(tmp_path):
     assert (back.rank, back.replica, back.stage, back.tp_rank) == (original.rank, original.replica, original.stage, original.tp_rank)
     assert back.features == original.features
     assert np.allclose([op[2:] for op in back.ops], [op[2:] for op in original.ops], atol=1e-6)
-    assert loaded.probes[3].link_s[(1, 5)] == pytest.approx(0.004)
+    assert [dict(p.rank_s) for p in loaded.probes[3]] == [{1: 0.01}, {2: 0.02}]
+    assert loaded.probes[3][0].link_s[(1, 5)] == pytest.approx(0.004)
     assert loaded.header["layout"] == {"tp": 2, "pp": 2, "dp": 2}
     # Without a header the layout is inferred from the rows.
     rows = path.read_text().splitlines()[1:]

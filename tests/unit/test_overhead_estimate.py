@@ -13,24 +13,29 @@ _SPEC = importlib.util.spec_from_file_location(
 live_detection = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(live_detection)
 
-COST = 0.05  # what detection adds to an iteration that detects
+STEP_COST = 0.02  # what detection adds to the iteration that detects (the detection step)
+NEXT_COST = 0.03  # and to the next one (rank 0 judged before starting it; the others wait for it)
 
 
-def _write_runs(tmp_path, decision_cpu_s=0.0, iterations=200, seed=3):
+def _write_runs(tmp_path, decision_cpu_s=0.0, iterations=400, seed=3, phases=live_detection.ALTERNATE_PHASES,
+                step_cost=STEP_COST, next_cost=NEXT_COST):
     """Two runs of the same data (iteration costs that swing 2x), on a host whose speed drifts
-    differently in each run, with detection on the odd iterations of one and the even of the other."""
+    differently in each run, each detecting on every 4th iteration, half a period apart."""
     rng = random.Random(seed)
     data = [rng.uniform(0.25, 0.5) for _ in range(iterations + 1)]
     logs = []
-    for run, parity in enumerate((1, 0)):
+    for run, phase in enumerate(phases):
+        period, offset = (int(v) for v in phase.split(":"))
         drift_phase = rng.uniform(0, 2 * math.pi)
         rows = []
         for i in range(1, iterations + 1):
-            detecting = i % 2 == parity
+            detecting = i % period == offset
+            after = (i - 1) % period == offset
             host = 1 + 0.08 * math.sin(i / 15 + drift_phase) + rng.gauss(0, 0.005)
-            step = data[i] * host * (1 + COST if detecting else 1)
+            elapsed = data[i] * host * (1 + (next_cost if after else 0.0))
+            step = elapsed + (data[i] * host * step_cost if detecting else 0.0)
             rows.append({"event": "iteration", "iteration": i, "detecting": detecting, "step_s": step,
-                         "elapsed_s": step * (0.99 if detecting else 1.0)})
+                         "elapsed_s": elapsed})
         rows.append({"event": "detector_overhead", "iteration": -1, "decision_s": 0.0,
                      "decision_cpu_s": decision_cpu_s})
         log = tmp_path / f"run{run}.jsonl"
@@ -39,16 +44,31 @@ def _write_runs(tmp_path, decision_cpu_s=0.0, iterations=200, seed=3):
     return logs
 
 
-def test_the_within_run_estimate_finds_the_cost_through_a_drifting_host(tmp_path):
+def test_the_estimate_counts_what_detection_carries_into_the_next_iteration(tmp_path):
+    # A job detecting after every iteration pays both parts in every iteration: 5%.
     result = live_detection.paired_overhead(_write_runs(tmp_path), skip=10)
     low, high = result["ci95_pct"]
-    assert low <= 100 * COST <= high, result
+    assert low <= 100 * (STEP_COST + NEXT_COST) <= high, result
     assert high - low < 1.0, result  # the neighbours take the drift out
     cross_low, cross_high = result["cross_run_ci95_pct"]
     assert cross_high - cross_low > 2 * (high - low), result  # across runs the drift stays in
+    assert result["after_step_pct"] == pytest.approx(100 * STEP_COST, rel=0.1)  # the step alone, directly
+
+
+def test_a_cost_that_lands_only_on_the_next_iteration_is_counted_in_full(tmp_path):
+    # What comparing each iteration with its neighbours, detecting on every other one, got wrong:
+    # the next iteration was the baseline, so this cost read as a saving.
+    result = live_detection.paired_overhead(_write_runs(tmp_path, step_cost=0.0, next_cost=0.04), skip=10)
+    low, high = result["ci95_pct"]
+    assert low <= 4.0 <= high and low > 3.0, result
 
 
 def test_rank_0s_judging_is_reported_as_cpu_per_detecting_iteration(tmp_path):
     # 100 detecting iterations per run, each judged in 3.75 ms of rank 0's CPU.
     result = live_detection.paired_overhead(_write_runs(tmp_path, decision_cpu_s=0.375), skip=10)
     assert result["decider_cpu_pct"] == pytest.approx(100 * 0.75 / 200 / result["median_step_s_off"], abs=1e-3)
+
+
+def test_runs_of_other_phases_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="are not runs of RESIHP_ALTERNATE_DETECTION 4:0 and 4:2"):
+        live_detection.paired_overhead(_write_runs(tmp_path, phases=("2:1", "2:0")), skip=10)
