@@ -47,7 +47,7 @@ from resihp_ext.observations import (  # noqa: F401  (part of this module's API)
     RankObservation,
     Suspicion,
 )
-from resihp_ext.op_signals import Baselines, Streak, group_op_durations, link_gaps, op_times
+from resihp_ext.op_signals import Baselines, Streak, beyond_common, group_op_durations, link_gaps, op_times
 from resihp_ext.predictor import MicrobatchPredictor, as_feature_array, predict_replica
 from resihp_ext.speed_level import SpeedLevels
 from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of this API)
@@ -224,8 +224,8 @@ class FailSlowDetector:
         )
 
         threshold = self.config.slowdown_threshold
-        slow_stage, self._stage_common = _beyond_common(stage_ratio)
-        slow_link, self._link_common = _beyond_common(link_ratio)
+        slow_stage, self._stage_common = beyond_common(stage_ratio)
+        slow_link, self._link_common = beyond_common(link_ratio)
         suspicion = None
         if judged:
             suspicion = self._decide(iteration, slow_stage, sibling_ratio, slow_link, stage_ratio)
@@ -553,19 +553,3 @@ class FailSlowDetector:
             self._contention_history.append(contention)
         return span + overhead
 
-
-def _beyond_common(ratios: dict) -> tuple[dict, dict]:
-    """Each ratio over the slowdown all the others share: the smallest of their ratios, when above 1.
-
-    A slowdown every group or link shows is the host's or the job's (a busy host, a job-wide clock
-    change), not one device's, and no re-plan helps it. Measured on the others only, so one slow
-    subject among healthy ones keeps its whole ratio.
-
-    Returns:
-        (the ratios beyond the common slowdown, each subject's common slowdown).
-    """
-    if len(ratios) < 2:
-        return dict(ratios), {}
-    ordered = sorted(ratios.values())
-    common = {k: max(ordered[1] if r == ordered[0] else ordered[0], 1.0) for k, r in ratios.items()}
-    return {k: r / common[k] for k, r in ratios.items()}, common

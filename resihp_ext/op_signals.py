@@ -1,8 +1,9 @@
 """The measures the fail-slow detector judges, taken from one iteration's op timings.
 
 Responsible for turning ``RankObservation``s into numbers: a per-rank table of op start, end and
-busy times, a TP group's op durations, each pipeline link's transfer gap, and the two small
-containers that remember values over iterations (ring-buffer baselines, above-threshold streaks).
+busy times, a TP group's op durations, each pipeline link's transfer gap, ratios beyond the
+slowdown all their peers share, and the two small containers that remember values over
+iterations (ring-buffer baselines, above-threshold streaks).
 Judging them is ``resihp_ext.detector``'s job.
 """
 
@@ -150,3 +151,20 @@ def link_gaps(groups, times) -> dict[LinkId, tuple[float, int]]:
                     if count:
                         gaps[link] = (max(float(np.nanmin(gap)), 0.0), count)
     return gaps
+
+
+def beyond_common(ratios: dict) -> tuple[dict, dict]:
+    """Each ratio over the slowdown all the others share: the smallest of their ratios, when above 1.
+
+    A slowdown every group or link shows is the host's or the job's (a busy host, a job-wide clock
+    change), not one device's, and no re-plan helps it. Measured on the others only, so one slow
+    subject among healthy ones keeps its whole ratio.
+
+    Returns:
+        (the ratios beyond the common slowdown, each subject's common slowdown).
+    """
+    if len(ratios) < 2:
+        return dict(ratios), {}
+    ordered = sorted(ratios.values())
+    common = {k: max(ordered[1] if r == ordered[0] else ordered[0], 1.0) for k, r in ratios.items()}
+    return {k: r / common[k] for k, r in ratios.items()}, common
