@@ -330,38 +330,41 @@ class LiveDetector:
         return probes
 
     def _probe_ranks(self, ranks) -> dict[int, float]:
-        """GEMM probe on each listed rank, one rank at a time, in passes over the ranks (collective).
-
-        One at a time because ranks may share cores or a power budget (always on CPU): probing
-        concurrently would measure contention between them, not each device's speed. In passes,
-        one sample of each rank per pass, so the suspects' samples and their references' spread
-        over the same span: a host busy for part of the round slows both alike, where each rank's
-        samples back to back could all fall in the busy part for the suspect alone.
-        """
-        mine = []
-        for _ in range(_PROBE_PASSES):
-            for rank in sorted(ranks):
-                if rank == self.rank:
-                    mine.append(gemm_probe_s(self.device, samples=1))
-                dist.barrier()
+        """GEMM probe on each listed rank (collective; see ``_fastest_in_passes``)."""
+        mine = self._fastest_in_passes(sorted(ranks), lambda rank: gemm_probe_s(self.device, samples=1)
+                                       if rank == self.rank else None)
         times: list = [None] * dist.get_world_size()
-        dist.all_gather_object(times, min(mine, default=0.0))
+        dist.all_gather_object(times, mine.get(self.rank, 0.0))
         return {r: times[r] for r in sorted(ranks)}
 
     def _probe_links(self, links) -> dict[tuple[int, int], float]:
-        """p2p probe on each listed link, one link at a time, in passes (collective), for the same reasons."""
-        samples: dict[tuple[int, int], list[float]] = {}
-        for _ in range(_PROBE_PASSES):
-            for src, dst in links:
-                if self.rank in (src, dst):
-                    seconds = link_probe_s(src, dst, self.device, self.link_probe_bytes, samples=1)
-                    if seconds is not None:
-                        samples.setdefault((src, dst), []).append(seconds)
-                dist.barrier()
-        mine = {link: min(times) for link, times in samples.items()}
+        """p2p probe on each listed link (collective; see ``_fastest_in_passes``)."""
+        mine = self._fastest_in_passes(links, lambda link: link_probe_s(*link, self.device, self.link_probe_bytes,
+                                                                        samples=1) if self.rank in link else None)
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return {link: seconds for table in gathered for link, seconds in table.items()}
+
+    @staticmethod
+    def _fastest_in_passes(subjects, sample) -> dict:
+        """Each subject's fastest of ``_PROBE_PASSES`` samples, one subject at a time (collective).
+
+        ``sample(subject)`` returns this rank's seconds for it, or None where this rank takes no
+        part. One at a time because ranks may share cores or a power budget (always on CPU):
+        probing concurrently would measure contention between them, not each device's speed. In
+        passes, one sample of each subject per pass, so the suspects' samples and their
+        references' spread over the same span: a host busy for part of the round slows both
+        alike, where each subject's samples back to back could all fall in the busy part for the
+        suspect alone.
+        """
+        fastest: dict = {}
+        for _ in range(_PROBE_PASSES):
+            for subject in subjects:
+                seconds = sample(subject)
+                if seconds is not None:
+                    fastest[subject] = min(seconds, fastest.get(subject, seconds))
+                dist.barrier()
+        return fastest
 
 
 def describe(outcome: Verdict | Cleared) -> str:
