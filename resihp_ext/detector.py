@@ -552,4 +552,3 @@ class FailSlowDetector:
             self._overhead_history.append(max(observed_iter - span, 0.0))
             self._contention_history.append(contention)
         return span + overhead
-

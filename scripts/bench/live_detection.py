@@ -287,8 +287,9 @@ def main() -> None:
         out[name] = {"wall_s": round(wall, 1), "median_iteration_s": round(median_iteration_s(log, 3), 4),
                      **event_counts(log, ONSET if extra else None, slow_rank), "loadavg_after": os.getloadavg()}
 
-    # Detection's cost: every iteration timed with detection on (one run) and off (the other);
-    # the first iterations fit the predictor and, on one stage group, measure probe baselines.
+    # Detection's cost: each detecting iteration and the next timed with detection in one run and
+    # clean in the other (``paired_overhead``); the first iterations fit the predictor and, on one
+    # stage group, measure probe baselines.
     logs = []
     for phase in ALTERNATE_PHASES:
         log = work / f"overhead_{phase.replace(':', '_')}.events.jsonl"

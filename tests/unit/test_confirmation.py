@@ -175,7 +175,7 @@ def test_probes_run_an_iteration_after_the_decision_confirm_the_slow_rank_one_it
 def test_a_plan_put_back_is_probed_at_the_next_step():
     settled, raised = _run_lagged(wait_iters=2)
     first_round = next(s for s in raised if s.kind == "compute")
-    detector, pending = FailSlowDetector(), PendingVerdicts(2)
+    pending = PendingVerdicts(2)
     verdict = Verdict("compute", (5,), 2.0, first_round.iteration + 1, {"probe_factors": {"5": 2.0}}, "slow")
     pending.hold(first_round, verdict, first_round.iteration + 1)
     plan = pending.plan_probes(first_round.iteration + 3, None)
