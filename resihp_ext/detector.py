@@ -13,7 +13,9 @@ Decisions:
       slow rank stretches all of them and only probes can tell which one it is);
     * per directed link: ratio = observed transfer gap / its healthy baseline, the gap being the
       smallest delay between a sender's op end and the receiver's op start over the iteration's
-      micro-batches (the receiver waited at least once, so the minimum is the transfer itself);
+      micro-batches (the receiver waited at least once, so the minimum is the transfer itself),
+      counted only when it exceeds every recent healthy gap of the link by a noticeable part of
+      the iteration;
     * a slowdown every group (or every link) shows alike is the host's or the job's, not a
       device's: each ratio is judged over the smallest of the others' (when above 1), so only a
       group or link slower than all its peers is suspect;
@@ -47,7 +49,8 @@ from resihp_ext.observations import (  # noqa: F401  (part of this module's API)
     RankObservation,
     Suspicion,
 )
-from resihp_ext.op_signals import Baselines, Streak, beyond_common, group_op_durations, link_gaps, op_times
+from resihp_ext.link_baselines import LinkBaselines
+from resihp_ext.op_signals import Streak, beyond_common, group_op_durations, link_gaps, op_times
 from resihp_ext.predictor import MicrobatchPredictor, as_feature_array, predict_replica
 from resihp_ext.speed_level import SpeedLevels
 from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of this API)
@@ -128,13 +131,12 @@ class FailSlowDetector:
         self._recovery_streak: dict[GroupId, Streak] = defaultdict(Streak)
         self._known_groups: dict[GroupId, float] = {}
         self._link_streak: dict[LinkId, Streak] = defaultdict(Streak)
-        self._link_history = Baselines(_HISTORY)
+        self._links = LinkBaselines(_HISTORY)
         self._overhead_history: deque = deque(maxlen=_HISTORY)
         self._contention_history: deque = deque(maxlen=_HISTORY)
         self._pending: set = set()
         self._muted: set = set()
         self._cooldown: dict = {}
-        self._link_base: dict[LinkId, float] = {}
         self._stage_common: dict[GroupId, float] = {}
         self._link_common: dict[LinkId, float] = {}
         self._group_ranks: dict[GroupId, tuple[int, ...]] = {}
@@ -202,22 +204,16 @@ class FailSlowDetector:
         busy = float(np.nansum(every_op[4:6]))
         contention = wall / busy if busy > 0 else 1.0
         gaps = link_gaps(groups, times)
-        link_ratio = {}
-        self._link_base = self._link_history.medians(min_count=3)
         observed_iter = statistics.median(o.iteration_s for o in observations)
-        # A transfer is only suspect when its excess, over all the link's transfers in the
-        # iteration, matters to the iteration: a sub-millisecond baseline jittering by a few
-        # microseconds is not a 2x slowdown.
+        # A link is only suspect when its excess, over all its transfers in the iteration, matters
+        # to the iteration (``LinkBaselines.ratios``): a sub-millisecond baseline jittering by a
+        # few microseconds, or a receiver that now and then wakes late, is not a 2x slowdown.
         min_excess_s = max(_MIN_LINK_EXCESS_S, _MIN_LINK_EXCESS_FRACTION * observed_iter)
         shared = statistics.median(self._contention_history or [contention]) >= _SHARED_DEVICE_CONTENTION
-        for link, (gap, transfers) in gaps.items():
-            base = self._link_base.get(link)
-            if base is None or shared:
-                continue
-            if (gap - base) * transfers > min_excess_s:
-                link_ratio[link] = gap / max(base, 1e-9)
-            else:
-                link_ratio[link] = min(gap / max(base, 1e-9), 1.0)
+        # Also refreshes the learnt link times the iteration prediction uses: run where not judged.
+        link_ratio = self._links.ratios(gaps, min_excess_s)
+        if shared:
+            link_ratio = {}
         predicted_iter = self._predict_iteration(groups, keys, feats, observed_iter, contention) if fitted else None
         self.last_report = DetectorReport(
             iteration, judged, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter, sibling_ratio
@@ -248,9 +244,7 @@ class FailSlowDetector:
             if len(data):
                 self.predictor.observe_batch(key, data[:, 0], data[:, 1], data[:, 3], num_docs=data[:, 2],
                                              scale=data[:, 4])
-        for link, (gap, _) in gaps.items():
-            if link_ratio.get(link, 1.0) <= threshold and link not in self._muted:
-                self._link_history.add(link, gap)
+        self._links.learn(gaps, link_ratio, threshold, self._muted)
         return suspicion
 
     def _decide(self, iteration, slow_stage, sibling_ratio, slow_link, stage_ratio) -> Suspicion | None:
@@ -353,7 +347,7 @@ class FailSlowDetector:
             a, b = self._rank_group.get(other[0]), self._rank_group.get(other[1])
             return a is not None and b is not None and (a[1], b[1]) == (g[1], h[1]) and a[0] == b[0]
 
-        siblings = sorted((other for other in self._link_history if other != link and boundary(other)),
+        siblings = sorted((other for other in self._links if other != link and boundary(other)),
                           key=lambda other: (self._rank_group[other[0]][0] != g[0], other))[:_LINK_REFERENCES]
         streak = self._link_streak[link]
         common = self._link_common.get(link, 1.0)
@@ -538,7 +532,7 @@ class FailSlowDetector:
             for s in stages[:-1]:
                 # The group waits for its slowest TP pair: use the largest healthy baseline.
                 up, down = self._group_ranks[(r, s)], self._group_ranks[(r, s + 1)]
-                known = [self._link_base[(a, b)] for a, b in zip(up, down) if (a, b) in self._link_base]
+                known = [self._links.base[(a, b)] for a, b in zip(up, down) if (a, b) in self._links.base]
                 p2p.append(max(known) if known else 0.0)
             pred = predict_replica(self.predictor, [keys[(r, s)] for s in stages], feats[r], p2p,
                                    op_scale=[scale * self.levels.level((r, s)) for s in stages])

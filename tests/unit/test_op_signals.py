@@ -1,11 +1,14 @@
-"""The detector's measures: ring-buffer baselines give each id the median of its recent values."""
+"""The detector's measures: ring-buffer baselines give each id the median (or a quantile) of its
+recent values; a link's noise reach learns from readings that did not persist."""
 
 import numpy as np
+import pytest
 
+from resihp_ext.link_baselines import LinkBaselines
 from resihp_ext.op_signals import Baselines
 
 
-def test_baseline_medians_are_over_each_ids_last_values_once_it_has_enough():
+def test_baseline_medians_and_quantiles_are_over_each_ids_last_values_once_it_has_enough():
     baselines, history = Baselines(size=5), {}
     rng = np.random.default_rng(0)
     for _ in range(40):
@@ -18,4 +21,32 @@ def test_baseline_medians_are_over_each_ids_last_values_once_it_has_enough():
         got = baselines.medians(min_count=3)
         assert got.keys() == expected.keys()
         assert all(abs(got[k] - expected[k]) < 1e-12 for k in got)
+        top = baselines.quantiles(0.95, min_count=3)
+        assert top == {k: pytest.approx(float(np.quantile(v[-5:], 0.95))) for k, v in history.items() if len(v) >= 3}
     assert Baselines(size=4).medians(min_count=1) == {}
+
+
+def _judge(links, gap_s, threshold=1.25):
+    gaps = {(0, 2): (gap_s, 4)}
+    ratios = links.ratios(gaps, min_excess_s=0.005)
+    links.learn(gaps, ratios, threshold, muted=())
+    return ratios.get((0, 2))
+
+
+def test_a_link_reading_that_did_not_persist_raises_its_noise_reach_and_a_persistent_one_does_not():
+    links = LinkBaselines(size=32)
+    for _ in range(20):
+        assert _judge(links, 0.0005) in (None, 1.0)
+    for _ in range(2):  # 3.5 ms over 4 transfers: slow, and not repeated the next iteration
+        assert _judge(links, 0.004) == pytest.approx(8.0)
+        assert _judge(links, 0.0005) == 1.0
+    # Seen twice in 24 non-persistent readings: within the link's noise reach now.
+    assert _judge(links, 0.004) == 1.0
+    # Further out than the noise has reached is slow, and stays slow: a persistent slowdown is
+    # never learnt as noise.
+    assert [_judge(links, 0.02) for _ in range(40)] == [pytest.approx(40.0)] * 40
+    # A muted link (a known slowdown) learns nothing.
+    muted = LinkBaselines(size=32)
+    for _ in range(5):
+        muted.learn({(0, 2): (0.0005, 4)}, {}, 1.25, muted={(0, 2)})
+    assert muted.ratios({(0, 2): (0.0005, 4)}, 0.005) == {}
