@@ -45,15 +45,16 @@ class LinkBaselines:
         """Each judged link's gap over its baseline; at most 1 unless the gap exceeds the link's
         noise reach by ``min_excess_s`` summed over the iteration's transfers."""
         self.base = self._healthy.medians(self.min_count)
-        reach = self._noise.quantiles(NOISE_QUANTILE, self.min_count)
         out = {}
         for link, (gap, transfers) in gaps.items():
             base = self.base.get(link)
             if base is None:
                 continue
             ratio = gap / max(base, 1e-9)
-            excess = gap - max(reach.get(link, base), base)
-            out[link] = ratio if excess * transfers > min_excess_s else min(ratio, 1.0)
+            slow = (gap - base) * transfers > min_excess_s
+            if slow:  # rarely: the noise reach is worked out only then
+                slow = (gap - max(self._noise.quantile(link, NOISE_QUANTILE), base)) * transfers > min_excess_s
+            out[link] = ratio if slow else min(ratio, 1.0)
         return out
 
     def learn(self, gaps, ratios: dict, threshold: float, muted) -> None:

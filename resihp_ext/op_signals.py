@@ -46,8 +46,12 @@ class Baselines:
     def medians(self, min_count: int) -> dict:
         return self._per_id(np.median, min_count)
 
-    def quantiles(self, q: float, min_count: int) -> dict:
-        return self._per_id(lambda values, axis=None: np.quantile(values, q, axis=axis), min_count)
+    def quantile(self, key, q: float) -> float:
+        """One id's ``q`` quantile of its recent values (NaN before it has any)."""
+        i = self.index.get(key)
+        if i is None or not self.count[i]:
+            return float("nan")
+        return float(np.quantile(self.values[i, : min(self.count[i], self.size)], q))
 
     def _per_id(self, reduce, min_count: int) -> dict:
         if not self.index:
