@@ -53,6 +53,13 @@ from resihp_ext.link_baselines import LinkBaselines
 from resihp_ext.op_signals import Streak, beyond_common, group_op_durations, link_gaps, op_times
 from resihp_ext.predictor import MicrobatchPredictor, as_feature_array, predict_replica
 from resihp_ext.speed_level import SpeedLevels
+from resihp_ext.suspicions import (
+    compute_suspicion,
+    link_suspicion,
+    recovery_suspicion,
+    reference_links,
+    reference_ranks,
+)
 from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of this API)
     Cleared,
     ProbeResults,
@@ -293,81 +300,21 @@ class FailSlowDetector:
         return iteration >= self._cooldown.get(what, -1)
 
     def _compute_suspicion(self, iteration: int, g: GroupId, ratio: float, signal: str) -> Suspicion:
-        ranks = self._group_ranks[g]
-        reference = self._reference_ranks(g)
-        streak = self._group_streak[g]
-        common = self._stage_common.get(g, 1.0)
-        beyond = f" beyond the {common:.2f}x every other group ran" if signal == "predicted" and common > 1.0 else ""
-        return Suspicion(
-            iteration=iteration,
-            onset_iteration=streak.onset,
-            kind="compute",
-            replica=g[0],
-            stage=g[1],
-            ranks=ranks,
-            links=(),
-            probe_ranks=tuple(ranks) + tuple(reference),
-            probe_links=(),
-            ratio=ratio,
-            reason=(
-                f"replica {g[0]} stage {g[1]} (ranks {list(ranks)}) ran {ratio:.2f}x "
-                + (f"its predicted compute time{beyond}" if signal == "predicted"
-                   else "in its slowest rank's compute against its TP siblings'")
-                + f" for {streak.count} iterations since {streak.onset} (threshold {self.config.slowdown_threshold})"
-            ),
-        )
+        return compute_suspicion(iteration, g, self._group_ranks[g], self._reference_ranks(g), self._group_streak[g],
+                                 ratio, signal, self._stage_common.get(g, 1.0), self.config.slowdown_threshold)
 
     def _reference_ranks(self, g: GroupId, also_avoid=()) -> tuple[int, ...]:
-        """Ranks of a healthy group to probe beside ``g``: the same stage of another replica, else
-        another stage (the GEMM probe is the same on every rank, so any healthy rank is a fair
-        reference). Muted groups, and ``also_avoid``, are not healthy references."""
-        others = [h for h in self._group_ranks if h != g and h not in self._muted and h not in also_avoid]
-        others.sort(key=lambda h: (h[1] != g[1], h))
-        return self._group_ranks[others[0]] if others else ()
+        return reference_ranks(g, self._group_ranks, avoid={*self._muted, *also_avoid})
 
     def _recovery_suspicion(self, iteration: int, g: GroupId, speedup: float) -> Suspicion:
-        ranks = self._group_ranks[g]
-        known = tuple(r for r in ranks if r in self._expected)
         reference = self._reference_ranks(g, also_avoid=self._known_groups)
-        streak = self._recovery_streak[g]
-        slowdowns = ", ".join(f"{r}: {self._expected[r]:.2f}x" for r in known)
-        return Suspicion(
-            iteration=iteration, onset_iteration=streak.onset, kind="recovery", replica=g[0], stage=g[1],
-            ranks=known, links=(), probe_ranks=tuple(ranks) + tuple(reference), probe_links=(), ratio=speedup,
-            reason=(f"replica {g[0]} stage {g[1]} (ranks {list(ranks)}) ran {speedup:.2f}x faster than its known "
-                    f"slowdown ({slowdowns}) predicts for {streak.count} iterations since {streak.onset}"),
-        )
+        return recovery_suspicion(iteration, g, self._group_ranks[g], self._expected, reference,
+                                  self._recovery_streak[g], speedup)
 
     def _link_suspicion(self, iteration: int, link: LinkId, ratio: float) -> Suspicion:
-        g = self._rank_group[link[0]]
-        h = self._rank_group[link[1]]
-        # References: other links across the same stage boundary in the same direction, this
-        # replica's first (they carry the same activations), then other replicas'; a few suffice.
-        def boundary(other):
-            a, b = self._rank_group.get(other[0]), self._rank_group.get(other[1])
-            return a is not None and b is not None and (a[1], b[1]) == (g[1], h[1]) and a[0] == b[0]
-
-        siblings = sorted((other for other in self._links if other != link and boundary(other)),
-                          key=lambda other: (self._rank_group[other[0]][0] != g[0], other))[:_LINK_REFERENCES]
-        streak = self._link_streak[link]
-        common = self._link_common.get(link, 1.0)
-        beyond = f" beyond the {common:.2f}x every other link took" if common > 1.0 else ""
-        return Suspicion(
-            iteration=iteration,
-            onset_iteration=streak.onset,
-            kind="link",
-            replica=g[0],
-            stage=min(g[1], h[1]),
-            ranks=tuple(link),
-            links=(link,),
-            probe_ranks=(),
-            probe_links=(link, *siblings),
-            ratio=ratio,
-            reason=(
-                f"transfer {link[0]}->{link[1]} took {ratio:.2f}x its healthy time{beyond} for {streak.count} "
-                f"iterations since {streak.onset}"
-            ),
-        )
+        references = reference_links(link, self._links, self._rank_group, _LINK_REFERENCES)
+        return link_suspicion(iteration, link, self._rank_group[link[0]], self._rank_group[link[1]], references,
+                              self._link_streak[link], ratio, self._link_common.get(link, 1.0))
 
     # ---------------------------------------------------------------- validation
 
