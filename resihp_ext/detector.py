@@ -50,7 +50,7 @@ from resihp_ext.observations import (  # noqa: F401  (part of this module's API)
     Suspicion,
 )
 from resihp_ext.link_baselines import LinkBaselines
-from resihp_ext.op_signals import Streak, beyond_common, group_op_durations, link_gaps, op_times
+from resihp_ext.op_signals import Streak, beyond_common, group_op_durations, link_gaps, nansum, op_times
 from resihp_ext.predictor import MicrobatchPredictor, as_feature_array, predict_replica
 from resihp_ext.speed_level import SpeedLevels
 from resihp_ext.suspicions import (
@@ -186,7 +186,7 @@ class FailSlowDetector:
         rank_ratio: dict[int, float] = {}
         # TP siblings run the same ops on the same data, so each is the others' reference: one slow
         # rank shows against them whatever the predictor makes of this iteration's data.
-        rank_busy = {r: float(np.nansum(t[4:6])) for r, t in times.items()}
+        rank_busy = {r: nansum(t[4:6]) for r, t in times.items()}
         sibling_ratio: dict[GroupId, float] = {}
         for g, obs in groups.items():
             # Siblings of a known slow rank wait for it on a device and not on a CPU, so against
@@ -203,12 +203,12 @@ class FailSlowDetector:
                 predicted = float(sum(p.sum() for p in op_predicted[g]))
                 if predicted <= 0:
                     continue
-                stage_ratio[g] = float(np.nansum(fwd) + np.nansum(bwd)) / predicted
+                stage_ratio[g] = (nansum(fwd) + nansum(bwd)) / predicted
                 for o in groups[g]:
                     rank_ratio[o.rank] = rank_busy[o.rank] / predicted
         every_op = np.concatenate(list(times.values()), axis=1)  # one table for all ranks: one pass
-        wall = float(np.nansum(every_op[1] - every_op[0]) + np.nansum(every_op[3] - every_op[2]))
-        busy = float(np.nansum(every_op[4:6]))
+        wall = nansum(every_op[1] - every_op[0]) + nansum(every_op[3] - every_op[2])
+        busy = nansum(every_op[4:6])
         contention = wall / busy if busy > 0 else 1.0
         gaps = link_gaps(groups, times)
         observed_iter = statistics.median(o.iteration_s for o in observations)
@@ -217,10 +217,7 @@ class FailSlowDetector:
         # few microseconds, or a receiver that now and then wakes late, is not a 2x slowdown.
         min_excess_s = max(_MIN_LINK_EXCESS_S, _MIN_LINK_EXCESS_FRACTION * observed_iter)
         shared = statistics.median(self._contention_history or [contention]) >= _SHARED_DEVICE_CONTENTION
-        # Also refreshes the learnt link times the iteration prediction uses: run where not judged.
-        link_ratio = self._links.ratios(gaps, min_excess_s)
-        if shared:
-            link_ratio = {}
+        link_ratio = self._links.ratios(gaps, min_excess_s, judge=not shared)
         predicted_iter = self._predict_iteration(groups, keys, feats, observed_iter, contention) if fitted else None
         self.last_report = DetectorReport(
             iteration, judged, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter, sibling_ratio

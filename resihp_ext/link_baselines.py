@@ -41,11 +41,14 @@ class LinkBaselines:
     def __iter__(self):
         return iter(self._healthy)
 
-    def ratios(self, gaps, min_excess_s: float) -> dict[LinkId, float]:
+    def ratios(self, gaps, min_excess_s: float, judge: bool = True) -> dict[LinkId, float]:
         """Each judged link's gap over its baseline; at most 1 unless the gap exceeds the link's
-        noise reach by ``min_excess_s`` summed over the iteration's transfers."""
+        noise reach by ``min_excess_s`` summed over the iteration's transfers. Without ``judge``
+        (links are not judged this iteration) none, but ``base`` is brought up to date."""
         self.base = self._healthy.medians(self.min_count)
-        out = {}
+        out: dict[LinkId, float] = {}
+        if not judge:
+            return out
         for link, (gap, transfers) in gaps.items():
             base = self.base.get(link)
             if base is None:

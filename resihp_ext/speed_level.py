@@ -24,6 +24,7 @@ read clocks, files or process groups.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Hashable
 
 import numpy as np
@@ -70,7 +71,7 @@ class SpeedLevels:
         ok = np.isfinite(observed) & np.isfinite(predicted) & (observed > 0) & (predicted > 0)
         if not ok.any():
             return self.level(group)
-        step = float(np.median(np.log(observed[ok] / predicted[ok])))
+        step = statistics.median(np.log(observed[ok] / predicted[ok]).tolist())  # a few values: no numpy median
         log_level = self._log_level.get(group, 0.0) + self._weight * step
         self._log_level[group] = min(max(log_level, -self._bound), self._bound)
         return self.level(group)
