@@ -15,12 +15,14 @@ at once, and the receiver reads one message (two for a large object).
 from __future__ import annotations
 
 import pickle
+import struct
 
 import torch
 import torch.distributed as dist
 
 CAPACITY = 16 << 10  # bytes of the first message: an 8-rank observation pickles to about 3 KiB
 _HEADER = 8
+_HEADER_FORMAT = "=q"  # the pickled length, native int64
 
 
 def send_object(obj, dsts, tag: int, group=None) -> list:
@@ -28,12 +30,13 @@ def send_object(obj, dsts, tag: int, group=None) -> list:
     pairs. Keep them (an ``Outbox`` does) until the sends complete: a buffer dropped early may be
     freed before it is sent."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
-    first = torch.zeros(CAPACITY, dtype=torch.uint8)
-    first[:_HEADER] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    # Built as bytes, then one tensor over them: slicing into a tensor cost 70 us of CPU per send.
     head = min(len(data), CAPACITY - _HEADER)
-    first[_HEADER:_HEADER + head] = payload[:head]
-    rest = payload[head:].clone() if len(data) > head else None
+    message = bytearray(CAPACITY)
+    struct.pack_into(_HEADER_FORMAT, message, 0, len(data))
+    message[_HEADER:_HEADER + head] = data[:head]
+    first = torch.frombuffer(message, dtype=torch.uint8)  # shares (and keeps alive) the bytes
+    rest = torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8) if len(data) > head else None
     works = []
     for dst in dsts:
         works.append((dist.isend(first, dst, group=_group_arg(group), tag=tag), first))
@@ -68,14 +71,14 @@ class PostedReceive:
 
 
 def _unpack(first: torch.Tensor, src: int, tag: int, group):
-    size = int(first[:_HEADER].view(torch.int64)[0])
+    raw = first.numpy()
+    size = struct.unpack_from(_HEADER_FORMAT, raw, 0)[0]
     head = min(size, CAPACITY - _HEADER)
-    data = first[_HEADER:_HEADER + head].numpy().tobytes()
-    if size > head:
-        rest = torch.empty(size - head, dtype=torch.uint8)
-        dist.recv(rest, src, group=_group_arg(group), tag=tag)
-        data += rest.numpy().tobytes()
-    return pickle.loads(data)
+    if size <= head:
+        return pickle.loads(raw[_HEADER:_HEADER + head])
+    rest = torch.empty(size - head, dtype=torch.uint8)
+    dist.recv(rest, src, group=_group_arg(group), tag=tag)
+    return pickle.loads(raw[_HEADER:_HEADER + head].tobytes() + rest.numpy().tobytes())
 
 
 def _group_arg(group):
