@@ -14,8 +14,8 @@ Decisions:
     * per directed link: ratio = observed transfer gap / its healthy baseline, the gap being the
       smallest delay between a sender's op end and the receiver's op start over the iteration's
       micro-batches (the receiver waited at least once, so the minimum is the transfer itself),
-      counted only when it exceeds every recent healthy gap of the link by a noticeable part of
-      the iteration;
+      counted only when its excess beyond the link's recent noise is a noticeable part of the
+      iteration (``resihp_ext.link_baselines``);
     * a slowdown every group (or every link) shows alike is the host's or the job's, not a
       device's: each ratio is judged over the smallest of the others' (when above 1), so only a
       group or link slower than all its peers is suspect;
