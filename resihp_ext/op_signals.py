@@ -29,7 +29,7 @@ def op_times(obs: RankObservation) -> np.ndarray:
 
 
 class Baselines:
-    """Recent healthy values per id in one ring-buffer array, so all medians (or quantiles) cost one call."""
+    """Recent healthy values per id in one ring-buffer array, so all medians cost one call."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -44,7 +44,18 @@ class Baselines:
         return iter(self.index)
 
     def medians(self, min_count: int) -> dict:
-        return self._per_id(np.median, min_count)
+        if not self.index:
+            return {}
+        # Full rows in one call; a row still filling holds its values in its first ``count`` slots.
+        # (np.nanmedian over the whole array costs ten times as much: it goes through masked arrays.)
+        used = len(self.index)
+        med = np.full(used, np.nan)
+        full = self.count[:used] >= self.size
+        if full.any():
+            med[full] = np.median(self.values[:used][full], axis=1)
+        for i in np.flatnonzero(~full & (self.count[:used] >= min_count)):
+            med[i] = np.median(self.values[i, : self.count[i]])
+        return {k: float(med[i]) for k, i in self.index.items() if self.count[i] >= min_count}
 
     def quantile(self, key, q: float) -> float:
         """One id's ``q`` quantile of its recent values, interpolated as ``np.quantile`` does (NaN
@@ -58,20 +69,6 @@ class Baselines:
         if low + 1 >= len(values):
             return values[-1]
         return values[low] + (position - low) * (values[low + 1] - values[low])
-
-    def _per_id(self, reduce, min_count: int) -> dict:
-        if not self.index:
-            return {}
-        # Full rows in one call; a row still filling holds its values in its first ``count`` slots.
-        # (np.nanmedian over the whole array costs ten times as much: it goes through masked arrays.)
-        used = len(self.index)
-        out = np.full(used, np.nan)
-        full = self.count[:used] >= self.size
-        if full.any():
-            out[full] = reduce(self.values[:used][full], axis=1)
-        for i in np.flatnonzero(~full & (self.count[:used] >= min_count)):
-            out[i] = reduce(self.values[i, : self.count[i]])
-        return {k: float(out[i]) for k, i in self.index.items() if self.count[i] >= min_count}
 
     def add(self, key, value: float) -> None:
         i = self.index.get(key)
