@@ -29,3 +29,34 @@ def test_cuda_matches_cpu_losses(tmp_path):
         check(run_job(1, [*args, *no_dropout, "--resihp-event-log", str(log)]))
         runs[device] = iteration_losses(log)
     assert [runs["cuda"][i] for i in (1, 2, 3)] == pytest.approx([runs["cpu"][i] for i in (1, 2, 3)], rel=1e-3)
+
+
+PACKED = ["--mock-doc-lengths", "lognormal:median=24,sigma=1.0,min=4,max=256", "--reset-attention-mask",
+          "--reset-position-ids", "--eod-mask-loss"]
+
+
+def test_packed_documents_attend_within_each_document_on_cuda(tmp_path):
+    """Packed documents on CUDA (with Transformer Engine's layers when it is installed) train to the
+    same losses as on CPU, so attention stays within each document on both."""
+    no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "3"]
+    runs = {}
+    for device in ("cpu", "cuda"):
+        log = tmp_path / f"{device}.jsonl"
+        args = [a if a != "cpu" else device for a in TINY_GPT]
+        check(run_job(1, [*args, *PACKED, *no_dropout, "--resihp-event-log", str(log)]))
+        runs[device] = iteration_losses(log)
+    assert [runs["cuda"][i] for i in (1, 2, 3)] == pytest.approx([runs["cpu"][i] for i in (1, 2, 3)], rel=1e-3)
+
+
+@pytest.mark.skip(reason="not built: Transformer Engine's THD attention needs each micro-batch flattened to one "
+                         "sequence through every pipeline stage and the loss; packed documents use "
+                         "DocumentCausalAttention inside TE's layer spec instead (docs/data.md)")
+def test_packed_documents_use_transformer_engines_thd_attention():
+    import argparse
+
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    from megatron.training.model_builder import layer_spec
+
+    spec = layer_spec(argparse.Namespace(device="cuda", reset_attention_mask=True))
+    assert spec.submodules.self_attention.submodules.core_attention is TEDotProductAttention

@@ -20,6 +20,7 @@ from megatron.training.models.document_attention import (  # noqa: E402
     DocumentCausalAttention,
     gpt_layer_spec,
     packed_seq_params_for,
+    with_document_attention,
 )
 
 EOD = 0
@@ -150,3 +151,19 @@ def test_gpt_model_forward_with_packed_seq_params(one_rank):
     expected = plain(tokens, position_ids, _block_causal_mask(tokens))
     got = document(tokens, position_ids, None, packed_seq_params=packed_seq_params_for(tokens, EOD))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_document_attention_replaces_only_the_core_attention_of_a_spec():
+    """The swap a CUDA job with Transformer Engine also gets: projections and MLP stay the spec's."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    plain = get_gpt_layer_local_spec()
+    swapped = with_document_attention(get_gpt_layer_local_spec())
+    assert swapped.submodules.self_attention.submodules.core_attention is DocumentCausalAttention
+    assert plain.submodules.self_attention.submodules.core_attention is DotProductAttention
+    for name in ("linear_qkv", "linear_proj"):
+        assert getattr(swapped.submodules.self_attention.submodules, name) is getattr(
+            plain.submodules.self_attention.submodules, name)
+    assert swapped.submodules.mlp.submodules.linear_fc1 is plain.submodules.mlp.submodules.linear_fc1
+    with pytest.raises(ValueError, match="SelfAttention layers only"):
+        with_document_attention(get_gpt_layer_local_spec(multi_latent_attention=True))

@@ -33,6 +33,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -250,9 +251,19 @@ def gpt_layer_spec(document_attention: bool, **local_spec_kwargs) -> ModuleSpec:
     Returns:
         The layer spec.
     """
+    if document_attention and (local_spec_kwargs.get("multi_latent_attention") or local_spec_kwargs.get("num_experts")):
+        raise ValueError("document attention supports dense, non-MLA GPT layers only")
     spec = get_gpt_layer_local_spec(**local_spec_kwargs)
-    if document_attention:
-        if local_spec_kwargs.get("multi_latent_attention") or local_spec_kwargs.get("num_experts"):
-            raise ValueError("document attention supports dense, non-MLA GPT layers only")
-        spec.submodules.self_attention.submodules.core_attention = DocumentCausalAttention
+    return with_document_attention(spec) if document_attention else spec
+
+
+def with_document_attention(spec: ModuleSpec) -> ModuleSpec:
+    """``spec``, a dense GPT layer spec (megatron-core's local or Transformer Engine one), with its
+    core attention swapped for :class:`DocumentCausalAttention`; projections, norms and the MLP
+    stay what the spec built. Raises ValueError for a layer whose attention is not ``SelfAttention``
+    (multi-latent attention)."""
+    attention = spec.submodules.self_attention
+    if attention.module is not SelfAttention:
+        raise ValueError(f"document attention supports SelfAttention layers only, got {attention.module.__name__}")
+    attention.submodules.core_attention = DocumentCausalAttention
     return spec
