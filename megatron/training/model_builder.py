@@ -88,23 +88,19 @@ def layer_spec(args: argparse.Namespace):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec()
-        if args.reset_attention_mask:
-            # TE's own attention reads document boundaries only in its THD layout (the micro-batch
-            # flattened to one sequence through every stage and the loss), which this job does not
-            # build; given the samples as [s, b] it would attend across documents. Per-document
-            # attention keeps TE's projections, norms and MLP and costs sum(l_i^2) on any device.
-            from megatron.training.models.document_attention import with_document_attention
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-            return with_document_attention(spec)
+        spec = get_gpt_layer_local_spec()
+    if not args.reset_attention_mask:
         return spec
-    if args.reset_attention_mask:
-        # Attention within each packed document, at a cost that follows sum(l_i^2).
-        from megatron.training.models.document_attention import gpt_layer_spec
+    # Attention within each packed document, at a cost that follows sum(l_i^2), in either spec.
+    # TE's own attention reads document boundaries only in its THD layout (the micro-batch
+    # flattened to one sequence through every stage and the loss), which this job does not build;
+    # given the samples as [s, b] it would attend across documents.
+    from megatron.training.models.document_attention import with_document_attention
 
-        return gpt_layer_spec(document_attention=True)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return get_gpt_layer_local_spec()
+    return with_document_attention(spec)
 
 
 def build_model(args: argparse.Namespace, config: TransformerConfig) -> GPTModel:
