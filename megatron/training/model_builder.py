@@ -22,12 +22,9 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron.training.initialize import initialize_parameters
 
-try:
-    from megatron.core.extensions.transformer_engine import TENorm  # noqa: F401  (probe only)
-
-    HAVE_TE = True
-except ImportError:
-    HAVE_TE = False
+# megatron-core's own answer: its extension module imports without Transformer Engine (it puts
+# stand-ins in its place), so importing from it proves nothing.
+from megatron.core.models.gpt.gpt_layer_specs import HAVE_TE
 
 
 @dataclasses.dataclass

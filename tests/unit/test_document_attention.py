@@ -167,3 +167,23 @@ def test_document_attention_replaces_only_the_core_attention_of_a_spec():
     assert swapped.submodules.mlp.submodules.linear_fc1 is plain.submodules.mlp.submodules.linear_fc1
     with pytest.raises(ValueError, match="SelfAttention layers only"):
         with_document_attention(get_gpt_layer_local_spec(multi_latent_attention=True))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_layer_spec_attends_within_documents_only_when_packing_is_on(device):
+    """Without Transformer Engine a CUDA job gets the local spec, as a CPU one does (megatron-core's
+    extension module imports without TE, so it is no proof that TE is there)."""
+    import argparse
+    import importlib.util
+
+    from megatron.training.model_builder import layer_spec
+
+    if device == "cuda" and importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed: the GPU tests cover its spec")
+
+    def core(reset):
+        spec = layer_spec(argparse.Namespace(device=device, reset_attention_mask=reset))
+        return spec.submodules.self_attention.submodules.core_attention
+
+    assert core(True) is DocumentCausalAttention
+    assert core(False) is DotProductAttention
