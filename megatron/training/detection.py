@@ -8,7 +8,7 @@ the detector concludes. Decisions are never made here.
 
 One rank decides, and the others do not wait for it. After iteration ``i`` every rank sends its
 observation without waiting; the decider judges it and sends every rank a ``Command``: the probe
-rounds to run after iteration ``i + 1`` and the compute costs fitted to iteration ``i``. The
+rounds to run after iteration ``i + 1`` and the compute costs fitted up to iteration ``i``. The
 others read it after ``i + 1``, when it has long arrived. So a probe round runs one iteration
 after the suspicion it tests, and a verdict comes one iteration later than if every rank
 decided. What that buys: with every rank deciding, each iteration ended in an all-gather of
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -39,7 +40,7 @@ from megatron.training.schedules import RECORDER
 from resihp_ext.confirmation import PendingVerdicts, ProbePlan
 from resihp_ext.detector import FailSlowDetector, RankObservation
 from resihp_ext.observations import Suspicion
-from resihp_ext.planner.calibration import ComputeCosts, fit_compute_costs
+from resihp_ext.planner.calibration import FIT_WINDOW, ComputeCosts, fit_compute_costs, pooled_costs
 from resihp_ext.validation import Cleared, ProbeResults, Verdict
 
 DECIDER = 0  # the rank that judges every rank's observations
@@ -147,7 +148,8 @@ class Command:
     Attributes:
         iteration: the iteration judged.
         probes: the suspicion behind each probe round to run at the next detection step, in order.
-        costs: compute costs fitted to the iteration's ops (None when they held no full op pair).
+        costs: compute costs pooled over the latest fits, the iteration's included (None when its
+            ops held no full op pair).
     """
 
     iteration: int
@@ -193,6 +195,7 @@ class LiveDetector:
         self.group = message_group(config.collective_timeout_s)
         self.outbox = Outbox()
         self.costs: ComputeCosts | None = None  # the latest command's: every rank holds the same
+        self._fits: deque[ComputeCosts] = deque(maxlen=FIT_WINDOW)  # decider: the latest fits, pooled
         self._next: Command | None = None  # delivered: its probes run at the next step
         self._in_flight: Command | None = None  # decider: sent point-to-point, delivered at the next step
         # The others: the receive of a command sent point-to-point, to be read at the next step.
@@ -302,8 +305,12 @@ class LiveDetector:
         start, cpu_start = time.perf_counter(), time.thread_time()
         suspicion = self.detector.observe(iteration, gathered)
         self._plan = self.pending.plan_probes(iteration + 1, suspicion)
-        command = Command(iteration, tuple(self._plan.subjects),
-                          fit_compute_costs(iteration, gathered, self.layout_getter()))
+        fit = fit_compute_costs(iteration, gathered, self.layout_getter())
+        if fit is not None:
+            if not self._fits and self.costs is not None:  # a new decider starts from what it was handed
+                self._fits.append(self.costs)
+            self._fits.append(fit)
+        command = Command(iteration, tuple(self._plan.subjects), pooled_costs(self._fits) if fit else None)
         self.decision_s += time.perf_counter() - start
         self.decision_cpu_s += time.thread_time() - cpu_start
         return command

@@ -10,6 +10,7 @@ it never decides a plan itself.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -140,7 +141,8 @@ class LayoutChanges:
             self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
                              quotas=list(plan.quotas), slow_rank_factors=slow_factors,
                              predicted_iteration_s_before=plan.iteration_s_before,
-                             predicted_iteration_s_after=plan.iteration_s_after)
+                             predicted_iteration_s_after=plan.iteration_s_after,
+                             compute_costs=None if self.costs is None else dataclasses.asdict(self.costs))
             log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
         if plan.action != "adapt":
             return objects, quotas

@@ -1,10 +1,12 @@
-"""The planner's compute costs fitted to one measured iteration (resihp_ext.planner.calibration)."""
+"""The planner's compute costs fitted to measured iterations (resihp_ext.planner.calibration)."""
+
+from collections import deque
 
 import pytest
 
 from resihp_ext.layout import Layout, ModelSpec
 from resihp_ext.observations import RankObservation
-from resihp_ext.planner.calibration import fit_compute_costs
+from resihp_ext.planner.calibration import FIT_WINDOW, ComputeCosts, fit_compute_costs, pooled_costs
 
 MODEL = ModelSpec(num_layers=8, hidden_size=64, num_attention_heads=8, ffn_hidden_size=256,
                   vocab_size=1024, seq_length=128, micro_batch_size=1, global_batch_size=16)
@@ -57,3 +59,29 @@ def test_nothing_measured_fits_nothing():
     layout = Layout.uniform(MODEL, tp_degree=1, pp_degree=1, dp_degree=1)
     empty = RankObservation(rank=0, replica=0, stage=0, tp_rank=0, ops=(), features=(), iteration_s=1.0)
     assert fit_compute_costs(0, [empty], layout) is None
+
+
+def test_one_iteration_that_mismeasured_the_output_layer_does_not_move_the_pooled_costs():
+    # Iteration 5's last stage ran long while its layers' stage did not: the output layer's share
+    # (a difference of the two) read 2.2x its usual value.
+    fits = [ComputeCosts(i, 0.002, 0.0017, 1.0) for i in range(5)] + [ComputeCosts(5, 0.0019, 0.0038, 0.9)]
+    pooled = pooled_costs(fits)
+    assert (pooled.iteration, pooled.layer_forward_s, pooled.output_forward_s, pooled.backward_factor) == \
+        (5, 0.002, 0.0017, 1.0)
+
+
+def test_a_lasting_change_of_speed_shows_once_it_fills_half_the_window_and_older_fits_drop_out():
+    slow_from = FIT_WINDOW // 2 + 1  # the newest fits that outnumber the older ones in the window
+    fits = [ComputeCosts(i, 0.001, 0.001, 2.0) for i in range(20)]
+    fits += [ComputeCosts(20 + i, 0.003, 0.002, 2.0) for i in range(slow_from)]
+    assert pooled_costs(fits[:-1]).layer_forward_s == pytest.approx(0.001)
+    assert pooled_costs(fits).layer_forward_s == pytest.approx(0.003)
+    assert pooled_costs(fits).output_forward_s == pytest.approx(0.002)
+    assert pooled_costs(deque(fits, maxlen=FIT_WINDOW)) == pooled_costs(fits)  # what the decider keeps
+
+
+def test_fits_from_a_layout_with_another_number_of_stages_are_not_pooled_with_the_newest():
+    fits = [ComputeCosts(0, 0.001, 0.004, 2.0), ComputeCosts(1, 0.003, None, 2.0)]
+    assert pooled_costs(fits) == ComputeCosts(1, 0.003, None, 2.0)
+    with pytest.raises(ValueError, match="at least one fit"):
+        pooled_costs([])
