@@ -35,6 +35,10 @@ class ResiHPConfig:
     persistence_iters: int = 2
     """Consecutive suspect iterations required before validation probes run."""
 
+    shared_host_persistence_iters: int = 3
+    """Consecutive suspect iterations required instead, while ranks share devices (CPU cores: their ops take 1.5x
+    their busy time or more in wall time), where a host's slow spells last longer; the larger of the two counts."""
+
     warmup_iters: int = 5
     """Iterations used only to fit the time predictor before the detector starts judging."""
 
@@ -109,7 +113,7 @@ class ResiHPConfig:
             raise ValueError(f"--resihp-confirm-after-iters must be >= 0, got {self.confirm_after_iters}")
         if self.cleared_cooldown_iters < 0:
             raise ValueError(f"--resihp-cleared-cooldown-iters must be >= 0, got {self.cleared_cooldown_iters}")
-        for name in ("persistence_iters", "warmup_iters"):
+        for name in ("persistence_iters", "shared_host_persistence_iters", "warmup_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--resihp-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s", "standby_probe_interval_s"):

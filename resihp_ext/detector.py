@@ -16,11 +16,12 @@ Decisions:
       micro-batches (the receiver waited at least once, so the minimum is the transfer itself),
       counted only when its excess beyond the link's recent noise is a noticeable part of the
       iteration (``resihp_ext.link_baselines``);
-    * a slowdown every group (or every link) shows alike is the host's or the job's, not a
-      device's: each ratio is judged over the smallest of the others' (when above 1), so only a
-      group or link slower than all its peers is suspect;
+    * a slowdown most groups (or most links) show is the host's or the job's, not a device's:
+      each ratio is judged over the lower median of the others' (when above 1)
+      (``op_signals.beyond_common``);
     * a ratio above ``slowdown_threshold`` for ``persistence_iters`` consecutive judged
-      iterations becomes a Suspicion (a single noisy iteration triggers nothing);
+      iterations becomes a Suspicion (a single noisy iteration triggers nothing); while ranks
+      share devices, for ``shared_host_persistence_iters``;
     * ``conclude`` localises with the probes (``resihp_ext.validation``) and returns a Verdict or
       a Cleared.
 
@@ -74,7 +75,8 @@ from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of t
 _MIN_LINK_EXCESS_S = 1e-3
 _MIN_LINK_EXCESS_FRACTION = 0.01  # of the iteration time, summed over the link's transfers
 # Wall seconds per busy second of ops above which ranks share devices (CPU cores): a transfer's
-# gap then measures the OS scheduler more than the link, and links are not judged.
+# gap then measures the OS scheduler more than the link, and links are not judged; a compute
+# slowdown must persist for ``shared_host_persistence_iters``.
 _SHARED_DEVICE_CONTENTION = 1.5
 # Healthy iterations remembered for link baselines and for the iteration overhead estimate.
 _HISTORY = 32
@@ -141,6 +143,7 @@ class FailSlowDetector:
         self._links = LinkBaselines(_HISTORY)
         self._overhead_history: deque = deque(maxlen=_HISTORY)
         self._contention_history: deque = deque(maxlen=_HISTORY)
+        self._shared = False  # ranks share devices (judged on the contention history)
         self._pending: set = set()
         self._muted: set = set()
         self._cooldown: dict = {}
@@ -216,8 +219,8 @@ class FailSlowDetector:
         # to the iteration (``LinkBaselines.ratios``): a sub-millisecond baseline jittering by a
         # few microseconds, or a receiver that now and then wakes late, is not a 2x slowdown.
         min_excess_s = max(_MIN_LINK_EXCESS_S, _MIN_LINK_EXCESS_FRACTION * observed_iter)
-        shared = statistics.median(self._contention_history or [contention]) >= _SHARED_DEVICE_CONTENTION
-        link_ratio = self._links.ratios(gaps, min_excess_s, judge=not shared)
+        self._shared = statistics.median(self._contention_history or [contention]) >= _SHARED_DEVICE_CONTENTION
+        link_ratio = self._links.ratios(gaps, min_excess_s, judge=not self._shared)
         predicted_iter = self._predict_iteration(groups, keys, feats, observed_iter, contention) if fitted else None
         self.last_report = DetectorReport(
             iteration, judged, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter, sibling_ratio
@@ -258,7 +261,7 @@ class FailSlowDetector:
         judged on them); ``stage_ratio`` is the plain one (a recovery is judged on it, since a
         slowdown elsewhere must not make a known slow group look fast).
         """
-        threshold, need = self.config.slowdown_threshold, self.config.persistence_iters
+        threshold, need = self.config.slowdown_threshold, self._persistence()
         ready = []
         for g in slow_stage.keys() | sibling_ratio.keys():
             ratio, signal = max((slow_stage.get(g, 0.0), "predicted"), (sibling_ratio.get(g, 0.0), "siblings"))
@@ -290,6 +293,14 @@ class FailSlowDetector:
             suspicion = self._link_suspicion(iteration, what, ratio)
         self._pending.add(self._subject(suspicion))
         return suspicion
+
+    def _persistence(self) -> int:
+        """Consecutive suspect iterations a suspicion needs. Ranks that share cores see the host's
+        slow spells in their busy time too, and such a spell can single out one group for two
+        iterations: in 2,250 healthy iterations of 8 ranks on 2 cores, two suspicions needed two
+        iterations and none three (``docs/benchmarks.md`` section 26)."""
+        need = self.config.persistence_iters
+        return max(need, self.config.shared_host_persistence_iters) if self._shared else need
 
     def _eligible(self, what, iteration: int) -> bool:
         if what in self._pending or what in self._muted:
@@ -410,7 +421,7 @@ class FailSlowDetector:
                   else self._group_streak.get((suspicion.replica, suspicion.stage)))
         if streak is None or streak.count == 0 or streak.onset != suspicion.onset_iteration:
             return suspicion.onset_iteration  # the streak broke since: nothing newer to go by
-        return streak.step_onset(self.config.slowdown_threshold, self.config.persistence_iters)
+        return streak.step_onset(self.config.slowdown_threshold, self._persistence())
 
     def _recovered(self, suspicion: Suspicion, loc, evidence: dict) -> Verdict | None:
         """A ``recovered`` verdict for the known slow ranks whose probe beats their known slowdown

@@ -146,6 +146,28 @@ def test_a_host_slow_spell_that_stretches_groups_unevenly_raises_nothing():
     assert [s for s in raised if s is not None] == []
 
 
+def _spell(shared: bool, start: int, length: int):
+    """Rank 5's group computes 1.4x its learnt speed for ``length`` iterations from ``start``;
+    on a ``shared`` host every op's wall time is twice its busy time (ranks share cores)."""
+    scale = 0.5 if shared else 1.0
+    trace = list(_trace(60))
+    for i in range(len(trace)):
+        factors = {r: scale for r in range(8)}
+        if start <= i < start + length:
+            factors[4] = factors[5] = 1.4 * scale
+        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
+    det = FailSlowDetector()
+    return [s for s in (det.observe(i, obs) for i, obs in trace) if s is not None], trace[start][0]
+
+
+def test_a_two_iteration_spell_is_suspected_on_dedicated_devices_but_not_where_ranks_share_cores():
+    assert [s.iteration for s in _spell(False, 40, 2)[0]] == [_spell(False, 40, 2)[1] + 1]
+    assert _spell(True, 40, 2)[0] == []
+    raised, onset = _spell(True, 40, 20)  # a lasting slowdown: named one iteration later
+    assert len(raised) == 1 and raised[0].ranks == (4, 5)
+    assert raised[0].onset_iteration == onset and raised[0].iteration == onset + 2
+
+
 def test_two_slow_groups_among_four_are_both_named():
     faults = ("slow:rank=5,factor=1.5,at=60", "slow:rank=2,factor=1.5,at=60")
     det, events = _run(_trace(80, faults), faults)
