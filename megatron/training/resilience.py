@@ -76,9 +76,6 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         self.faults = [f for f in self.cfg.faults if self.rank in (f.rank, f.dst)]
         args.replica_index = self.replica_index
         self.sync = None  # LayoutGradSync while replicas differ
-        # The compute costs the planner uses: fitted by the decider to a measured iteration and
-        # handed to every rank with its commands (kept across re-plans: they are per layer).
-        self.costs = None
         self._layout_changed_at = -1  # the iteration during which the layout last changed
         # Fail-slow verdicts acted on in this world (its ranks): every later plan starts from them.
         self.known_health = Health()
@@ -331,6 +328,13 @@ class ResilienceHooks(LayoutChanges, Readmissions):
                  f"DP {args.data_parallel_size}, redoing iteration {iteration} ({duration:.2f} s since the failure surfaced)")
         return objects, quotas
 
+    @property
+    def costs(self):
+        """The compute costs the planner uses: pooled by the decider over measured iterations and
+        handed to every rank with its commands (kept across re-plans: they are per layer); None
+        before the first, or without detection."""
+        return None if self.live is None else self.live.costs
+
     def renumber(self, new_rank) -> None:
         """This world's ranks became ``new_rank[old]`` (ranks it lacks left the world)."""
         order = sorted(new_rank, key=new_rank.get)
@@ -419,7 +423,6 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             return objects, quotas
         mine = self.live.observation(result.iteration_s, result.ops, result.features, result.busy)
         gathered, settled = self.live.observe(iteration, mine)
-        self.costs = self.live.costs or self.costs
         if self.trace is not None and gathered is not None:
             for obs in gathered:
                 self.trace.write(json.dumps(observation_to_dict(iteration, obs)) + "\n")

@@ -43,7 +43,8 @@ FAULTS = (
     "link:src=140,dst=204,factor=3,at=40",  # replica 1, stage 2 -> 3, TP rank 4
 )
 NAMES = ("resihp", "greyhound", "nvrx")
-# Iterations a fault run needs after the onset: persistence (2), then confirmation (2), with room.
+# Iterations a fault run needs after the onset: persistence (2; 3 where ranks share cores), then
+# confirmation (2), with room.
 AFTER_ONSET = 8
 
 
