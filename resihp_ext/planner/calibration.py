@@ -96,7 +96,6 @@ def fit_compute_costs(iteration: int, observations: Iterable[RankObservation], l
     return ComputeCosts(iteration, min(t / n for t, n in last_stage), None, ratio)
 
 
-
 def pooled_costs(fits: Iterable[ComputeCosts]) -> ComputeCosts:
     """The median of each cost over ``fits`` (oldest first; the last ``FIT_WINDOW`` count), dated
     by the newest.
