@@ -10,7 +10,6 @@ it never decides a plan itself.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -51,7 +50,7 @@ def replicas_alike(layout: Layout) -> bool:
 class LayoutChanges:
     """Mixin: expects ``args``, ``cfg``, ``events``, ``rank``, ``layout``, ``sync``, ``live``,
     ``store``, ``monitor``, ``generation``, ``replica_index``, ``known_health``,
-    ``costs``, ``identity``, ``standby_on``, ``standbys``, ``renumber``,
+    ``costs``, ``costs_record``, ``identity``, ``standby_on``, ``standbys``, ``renumber``,
     ``_standing_by``, ``_start_monitor`` and ``_apply_recovery_faults`` on the object it is
     mixed into."""
 
@@ -79,8 +78,10 @@ class LayoutChanges:
         args.world_size = dist.get_world_size()
         self.sync = None if replicas_alike(layout) else LayoutGradSync(layout, self.rank, self.cfg.collective_timeout_s)
         if self.live is not None and world_changed:
+            costs = self.live.costs  # per layer: they outlive the world, and plan its survivors
             self.live = LiveDetector(self.cfg, self.rank, replica, stage, layout.tp_rank_of(self.rank),
                                      self.live.device, lambda: self.layout, self.live.link_probe_bytes)
+            self.live.costs = costs
             self.live.detector.expect(self.known_health.slow_factors)
         elif self.live is not None:
             self.live.replica, self.live.stage, self.live.tp_rank = replica, stage, layout.tp_rank_of(self.rank)
@@ -142,7 +143,7 @@ class LayoutChanges:
                              quotas=list(plan.quotas), slow_rank_factors=slow_factors,
                              predicted_iteration_s_before=plan.iteration_s_before,
                              predicted_iteration_s_after=plan.iteration_s_after,
-                             compute_costs=None if self.costs is None else dataclasses.asdict(self.costs))
+                             compute_costs=self.costs_record())
             log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
         if plan.action != "adapt":
             return objects, quotas

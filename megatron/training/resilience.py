@@ -261,7 +261,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             if leader:
                 self.monitor.evict(failed)  # a hung rank among them fences itself
                 self.events.emit("plan", iteration, action=plan.action, reason=plan.reason, executed=plan.to_dict(),
-                                 preferred=preferred, attempt=attempt)
+                                 preferred=preferred, attempt=attempt, compute_costs=self.costs_record())
             log_line(f" resihp: plan ({plan.action}): {plan.reason}")
             if plan.action != "adapt":
                 self.monitor.stop()
@@ -334,6 +334,10 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         handed to every rank with its commands (kept across re-plans: they are per layer); None
         before the first, or without detection."""
         return None if self.live is None else self.live.costs
+
+    def costs_record(self) -> dict | None:
+        """``costs`` as a plan event records them (None: the planner used its reference costs)."""
+        return None if self.costs is None else dataclasses.asdict(self.costs)
 
     def renumber(self, new_rank) -> None:
         """This world's ranks became ``new_rank[old]`` (ranks it lacks left the world)."""

@@ -84,7 +84,7 @@ def _go_key(generation: int) -> str:
 
 class Readmissions:
     """Mixin for ``ResilienceHooks``: expects ``args``, ``cfg``, ``events``, ``rank``, ``layout``,
-    ``store``, ``monitor``, ``generation``, ``known_health``, ``live``, ``iteration``, ``costs``,
+    ``store``, ``monitor``, ``generation``, ``known_health``, ``live``, ``iteration``, ``costs``, ``costs_record``,
     ``_layout_changed_at``, ``identity`` (this world's rank -> launch rank),
     ``launch_rank``, ``launch_layout``, ``standbys`` (their launch ranks), ``backend``, ``_device``,
     ``_adopt``, ``_rebuild``, ``_calibrated_hardware``, ``_failure_among`` and ``_apply_faults``,
@@ -242,7 +242,7 @@ class Readmissions:
             self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
                              quotas=list(plan.quotas), ready={str(k): v for k, v in sorted(ready.items())},
                              predicted_iteration_s_before=plan.iteration_s_before,
-                             predicted_iteration_s_after=plan.iteration_s_after)
+                             predicted_iteration_s_after=plan.iteration_s_after, compute_costs=self.costs_record())
             log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
         if plan.action != "adapt":
             return objects, quotas

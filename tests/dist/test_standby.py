@@ -63,6 +63,10 @@ def test_a_rank_left_out_for_a_slowdown_stands_by_through_a_failure_and_rejoins_
     # The fail-stop while rank 3 stood by: a world of two TP-1 replicas.
     assert [(a["world_size"], a["failed_ranks"]) for a in adapted if "failed_ranks" in a] == [(2, [0])], \
         decisions(log)
+    # Priced from this job's measured costs, carried over the world that left rank 3 out (on a
+    # reference cluster's costs, a TP-1 replica on rank 1 did not look worth its gradient sync).
+    survivors = [p for p in plans if "executed" in p]
+    assert survivors and survivors[0]["compute_costs"]["layer_forward_s"] > 0, decisions(log)
     rejoin = [p for p in plans if p.get("policy") == "readmission" and p["action"] == "adapt"]
     assert rejoin and rejoin[0]["iteration"] > 16 and rejoin[0]["ready"] == {"3": pytest.approx(1.0, abs=0.2)}, \
         decisions(log)
