@@ -92,6 +92,20 @@ def _slowest_first(factors: Mapping, threshold: float) -> list:
     return sorted((k for k, f in factors.items() if f >= threshold), key=lambda k: -factors[k])
 
 
+def undecided(times: Mapping, threshold: float) -> bool:
+    """Whether a probe round neither names a slow one nor shows its probes alike: none reaches
+    ``threshold`` times the round's reference, yet the slowest is ``threshold`` times the fastest.
+
+    Such a round measured the host more than the devices. Live, 8 ranks on 2 cores, a round whose
+    healthy probes read 4.62, 5.64 and 5.67 ms put a 1.5x slow rank's 6.72 ms at 1.19x their median
+    and cleared it; in the rounds before and after, healthy probes agreed within 2-7%.
+    """
+    if len(times) < 2:
+        return False
+    _, slow, _ = _factors(times, threshold, None)
+    return not slow and max(times.values()) >= threshold * min(times.values())
+
+
 def localise(
     probes: ProbeResults,
     threshold: float,

@@ -26,6 +26,7 @@ plane that neither touches the accelerator nor opens a communicator per pair of 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -35,13 +36,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.link_faults import LINKS
+from megatron.training.logging_utils import log_line
 from megatron.training.object_messages import Outbox, PostedReceive
 from megatron.training.schedules import RECORDER
 from resihp_ext.confirmation import PendingVerdicts, ProbePlan
 from resihp_ext.detector import FailSlowDetector, RankObservation
 from resihp_ext.observations import Suspicion
 from resihp_ext.planner.calibration import FIT_WINDOW, ComputeCosts, fit_compute_costs, pooled_costs
-from resihp_ext.validation import Cleared, ProbeResults, Verdict
+from resihp_ext.validation import Cleared, ProbeResults, Verdict, undecided
 
 DECIDER = 0  # the rank that judges every rank's observations
 _OBSERVATION_TAG, _COMMAND_TAG = 7301, 7302
@@ -49,6 +51,7 @@ _OBSERVATION_TAG, _COMMAND_TAG = 7301, 7302
 _PROBE_SIZE = 256
 _PROBE_REPEATS = 8
 _PROBE_PASSES = 5  # samples per probed rank or link; each one's time is its fastest
+_PROBE_EXTENSIONS = 2  # further sets of passes an undecided rank probe round may take
 _BASELINE_ROUNDS = 5  # probe rounds behind a one-stage-group job's own baselines
 # Link probes send what the pipeline sends (one micro-batch's activations), and at least this much,
 # so bandwidth rather than per-message latency dominates their time.
@@ -337,12 +340,27 @@ class LiveDetector:
         return probes
 
     def _probe_ranks(self, ranks) -> dict[int, float]:
-        """GEMM probe on each listed rank (collective; see ``_fastest_in_passes``)."""
-        mine = self._fastest_in_passes(sorted(ranks), lambda rank: gemm_probe_s(self.device, samples=1)
-                                       if rank == self.rank else None)
-        times: list = [None] * dist.get_world_size()
-        dist.all_gather_object(times, mine.get(self.rank, 0.0))
-        return {r: times[r] for r in sorted(ranks)}
+        """GEMM probe on each listed rank (collective; see ``_fastest_in_passes``).
+
+        A round that is ``undecided`` (no probe slow against the round, yet the slowest well above
+        the fastest) takes more passes, up to ``_PROBE_EXTENSIONS`` times, each probe keeping its
+        fastest sample: a host's slow spell that held some references back passes, a slow device
+        does not. Every rank sees the same gathered times, so all decide alike.
+        """
+        subjects, fastest = sorted(ranks), float("inf")
+        for extension in range(_PROBE_EXTENSIONS + 1):
+            mine = self._fastest_in_passes(subjects, lambda rank: gemm_probe_s(self.device, samples=1)
+                                           if rank == self.rank else None)
+            fastest = min(fastest, mine.get(self.rank, fastest))
+            times: list = [None] * dist.get_world_size()
+            dist.all_gather_object(times, fastest if math.isfinite(fastest) else 0.0)
+            round_s = {r: times[r] for r in subjects}
+            if not undecided(round_s, self.config.probe_threshold):
+                break
+            if self.rank == DECIDER and extension < _PROBE_EXTENSIONS:
+                readings = ", ".join(f"{r}: {t * 1e3:.2f}" for r, t in round_s.items())
+                log_line(f" resihp: probes undecided (ms: {readings}), probing ranks {subjects} again")
+        return round_s
 
     def _probe_links(self, links) -> dict[tuple[int, int], float]:
         """p2p probe on each listed link (collective; see ``_fastest_in_passes``)."""

@@ -12,7 +12,7 @@ from resihp_ext.detector import Cleared, FailSlowDetector, RankObservation, Verd
 from resihp_ext.faults import parse_fault
 from resihp_ext.op_signals import Streak
 from resihp_ext.traces import SyntheticSpec, load_trace, save_trace, synthetic_probes, synthetic_trace
-from resihp_ext.validation import ProbeResults, fail_stop_verdict, localise
+from resihp_ext.validation import ProbeResults, fail_stop_verdict, localise, undecided
 
 # TP2 x PP2 x DP2: rank = tp + 2 * (replica + 2 * stage); rank 5 is replica 0, stage 1, TP rank 1.
 SPEC = SyntheticSpec(tp_degree=2, pp_degree=2, dp_degree=2, num_microbatches=4, seq_length=4096)
@@ -298,6 +298,17 @@ def test_localise_names_slow_rank_and_factor():
     assert loc.rank_factors[2] == pytest.approx(3.0, rel=0.02)
     with pytest.raises(ValueError, match="threshold"):
         localise(ProbeResults(1, {0: 1.0}), threshold=1.0)
+
+
+def test_a_round_whose_healthy_probes_disagree_is_undecided_and_one_that_names_or_agrees_is_not():
+    # Live rounds, 8 ranks on 2 cores, rank 3 1.5x slow (ms): held-back references put it at
+    # 1.19x their median, under the threshold; the rounds before and after named it.
+    held_back = {0: 4.62, 1: 5.64, 2: 5.67, 3: 6.72}
+    assert localise(ProbeResults(13, held_back), threshold=1.2).slow_ranks == ()
+    assert undecided(held_back, 1.2)
+    assert not undecided({0: 4.29, 1: 4.56, 2: 4.36, 3: 6.68}, 1.2)  # names rank 3
+    assert not undecided({0: 4.44, 1: 5.01, 2: 4.42, 3: 4.38}, 1.2)  # all within 1.2x: healthy
+    assert not undecided({0: 4.4}, 1.2)
 
 
 def test_localise_compares_each_rank_with_its_own_baseline_when_given_one_for_every_probed_rank():
