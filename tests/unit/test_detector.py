@@ -161,7 +161,8 @@ def _spell(shared: bool, start: int, length: int):
 
 
 def test_a_two_iteration_spell_is_suspected_on_dedicated_devices_but_not_where_ranks_share_cores():
-    assert [s.iteration for s in _spell(False, 40, 2)[0]] == [_spell(False, 40, 2)[1] + 1]
+    raised, onset = _spell(False, 40, 2)
+    assert [s.iteration for s in raised] == [onset + 1]
     assert _spell(True, 40, 2)[0] == []
     raised, onset = _spell(True, 40, 20)  # a lasting slowdown: named one iteration later
     assert len(raised) == 1 and raised[0].ranks == (4, 5)
