@@ -249,10 +249,12 @@ def gpt_layer_spec(document_attention: bool, **local_spec_kwargs) -> ModuleSpec:
             ``qk_layernorm``).
 
     Returns:
-        The layer spec.
+        The layer spec. Raises ValueError for document attention in a mixture-of-experts layer
+        (``num_experts``), which keeps ``SelfAttention``; multi-latent attention is refused by
+        ``with_document_attention``.
     """
-    if document_attention and (local_spec_kwargs.get("multi_latent_attention") or local_spec_kwargs.get("num_experts")):
-        raise ValueError("document attention supports dense, non-MLA GPT layers only")
+    if document_attention and local_spec_kwargs.get("num_experts"):
+        raise ValueError("document attention supports dense GPT layers only, not num_experts")
     spec = get_gpt_layer_local_spec(**local_spec_kwargs)
     return with_document_attention(spec) if document_attention else spec
 
