@@ -70,9 +70,11 @@ def forward_step(data_iterator, model):
     attention_mask = batch.get("attention_mask")
     extra = {}
     if args.reset_attention_mask:
-        from megatron.training.models.document_attention import packed_seq_params_for
+        from megatron.training.models.document_attention import flatten_for_thd, packed_seq_params_for
 
-        extra["packed_seq_params"] = packed_seq_params_for(tokens, args.tokenizer.eod)
+        extra["packed_seq_params"] = packed_seq_params_for(tokens, args.tokenizer.eod, args.packed_seq_layout)
+        if args.packed_seq_layout == "thd":
+            tokens, labels, loss_mask, position_ids = flatten_for_thd(tokens, labels, loss_mask, position_ids)
     output = model(tokens, position_ids, attention_mask, labels=labels, **extra)
     return output, partial(loss_func, loss_mask)
 

@@ -131,6 +131,12 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--packed-seq-layout", choices=["auto", "sbhd", "thd"], default="auto",
+                   help="with --reset-attention-mask: how a micro-batch of packed documents reaches "
+                        "attention. sbhd keeps samples as [s, b]; thd flattens each micro-batch to one "
+                        "sequence [b*s] through every pipeline stage and the loss, the layout Transformer "
+                        "Engine's attention reads document boundaries in. auto: thd on CUDA with "
+                        "Transformer Engine installed, sbhd otherwise")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -272,6 +278,21 @@ def _layers_per_stage(args: argparse.Namespace) -> tuple[int, ...]:
     return tuple(counts)
 
 
+def _packed_seq_layout(args: argparse.Namespace) -> str:
+    """``--packed-seq-layout`` resolved to sbhd or thd (``args.device`` already resolved)."""
+    if args.packed_seq_layout == "thd" and not args.reset_attention_mask:
+        raise ValueError("--packed-seq-layout thd needs --reset-attention-mask (documents to attend within); "
+                         "add it or drop --packed-seq-layout")
+    if args.packed_seq_layout != "auto":
+        return args.packed_seq_layout
+    if args.reset_attention_mask and args.device == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is not None:
+            return "thd"
+    return "sbhd"
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Fill derived values and check consistency; raise ``ValueError`` naming the flag and the fix."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -323,6 +344,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.cpu_device_time_scale and (args.device != "cpu" or args.cpu_device_time_scale < 1):
         raise ValueError(f"--cpu-device-time-scale {args.cpu_device_time_scale:g} needs --device cpu and a "
                          "value >= 1 (0 turns it off)")
+    args.packed_seq_layout = _packed_seq_layout(args)
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save DIR")
     for flag, value in (("--loss-scale", args.loss_scale), ("--initial-loss-scale", args.initial_loss_scale),

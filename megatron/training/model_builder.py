@@ -81,7 +81,8 @@ def transformer_config(args: argparse.Namespace, layers_per_stage: tuple[int, ..
 
 
 def layer_spec(args: argparse.Namespace):
-    if args.device == "cuda" and HAVE_TE:
+    use_te = args.device == "cuda" and HAVE_TE
+    if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec()
@@ -91,10 +92,12 @@ def layer_spec(args: argparse.Namespace):
         spec = get_gpt_layer_local_spec()
     if not args.reset_attention_mask:
         return spec
-    # Attention within each packed document, at a cost that follows sum(l_i^2), in either spec.
-    # TE's own attention reads document boundaries only in its THD layout (the micro-batch
-    # flattened to one sequence through every stage and the loss), which this job does not build;
-    # given the samples as [s, b] it would attend across documents.
+    if use_te and getattr(args, "packed_seq_layout", "sbhd") == "thd":
+        # TE's attention reads the document boundaries itself in the THD layout.
+        return spec
+    # Attention within each packed document, at a cost that follows sum(l_i^2): TE's attention
+    # given samples as [s, b] would attend across documents, and the local spec's attends within
+    # a mask at a cost of s^2.
     from megatron.training.models.document_attention import with_document_attention
 
     return with_document_attention(spec)

@@ -65,6 +65,14 @@ def _leave(stop: StopTraining, iteration: int, events: EventLog, board: TensorBo
     raise SystemExit(stop.exit_code)
 
 
+def schedule_shape(args) -> tuple[int, int]:
+    """(seq_length, micro_batch_size) of the activations the pipeline schedule sends between
+    stages: a thd micro-batch is one sequence of micro_batch_size * seq_length tokens."""
+    if args.reset_attention_mask and getattr(args, "packed_seq_layout", "sbhd") == "thd":
+        return args.micro_batch_size * args.seq_length, 1
+    return args.seq_length, args.micro_batch_size
+
+
 def evaluate(args, forward_step_func, dataset, objects, iteration: int, num_replicas: int, dp_rank: int) -> float | None:
     """Mean per-token validation loss over --eval-iters global batches (forward only)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -79,10 +87,11 @@ def evaluate(args, forward_step_func, dataset, objects, iteration: int, num_repl
                 break
             batches = microbatches(dataset, sampler.microbatch_indices(quotas, dp_rank))
             sampler.advance()
+            seq_length, micro_batch_size = schedule_shape(args)
             out = get_forward_backward_func()(
                 forward_step_func=forward_step_func, data_iterator=iter(batches), model=[objects.model],
-                num_microbatches=len(batches), seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                decoder_seq_length=args.seq_length, forward_only=True,
+                num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+                decoder_seq_length=seq_length, forward_only=True,
             )
             for item in out or []:
                 loss_sum += float(item["lm loss"][0])
@@ -183,7 +192,7 @@ def pretrain(
             batches = microbatches(train_ds, sampler.microbatch_indices(quotas, dp_rank))
             result = train_step(
                 forward_step_func, iter(batches), objects, quotas[dp_rank],
-                args.seq_length, args.micro_batch_size, args.global_batch_size,
+                *schedule_shape(args), args.global_batch_size,
             )
             stepped = True
             loss_sum, num_tokens = _reduce_loss(result.loss_sum, result.num_tokens)

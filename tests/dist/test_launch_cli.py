@@ -59,9 +59,10 @@ def _parse_only(argv, tmp_path):
         (["--resihp-inject", "slow:rank=1"], "--resihp-inject"),
         (["--tokenizer-type", "NoSuchTokenizer"], "--tokenizer-type"),
         (["--cpu-device-time-scale", "0.5"], "--cpu-device-time-scale"),
+        (["--packed-seq-layout", "thd"], "--reset-attention-mask"),
     ],
     ids=["unknown-flag", "tp-vs-heads", "global-batch", "layout-vs-layers", "inject-grammar", "tokenizer",
-         "device-time-scale"],
+         "device-time-scale", "thd-without-documents"],
 )
 def test_bad_input_exits_2_naming_the_flag(tmp_path, extra, flag):
     base = [a for a in TINY_GPT] + ["--train-iters", "2"]

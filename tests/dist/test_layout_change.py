@@ -69,6 +69,29 @@ def test_heterogeneous_replan_matches_reference(tmp_path, layers, quotas, tp, fa
             torch.testing.assert_close(b[key], value, rtol=0, atol=1e-5, msg=str(key))
 
 
+PACKED = ["--mock-doc-lengths", "lognormal:median=24,sigma=1.0,min=4,max=256", "--reset-attention-mask",
+          "--reset-position-ids", "--eod-mask-loss", "--position-embedding-type", "rope"]
+
+
+def test_thd_layout_through_a_replan_matches_sbhd_on_one_process(tmp_path):
+    """Packed documents flattened to one sequence per micro-batch (the layout Transformer Engine's
+    THD attention reads) cross pipeline stages as [b*s, 1, h], survive a re-plan to TP 1 in one
+    replica, and train to the losses of [s, b] samples on one process."""
+    single = MODEL[:MODEL.index("--tensor-model-parallel-size")]  # the model, on one process
+    check(_run(1, REPO / "pretrain_gpt_resilient.py",
+               [*single, *PACKED, "--packed-seq-layout", "sbhd", "--resihp-event-log", str(tmp_path / "sbhd.jsonl")],
+               tmp_path))
+    log = tmp_path / "thd.jsonl"
+    check(_run(8, REPO / "tests" / "dist" / "forced_layout_driver.py",
+               [*MODEL, *PACKED, "--packed-seq-layout", "thd", "--resihp-event-log", str(log), "--resihp-detect-only",
+                "--forced-layout", "[[2, 2], [1, 3]]", "--forced-at", "3", "--forced-quotas", "5,3",
+                "--forced-tp", "[[2, 2], [1, 1]]"], tmp_path))
+    assert read_events(log, "forced_layout")
+    sbhd, thd = iteration_losses(tmp_path / "sbhd.jsonl"), iteration_losses(log)
+    assert sorted(thd) == list(range(1, 7)) and sbhd[6] < sbhd[1]
+    assert [thd[i] for i in range(1, 7)] == pytest.approx([sbhd[i] for i in range(1, 7)], rel=1e-5)
+
+
 # fp16 with a loss scale that doubles after every clean iteration (and halves after overflows), so
 # the scale at the move is not the initial one: a rebuilt optimizer that started its scaler again
 # would scale differently from there on.

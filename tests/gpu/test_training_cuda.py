@@ -43,21 +43,25 @@ PACKED = ["--mock-doc-lengths", "lognormal:median=24,sigma=1.0,min=4,max=256", "
 
 
 def test_packed_documents_attend_within_each_document_on_cuda(tmp_path):
-    """Packed documents on CUDA (with Transformer Engine's layers when it is installed) train to the
-    same losses as on CPU, so attention stays within each document on both."""
-    runs = _first_losses_by_device(tmp_path, PACKED)
+    """Packed documents as [s, b] on CUDA (Transformer Engine's layers around our document attention
+    when TE is installed) train to the same losses as on CPU, so attention stays within each
+    document on both."""
+    runs = _first_losses_by_device(tmp_path, [*PACKED, "--packed-seq-layout", "sbhd"])
     assert runs["cuda"] == pytest.approx(runs["cpu"], rel=1e-3)
 
 
-@pytest.mark.skip(reason="not built: Transformer Engine's THD attention needs each micro-batch flattened to one "
-                         "sequence through every pipeline stage and the loss; packed documents use "
-                         "DocumentCausalAttention inside TE's layer spec instead (docs/data.md)")
-def test_packed_documents_use_transformer_engines_thd_attention():
+def test_packed_documents_use_transformer_engines_thd_attention(tmp_path):
+    """With Transformer Engine, packed documents go through TE's own attention in the THD layout
+    (--packed-seq-layout auto picks it on CUDA) and train to the CPU losses, so TE attends within
+    each document."""
     import argparse
 
+    pytest.importorskip("transformer_engine", reason="needs Transformer Engine")
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     from megatron.training.model_builder import layer_spec
 
-    spec = layer_spec(argparse.Namespace(device="cuda", reset_attention_mask=True))
+    spec = layer_spec(argparse.Namespace(device="cuda", reset_attention_mask=True, packed_seq_layout="thd"))
     assert spec.submodules.self_attention.submodules.core_attention is TEDotProductAttention
+    runs = _first_losses_by_device(tmp_path, [*PACKED, "--packed-seq-layout", "thd"])
+    assert runs["cuda"] == pytest.approx(runs["cpu"], rel=1e-3)

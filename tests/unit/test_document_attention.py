@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from megatron.training import cpu_mode  # noqa: E402
 from megatron.training.models.document_attention import (  # noqa: E402
     DocumentCausalAttention,
+    flatten_for_thd,
     gpt_layer_spec,
     packed_seq_params_for,
     with_document_attention,
@@ -90,6 +91,57 @@ def test_matches_dot_product_attention_with_block_mask(one_rank, num_query_group
     torch.testing.assert_close(grad_doc, grad_ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_query_groups", [4, 2])
+def test_thd_layout_attends_as_sbhd_does(one_rank, num_query_groups):
+    """The flattened layout ([t, heads, dim], what megatron-core hands core attention for a thd
+    ``packed_seq_params``) gives the rows of the sbhd result, sample after sample."""
+    config = _config(num_query_groups=num_query_groups)
+    doc = DocumentCausalAttention(config, 1, AttnMaskType.causal, "self")
+    s, b = 40, 3
+    tokens = _tokens(b, s, {0: [3, 4, 30], 1: [39], 2: [0, 12, 25]})
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(s, b, 4, 16, generator=g)
+    k, v = (torch.randn(s, b, num_query_groups, 16, generator=g) for _ in range(2))
+    sbhd = doc(q, k, v, None, packed_seq_params=packed_seq_params_for(tokens, EOD, "sbhd"))
+    flat = (t.transpose(0, 1).reshape(b * s, t.size(2), 16) for t in (q, k, v))
+    thd = doc(*flat, None, packed_seq_params=packed_seq_params_for(tokens, EOD, "thd"))
+    assert thd.shape == (b * s, 64)
+    torch.testing.assert_close(thd, sbhd.transpose(0, 1).reshape(b * s, 64), atol=1e-6, rtol=1e-6)
+
+
+def test_thd_params_size_kernels_by_the_longest_document():
+    tokens = _tokens(2, 16, {0: [2, 9], 1: [4]})  # documents 3, 7, 6 | 5, 11
+    params = packed_seq_params_for(tokens, EOD, "thd")
+    assert params.qkv_format == "thd"
+    assert params.cu_seqlens_q.tolist() == [0, 3, 10, 16, 21, 32]
+    assert params.cu_seqlens_q.dtype == torch.int32  # what Transformer Engine's kernels take
+    assert params.max_seqlen_q == params.max_seqlen_kv == 11
+    assert packed_seq_params_for(tokens, EOD).max_seqlen_q == 16
+    with pytest.raises(ValueError, match="layout"):
+        packed_seq_params_for(tokens, EOD, "bshd")
+
+
+def test_gpt_model_in_thd_layout_runs_each_document_as_its_own_sequence(one_rank):
+    """Flattened micro-batch through GPTModel with rotary embeddings: each document's logits are
+    those of the plain model given that document alone, positions from 0."""
+    config = _config()
+    kwargs = dict(config=config, vocab_size=128, max_sequence_length=32, position_embedding_type="rope")
+    torch.manual_seed(0)
+    plain = GPTModel(transformer_layer_spec=gpt_layer_spec(False), **kwargs)
+    document = GPTModel(transformer_layer_spec=gpt_layer_spec(True), **kwargs)
+    document.load_state_dict(plain.state_dict())
+    tokens = _tokens(2, 32, {0: [7, 8, 30], 1: [15]})
+    params = packed_seq_params_for(tokens, EOD, "thd")
+    (flat,) = flatten_for_thd(tokens)
+    got = document(flat, None, None, packed_seq_params=params)  # [1, t, vocab]
+    assert got.shape == (1, 64, 128)
+    bounds = params.cu_seqlens_q.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        alone = flat[:, start:end]
+        expected = plain(alone, torch.arange(end - start)[None], None)
+        torch.testing.assert_close(got[:, start:end], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_work_scales_with_sum_of_squares_not_s_squared(one_rank):
     doc = DocumentCausalAttention(_config(), 1, AttnMaskType.causal, "self")
     s, b = 256, 2
@@ -128,8 +180,11 @@ def test_rejects_bad_boundaries(one_rank):
     params.cu_seqlens_q = torch.tensor([0, 3, 7], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         doc(q, q, q, None, packed_seq_params=params)
-    params.qkv_format = "thd"
-    with pytest.raises(ValueError, match="sbhd"):
+    params.qkv_format = "bshd"
+    with pytest.raises(ValueError, match="'sbhd' or 'thd'"):
+        doc(q, q, q, None, packed_seq_params=params)
+    params = packed_seq_params_for(_tokens(1, 8, {0: [3]}), EOD, "thd")
+    with pytest.raises(ValueError, match="does not match"):  # a thd layout takes [t, heads, dim]
         doc(q, q, q, None, packed_seq_params=params)
 
 
@@ -181,9 +236,10 @@ def test_the_layer_spec_attends_within_documents_only_when_packing_is_on(device)
     if device == "cuda" and importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("Transformer Engine is installed: the GPU tests cover its spec")
 
-    def core(reset):
-        spec = layer_spec(argparse.Namespace(device=device, reset_attention_mask=reset))
+    def core(reset, layout="sbhd"):
+        spec = layer_spec(argparse.Namespace(device=device, reset_attention_mask=reset, packed_seq_layout=layout))
         return spec.submodules.self_attention.submodules.core_attention
 
     assert core(True) is DocumentCausalAttention
+    assert core(True, "thd") is DocumentCausalAttention  # without TE it reads the thd layout itself
     assert core(False) is DotProductAttention

@@ -7,11 +7,18 @@ document only, and the work done is one causal attention per document, so a micr
 megatron-core's ``SelfAttention`` around it still does that.
 
 How document boundaries arrive: the forward step passes
-``packed_seq_params=packed_seq_params_for(tokens, eod)`` to ``GPTModel.forward``. That is a
-``PackedSeqParams`` with ``qkv_format="sbhd"`` (tensors stay [s, b, ...], so megatron-core's
-attention, rotary and THD code paths are untouched) whose ``cu_seqlens_q``/``cu_seqlens_kv``
-mark the segment boundaries over the batch flattened sample by sample, and whose
-``max_seqlen_q``/``max_seqlen_kv`` equal ``s`` (megatron sizes its rotary table from them).
+``packed_seq_params=packed_seq_params_for(tokens, eod, layout)`` to ``GPTModel.forward``, in one
+of two layouts (``--packed-seq-layout``):
+
+- ``sbhd``: tensors stay [s, b, ...], so megatron-core's attention and rotary code run their
+  ordinary path; ``cu_seqlens_q``/``cu_seqlens_kv`` mark the segment boundaries over the batch
+  flattened sample by sample and ``max_seqlen_q``/``max_seqlen_kv`` equal ``s`` (megatron sizes
+  its rotary table from them).
+- ``thd``: the forward step flattened the micro-batch to one sequence of ``t = b * s`` tokens
+  (tokens [1, t]), so megatron-core hands this module [t, heads, dim] and applies rotary
+  embeddings per document; the same ``cu_seqlens``, ``max_seqlen`` the longest document. This
+  is the layout Transformer Engine's own attention reads, so one data path serves both.
+
 Without ``packed_seq_params`` the module falls back to one attention over the whole sample,
 using the given mask if any (so it is also a plain drop-in for ``DotProductAttention``).
 
@@ -113,8 +120,9 @@ class DocumentCausalAttention(MegatronModule):
         """Attend.
 
         Args:
-            query: [s, b, heads_per_partition, head_dim].
-            key, value: [s, b, query_groups_per_partition, head_dim].
+            query: [s, b, heads_per_partition, head_dim], or [t, heads_per_partition, head_dim]
+                in the ``thd`` layout.
+            key, value: The same with query_groups_per_partition heads.
             attention_mask: Ignored when ``packed_seq_params`` is given; otherwise a boolean
                 mask broadcastable to [b, heads, s, s] (True = masked out), or None for causal.
             attn_mask_type: Unused, as in ``DotProductAttention``.
@@ -122,35 +130,45 @@ class DocumentCausalAttention(MegatronModule):
             packed_seq_params: Document boundaries, from :func:`packed_seq_params_for`.
 
         Returns:
-            [s, b, hidden_per_partition].
+            [s, b, hidden_per_partition], or [t, hidden_per_partition] in the ``thd`` layout.
         """
         if attention_bias is not None:
             raise ValueError("document attention does not support attention_bias")
-        seq_length, batch = query.size(0), query.size(1)
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if packed_seq_params is not None and packed_seq_params.qkv_format not in (None, "sbhd", "thd"):
+            raise ValueError(
+                f"document attention reads packed_seq_params.qkv_format 'sbhd' or 'thd'; got "
+                f"{packed_seq_params.qkv_format!r}. Build it with packed_seq_params_for(tokens, eod, layout)"
+            )
+        if thd != (query.dim() == 3):
+            raise ValueError(
+                f"query of shape {tuple(query.shape)} does not match packed_seq_params.qkv_format "
+                f"{packed_seq_params.qkv_format if packed_seq_params else None!r}: 'thd' takes "
+                "[t, heads, dim], otherwise [s, b, heads, dim]"
+            )
         heads = self.num_attention_heads_per_partition
         repeat = heads // self.num_query_groups_per_partition
         if repeat > 1:  # grouped-query attention: share each K/V group among its query heads
-            key = key.repeat_interleave(repeat, dim=2)
-            value = value.repeat_interleave(repeat, dim=2)
+            key = key.repeat_interleave(repeat, dim=-2)
+            value = value.repeat_interleave(repeat, dim=-2)
         out_dtype = query.dtype
         if self.config.attention_softmax_in_fp32 and query.dtype in (torch.float16, torch.bfloat16):
             query, key, value = query.float(), key.float(), value.float()
         dropout_p = self.dropout_p if self.training else 0.0
+        hidden = heads * self.hidden_size_per_attention_head
 
+        if thd:
+            context = self._per_document(query, key, value, packed_seq_params.cu_seqlens_q, dropout_p)
+            return context.reshape(query.size(0), hidden).to(out_dtype)
+        seq_length, batch = query.size(0), query.size(1)
         if packed_seq_params is None:
             context = self._whole_sample(query, key, value, attention_mask, dropout_p)
         else:
-            if packed_seq_params.qkv_format not in (None, "sbhd"):
-                raise ValueError(
-                    f"document attention expects packed_seq_params.qkv_format 'sbhd' (tensors "
-                    f"[s, b, ...]); got {packed_seq_params.qkv_format!r}. Build it with "
-                    "packed_seq_params_for(tokens, eod)"
-                )
-            context = self._per_document(
-                query, key, value, packed_seq_params.cu_seqlens_q, dropout_p
-            )
+            # Flat sample-major [b * s, h, d], so a document is a contiguous row range.
+            flat = (t.transpose(0, 1).reshape(batch * seq_length, heads, -1) for t in (query, key, value))
+            context = self._per_document(*flat, packed_seq_params.cu_seqlens_q, dropout_p)
         # context: [b * s, heads, head_dim] in flat sample-major order -> [s, b, hidden].
-        context = context.view(batch, seq_length, heads * self.hidden_size_per_attention_head)
+        context = context.view(batch, seq_length, hidden)
         return context.transpose(0, 1).contiguous().to(out_dtype)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float) -> Tensor:
@@ -177,17 +195,15 @@ class DocumentCausalAttention(MegatronModule):
         self.last_num_score_entries = q.size(0) * q.size(2) * q.size(2)
         return out.permute(0, 2, 1, 3).reshape(-1, q.size(1), q.size(3))
 
-    def _per_document(self, query, key, value, cu: Tensor, dropout_p) -> Tensor:
-        seq_length, batch, heads, head_dim = query.shape
-        total = seq_length * batch
+    def _per_document(self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, dropout_p) -> Tensor:
+        """Causal attention per segment of ``cu`` over rows of [t, heads, dim]; returns the same shape."""
+        total, heads, head_dim = q.shape
         bounds = cu.tolist() if isinstance(cu, Tensor) else list(cu)
         if bounds[0] != 0 or bounds[-1] != total or any(b <= a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(
-                f"packed_seq_params.cu_seqlens_q must rise strictly from 0 to b*s={total}; "
-                f"got {bounds[:4]}...{bounds[-2:]}. Build it with packed_seq_params_for(tokens, eod)"
+                f"packed_seq_params.cu_seqlens_q must rise strictly from 0 to the token count {total}; "
+                f"got {bounds[:4]}...{bounds[-2:]}. Build it with packed_seq_params_for(tokens, eod, layout)"
             )
-        # Flat sample-major [b * s, h, d], so a document is a contiguous row range.
-        q, k, v = (t.transpose(0, 1).reshape(total, heads, head_dim) for t in (query, key, value))
         starts_by_length: dict[int, list[int]] = defaultdict(list)
         for start, end in zip(bounds, bounds[1:]):
             starts_by_length[end - start].append(start)
@@ -213,21 +229,35 @@ class DocumentCausalAttention(MegatronModule):
         return context
 
 
-def packed_seq_params_for(tokens: Tensor, eod: int) -> PackedSeqParams:
+PACKED_SEQ_LAYOUTS = ("sbhd", "thd")
+
+
+def packed_seq_params_for(tokens: Tensor, eod: int, layout: str = "sbhd") -> PackedSeqParams:
     """What the forward step passes to ``GPTModel.forward`` as ``packed_seq_params``.
 
     Args:
-        tokens: LongTensor [b, s] of the micro-batch (the EOD belongs to the document it ends).
+        tokens: LongTensor [b, s] of the micro-batch as the data loader gave it (the EOD belongs
+            to the document it ends), before any flattening.
         eod: The tokenizer's EOD id.
+        layout: ``"sbhd"`` (the model sees [s, b]) or ``"thd"`` (the forward step hands the model
+            the micro-batch flattened to [1, b * s]; see :func:`flatten_for_thd`).
 
     Returns:
-        ``PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-        max_seqlen_q=s, max_seqlen_kv=s)`` with ``cu`` from
-        :func:`megatron.training.data.batch.cu_seqlens`.
+        ``PackedSeqParams(qkv_format=layout, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m,
+        max_seqlen_kv=m)`` with ``cu`` (int32) from :func:`megatron.training.data.batch.cu_seqlens`
+        and ``m`` = ``s`` for sbhd, the longest document for thd.
     """
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [b, s], got shape {tuple(tokens.shape)}")
+    if layout not in PACKED_SEQ_LAYOUTS:
+        raise ValueError(f"packed sequence layout must be one of {PACKED_SEQ_LAYOUTS}, got {layout!r}")
     cu = cu_seqlens(tokens, eod)
+    if layout == "thd":
+        # Attention kernels and the per-document rotary table are sized by the longest document.
+        longest = int((cu[1:] - cu[:-1]).max())
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
     seq_length = tokens.size(1)
     # max_seqlen = s (not the longest document): megatron sizes the rotary table from it and
     # applies it to all s positions of the unpacked [s, b] tensors.
@@ -238,6 +268,12 @@ def packed_seq_params_for(tokens: Tensor, eod: int) -> PackedSeqParams:
         max_seqlen_q=seq_length,
         max_seqlen_kv=seq_length,
     )
+
+
+def flatten_for_thd(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Each [b, s] tensor of a micro-batch (tokens, labels, loss mask, position ids) as [1, b * s],
+    samples one after another: the shape GPTModel takes with a ``thd`` ``packed_seq_params``."""
+    return tuple(t.reshape(1, -1) for t in tensors)
 
 
 def gpt_layer_spec(document_attention: bool, **local_spec_kwargs) -> ModuleSpec:
