@@ -136,7 +136,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
                         "attention. sbhd keeps samples as [s, b]; thd flattens each micro-batch to one "
                         "sequence [b*s] through every pipeline stage and the loss, the layout Transformer "
                         "Engine's attention reads document boundaries in. auto: thd on CUDA with "
-                        "Transformer Engine installed, sbhd otherwise")
+                        "Transformer Engine installed and --bf16/--fp16, sbhd otherwise")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -279,18 +279,26 @@ def _layers_per_stage(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def _packed_seq_layout(args: argparse.Namespace) -> str:
-    """``--packed-seq-layout`` resolved to sbhd or thd (``args.device`` already resolved)."""
-    if args.packed_seq_layout == "thd" and not args.reset_attention_mask:
-        raise ValueError("--packed-seq-layout thd needs --reset-attention-mask (documents to attend within); "
-                         "add it or drop --packed-seq-layout")
+    """``--packed-seq-layout`` resolved to sbhd or thd (``args.device`` already resolved).
+
+    Transformer Engine runs THD attention only in flash or fused kernels, which take fp16/bf16;
+    an fp32 job on TE keeps samples as [s, b] with our document attention inside TE's layers.
+    """
+    import importlib.util
+
+    half = args.bf16 or args.fp16
+    te_attention = args.device == "cuda" and importlib.util.find_spec("transformer_engine") is not None
+    if args.packed_seq_layout == "thd":
+        if not args.reset_attention_mask:
+            raise ValueError("--packed-seq-layout thd needs --reset-attention-mask (documents to attend "
+                             "within); add it or drop --packed-seq-layout")
+        if te_attention and not half:
+            raise ValueError("--packed-seq-layout thd on CUDA with Transformer Engine needs --bf16 or --fp16 "
+                             "(TE's THD attention kernels take half precision); add one or use "
+                             "--packed-seq-layout sbhd")
     if args.packed_seq_layout != "auto":
         return args.packed_seq_layout
-    if args.reset_attention_mask and args.device == "cuda":
-        import importlib.util
-
-        if importlib.util.find_spec("transformer_engine") is not None:
-            return "thd"
-    return "sbhd"
+    return "thd" if args.reset_attention_mask and te_attention and half else "sbhd"
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
