@@ -68,6 +68,7 @@ from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of t
     fail_stop_verdict,
     judge_heartbeats,
     localise,
+    peer_reference_s,
 )
 
 # A link is only suspect when its transfer also grew by this many seconds in absolute terms, so a
@@ -361,7 +362,11 @@ class FailSlowDetector:
         self._pending.discard(what)
         onset = self._onset(suspicion)
         peers = set(probes.rank_s) - set(suspicion.ranks)
+        # Suspect ranks against their peers (peer_reference_s). Links keep the round's median:
+        # live, 2-link rounds on a shared host read 1.3-1.4x apart with no link slow (a link into
+        # a compute-slowed rank among them), which only a median that includes the suspect absorbs.
         loc = localise(probes, self.config.probe_threshold,
+                       rank_reference_s=peer_reference_s(probes.rank_s, suspicion.ranks),
                        rank_baselines_s=None if peers else self._probe_baselines)
         evidence = {
             "observed_ratio": round(float(suspicion.ratio), 4),

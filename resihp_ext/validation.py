@@ -92,9 +92,25 @@ def _slowest_first(factors: Mapping, threshold: float) -> list:
     return sorted((k for k, f in factors.items() if f >= threshold), key=lambda k: -factors[k])
 
 
-def undecided(times: Mapping, threshold: float) -> bool:
+def peer_reference_s(times: Mapping[int, float], suspects: Sequence[int]) -> float | None:
+    """The median probe time of the probed ranks outside ``suspects`` (the healthy peers a
+    suspicion probes beside its group), or None when there are none.
+
+    Suspects are compared with their peers, not with a median they take part in: with one suspect
+    and one peer (TP 1), or a whole suspect group as large as its peer group (a node-wide slowdown
+    of a TP group), that median sits halfway between slow and healthy, so a probe threshold of
+    1.2 could not name anything slower by less than 1.5x (``t / (2 - t)``). Live, a 1.4x slow rank
+    at TP 1 or a 1.4x slow TP group at TP 2 read 1.15-1.20x against it and was cleared round after
+    round; against its peers it is named at 1.34-1.46x.
+    """
+    peers = [t for r, t in times.items() if r not in suspects]
+    return float(np.median(peers)) if peers else None
+
+
+def undecided(times: Mapping, threshold: float, suspects: Sequence[int] = ()) -> bool:
     """Whether a probe round neither names a slow one nor shows its probes alike: none reaches
-    ``threshold`` times the round's reference, yet the slowest is ``threshold`` times the fastest.
+    ``threshold`` times the round's reference (the suspects' peers' median when ``suspects`` and
+    peers are given), yet the slowest is ``threshold`` times the fastest.
 
     Such a round measured the host more than the devices. Live, 8 ranks on 2 cores, a round whose
     healthy probes read 4.62, 5.64 and 5.67 ms put a 1.5x slow rank's 6.72 ms at 1.19x their median
@@ -102,7 +118,7 @@ def undecided(times: Mapping, threshold: float) -> bool:
     """
     if len(times) < 2:
         return False
-    _, slow, _ = _factors(times, threshold, None)
+    _, slow, _ = _factors(times, threshold, peer_reference_s(times, suspects) if suspects else None)
     return not slow and max(times.values()) >= threshold * min(times.values())
 
 

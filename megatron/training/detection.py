@@ -334,12 +334,12 @@ class LiveDetector:
             self._plan = None
 
     def _probe(self, iteration: int, suspicion) -> ProbeResults:
-        probes = ProbeResults(iteration=iteration, rank_s=self._probe_ranks(suspicion.probe_ranks),
+        probes = ProbeResults(iteration=iteration, rank_s=self._probe_ranks(suspicion.probe_ranks, suspicion.ranks),
                               link_s=self._probe_links(suspicion.probe_links))
         self.probe_rounds.append(probes)
         return probes
 
-    def _probe_ranks(self, ranks) -> dict[int, float]:
+    def _probe_ranks(self, ranks, suspects=()) -> dict[int, float]:
         """GEMM probe on each listed rank (collective; see ``_fastest_in_passes``).
 
         A round that is ``undecided`` (no probe slow against the round, yet the slowest well above
@@ -355,7 +355,7 @@ class LiveDetector:
             times: list = [None] * dist.get_world_size()
             dist.all_gather_object(times, fastest if math.isfinite(fastest) else 0.0)
             round_s = {r: times[r] for r in subjects}
-            if not undecided(round_s, self.config.probe_threshold):
+            if not undecided(round_s, self.config.probe_threshold, suspects):
                 break
             if self.rank == DECIDER and extension < _PROBE_EXTENSIONS:
                 readings = ", ".join(f"{r}: {t * 1e3:.2f}" for r, t in round_s.items())

@@ -12,7 +12,7 @@ from resihp_ext.detector import Cleared, FailSlowDetector, RankObservation, Verd
 from resihp_ext.faults import parse_fault
 from resihp_ext.op_signals import Streak
 from resihp_ext.traces import SyntheticSpec, load_trace, save_trace, synthetic_probes, synthetic_trace
-from resihp_ext.validation import ProbeResults, fail_stop_verdict, localise, undecided
+from resihp_ext.validation import ProbeResults, fail_stop_verdict, localise, peer_reference_s, undecided
 
 # TP2 x PP2 x DP2: rank = tp + 2 * (replica + 2 * stage); rank 5 is replica 0, stage 1, TP rank 1.
 SPEC = SyntheticSpec(tp_degree=2, pp_degree=2, dp_degree=2, num_microbatches=4, seq_length=4096)
@@ -310,6 +310,37 @@ def test_a_round_whose_healthy_probes_disagree_is_undecided_and_one_that_names_o
     assert not undecided({0: 4.29, 1: 4.56, 2: 4.36, 3: 6.68}, 1.2)  # names rank 3
     assert not undecided({0: 4.44, 1: 5.01, 2: 4.42, 3: 4.38}, 1.2)  # all within 1.2x: healthy
     assert not undecided({0: 4.4}, 1.2)
+
+
+def _first_suspicion(spec, fault, iterations=60):
+    det = FailSlowDetector()
+    for iteration, obs in synthetic_trace(spec, iterations, [parse_fault(fault)], seed=5):
+        suspicion = det.observe(iteration, obs)
+        if suspicion:
+            return det, iteration, suspicion
+    pytest.fail(f"{fault} was never suspected")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_suspects_are_compared_with_their_peers_not_a_median_they_sit_in(tp):
+    """A whole suspect group 1.35x slow against as many healthy peers: against the median of all
+    probes (1.175) it read 1.15x and was cleared at any TP; against its peers it is named."""
+    spec = SyntheticSpec(tp_degree=tp, pp_degree=2, dp_degree=2, num_microbatches=4, seq_length=4096)
+    det, iteration, suspicion = _first_suspicion(spec, "slow:rank=2,factor=1.35,at=30")
+    assert len(suspicion.probe_ranks) == 2 * len(suspicion.ranks)
+    times = {r: (0.0135 if r in suspicion.ranks else 0.0100) for r in suspicion.probe_ranks}
+    assert localise(ProbeResults(iteration, times), 1.2).slow_ranks == ()
+    assert peer_reference_s(times, suspicion.ranks) == pytest.approx(0.0100)
+    assert undecided(times, 1.2) and not undecided(times, 1.2, suspicion.ranks)
+    verdict = det.conclude(suspicion, ProbeResults(iteration, times))
+    assert isinstance(verdict, Verdict) and verdict.ranks == tuple(sorted(suspicion.ranks))
+    assert verdict.factor == pytest.approx(1.35)
+
+
+def test_a_slow_peer_clears_the_suspects_rather_than_being_named():
+    det, iteration, suspicion = _first_suspicion(SPEC, "slow:rank=2,factor=1.35,at=30")
+    times = {r: (0.0100 if r in suspicion.ranks else 0.0135) for r in suspicion.probe_ranks}
+    assert isinstance(det.conclude(suspicion, ProbeResults(iteration, times)), Cleared)
 
 
 def test_localise_compares_each_rank_with_its_own_baseline_when_given_one_for_every_probed_rank():
