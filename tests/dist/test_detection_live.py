@@ -7,7 +7,8 @@ about alpha*N + beta*sum(l_i^2)):
   of its onset;
 * a healthy run of the same shape gets no verdict;
 * the op order the timing hooks record is ``resihp_ext.schedule.one_f_one_b`` on every stage;
-* on PP2 x DP2, a slowed pipeline link is named by link probes and re-planned in place.
+* on PP2 x DP2, a slowed pipeline link is named by link probes and re-planned in place;
+* on PP2 x DP2, a 1.4x slow rank is named against its one probed peer.
 
 The first two compare op timings across ranks. On CPU an op's busy time is its thread's CPU
 time, which does not depend on how many other ranks share the cores (see
@@ -176,6 +177,23 @@ def test_a_one_rank_job_names_its_own_slowdown_against_its_healthy_probe(tmp_pat
     assert replay.returncode == 0, replay.stderr
     ours = json.loads(replay.stdout)["resihp"]
     assert ours["localisation_accuracy"] == 1.0, ours
+
+
+def test_a_slow_rank_with_one_peer_to_probe_beside_it_is_named_under_1_5x(tmp_path):
+    """PP2 x DP2 at TP 1: a suspect group is one rank and its probe round holds one peer. Compared
+    with a median of the two, a 1.4x slow rank read 1.15-1.20x and was cleared every round; it is
+    compared with its peer."""
+    factor = 1.4
+    log = tmp_path / "events.jsonl"
+    tp1 = list(SHAPE)
+    tp1[tp1.index("--tensor-model-parallel-size") + 1] = "1"
+    check(run_job(4, [*tp1, "--train-iters", "24", "--resihp-detect-only", "--resihp-event-log", str(log),
+                      "--resihp-inject", f"slow:rank=3,factor={factor},at={ONSET}"], timeout_s=240))
+    verdicts = read_events(log, "verdict")
+    context = [e for e in read_events(log) if e["event"] in ("suspicion", "cleared", "verdict")]
+    assert verdicts, f"no verdict: {context}"
+    assert verdicts[0]["kind"] == "compute" and verdicts[0]["ranks"] == [3], context
+    assert abs(verdicts[0]["factor"] - factor) <= 0.2 * factor, context
 
 
 def test_alternate_detection_times_each_iteration_with_detection_on_or_off(tmp_path):
