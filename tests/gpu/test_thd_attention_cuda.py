@@ -1,8 +1,6 @@
 """Transformer Engine's THD attention attends within each document as our document attention
 does; skipped without a GPU and Transformer Engine."""
 
-import socket
-
 import pytest
 import torch
 
@@ -13,21 +11,10 @@ EOD = 0
 
 @pytest.fixture(scope="module")
 def one_rank():
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
+    from tests.one_rank_world import one_rank_world
 
-    created = not dist.is_initialized()
-    if created:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
+    with one_rank_world("nccl"):
+        yield
 
 
 def test_te_thd_attention_matches_document_attention(one_rank):

@@ -1,21 +1,17 @@
 """Document attention equals block-diagonal causal attention, at a per-document cost."""
 
-import socket
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from megatron.training import cpu_mode  # noqa: E402
 from megatron.training.models.document_attention import (  # noqa: E402
     DocumentCausalAttention,
     flatten_for_thd,
@@ -24,26 +20,16 @@ from megatron.training.models.document_attention import (  # noqa: E402
     with_document_attention,
 )
 
+from tests.one_rank_world import one_rank_world  # noqa: E402
+
 EOD = 0
 
 
 @pytest.fixture(scope="module")
 def one_rank():
     """A 1-rank gloo world with megatron's parallel state (TP=PP=1) on CPU."""
-    created = not dist.is_initialized()
-    if created:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    cpu_mode.enable()
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    cpu_mode.disable()
-    if created:
-        dist.destroy_process_group()
+    with one_rank_world("gloo"):
+        yield
 
 
 def _config(**kw):
