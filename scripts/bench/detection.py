@@ -41,6 +41,8 @@ FAULTS = (
     "slow:rank=100,factor=1.3,at=40",  # replica 4, stage 1
     "link:src=9,dst=73,factor=4,at=40",  # replica 1, stage 0 -> 1, TP rank 1
     "link:src=140,dst=204,factor=3,at=40",  # replica 1, stage 2 -> 3, TP rank 4
+    # A whole TP group (a node's power cap, say): replica 5, stage 1, all 8 ranks 1.4x.
+    ";".join(f"slow:rank={r},factor=1.4,at=40" for r in range(104, 112)),
 )
 NAMES = ("resihp", "greyhound", "nvrx")
 # Iterations a fault run needs after the onset: persistence (2; 3 where ranks share cores), then
@@ -70,8 +72,9 @@ class _Tally:
         }
 
 
-def _truth(fault: Fault) -> frozenset[int]:
-    return frozenset((fault.rank, fault.dst)) if fault.kind is FaultKind.LINK else frozenset((fault.rank,))
+def _truth(faults: list[Fault]) -> frozenset[int]:
+    """The ranks a verdict should name: the slow ranks, or a slow link's two ends."""
+    return frozenset(r for f in faults for r in ((f.rank, f.dst) if f.kind is FaultKind.LINK else (f.rank,)))
 
 
 def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baselines=None) -> None:
@@ -87,7 +90,8 @@ def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baseline
     flat_pending = PendingVerdicts(config.confirm_after_iters)
     baselines = {"greyhound": GreyhoundStyleDetector(), "nvrx": NvrxStyleDetector()}
     onset = min((f.at_iteration for f in faults), default=None)
-    truth = _truth(faults[0]) if faults else None
+    # What the first verdict should name: the faults that begin first (several for a slow group).
+    truth = _truth([f for f in faults if f.at_iteration == onset]) if faults else None
     first = {name: None for name in NAMES}
     for name in NAMES:
         tallies[name].faults += 1 if faults else 0
@@ -139,7 +143,7 @@ def synthetic(args, tallies, stats) -> None:
         run_one(synthetic_trace(spec, args.healthy_iters, seed=1000 + seed), [], spec, tallies, stats,
                 lambda it, s: synthetic_probes(spec, [], it, s.probe_ranks, s.probe_links))
     for i, text in enumerate(FAULTS):
-        faults = [parse_fault(text)]
+        faults = [parse_fault(part) for part in text.split(";")]
         run_one(synthetic_trace(spec, args.fault_iters, faults, seed=i), faults, spec, tallies, stats,
                 lambda it, s, faults=faults: synthetic_probes(spec, faults, it, s.probe_ranks, s.probe_links))
 
