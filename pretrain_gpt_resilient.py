@@ -57,7 +57,7 @@ def forward_step(data_iterator, model):
     """Every stage draws the micro-batch: stages need its shape to time and predict it."""
     args = ARGS
     batch = next(data_iterator)
-    tokens = batch["tokens"]
+    tokens = host_tokens = batch["tokens"]
     if args.reset_attention_mask:
         RECORDER.features.append(microbatch_features(tokens, args.tokenizer.eod))
     else:  # attention spans the whole sample: one "document" of seq_length per sample
@@ -72,7 +72,8 @@ def forward_step(data_iterator, model):
     if args.reset_attention_mask:
         from megatron.training.models.document_attention import flatten_for_thd, packed_seq_params_for
 
-        extra["packed_seq_params"] = packed_seq_params_for(tokens, args.tokenizer.eod, args.packed_seq_layout)
+        extra["packed_seq_params"] = packed_seq_params_for(host_tokens, args.tokenizer.eod, args.packed_seq_layout,
+                                                           device=device)
         if args.packed_seq_layout == "thd":
             tokens, labels, loss_mask, position_ids = flatten_for_thd(tokens, labels, loss_mask, position_ids)
     output = model(tokens, position_ids, attention_mask, labels=labels, **extra)

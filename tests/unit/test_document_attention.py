@@ -1,5 +1,6 @@
 """Document attention equals block-diagonal causal attention, at a per-document cost."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -9,6 +10,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
@@ -95,6 +97,24 @@ def test_thd_layout_attends_as_sbhd_does(one_rank, num_query_groups):
     torch.testing.assert_close(thd, sbhd.transpose(0, 1).reshape(b * s, 64), atol=1e-6, rtol=1e-6)
 
 
+def test_layers_read_the_boundaries_on_the_host(one_rank):
+    """Every layer needs the boundaries as integers; reading cu_seqlens_q back from a GPU in each
+    layer would synchronise it. The params carry them on the host, and attention uses those."""
+    doc = DocumentCausalAttention(_config(), 1, AttnMaskType.causal, "self")
+    tokens = _tokens(2, 16, {0: [2, 9], 1: [4]})
+    q = torch.randn(16, 2, 4, 16)
+    params = packed_seq_params_for(tokens, EOD)
+    assert params.bounds == tuple(params.cu_seqlens_q.tolist())
+    expected = doc(q, q, q, None, packed_seq_params=params)
+    device_only = dataclasses.replace(params, cu_seqlens_q=None, cu_seqlens_kv=None)
+    torch.testing.assert_close(doc(q, q, q, None, packed_seq_params=device_only), expected)
+    plain = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=params.cu_seqlens_q)  # megatron-core's own type
+    torch.testing.assert_close(doc(q, q, q, None, packed_seq_params=plain), expected)
+    # Built from the host's tokens for a model elsewhere: the tensors go there, the bounds stay.
+    elsewhere = packed_seq_params_for(tokens, EOD, "thd", device=torch.device("meta"))
+    assert elsewhere.cu_seqlens_q.device.type == "meta" and elsewhere.bounds == params.bounds
+
+
 def test_thd_params_size_kernels_by_the_longest_document():
     tokens = _tokens(2, 16, {0: [2, 9], 1: [4]})  # documents 3, 7, 6 | 5, 11
     params = packed_seq_params_for(tokens, EOD, "thd")
@@ -163,9 +183,12 @@ def test_rejects_bad_boundaries(one_rank):
     doc = DocumentCausalAttention(_config(), 1, AttnMaskType.causal, "self")
     q = torch.randn(8, 1, 4, 16)
     params = packed_seq_params_for(_tokens(1, 8, {0: [3]}), EOD)
-    params.cu_seqlens_q = torch.tensor([0, 3, 7], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
-        doc(q, q, q, None, packed_seq_params=params)
+        doc(q, q, q, None, packed_seq_params=dataclasses.replace(params, bounds=(0, 3, 7)))
+    # A plain PackedSeqParams (no host bounds): its cu_seqlens_q is read and checked.
+    plain = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        doc(q, q, q, None, packed_seq_params=plain)
     params.qkv_format = "bshd"
     with pytest.raises(ValueError, match="'sbhd' or 'thd'"):
         doc(q, q, q, None, packed_seq_params=params)

@@ -46,17 +46,17 @@ def document_lengths(tokens: torch.Tensor, eod: int) -> list[list[int]]:
     return result
 
 
-def cu_seqlens(tokens: torch.Tensor, eod: int) -> torch.Tensor:
-    """Cumulative segment boundaries over the batch flattened sample by sample.
+def document_bounds(tokens: torch.Tensor, eod: int) -> list[int]:
+    """Cumulative segment boundaries over the batch flattened sample by sample, on the host.
 
     Args:
         tokens: LongTensor [b, s].
         eod: The end-of-document id.
 
     Returns:
-        int32 tensor ``[0, e_1, ..., b * s]`` on ``tokens.device``: segment ``i`` covers flat
-        positions ``[e_i, e_{i+1})`` where flat position ``j * s + t`` is token ``t`` of sample
-        ``j``. Sample boundaries are always segment boundaries.
+        ``[0, e_1, ..., b * s]``: segment ``i`` covers flat positions ``[e_i, e_{i+1})`` where flat
+        position ``j * s + t`` is token ``t`` of sample ``j``. Sample boundaries are always
+        segment boundaries.
     """
     bounds = [0]
     offset = 0
@@ -64,7 +64,12 @@ def cu_seqlens(tokens: torch.Tensor, eod: int) -> torch.Tensor:
         for length in sample:
             offset += length
             bounds.append(offset)
-    return torch.tensor(bounds, dtype=torch.int32, device=tokens.device)
+    return bounds
+
+
+def cu_seqlens(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """:func:`document_bounds` as an int32 tensor on ``tokens.device``."""
+    return torch.tensor(document_bounds(tokens, eod), dtype=torch.int32, device=tokens.device)
 
 
 def microbatch_features(tokens: torch.Tensor, eod: int) -> tuple[int, int, int]:

@@ -28,6 +28,7 @@ attention dropout uses the CUDA RNG tracker like ``DotProductAttention``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from typing import Optional
@@ -46,7 +47,17 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
-from megatron.training.data.batch import cu_seqlens
+from megatron.training.data.batch import document_bounds
+
+
+@dataclasses.dataclass
+class DocumentBounds(PackedSeqParams):
+    """``PackedSeqParams`` that also holds the document boundaries as host integers, so document
+    attention reads them in every layer without copying ``cu_seqlens_q`` back from the device (a
+    synchronisation per layer on CUDA). Transformer Engine and megatron-core read only the
+    ``PackedSeqParams`` fields."""
+
+    bounds: tuple[int, ...] = ()
 
 
 class DocumentCausalAttention(MegatronModule):
@@ -158,7 +169,7 @@ class DocumentCausalAttention(MegatronModule):
         hidden = heads * self.hidden_size_per_attention_head
 
         if thd:
-            context = self._per_document(query, key, value, packed_seq_params.cu_seqlens_q, dropout_p)
+            context = self._per_document(query, key, value, _bounds(packed_seq_params), dropout_p)
             return context.reshape(query.size(0), hidden).to(out_dtype)
         seq_length, batch = query.size(0), query.size(1)
         if packed_seq_params is None:
@@ -166,7 +177,7 @@ class DocumentCausalAttention(MegatronModule):
         else:
             # Flat sample-major [b * s, h, d], so a document is a contiguous row range.
             flat = (t.transpose(0, 1).reshape(batch * seq_length, heads, -1) for t in (query, key, value))
-            context = self._per_document(*flat, packed_seq_params.cu_seqlens_q, dropout_p)
+            context = self._per_document(*flat, _bounds(packed_seq_params), dropout_p)
         # context: [b * s, heads, head_dim] in flat sample-major order -> [s, b, hidden].
         context = context.view(batch, seq_length, hidden)
         return context.transpose(0, 1).contiguous().to(out_dtype)
@@ -195,10 +206,9 @@ class DocumentCausalAttention(MegatronModule):
         self.last_num_score_entries = q.size(0) * q.size(2) * q.size(2)
         return out.permute(0, 2, 1, 3).reshape(-1, q.size(1), q.size(3))
 
-    def _per_document(self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, dropout_p) -> Tensor:
-        """Causal attention per segment of ``cu`` over rows of [t, heads, dim]; returns the same shape."""
+    def _per_document(self, q: Tensor, k: Tensor, v: Tensor, bounds: list[int], dropout_p) -> Tensor:
+        """Causal attention per segment of ``bounds`` over rows of [t, heads, dim]; returns the same shape."""
         total, heads, head_dim = q.shape
-        bounds = cu.tolist() if isinstance(cu, Tensor) else list(cu)
         if bounds[0] != 0 or bounds[-1] != total or any(b <= a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(
                 f"packed_seq_params.cu_seqlens_q must rise strictly from 0 to the token count {total}; "
@@ -229,10 +239,18 @@ class DocumentCausalAttention(MegatronModule):
         return context
 
 
+def _bounds(params: PackedSeqParams) -> list[int]:
+    if isinstance(params, DocumentBounds) and params.bounds:
+        return list(params.bounds)
+    cu = params.cu_seqlens_q
+    return cu.tolist() if isinstance(cu, Tensor) else list(cu)
+
+
 PACKED_SEQ_LAYOUTS = ("sbhd", "thd")
 
 
-def packed_seq_params_for(tokens: Tensor, eod: int, layout: str = "sbhd") -> PackedSeqParams:
+def packed_seq_params_for(tokens: Tensor, eod: int, layout: str = "sbhd",
+                          device: Optional[torch.device] = None) -> PackedSeqParams:
     """What the forward step passes to ``GPTModel.forward`` as ``packed_seq_params``.
 
     Args:
@@ -241,32 +259,28 @@ def packed_seq_params_for(tokens: Tensor, eod: int, layout: str = "sbhd") -> Pac
         eod: The tokenizer's EOD id.
         layout: ``"sbhd"`` (the model sees [s, b]) or ``"thd"`` (the forward step hands the model
             the micro-batch flattened to [1, b * s]; see :func:`flatten_for_thd`).
+        device: Where ``cu_seqlens`` go (default: the tokens'). Pass the host's tokens and the
+            model's device, and finding the boundaries waits for nothing on the GPU.
 
     Returns:
-        ``PackedSeqParams(qkv_format=layout, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m,
-        max_seqlen_kv=m)`` with ``cu`` (int32) from :func:`megatron.training.data.batch.cu_seqlens`
-        and ``m`` = ``s`` for sbhd, the longest document for thd.
+        ``DocumentBounds(qkv_format=layout, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m,
+        max_seqlen_kv=m, bounds=...)``: ``cu`` (int32, on ``device``) holds
+        :func:`megatron.training.data.batch.document_bounds`, which ``bounds`` keeps on the host;
+        ``m`` = ``s`` for sbhd, the longest document for thd.
     """
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [b, s], got shape {tuple(tokens.shape)}")
     if layout not in PACKED_SEQ_LAYOUTS:
         raise ValueError(f"packed sequence layout must be one of {PACKED_SEQ_LAYOUTS}, got {layout!r}")
-    cu = cu_seqlens(tokens, eod)
-    if layout == "thd":
-        # Attention kernels and the per-document rotary table are sized by the longest document.
-        longest = int((cu[1:] - cu[:-1]).max())
-        return PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
-        )
-    seq_length = tokens.size(1)
-    # max_seqlen = s (not the longest document): megatron sizes the rotary table from it and
-    # applies it to all s positions of the unpacked [s, b] tensors.
-    return PackedSeqParams(
-        qkv_format="sbhd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        max_seqlen_q=seq_length,
-        max_seqlen_kv=seq_length,
+    bounds = document_bounds(tokens, eod)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=tokens.device if device is None else device)
+    # thd: attention kernels and the per-document rotary table are sized by the longest document.
+    # sbhd: by s (not the longest document): megatron sizes the rotary table from it and applies
+    # it to all s positions of the unpacked [s, b] tensors.
+    max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:])) if layout == "thd" else tokens.size(1)
+    return DocumentBounds(
+        qkv_format=layout, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+        bounds=tuple(bounds),
     )
 
 
