@@ -311,10 +311,13 @@ def test_repeated_reforms_do_not_leak_threads_or_fds():
     out = run_ranks(_cycles_rank, 4, 12)
     for rank, result in out.items():
         counts = result["counts"]
-        # Layouts differ in how many connections a rank holds, so compare each cycle with the
-        # previous cycle of the same layout.
-        assert all(counts[i] == counts[i - 3] for i in range(3, len(counts))), (
-            f"rank {rank} leaks (python threads, os threads, fds) per cycle: {counts}")
+        # Layouts differ in how many connections a rank holds, so compare the cycles of each
+        # layout (4 of each). A leak grows a count every cycle, 3 or more over 4 cycles; a socket
+        # its peer closes a moment later moves one count by one (seen in CI: 69, 69, 69, 68).
+        for layout in range(3):
+            same = counts[layout::3]
+            spread = [max(c[k] for c in same) - min(c[k] for c in same) for k in range(3)]
+            assert max(spread) <= 1, f"rank {rank} leaks (python threads, os threads, fds) per cycle: {counts}"
         assert result["pg_left"] == 1, "only the default group may remain"
     times = [t for r in out.values() for t in r["times"]]
     print("build/install/teardown max s:", [round(max(t[i] for t in times), 4) for i in range(3)])
