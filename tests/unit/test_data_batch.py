@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron.training.data.batch import cu_seqlens, document_lengths, microbatch_features
+from megatron.training.data.batch import document_bounds, document_lengths, microbatch_features
 
 EOD = 9
 
@@ -22,11 +22,9 @@ def test_lengths_sum_to_sequence_length():
     assert all(sum(row) == 64 for row in document_lengths(tokens, EOD))
 
 
-def test_cu_seqlens_flattens_sample_by_sample():
+def test_document_bounds_flatten_sample_by_sample():
     tokens = torch.tensor([[1, EOD, 2, 3], [4, 5, EOD, 6]])
-    cu = cu_seqlens(tokens, EOD)
-    assert cu.dtype == torch.int32
-    assert cu.tolist() == [0, 2, 4, 7, 8]
+    assert document_bounds(tokens, EOD) == [0, 2, 4, 7, 8]
 
 
 def test_microbatch_features():

@@ -105,6 +105,7 @@ def test_layers_read_the_boundaries_on_the_host(one_rank):
     q = torch.randn(16, 2, 4, 16)
     params = packed_seq_params_for(tokens, EOD)
     assert params.bounds == tuple(params.cu_seqlens_q.tolist())
+    assert params.cu_seqlens_q.dtype == torch.int32  # what Transformer Engine's kernels take, in sbhd too
     expected = doc(q, q, q, None, packed_seq_params=params)
     device_only = dataclasses.replace(params, cu_seqlens_q=None, cu_seqlens_kv=None)
     torch.testing.assert_close(doc(q, q, q, None, packed_seq_params=device_only), expected)

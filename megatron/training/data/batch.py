@@ -67,11 +67,6 @@ def document_bounds(tokens: torch.Tensor, eod: int) -> list[int]:
     return bounds
 
 
-def cu_seqlens(tokens: torch.Tensor, eod: int) -> torch.Tensor:
-    """:func:`document_bounds` as an int32 tensor on ``tokens.device``."""
-    return torch.tensor(document_bounds(tokens, eod), dtype=torch.int32, device=tokens.device)
-
-
 def microbatch_features(tokens: torch.Tensor, eod: int) -> tuple[int, int, int]:
     """Cost-model features of one micro-batch.
 
