@@ -57,25 +57,27 @@ def forward_step(data_iterator, model):
     """Every stage draws the micro-batch: stages need its shape to time and predict it."""
     args = ARGS
     batch = next(data_iterator)
-    tokens = host_tokens = batch["tokens"]
+    tokens = batch["tokens"]
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    extra = {}
     if args.reset_attention_mask:
-        RECORDER.features.append(microbatch_features(tokens, args.tokenizer.eod))
+        from megatron.training.models.document_attention import packed_seq_params_for
+
+        # From the host's tokens: finding the documents waits for nothing on the device.
+        extra["packed_seq_params"] = params = packed_seq_params_for(tokens, args.tokenizer.eod,
+                                                                    args.packed_seq_layout, device=device)
+        RECORDER.features.append(microbatch_features(params.bounds))
     else:  # attention spans the whole sample: one "document" of seq_length per sample
         RECORDER.features.append((tokens.numel(), tokens.shape[0] * tokens.shape[1] ** 2, tokens.shape[0]))
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     tokens = tokens.to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
     position_ids = batch["position_ids"].to(device, non_blocking=True)
     attention_mask = batch.get("attention_mask")
-    extra = {}
-    if args.reset_attention_mask:
-        from megatron.training.models.document_attention import flatten_for_thd, packed_seq_params_for
+    if args.reset_attention_mask and args.packed_seq_layout == "thd":
+        from megatron.training.models.document_attention import flatten_for_thd
 
-        extra["packed_seq_params"] = packed_seq_params_for(host_tokens, args.tokenizer.eod, args.packed_seq_layout,
-                                                           device=device)
-        if args.packed_seq_layout == "thd":
-            tokens, labels, loss_mask, position_ids = flatten_for_thd(tokens, labels, loss_mask, position_ids)
+        tokens, labels, loss_mask, position_ids = flatten_for_thd(tokens, labels, loss_mask, position_ids)
     output = model(tokens, position_ids, attention_mask, labels=labels, **extra)
     return output, partial(loss_func, loss_mask)
 

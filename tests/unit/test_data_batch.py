@@ -29,4 +29,4 @@ def test_document_bounds_flatten_sample_by_sample():
 
 def test_microbatch_features():
     tokens = torch.tensor([[1, 2, EOD, 3, EOD, 4, 5, 6], [EOD, 1, 1, 1, 1, 1, 1, EOD]])
-    assert microbatch_features(tokens, EOD) == (16, 9 + 4 + 9 + 1 + 49, 5)
+    assert microbatch_features(document_bounds(tokens, EOD)) == (16, 9 + 4 + 9 + 1 + 49, 5)

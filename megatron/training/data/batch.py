@@ -9,6 +9,8 @@ cannot see anything up to and including that EOD.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from resihp_ext.workload import microbatch_features as _features_from_lengths
@@ -67,15 +69,15 @@ def document_bounds(tokens: torch.Tensor, eod: int) -> list[int]:
     return bounds
 
 
-def microbatch_features(tokens: torch.Tensor, eod: int) -> tuple[int, int, int]:
+def microbatch_features(bounds: Sequence[int]) -> tuple[int, int, int]:
     """Cost-model features of one micro-batch.
 
     Args:
-        tokens: LongTensor [b, s].
-        eod: The end-of-document id.
+        bounds: Its segment boundaries, from :func:`document_bounds` (or a ``DocumentBounds``'
+            ``bounds``, so the forward step finds the documents once).
 
     Returns:
         ``(num_tokens, sum_sq, num_docs)``: ``b * s``, the sum of squared segment lengths and the
         number of segments.
     """
-    return _features_from_lengths(document_lengths(tokens, eod))
+    return _features_from_lengths([[end - start for start, end in zip(bounds, bounds[1:])]])
