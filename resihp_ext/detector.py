@@ -361,13 +361,13 @@ class FailSlowDetector:
         what = self._subject(suspicion)
         self._pending.discard(what)
         onset = self._onset(suspicion)
-        peers = set(probes.rank_s) - set(suspicion.ranks)
-        # Suspect ranks against their peers (peer_reference_s). Links keep the round's median:
-        # live, 2-link rounds on a shared host read 1.3-1.4x apart with no link slow (a link into
-        # a compute-slowed rank among them), which only a median that includes the suspect absorbs.
-        loc = localise(probes, self.config.probe_threshold,
-                       rank_reference_s=peer_reference_s(probes.rank_s, suspicion.ranks),
-                       rank_baselines_s=None if peers else self._probe_baselines)
+        # Suspect ranks against their peers (peer_reference_s), or, with no peer probed, each
+        # against its own baseline. Links keep the round's median: live, 2-link rounds on a shared
+        # host read 1.3-1.4x apart with no link slow (a link into a compute-slowed rank among
+        # them), which only a median that includes the suspect absorbs.
+        peer_reference = peer_reference_s(probes.rank_s, suspicion.ranks)
+        loc = localise(probes, self.config.probe_threshold, rank_reference_s=peer_reference,
+                       rank_baselines_s=self._probe_baselines if peer_reference is None else None)
         evidence = {
             "observed_ratio": round(float(suspicion.ratio), 4),
             "onset_iteration": onset,
