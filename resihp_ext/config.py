@@ -33,11 +33,15 @@ class ResiHPConfig:
     """Observed/predicted iteration-time ratio above which a stage or rank becomes suspect."""
 
     persistence_iters: int = 2
-    """Consecutive suspect iterations required before validation probes run."""
+    """Suspect iterations a run needs before validation probes run (a run: see --resihp-persistence-gap-iters)."""
 
     shared_host_persistence_iters: int = 3
-    """Consecutive suspect iterations required instead, while ranks share devices (CPU cores: their ops take 1.5x
+    """Suspect iterations a run needs instead, while ranks share devices (CPU cores: their ops take 1.5x
     their busy time or more in wall time), where a host's slow spells last longer; the larger of the two counts."""
+
+    persistence_gap_iters: int = 1
+    """Quiet iterations in a row a run of suspect ones survives (adding nothing to its count): a slowdown near the
+    threshold that reads below it once, in an iteration where the others ran slow, is not forgotten. 0: consecutive only."""
 
     warmup_iters: int = 5
     """Iterations used only to fit the time predictor before the detector starts judging."""
@@ -113,6 +117,9 @@ class ResiHPConfig:
             raise ValueError(f"--resihp-confirm-after-iters must be >= 0, got {self.confirm_after_iters}")
         if self.cleared_cooldown_iters < 0:
             raise ValueError(f"--resihp-cleared-cooldown-iters must be >= 0, got {self.cleared_cooldown_iters}")
+        if self.persistence_gap_iters < 0:
+            raise ValueError(f"--resihp-persistence-gap-iters must be >= 0 (0: consecutive iterations only), "
+                             f"got {self.persistence_gap_iters}")
         for name in ("persistence_iters", "shared_host_persistence_iters", "warmup_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--resihp-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -35,6 +35,7 @@ observations, ``now`` and probe timings in, and acts on what comes back.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Sequence
@@ -137,10 +138,11 @@ class FailSlowDetector:
             self.predictor.reset()
         self.levels.reset()  # groups are renamed by a re-plan; each learns its level again
         self._seen = 0
-        self._group_streak: dict[GroupId, Streak] = defaultdict(Streak)
-        self._recovery_streak: dict[GroupId, Streak] = defaultdict(Streak)
+        new_streak = functools.partial(Streak, self.config.persistence_gap_iters)
+        self._group_streak: dict[GroupId, Streak] = defaultdict(new_streak)
+        self._recovery_streak: dict[GroupId, Streak] = defaultdict(new_streak)
         self._known_groups: dict[GroupId, float] = {}
-        self._link_streak: dict[LinkId, Streak] = defaultdict(Streak)
+        self._link_streak: dict[LinkId, Streak] = defaultdict(new_streak)
         self._links = LinkBaselines(_HISTORY)
         self._overhead_history: deque = deque(maxlen=_HISTORY)
         self._contention_history: deque = deque(maxlen=_HISTORY)
@@ -233,11 +235,14 @@ class FailSlowDetector:
         suspicion = None
         if judged:
             suspicion = self._decide(iteration, slow_stage, sibling_ratio, slow_link, stage_ratio)
-        # Learn only from what is not suspect, so a persistent slowdown never becomes the norm;
-        # never from the first iteration after a (re)start, which pays one-off set-up costs.
+        # Learn only from what is not suspect, so a persistent slowdown never becomes the norm: not
+        # from a group whose run of suspect iterations is still open either (a slowdown near the
+        # threshold reads under it now and then); never from the first iteration after a (re)start,
+        # which pays one-off set-up costs.
         batches: dict = defaultdict(list)
         for g, (fwd, bwd) in durations.items():
             if (self._seen == 1 or g in self._muted or g in self._pending or stage_ratio.get(g, 1.0) > threshold
+                    or self._group_streak[g].open
                     or sibling_ratio.get(g, 1.0) > threshold
                     or (g in known and stage_ratio.get(g, 1.0) * threshold < 1.0)):  # faster than known: not the norm
                 continue

@@ -83,28 +83,53 @@ class Baselines:
 
 
 class Streak:
-    """Consecutive iterations above threshold for one group or link, with their ratios."""
+    """Suspect iterations of one group or link, with their ratios: a run that survives a few quiet
+    iterations between suspect ones.
 
-    __slots__ = ("count", "onset", "ratios")
+    A slowdown close to the threshold reads below it now and then: live, a whole TP group 1.4x
+    slow read 1.07-1.23x beyond the others in an iteration where they ran 1.1-1.2x slow, and a
+    strict run restarted there, so the suspicion came 3 or more iterations late, or never
+    (``docs/benchmarks.md`` section 28). Up to ``gap`` quiet iterations in a row keep the run
+    going (they add nothing to its count); one more ends it.
+
+    Args:
+        gap: quiet iterations in a row a run survives (0: a strict run of consecutive ones).
+    """
+
+    __slots__ = ("count", "onset", "ratios", "gap", "quiet")
 
     # Ratios kept for ``step_onset``; a streak longer than this keeps its latest ones.
     KEPT = 32
 
-    def __init__(self) -> None:
+    def __init__(self, gap: int = 0) -> None:
+        if gap < 0:
+            raise ValueError(f"gap must be >= 0, got {gap}")
+        self.gap = gap
         self.count = 0
         self.onset = -1
+        self.quiet = 0  # quiet iterations since the run's last suspect one
         self.ratios: list[tuple[int, float]] = []
 
+    @property
+    def open(self) -> bool:
+        """Whether a run is going on (its last suspect iteration at most ``gap`` ago)."""
+        return self.count > 0
+
     def update(self, slow: bool, iteration: int, ratio: float = float("nan")) -> int:
-        if slow:
-            if self.count == 0:
-                self.onset = iteration
-                self.ratios = []
-            self.count += 1
-            self.ratios.append((iteration, ratio))
-            del self.ratios[:-self.KEPT]
-        else:
-            self.count = 0
+        """Count one judged iteration; returns the run's count if this one is suspect, else 0
+        (a suspicion is raised on a suspect iteration only)."""
+        if not slow:
+            self.quiet += 1
+            if self.quiet > self.gap:
+                self.count = 0
+            return 0
+        if self.count == 0:
+            self.onset = iteration
+            self.ratios = []
+        self.count += 1
+        self.quiet = 0
+        self.ratios.append((iteration, ratio))
+        del self.ratios[:-self.KEPT]
         return self.count
 
     def step_onset(self, step: float, min_after: int) -> int:

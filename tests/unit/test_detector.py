@@ -193,6 +193,66 @@ def test_a_streak_steps_up_where_its_later_readings_all_exceed_the_earlier_ones(
     assert restarted.onset == 9 and restarted.step_onset(1.25, 2) == 9
 
 
+def test_a_run_survives_as_many_quiet_iterations_as_its_gap():
+    run = Streak(gap=1)
+    counts = [run.update(slow, it) for it, slow in enumerate([True, True, False, True, False, False, True], start=10)]
+    assert counts == [1, 2, 0, 3, 0, 0, 1]  # one quiet iteration keeps the run; two end it
+    assert run.onset == 16
+    strict = Streak()
+    assert [strict.update(slow, it) for it, slow in enumerate([True, True, False, True], start=10)] == [1, 2, 0, 1]
+    with pytest.raises(ValueError, match="gap"):
+        Streak(gap=-1)
+
+
+def _group_slow_with_one_noisy_iteration(noisy_factor=1.2):
+    """Ranks 4, 5 (replica 0, stage 1) 1.4x slow from trace index 40; at index 41 every other rank
+    runs ``noisy_factor`` slow too, so the group reads only 1.4 / 1.2 = 1.17x beyond them there."""
+    trace = list(_trace(60))
+    for i in range(40, 60):
+        factors = {r: noisy_factor for r in range(8)} if i == 41 else {}
+        factors[4] = factors[5] = 1.4
+        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
+    return trace
+
+
+@pytest.mark.parametrize("gap, raised_after, onset_after", [(1, 2, 0), (0, 3, 2)])
+def test_a_slowdown_that_reads_below_the_threshold_once_is_suspected_on_time(gap, raised_after, onset_after):
+    trace = _group_slow_with_one_noisy_iteration()
+    onset = trace[40][0]
+    det = FailSlowDetector(ResiHPConfig(persistence_gap_iters=gap))
+    raised = []
+    for iteration, obs in trace:
+        suspicion = det.observe(iteration, obs)
+        if iteration == trace[41][0]:
+            assert 1.0 < det.last_report.stage_ratio[(0, 1)] / 1.2 < 1.25  # quiet in the noisy iteration
+        if suspicion is not None:
+            raised.append(suspicion)
+            det.release(suspicion, iteration)
+    first = raised[0]
+    assert first.ranks == (4, 5)
+    assert (first.iteration, first.onset_iteration) == (onset + raised_after, onset + onset_after)
+
+
+@pytest.mark.parametrize("gap, learnt_groups", [(1, 1), (0, 2)])
+def test_a_group_is_not_learnt_from_while_its_run_is_open(gap, learnt_groups):
+    # Index 40: the group reads 1.4x (suspect); 41: 1.15x, under the threshold. With a gap its run
+    # is still open at 41, so neither the stage's cost model nor the group's speed level learns
+    # from that reading (a slowdown near the threshold would otherwise drift into the norm); the
+    # stage's other group (replica 1) is learnt from either way.
+    trace = list(_trace(42))
+    trace[40] = (trace[40][0], _busy(trace[40][1], {4: 1.4, 5: 1.4}))
+    trace[41] = (trace[41][0], _busy(trace[41][1], {4: 1.15, 5: 1.15}))
+    det = FailSlowDetector(ResiHPConfig(persistence_gap_iters=gap))
+    forward = det.keys_for(0, 1, 2)[0]
+    for iteration, obs in trace[:41]:
+        det.observe(iteration, obs)
+    samples, level = det.predictor.coefficients(forward).num_samples, det.levels.level((0, 1))
+    det.observe(*trace[41])
+    assert det.last_report.stage_ratio[(0, 1)] < 1.25
+    assert det.predictor.coefficients(forward).num_samples - samples == learnt_groups * SPEC.num_microbatches
+    assert (det.levels.level((0, 1)) == level) == (gap == 1)
+
+
 def test_single_noisy_iteration_raises_nothing():
     trace = list(_trace(60))
     trace[40] = (trace[40][0], _stretch(trace[40][1], {4, 5}, 1.6))
