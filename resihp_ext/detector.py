@@ -17,8 +17,8 @@ Decisions:
       counted only when its excess beyond the link's recent noise is a noticeable part of the
       iteration (``resihp_ext.link_baselines``);
     * a slowdown most groups (or most links) show is the host's or the job's, not a device's:
-      each ratio is judged over the lower median of the others' (when above 1)
-      (``op_signals.beyond_common``);
+      each ratio is judged over the lower median of the others' (a link's when above 1, a
+      group's either way: a group is judged against its peers) (``op_signals.beyond_common``);
     * a ratio above ``slowdown_threshold`` for ``persistence_iters`` consecutive judged
       iterations becomes a Suspicion (a single noisy iteration triggers nothing); while ranks
       share devices, for ``shared_host_persistence_iters``;
@@ -230,7 +230,7 @@ class FailSlowDetector:
         )
 
         threshold = self.config.slowdown_threshold
-        slow_stage, self._stage_common = beyond_common(stage_ratio)
+        slow_stage, self._stage_common = beyond_common(stage_ratio, floor=0.0)
         slow_link, self._link_common = beyond_common(link_ratio)
         suspicion = None
         if judged:

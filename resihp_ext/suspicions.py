@@ -39,7 +39,7 @@ def compute_suspicion(iteration: int, g: GroupId, ranks: tuple[int, ...], refere
                       streak: Streak, ratio: float, signal: str, common: float, threshold: float) -> Suspicion:
     """Stage group ``g`` ran ``ratio`` x its prediction (``signal="predicted"``, beyond the
     ``common`` slowdown of the others) or of its TP siblings (``"siblings"``)."""
-    beyond = f" beyond the {common:.2f}x most other groups ran" if signal == "predicted" and common > 1.0 else ""
+    beyond = f" beyond the {common:.2f}x most other groups ran" if signal == "predicted" and common != 1.0 else ""
     return Suspicion(
         iteration=iteration,
         onset_iteration=streak.onset,

@@ -10,7 +10,7 @@ import pytest
 from resihp_ext.config import ResiHPConfig
 from resihp_ext.detector import Cleared, FailSlowDetector, RankObservation, Verdict, judge_heartbeats
 from resihp_ext.faults import parse_fault
-from resihp_ext.op_signals import Streak
+from resihp_ext.op_signals import Streak, beyond_common
 from resihp_ext.traces import SyntheticSpec, load_trace, save_trace, synthetic_probes, synthetic_trace
 from resihp_ext.validation import ProbeResults, fail_stop_verdict, localise, peer_reference_s, undecided
 
@@ -98,6 +98,37 @@ def test_slow_rank_shows_against_its_tp_siblings_when_the_prediction_is_off():
     assert det.last_report.sibling_ratio[(0, 1)] == pytest.approx(1.5, rel=0.05)
     assert len(raised) == 1 and raised[0].ranks == (4, 5) and 40 <= raised[0].iteration <= 42
     assert "TP siblings" in raised[0].reason
+
+
+def test_a_slow_group_is_judged_against_its_peers_when_the_host_runs_faster_than_the_model():
+    # From index 40 every rank computes 20% faster than the model learnt, and the whole group of
+    # ranks 4, 5 1.4x slower than that: 1.12x predicted, under the threshold, and no TP sibling
+    # to compare with. Against the other groups (0.8x) it is 1.4x.
+    trace = list(_trace(60))
+    for i in range(40, 60):
+        factors = {r: 0.8 for r in range(8)}
+        factors[4] = factors[5] = 0.8 * 1.4
+        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
+    det = FailSlowDetector()
+    raised = []
+    for iteration, obs in trace:
+        suspicion = det.observe(iteration, obs)
+        if suspicion is not None:
+            raised.append(suspicion)
+            det.release(suspicion, iteration)
+            break
+    assert det.last_report.stage_ratio[(0, 1)] < 1.25
+    assert raised and raised[0].ranks == (4, 5) and raised[0].iteration <= trace[41][0]
+    assert raised[0].ratio == pytest.approx(1.4, rel=0.1)
+    assert "beyond the 0.8" in raised[0].reason
+
+
+def test_the_common_level_floors_at_one_for_links_and_not_for_groups():
+    ratios = {"a": 0.8, "b": 0.82, "c": 0.85, "d": 1.15}
+    as_groups, common = beyond_common(ratios, floor=0.0)
+    assert as_groups["d"] == pytest.approx(1.15 / 0.82) and common["d"] == 0.82
+    as_links, _ = beyond_common(ratios)  # links: a common speed-up is not divided out
+    assert as_links == ratios
 
 
 def test_a_slowdown_every_group_shares_is_the_hosts_and_raises_nothing():
