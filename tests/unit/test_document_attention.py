@@ -16,6 +16,7 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from megatron.training.models.document_attention import (  # noqa: E402
     DocumentCausalAttention,
+    document_rows,
     flatten_for_thd,
     gpt_layer_spec,
     packed_seq_params_for,
@@ -114,6 +115,41 @@ def test_layers_read_the_boundaries_on_the_host(one_rank):
     # Built from the host's tokens for a model elsewhere: the tensors go there, the bounds stay.
     elsewhere = packed_seq_params_for(tokens, EOD, "thd", device=torch.device("meta"))
     assert elsewhere.cu_seqlens_q.device.type == "meta" and elsewhere.bounds == params.bounds
+
+
+def test_document_rows_group_equal_lengths_in_one_index():
+    rows = document_rows([0, 4, 8, 10, 13], torch.device("cpu"))  # lengths 4, 4, 2, 3
+    assert rows.groups == ((2, 1, 0), (3, 1, 2), (4, 2, 5))
+    assert rows.index.tolist() == [8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert rows.index.dtype == torch.int64
+
+
+def test_layers_of_one_micro_batch_share_one_row_plan(one_rank, monkeypatch):
+    """Each layer needs the same document rows; building them per layer costs, on CUDA, one
+    host-to-device copy per distinct document length per layer, each waiting for the stream.
+    The params build them once, for the first layer that asks."""
+    import megatron.training.models.document_attention as module
+
+    built = []
+    monkeypatch.setattr(module, "document_rows", lambda *a: built.append(a) or document_rows(*a))
+    config = _config()
+    layers = [DocumentCausalAttention(config, n, AttnMaskType.causal, "self") for n in (1, 2, 3)]
+    tokens = _tokens(2, 24, {0: [3, 9, 15], 1: [5, 11]})
+    params = packed_seq_params_for(tokens, EOD)
+    q = torch.randn(24, 2, 4, 16, requires_grad=True)
+    out = q
+    for layer in layers:
+        out = layer(out, out, out, None, packed_seq_params=params).view(24, 2, 4, 16)
+    out.square().sum().backward()
+    assert len(built) == 1 and q.grad is not None
+    # A plain PackedSeqParams has nowhere to keep them: each layer builds its own.
+    plain = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=params.cu_seqlens_q)
+    for layer in layers:
+        layer(q, q, q, None, packed_seq_params=plain)
+    assert len(built) == 4
+    # New boundaries are never served the old plan.
+    moved = dataclasses.replace(params, bounds=(0, 24, 48))
+    assert moved.rows_on(q.device).groups == ((24, 2, 0),)
 
 
 def test_thd_params_size_kernels_by_the_longest_document():

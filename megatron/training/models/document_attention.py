@@ -50,14 +50,59 @@ from megatron.core.utils import divide
 from megatron.training.data.batch import document_bounds
 
 
+@dataclasses.dataclass(frozen=True)
+class DocumentRows:
+    """Where each packed document's rows are, grouped for batched attention.
+
+    Attributes:
+        groups: ``(length, count, offset)`` per distinct document length, ascending: ``count``
+            documents of ``length`` rows whose row numbers are ``index[offset:offset + count * length]``,
+            document after document.
+        index: Every row number, in the order of ``groups`` (a permutation of ``0..t-1``); on the
+            device attention runs on.
+    """
+
+    groups: tuple[tuple[int, int, int], ...]
+    index: Tensor
+
+
+def document_rows(bounds, device: torch.device) -> DocumentRows:
+    """The rows of the documents between consecutive ``bounds``, built on the host and sent to
+    ``device`` in one copy (asynchronous from pinned memory on CUDA)."""
+    starts_by_length: dict[int, list[int]] = defaultdict(list)
+    for start, end in zip(bounds, bounds[1:]):
+        starts_by_length[end - start].append(start)
+    groups, parts, offset = [], [], 0
+    for length in sorted(starts_by_length):
+        starts = torch.tensor(starts_by_length[length], dtype=torch.int64)
+        parts.append((starts[:, None] + torch.arange(length)).reshape(-1))
+        groups.append((length, len(starts_by_length[length]), offset))
+        offset += parts[-1].numel()
+    index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    if device.type == "cuda":
+        index = index.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        index = index.to(device)
+    return DocumentRows(tuple(groups), index)
+
+
 @dataclasses.dataclass
 class DocumentBounds(PackedSeqParams):
-    """``PackedSeqParams`` that also holds the document boundaries as host integers, so document
-    attention reads them in every layer without copying ``cu_seqlens_q`` back from the device (a
-    synchronisation per layer on CUDA). Transformer Engine and megatron-core read only the
-    ``PackedSeqParams`` fields."""
+    """``PackedSeqParams`` that also holds the document boundaries as host integers, and the row
+    plan built from them once per micro-batch and device (``rows_on``), so every layer's document
+    attention finds its documents without reading ``cu_seqlens_q`` back from the device or copying
+    index tensors to it (on CUDA each such copy from pageable memory waits for the stream).
+    Transformer Engine and megatron-core read only the ``PackedSeqParams`` fields."""
 
     bounds: tuple[int, ...] = ()
+    _rows: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def rows_on(self, device: torch.device) -> DocumentRows:
+        """The row plan of ``bounds`` on ``device``, built by the first layer that asks."""
+        rows = self._rows.get(device)
+        if rows is None:
+            rows = self._rows[device] = document_rows(self.bounds, device)
+        return rows
 
 
 class DocumentCausalAttention(MegatronModule):
@@ -169,7 +214,7 @@ class DocumentCausalAttention(MegatronModule):
         hidden = heads * self.hidden_size_per_attention_head
 
         if thd:
-            context = self._per_document(query, key, value, _bounds(packed_seq_params), dropout_p)
+            context = self._per_document(query, key, value, packed_seq_params, dropout_p)
             return context.reshape(query.size(0), hidden).to(out_dtype)
         seq_length, batch = query.size(0), query.size(1)
         if packed_seq_params is None:
@@ -177,7 +222,7 @@ class DocumentCausalAttention(MegatronModule):
         else:
             # Flat sample-major [b * s, h, d], so a document is a contiguous row range.
             flat = (t.transpose(0, 1).reshape(batch * seq_length, heads, -1) for t in (query, key, value))
-            context = self._per_document(*flat, _bounds(packed_seq_params), dropout_p)
+            context = self._per_document(*flat, packed_seq_params, dropout_p)
         # context: [b * s, heads, head_dim] in flat sample-major order -> [s, b, hidden].
         context = context.view(batch, seq_length, hidden)
         return context.transpose(0, 1).contiguous().to(out_dtype)
@@ -206,36 +251,31 @@ class DocumentCausalAttention(MegatronModule):
         self.last_num_score_entries = q.size(0) * q.size(2) * q.size(2)
         return out.permute(0, 2, 1, 3).reshape(-1, q.size(1), q.size(3))
 
-    def _per_document(self, q: Tensor, k: Tensor, v: Tensor, bounds: list[int], dropout_p) -> Tensor:
-        """Causal attention per segment of ``bounds`` over rows of [t, heads, dim]; returns the same shape."""
+    def _per_document(self, q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams, dropout_p) -> Tensor:
+        """Causal attention per document of ``params`` over rows of [t, heads, dim]; returns the same shape."""
         total, heads, head_dim = q.shape
+        bounds = _bounds(params)
         if bounds[0] != 0 or bounds[-1] != total or any(b <= a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(
                 f"packed_seq_params.cu_seqlens_q must rise strictly from 0 to the token count {total}; "
                 f"got {bounds[:4]}...{bounds[-2:]}. Build it with packed_seq_params_for(tokens, eod, layout)"
             )
-        starts_by_length: dict[int, list[int]] = defaultdict(list)
-        for start, end in zip(bounds, bounds[1:]):
-            starts_by_length[end - start].append(start)
+        rows = (params.rows_on(q.device) if isinstance(params, DocumentBounds) and params.bounds
+                else document_rows(bounds, q.device))
         # Documents of equal length share one batched kernel call: the number of calls is the
         # number of distinct lengths, and each call scores n * l^2 pairs, never l * s.
-        pieces, rows = [], []
-        for length in sorted(starts_by_length):
-            starts = torch.tensor(starts_by_length[length], device=q.device)
-            index = (starts[:, None] + torch.arange(length, device=q.device)).reshape(-1)
-            n = starts.numel()
+        pieces = []
+        for length, n, offset in rows.groups:
+            index = rows.index[offset:offset + n * length]
             qs, ks, vs = (
                 t.index_select(0, index).view(n, length, heads, head_dim).transpose(1, 2)
                 for t in (q, k, v)
             )
             out = self._sdpa(qs, ks, vs, None, dropout_p)  # [n, h, l, d]
             pieces.append(out.transpose(1, 2).reshape(n * length, heads, head_dim))
-            rows.append(index)
-        order = torch.cat(rows)
-        gathered = torch.cat(pieces)
-        context = torch.zeros_like(q).index_copy(0, order, gathered)
-        self.last_num_attention_calls = len(starts_by_length)
-        self.last_num_score_entries = sum(l * l * len(s) for l, s in starts_by_length.items())
+        context = torch.zeros_like(q).index_copy(0, rows.index, torch.cat(pieces))
+        self.last_num_attention_calls = len(rows.groups)
+        self.last_num_score_entries = sum(length * length * n for length, n, _ in rows.groups)
         return context
 
 
