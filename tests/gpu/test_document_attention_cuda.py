@@ -8,14 +8,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 EOD = 0
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    from tests.one_rank_world import one_rank_world
-
-    with one_rank_world("nccl"):
-        yield
-
-
 def test_document_attention_layers_do_not_synchronise_the_device(one_rank):
     """Each layer reads the boundaries on the host and the micro-batch's row plan (one
     asynchronous copy for all layers); a per-layer ``cu_seqlens_q.tolist()`` or a copy of a

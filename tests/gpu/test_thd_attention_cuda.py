@@ -9,14 +9,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 EOD = 0
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    from tests.one_rank_world import one_rank_world
-
-    with one_rank_world("nccl"):
-        yield
-
-
 def test_te_thd_attention_matches_document_attention(one_rank):
     pytest.importorskip("transformer_engine", reason="needs Transformer Engine")
     from megatron.core.extensions.transformer_engine import TEDotProductAttention

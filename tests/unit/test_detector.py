@@ -78,15 +78,21 @@ def _busy(obs, factors):
     return tuple(dataclasses.replace(o, busy=tuple(factors.get(o.rank, 1.0) * t for t in o.op_busy())) for o in obs)
 
 
+def _host_speed_from_40(host, slower=None):
+    """The 60-iteration trace with every rank's device time ``host`` times the learnt one from
+    index 40, and ``slower`` ranks (rank -> factor) that much slower again."""
+    trace = list(_trace(60))
+    factors = {r: host * (slower or {}).get(r, 1.0) for r in range(8)}
+    for i in range(40, 60):
+        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
+    return trace
+
+
 def test_slow_rank_shows_against_its_tp_siblings_when_the_prediction_is_off():
     # From iteration 40 every rank computes 20% faster than the model learnt (a host speeding
     # up, data the fit over-predicts) and rank 5 is 1.5x slow: 0.8 x 1.5 = 1.2 of the prediction,
     # under the 1.25 threshold. Against its sibling, rank 4, it is 1.5x.
-    trace = list(_trace(60))
-    for i in range(40, 60):
-        factors = {r: 0.8 for r in range(8)}
-        factors[5] = 0.8 * 1.5
-        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
+    trace = _host_speed_from_40(0.8, {5: 1.5})
     det = FailSlowDetector()
     raised = []
     for iteration, obs in trace:
@@ -104,19 +110,9 @@ def test_a_slow_group_is_judged_against_its_peers_when_the_host_runs_faster_than
     # From index 40 every rank computes 20% faster than the model learnt, and the whole group of
     # ranks 4, 5 1.4x slower than that: 1.12x predicted, under the threshold, and no TP sibling
     # to compare with. Against the other groups (0.8x) it is 1.4x.
-    trace = list(_trace(60))
-    for i in range(40, 60):
-        factors = {r: 0.8 for r in range(8)}
-        factors[4] = factors[5] = 0.8 * 1.4
-        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
-    det = FailSlowDetector()
-    raised = []
-    for iteration, obs in trace:
-        suspicion = det.observe(iteration, obs)
-        if suspicion is not None:
-            raised.append(suspicion)
-            det.release(suspicion, iteration)
-            break
+    trace = _host_speed_from_40(0.8, {4: 1.4, 5: 1.4})
+    det, events = _run(trace)  # healthy probes: each suspicion is cleared
+    raised = [suspicion for suspicion, _ in events]
     assert det.last_report.stage_ratio[(0, 1)] < 1.25
     assert raised and raised[0].ranks == (4, 5) and raised[0].iteration <= trace[41][0]
     assert raised[0].ratio == pytest.approx(1.4, rel=0.1)
@@ -134,9 +130,7 @@ def test_the_common_level_floors_at_one_for_links_and_not_for_groups():
 def test_a_slowdown_every_group_shares_is_the_hosts_and_raises_nothing():
     # From iteration 40 every rank computes 1.5x its learnt speed (a busy host, as a CI run saw:
     # every replica 1.45x predicted). No device is slower than the others, and no re-plan helps.
-    trace = list(_trace(60))
-    for i in range(40, 60):
-        trace[i] = (trace[i][0], _busy(trace[i][1], {r: 1.5 for r in range(8)}))
+    trace = _host_speed_from_40(1.5)
     det, events = _run(trace)
     assert det.last_report.stage_ratio[(0, 1)] == pytest.approx(1.5, rel=0.1)  # each one is 1.5x predicted
     assert events == []
@@ -144,11 +138,7 @@ def test_a_slowdown_every_group_shares_is_the_hosts_and_raises_nothing():
 
 def test_a_group_slower_than_every_other_is_judged_beyond_their_common_slowdown():
     # The same busy host, and rank 5's group 2x on top of it: 3x predicted, 2x beyond the others.
-    trace = list(_trace(60))
-    for i in range(40, 60):
-        factors = {r: 1.5 for r in range(8)}
-        factors[4] = factors[5] = 3.0
-        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
+    trace = _host_speed_from_40(1.5, {4: 2.0, 5: 2.0})
     det = FailSlowDetector()
     raised = [s for s in (det.observe(i, obs) for i, obs in trace) if s is not None]
     onset = trace[40][0]
