@@ -19,9 +19,10 @@ Decisions:
     * a slowdown most groups (or most links) show is the host's or the job's, not a device's:
       each ratio is judged over the lower median of the others' (a link's when above 1, a
       group's either way: a group is judged against its peers) (``op_signals.beyond_common``);
-    * a ratio above ``slowdown_threshold`` for ``persistence_iters`` consecutive judged
-      iterations becomes a Suspicion (a single noisy iteration triggers nothing); while ranks
-      share devices, for ``shared_host_persistence_iters``;
+    * a run of ``persistence_iters`` judged iterations with a ratio above ``slowdown_threshold``
+      becomes a Suspicion (a single noisy iteration triggers nothing); while ranks share devices,
+      of ``shared_host_persistence_iters``. A run survives ``persistence_gap_iters`` quiet
+      iterations in a row (``op_signals.Streak``), and its group is not learnt from meanwhile;
     * ``conclude`` localises with the probes (``resihp_ext.validation``) and returns a Verdict or
       a Cleared.
 
