@@ -2,6 +2,7 @@
 
 import ctypes.util
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -44,34 +45,34 @@ pytestmark = pytest.mark.skipif(
 
 
 def _faults_per_step(variant: str, *args: str) -> tuple[float, float]:
-    """Page faults per steady step (after 6 warm-up steps): their median and their mean."""
-    done = subprocess.run([sys.executable, "-c", _STEPS, variant, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-    assert done.returncode == 0, done.stderr
-    median, mean = done.stdout.split()[-2:]
-    return float(median), float(mean)
+    """Page faults per steady step (after 6 warm-up steps), their median and their mean, each the
+    median over three runs: both variants fault in bursts, so one run's mean varies several-fold
+    (measured, 8 runs each: glibc's defaults 488-2,510 per step, one CI run 135; kept memory
+    5-94, a CPU rank 0-118)."""
+    runs = []
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", _STEPS, variant, *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=120,
+                              env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr
+        runs.append(tuple(float(x) for x in done.stdout.split()[-2:]))
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
 @pytest.fixture(scope="module")
 def default_faults() -> float:
     # On the mean: under glibc's defaults steps fault in bursts (0 in one step, 1,000-3,500 in
     # another, depending on when the heap top is trimmed), and the median of some runs is 0.
-    # Whether a run trims at all varies too (one in a full unit run gave under 50 per step), so
-    # the reference is the most of up to three runs.
-    faults = 0.0
-    for _ in range(3):
-        faults = max(faults, _faults_per_step("default")[1])
-        if faults >= 50:
-            return faults
-    raise AssertionError(f"glibc's defaults gave at most {faults} faults per step in 3 runs; the comparison "
-                         "needs them to fault")
+    _, faults = _faults_per_step("default")
+    assert faults >= 50, f"glibc's defaults gave {faults} faults per step; the comparison needs them to fault"
+    return faults
 
 
 def test_kept_memory_serves_steady_steps_without_page_faults(default_faults):
     median, mean = _faults_per_step("keep")
-    assert median <= default_faults / 20 and mean <= default_faults / 5, (default_faults, median, mean)
+    assert median <= default_faults / 20 and mean <= default_faults / 4, (default_faults, median, mean)
 
 
 def test_a_cpu_rank_keeps_freed_memory_from_start_up(default_faults):
     median, mean = _faults_per_step("cpu-rank", *_TINY_ARGS)
-    assert median <= default_faults / 20 and mean <= default_faults / 5, (default_faults, median, mean)
+    assert median <= default_faults / 20 and mean <= default_faults / 4, (default_faults, median, mean)
