@@ -80,10 +80,8 @@ def document_rows(bounds, device: torch.device) -> DocumentRows:
         offset += parts[-1].numel()
     index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
     if device.type == "cuda":
-        index = index.pin_memory().to(device, non_blocking=True)
-    elif device.type != "cpu":
-        index = index.to(device)
-    return DocumentRows(tuple(groups), index)
+        index = index.pin_memory()  # so the copy below need not wait for the stream
+    return DocumentRows(tuple(groups), index.to(device, non_blocking=True))
 
 
 @dataclasses.dataclass
