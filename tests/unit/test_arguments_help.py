@@ -6,6 +6,7 @@ import pytest
 
 from megatron.training.arguments import build_parser, parse_args
 from resihp_ext.config import ResiHPConfig
+from tests.cli_args import TINY_CPU_ARGS
 
 
 def test_help_lists_every_resihp_flag():
@@ -13,11 +14,6 @@ def test_help_lists_every_resihp_flag():
     for field in dataclasses.fields(ResiHPConfig):
         assert "--resihp-" + field.name.replace("_", "-") in text
     assert "(0.05 = 5%)" in " ".join(text.split())
-
-
-_TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
-         "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "64",
-         "--device", "cpu"]
 
 
 @pytest.mark.parametrize("flag, value, says", [
@@ -28,7 +24,7 @@ _TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2
 def test_a_bad_resihp_value_exits_2_naming_its_flag(monkeypatch, capsys, flag, value, says):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(_TINY + [flag, value])
+        parse_args([*TINY_CPU_ARGS, flag, value])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and says in err, err
@@ -36,5 +32,5 @@ def test_a_bad_resihp_value_exits_2_naming_its_flag(monkeypatch, capsys, flag, v
 
 def test_the_persistence_gap_reaches_the_detectors_config(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert parse_args(_TINY).resihp.persistence_gap_iters == 1
-    assert parse_args(_TINY + ["--resihp-persistence-gap-iters", "0"]).resihp.persistence_gap_iters == 0
+    assert parse_args(list(TINY_CPU_ARGS)).resihp.persistence_gap_iters == 1
+    assert parse_args([*TINY_CPU_ARGS, "--resihp-persistence-gap-iters", "0"]).resihp.persistence_gap_iters == 0

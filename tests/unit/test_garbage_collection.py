@@ -7,6 +7,7 @@ import pytest
 
 from megatron.training import garbage_collection
 from megatron.training.arguments import parse_args
+from tests.cli_args import TINY_CPU_ARGS
 
 
 def _full_collections(fn) -> int:
@@ -48,9 +49,7 @@ def test_without_manual_gc_only_the_settle_collects():
 
 def test_negative_interval_is_refused_with_the_flag_named(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
-    base = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
-            "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "64",
-            "--device", "cpu"]
+    base = list(TINY_CPU_ARGS)
     assert parse_args(base + ["--manual-gc", "--manual-gc-interval", "10"]).manual_gc_interval == 10
     with pytest.raises(SystemExit) as exit_info:
         parse_args(base + ["--manual-gc", "--manual-gc-interval", "-1"])

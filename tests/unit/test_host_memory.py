@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_args import TINY_CPU_ARGS
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Each variant runs in a fresh process: glibc's settings last for the process's life.
@@ -33,10 +35,6 @@ for step in range(32):
     faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
 print(statistics.median(faults[6:]), statistics.mean(faults[6:]))
 """
-
-_TINY_ARGS = ("--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
-              "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "64",
-              "--device", "cpu")
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or "libc.so" not in (ctypes.util.find_library("c") or ""),
@@ -74,5 +72,5 @@ def test_kept_memory_serves_steady_steps_without_page_faults(default_faults):
 
 
 def test_a_cpu_rank_keeps_freed_memory_from_start_up(default_faults):
-    median, mean = _faults_per_step("cpu-rank", *_TINY_ARGS)
+    median, mean = _faults_per_step("cpu-rank", *TINY_CPU_ARGS)
     assert median <= default_faults / 20 and mean <= default_faults / 4, (default_faults, median, mean)
