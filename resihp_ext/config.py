@@ -27,7 +27,7 @@ class ResiHPConfig:
     """Path of a JSONL trace of every rank's op timings per iteration (input to scripts/bench/detection.py --trace)."""
 
     inject: list[str] = field(default_factory=list)
-    """Inject a fault (repeatable): slow:rank=R,factor=F,at=I[,until=J] | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I | hang:rank=R,at=I."""
+    """Inject a fault (repeatable): slow:rank=R,factor=F,at=I[,until=J][,on=A,off=B] | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I | hang:rank=R,at=I."""
 
     slowdown_threshold: float = 1.25
     """Observed/predicted iteration-time ratio above which a stage or rank becomes suspect."""
@@ -65,6 +65,14 @@ class ResiHPConfig:
     only if the same ranks (or link) are slow again; otherwise it is cleared. A device that is
     slow for a moment (a busy neighbour on a shared host) is not re-planned around. 0: act on the
     first probe round."""
+
+    intermittent_episodes: int = 3
+    """A rank the second probe round clears this many times, each time after a first round named it slow, all
+    within --resihp-intermittent-window-iters, is slow in bursts and gets a compute verdict (resihp_ext/recurrence.py).
+    0: never."""
+
+    intermittent_window_iters: int = 100
+    """Iterations within which --resihp-intermittent-episodes cleared verdicts of one rank must fall."""
 
     no_recovery: bool = False
     """Never raise recovery suspicions: a slow rank that is fast again keeps the smaller share it
@@ -117,6 +125,11 @@ class ResiHPConfig:
             raise ValueError(f"--resihp-confirm-after-iters must be >= 0, got {self.confirm_after_iters}")
         if self.cleared_cooldown_iters < 0:
             raise ValueError(f"--resihp-cleared-cooldown-iters must be >= 0, got {self.cleared_cooldown_iters}")
+        if self.intermittent_episodes < 0 or self.intermittent_episodes == 1:
+            raise ValueError(f"--resihp-intermittent-episodes must be 0 (off) or >= 2 (one cleared verdict is "
+                             f"what confirmation is for), got {self.intermittent_episodes}")
+        if self.intermittent_window_iters < 1:
+            raise ValueError(f"--resihp-intermittent-window-iters must be >= 1, got {self.intermittent_window_iters}")
         if self.persistence_gap_iters < 0:
             raise ValueError(f"--resihp-persistence-gap-iters must be >= 0 (0: consecutive iterations only), "
                              f"got {self.persistence_gap_iters}")

@@ -4,6 +4,9 @@ Responsible for the bookkeeping between a first probe round naming a slow rank o
 second round, ``confirm_after_iters`` iterations later, that must name it again: which verdicts
 wait, which are due, and what a second round makes of each (the confirmed verdict, or a Cleared).
 
+A compute verdict the second round drops is handed to ``resihp_ext.recurrence``: a rank dropped
+that way again and again is slow in bursts, and becomes a verdict of its own.
+
 Several verdicts may wait at once. A suspicion raised while another verdict waits is probed at
 once and waits beside it, so a noise verdict on one link cannot hold back a real slowdown on
 another rank until its cooldown ends.
@@ -19,7 +22,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from resihp_ext.config import ResiHPConfig
 from resihp_ext.observations import Suspicion
+from resihp_ext.recurrence import Recurrences
 from resihp_ext.validation import Cleared, ProbeResults, Verdict
 
 
@@ -66,13 +71,21 @@ class PendingVerdicts:
     Args:
         wait_iters: iterations between the first and the second probe round
             (``--resihp-confirm-after-iters``); 0 acts on first-round verdicts at once.
+        recurrences: where dropped compute verdicts add up to intermittent ones (None: nowhere).
     """
 
-    def __init__(self, wait_iters: int) -> None:
+    def __init__(self, wait_iters: int, recurrences: Recurrences | None = None) -> None:
         if wait_iters < 0:
             raise ValueError(f"--resihp-confirm-after-iters must be >= 0, got {wait_iters}")
         self.wait_iters = wait_iters
+        self.recurrences = recurrences
         self._waiting: list[Waiting] = []
+
+    @classmethod
+    def from_config(cls, config: ResiHPConfig) -> PendingVerdicts:
+        """As the ``--resihp-confirm-after-iters`` and ``--resihp-intermittent-*`` flags say."""
+        return cls(config.confirm_after_iters,
+                   Recurrences(config.intermittent_episodes, config.intermittent_window_iters))
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -172,6 +185,11 @@ class PendingVerdicts:
             outcome = self.settle(waiting, again, iteration)
             if isinstance(again, Verdict) and not isinstance(outcome, Verdict):
                 detector.release(waiting.suspicion, iteration)  # slow, but not the same ones
+            if isinstance(outcome, Cleared) and self.recurrences is not None:
+                bursts = self.recurrences.note(waiting.verdict, again.evidence.get("probe_factors", {}), iteration)
+                if bursts is not None:
+                    detector.mute(waiting.suspicion)  # as a first round's verdict does, until a re-plan
+                    outcome = bursts
             settled.append((waiting.suspicion, outcome))
         if plan.suspicion is not None:
             outcome = detector.conclude(plan.suspicion, rounds[-1])

@@ -346,6 +346,11 @@ class FailSlowDetector:
         group = (suspicion.replica, suspicion.stage)
         streaks[suspicion.kind].pop(suspicion.links[0] if suspicion.kind == "link" else group, None)
 
+    def mute(self, suspicion: Suspicion) -> None:
+        """Judge a suspicion's group (link) no more until ``reset``: a verdict stands for it, as one
+        from its probes does. For verdicts reached other than by ``conclude``."""
+        self._muted.add(self._subject(suspicion))
+
     @staticmethod
     def _subject(suspicion: Suspicion):
         """What a suspicion is about, as the pending, muted and cooldown sets name it."""

@@ -5,6 +5,9 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
     slow:rank=3,factor=2.0,at=20      compute on rank 3 takes 2x as long from iteration 20
     slow:rank=3,factor=2.0,at=20,until=40
                                       ... and recovers at the start of iteration 40
+    slow:rank=3,factor=1.5,at=20,on=3,off=3
+                                      ... in bursts: slow for 3 iterations, fast for 3, slow
+                                      for 3, ... from iteration 20 (until= ends the bursts)
     link:src=1,dst=3,factor=4,at=20   transfers from rank 1 to rank 3 take 4x as long
     kill:rank=5,at=30                 rank 5 is SIGKILLed at iteration 30
     kill:rank=1,at=4,during=reform    rank 1 is SIGKILLed as it is about to join the world that
@@ -44,7 +47,7 @@ class FaultKind(str, enum.Enum):
 
 
 _KEYS = {
-    FaultKind.SLOW: {"rank", "factor", "at", "until"},
+    FaultKind.SLOW: {"rank", "factor", "at", "until", "on", "off"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},
     FaultKind.KILL: {"rank", "at", "during"},
     FaultKind.HANG: {"rank", "at"},
@@ -68,6 +71,8 @@ class Fault:
     ``at_iteration`` is the 1-based training iteration at whose start the fault begins; with
     ``during`` (kill only), the fault waits instead for that phase of a recovery at or after it.
     ``until_iteration`` (slow only) is the iteration at whose start a slowdown ends (None: never).
+    ``on_iters`` and ``off_iters`` (slow only, both or neither) make it intermittent: from
+    ``at_iteration`` on, slow for ``on_iters`` iterations, then healthy for ``off_iters``, and so on.
     """
 
     kind: FaultKind
@@ -77,6 +82,8 @@ class Fault:
     dst: int | None = None
     during: str | None = None
     until_iteration: int | None = None
+    on_iters: int | None = None
+    off_iters: int | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 0 or (self.dst is not None and self.dst < 0):
@@ -92,6 +99,10 @@ class Fault:
                                                  or self.until_iteration <= self.at_iteration):
             raise ValueError(f"{FLAG}: until= is for slow faults and must be after at=; got {self.kind.value} "
                              f"with at={self.at_iteration}, until={self.until_iteration}")
+        if (self.on_iters is None) != (self.off_iters is None) or (
+                self.on_iters is not None and (self.kind is not FaultKind.SLOW or self.on_iters < 1 or self.off_iters < 1)):
+            raise ValueError(f"{FLAG}: on= and off= go together, on slow faults, as iteration counts >= 1; got "
+                             f"{self.kind.value} with on={self.on_iters}, off={self.off_iters}")
         if self.kind is FaultKind.LINK and self.dst == self.rank:
             raise ValueError(f"{FLAG}: a link needs two different ranks, got src=dst={self.rank}")
 
@@ -99,8 +110,14 @@ class Fault:
     def src(self) -> int:
         return self.rank
 
+    @property
+    def intermittent(self) -> bool:
+        return self.on_iters is not None
+
     def active(self, iteration: int) -> bool:
-        return iteration >= self.at_iteration and (self.until_iteration is None or iteration < self.until_iteration)
+        if iteration < self.at_iteration or (self.until_iteration is not None and iteration >= self.until_iteration):
+            return False
+        return not self.intermittent or (iteration - self.at_iteration) % (self.on_iters + self.off_iters) < self.on_iters
 
     def spec(self) -> str:
         """The fault in ``--resihp-inject`` grammar (``parse_fault(f.spec()) == f``)."""
@@ -108,7 +125,8 @@ class Fault:
             return f"link:src={self.rank},dst={self.dst},factor={self.factor:g},at={self.at_iteration}"
         if self.kind is FaultKind.SLOW:
             until = f",until={self.until_iteration}" if self.until_iteration is not None else ""
-            return f"slow:rank={self.rank},factor={self.factor:g},at={self.at_iteration}{until}"
+            bursts = f",on={self.on_iters},off={self.off_iters}" if self.intermittent else ""
+            return f"slow:rank={self.rank},factor={self.factor:g},at={self.at_iteration}{until}{bursts}"
         during = f",during={self.during}" if self.during else ""
         return f"{self.kind.value}:rank={self.rank},at={self.at_iteration}{during}"
 
@@ -121,7 +139,7 @@ def parse_fault(spec: str) -> Fault:
     except ValueError:
         raise ValueError(
             f"{FLAG} {spec!r}: unknown fault kind {kind_text!r}; use one of "
-            "slow:rank=R,factor=F,at=I[,until=J] | link:src=S,dst=D,factor=F,at=I | "
+            "slow:rank=R,factor=F,at=I[,until=J][,on=A,off=B] | link:src=S,dst=D,factor=F,at=I | "
             f"kill:rank=R,at=I[,during={'|'.join(PHASES)}] | hang:rank=R,at=I"
         ) from None
     fields: dict[str, str] = {}
@@ -143,8 +161,9 @@ def parse_fault(spec: str) -> Fault:
         dst = int(fields["dst"]) if kind is FaultKind.LINK else None
         at = int(fields["at"])
         factor = float(fields.get("factor", 1.0))
-        until = int(fields["until"]) if "until" in fields else None
+        until, on, off = (int(fields[k]) if k in fields else None for k in ("until", "on", "off"))
     except ValueError as exc:
-        raise ValueError(f"{FLAG} {spec!r}: {exc}; ranks, at= and until= are integers, factor= a number") from None
+        raise ValueError(f"{FLAG} {spec!r}: {exc}; ranks, at=, until=, on= and off= are integers, "
+                         "factor= a number") from None
     return Fault(kind=kind, rank=rank, at_iteration=at, factor=factor, dst=dst, during=fields.get("during"),
-                 until_iteration=until)
+                 until_iteration=until, on_iters=on, off_iters=off)

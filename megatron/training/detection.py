@@ -189,7 +189,7 @@ class LiveDetector:
         self.decision_s = self.decision_cpu_s = 0.0
         self.clock_offset_s = job_clock_offset()
         self.probe_rounds: list[ProbeResults] = []  # this iteration's, in the order they ran
-        self.pending = PendingVerdicts(config.confirm_after_iters)
+        self.pending = PendingVerdicts.from_config(config)
         self.probe_baselines: dict[int, float] = {}
         self.refined_baselines: dict[int, float] | None = None  # set by the iteration that refined them
         self._baseline_ranks: list[int] = []

@@ -74,6 +74,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         self.replica_index = parallel_state.get_data_parallel_rank()
         # A link fault involves its receiver too: it takes part in measuring the healthy link.
         self.faults = [f for f in self.cfg.faults if self.rank in (f.rank, f.dst)]
+        self._slowing: set = set()  # slow faults in force now
         args.replica_index = self.replica_index
         self.sync = None  # LayoutGradSync while replicas differ
         self._layout_changed_at = -1  # the iteration during which the layout last changed
@@ -172,24 +173,38 @@ class ResilienceHooks(LayoutChanges, Readmissions):
                 log_line(f" rank {self.rank}: injecting {fault.spec()}")
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    def _apply_slowdowns(self, iteration: int) -> None:
+        """Stretch this rank's compute by its slowest active slowdown, and say when each starts and ends
+        (an intermittent one at every burst). Recomputed each iteration, so a redone iteration or a
+        re-plan in the middle of a burst keeps the fault where it stands."""
+        for fault in (f for f in self.faults if f.kind is FaultKind.SLOW):
+            now = fault.active(iteration)
+            if now == (fault in self._slowing):
+                continue
+            if now:
+                self._slowing.add(fault)
+                self.events.emit("inject", iteration, fault=fault.spec())
+                log_line(f" rank {self.rank}: injecting {fault.spec()}")
+            else:
+                self._slowing.discard(fault)
+                self.events.emit("inject_end", iteration, fault=fault.spec())
+                ended = fault.until_iteration is not None and iteration >= fault.until_iteration
+                log_line(f" rank {self.rank}: {fault.spec()} {'pauses' if fault.intermittent and not ended else 'ends'}")
+        RECORDER.slowdown_factor = max((f.factor for f in self._slowing), default=1.0)
+
     def _apply_faults(self, iteration: int, standing_by: bool = False) -> None:
+        self._apply_slowdowns(iteration)
         for fault in self.faults:
             if standing_by and fault.kind in (FaultKind.LINK, FaultKind.HANG):
                 continue  # a standby sends nothing and makes no progress that could stop
-            if fault.until_iteration == iteration:
-                RECORDER.slowdown_factor = 1.0
-                self.events.emit("inject_end", iteration, fault=fault.spec())
-                log_line(f" rank {self.rank}: {fault.spec()} ends")
-            if fault.at_iteration != iteration or fault.during is not None:
+            if fault.kind is FaultKind.SLOW or fault.at_iteration != iteration or fault.during is not None:
                 continue
             if fault.kind is FaultKind.LINK:
                 self._slow_link(fault)
                 continue
             self.events.emit("inject", iteration, fault=fault.spec())
             log_line(f" rank {self.rank}: injecting {fault.spec()}")
-            if fault.kind is FaultKind.SLOW:
-                RECORDER.slowdown_factor = fault.factor
-            elif fault.kind is FaultKind.KILL:
+            if fault.kind is FaultKind.KILL:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind is FaultKind.HANG:
                 while True:  # a hung rank: alive, holding its sockets, making no progress
@@ -318,7 +333,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             quotas = plan.quotas or even_quotas(args.global_batch_size // args.micro_batch_size,
                                                 args.data_parallel_size)
         # Faults follow the process; a slowdown under way keeps its end.
-        self.faults = [f for f in self.faults if f.at_iteration > iteration or (f.until_iteration or 0) > iteration]
+        self.faults = [f for f in self.faults if f.at_iteration > iteration or (f.until_iteration or 0) > iteration
+                       or (f.kind is FaultKind.SLOW and f.until_iteration is None)]
         LINKS.clear()  # slowed links name old ranks
         duration = time.perf_counter() - start
         if self.rank == 0:

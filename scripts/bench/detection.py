@@ -83,11 +83,11 @@ def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baseline
     ours = FailSlowDetector(config, MicrobatchPredictor(error_window=10**7))
     ours.set_probe_baselines(probe_baselines or {})
     # As live: a fail-slow verdict counts once a second probe round confirms it.
-    pending = PendingVerdicts(config.confirm_after_iters)
+    pending = PendingVerdicts.from_config(config)
     # The same detector without speed levels, on the same timings: the predictors' baseline.
     flat = FailSlowDetector(ResiHPConfig(speed_level_halflife_iters=0), MicrobatchPredictor(error_window=10**7))
     flat.set_probe_baselines(probe_baselines or {})
-    flat_pending = PendingVerdicts(config.confirm_after_iters)
+    flat_pending = PendingVerdicts.from_config(config)
     baselines = {"greyhound": GreyhoundStyleDetector(), "nvrx": NvrxStyleDetector()}
     onset = min((f.at_iteration for f in faults), default=None)
     # What the first verdict should name: the faults that begin first (several for a slow group).

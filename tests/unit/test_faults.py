@@ -38,7 +38,7 @@ def test_fields():
     ("link:src=2,dst=2,factor=2,at=3", "two different ranks"),
     ("kill:rank=1,at=2,during=sleep", "during= is for kill faults"),
     ("hang:rank=1,at=2,during=reform", "takes keys"),
-    ("kill:rank=x,at=2", "ranks, at= and until= are integers"),
+    ("kill:rank=x,at=2", "ranks, at=, until=, on= and off= are integers"),
     ("slow:rank=1,factor=2,at=5,until=5", "until= is for slow faults and must be after at="),
     ("link:src=1,dst=2,factor=2,at=3,until=9", "unknown ['until']"),
 ])
@@ -57,3 +57,25 @@ def test_a_slowdown_with_an_end_is_active_from_at_until_before_until():
     fault = parse_fault("slow:rank=3,factor=2,at=5,until=8")
     assert [i for i in range(1, 12) if fault.active(i)] == [5, 6, 7]
     assert parse_fault("slow:rank=3,factor=2,at=5").active(10**6)
+
+
+def test_an_intermittent_slowdown_is_active_in_bursts_and_round_trips():
+    fault = parse_fault("slow:rank=3,factor=1.5,at=10,on=2,off=3,until=20")
+    assert fault.intermittent and (fault.on_iters, fault.off_iters) == (2, 3)
+    assert [i for i in range(1, 25) if fault.active(i)] == [10, 11, 15, 16]
+    assert parse_fault(fault.spec()) == fault
+    steady = parse_fault("slow:rank=3,factor=1.5,at=10")
+    assert not steady.intermittent and all(steady.active(i) for i in range(10, 30))
+
+
+@pytest.mark.parametrize("spec", ["slow:rank=3,factor=1.5,at=10,on=2",
+                                  "slow:rank=3,factor=1.5,at=10,on=0,off=3",
+                                  "slow:rank=3,factor=1.5,at=10,on=2,off=-1"])
+def test_bursts_need_on_and_off_counts_of_at_least_one(spec):
+    with pytest.raises(ValueError, match="--resihp-inject: on= and off= go together"):
+        parse_fault(spec)
+
+
+def test_bursts_are_for_slow_faults_only():
+    with pytest.raises(ValueError, match="link takes keys"):
+        parse_fault("link:src=1,dst=3,factor=4,at=20,on=2,off=2")

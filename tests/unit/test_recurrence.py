@@ -1,0 +1,98 @@
+"""A rank slow in bursts shorter than the confirmation wait gets a verdict (resihp_ext.recurrence)."""
+
+import pytest
+
+from resihp_ext.config import ResiHPConfig
+from resihp_ext.confirmation import PendingVerdicts
+from resihp_ext.detector import Cleared, FailSlowDetector, Verdict
+from resihp_ext.faults import parse_fault
+from resihp_ext.recurrence import Recurrences
+from resihp_ext.traces import synthetic_probes, synthetic_trace
+from tests.unit.test_detector import SPEC
+
+# Rank 5 (replica 0, stage 1): 1.5x for 3 iterations, healthy for 3, from iteration 40.
+BURSTS = parse_fault("slow:rank=5,factor=1.5,at=40,on=3,off=3")
+
+
+def _dropped(rank: int, probe_iteration: int, factor: float = 1.5, kind: str = "compute") -> Verdict:
+    evidence = {"probe_factors": {str(rank): factor}, "suspicion_iteration": probe_iteration - 1,
+                "probe_iteration": probe_iteration}
+    return Verdict(kind, (rank,), factor, probe_iteration - 2, evidence, "first round")
+
+
+def test_the_third_dropped_verdict_of_a_rank_within_the_window_names_it_at_its_median_burst_factor():
+    seen = Recurrences(episodes=3, window_iters=30)
+    assert seen.note(_dropped(5, 41, 1.45), {"5": 1.01}, 43) is None
+    assert seen.note(_dropped(4, 44, 1.9), {"4": 1.0}, 46) is None  # another rank counts on its own
+    assert seen.note(_dropped(5, 47, 1.60), {"5": 0.99}, 49) is None
+    verdict = seen.note(_dropped(5, 53, 1.50), {"5": 1.02}, 55)
+    assert isinstance(verdict, Verdict) and verdict.kind == "compute" and verdict.ranks == (5,)
+    assert verdict.factor == pytest.approx(1.50)
+    assert verdict.iteration == 39  # the first burst's onset
+    assert verdict.evidence["intermittent"] is True
+    assert [e["probe"] for e in verdict.evidence["episodes"]["5"]] == [41, 47, 53]
+    assert [e["factor_after"] for e in verdict.evidence["episodes"]["5"]] == [1.01, 0.99, 1.02]
+    assert verdict.evidence["probe_factors"] == {"5": 1.5}  # what a plan reads the rank's speed from
+    assert "slow in bursts" in verdict.reason
+    # Its episodes are spent: the next burst starts a new count.
+    assert seen.note(_dropped(5, 59), {}, 61) is None
+
+
+def test_episodes_further_apart_than_the_window_never_add_up():
+    seen = Recurrences(episodes=3, window_iters=10)
+    assert all(seen.note(_dropped(5, it), {}, it + 2) is None for it in (41, 52, 63, 74, 85))
+
+
+def test_only_compute_verdicts_count_and_zero_episodes_turns_it_off():
+    links = Recurrences(episodes=2, window_iters=50)
+    assert all(links.note(_dropped(5, it, kind="link"), {}, it + 2) is None for it in (41, 47, 53))
+    off = Recurrences(episodes=0, window_iters=50)
+    assert all(off.note(_dropped(5, it), {}, it + 2) is None for it in (41, 47, 53))
+
+
+@pytest.mark.parametrize("episodes, window, flag", [(1, 50, "--resihp-intermittent-episodes"),
+                                                    (-1, 50, "--resihp-intermittent-episodes"),
+                                                    (3, 0, "--resihp-intermittent-window-iters")])
+def test_bad_settings_name_their_flag(episodes, window, flag):
+    with pytest.raises(ValueError, match=flag):
+        Recurrences(episodes, window)
+    with pytest.raises(ValueError, match=flag):
+        ResiHPConfig(intermittent_episodes=episodes, intermittent_window_iters=window)
+
+
+def _run(config: ResiHPConfig, faults, iterations: int = 90):
+    """The detector over a synthetic TP2/PP2/DP2 trace, probed as the live job probes: the decider
+    plans the probes after judging an iteration, and every rank runs them after the next one."""
+    detector, pending = FailSlowDetector(config), PendingVerdicts.from_config(config)
+    settled, plan = [], None
+    for iteration, observations in synthetic_trace(SPEC, iterations, faults, seed=5):
+        if plan is not None:
+            rounds = [synthetic_probes(SPEC, faults, iteration, s.probe_ranks, s.probe_links) for s in plan.subjects]
+            settled += [(iteration, o) for _, o in pending.settle_probed(detector, iteration, plan, rounds)]
+        plan = pending.plan_probes(iteration + 1, detector.observe(iteration, observations))
+    return settled
+
+
+def test_a_rank_slow_in_bursts_is_named_after_three_dropped_verdicts():
+    settled = _run(ResiHPConfig(), [BURSTS])
+    verdicts = [(i, o) for i, o in settled if isinstance(o, Verdict)]
+    assert verdicts, settled
+    acted_at, verdict = verdicts[0]
+    dropped = [i for i, o in settled if isinstance(o, Cleared) and i < acted_at]
+    assert len(dropped) == 2  # the first two bursts, each dropped by its second round
+    assert verdict.kind == "compute" and verdict.ranks == (5,) and verdict.evidence["intermittent"]
+    assert verdict.factor == pytest.approx(1.5, rel=0.2)
+    assert acted_at < 40 + 6 * 5, acted_at  # within five bursts
+    assert len(verdicts) == 1  # the group is muted, as after any verdict, until a re-plan
+
+
+def test_without_recurrence_every_burst_is_dropped_and_nothing_is_named():
+    settled = _run(ResiHPConfig(intermittent_episodes=0), [BURSTS])
+    assert settled and not any(isinstance(o, Verdict) for _, o in settled), settled
+    assert sum(isinstance(o, Cleared) for _, o in settled) >= 3
+
+
+def test_a_steady_slowdown_is_confirmed_as_before_not_as_bursts():
+    settled = _run(ResiHPConfig(), [parse_fault("slow:rank=5,factor=1.5,at=40")], iterations=60)
+    verdicts = [o for _, o in settled if isinstance(o, Verdict)]
+    assert verdicts and verdicts[0].ranks == (5,) and "intermittent" not in verdicts[0].evidence
