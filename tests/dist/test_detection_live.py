@@ -8,7 +8,8 @@ about alpha*N + beta*sum(l_i^2)):
 * a healthy run of the same shape gets no verdict;
 * the op order the timing hooks record is ``resihp_ext.schedule.one_f_one_b`` on every stage;
 * on PP2 x DP2, a slowed pipeline link is named by link probes and re-planned in place;
-* on PP2 x DP2, a 1.4x slow rank is named against its one probed peer.
+* on PP2 x DP2, a 1.4x slow rank is named against its one probed peer;
+* on PP2 x DP2, a rank 1.5x slow in bursts of 3 iterations in 6 is named (resihp_ext.recurrence).
 
 The first two compare op timings across ranks. On CPU an op's busy time is its thread's CPU
 time, which does not depend on how many other ranks share the cores (see
@@ -194,6 +195,29 @@ def test_a_slow_rank_with_one_peer_to_probe_beside_it_is_named_under_1_5x(tmp_pa
     assert verdicts, f"no verdict: {context}"
     assert verdicts[0]["kind"] == "compute" and verdicts[0]["ranks"] == [3], context
     assert abs(verdicts[0]["factor"] - factor) <= 0.2 * factor, context
+
+
+def test_a_rank_slow_in_bursts_is_named_once_its_dropped_verdicts_recur(tmp_path):
+    """PP2 x DP2 at TP 1, rank 3 1.5x slow for 4 iterations in every 8: each burst lasts until its
+    first probe round (a suspicion after 2 or, on a shared host, 3 of them, probed one iteration
+    later) and is over by its second, so each verdict is dropped; the third names the rank."""
+    log = tmp_path / "events.jsonl"
+    tp1 = list(SHAPE)
+    tp1[tp1.index("--tensor-model-parallel-size") + 1] = "1"
+    check(run_job(4, [*tp1, "--train-iters", "40", "--resihp-detect-only", "--resihp-event-log", str(log),
+                      "--resihp-inject", f"slow:rank=3,factor=1.5,at={ONSET},on=4,off=4"], timeout_s=240))
+    # The injection follows the bursts: on at 10, 18, 26, ..., off at 14, 22, 30, ...
+    assert [e["iteration"] for e in read_events(log, "inject")] == list(range(ONSET, 41, 8))
+    assert [e["iteration"] for e in read_events(log, "inject_end")] == list(range(ONSET + 4, 41, 8))
+    context = [e for e in read_events(log) if e["event"] in ("suspicion", "cleared", "verdict")]
+    verdicts = read_events(log, "verdict")
+    assert verdicts, f"no verdict: {context}"
+    first = verdicts[0]
+    assert first["kind"] == "compute" and first["ranks"] == [3] and first["evidence"]["intermittent"], context
+    assert abs(first["factor"] - 1.5) <= 0.2 * 1.5, first
+    episodes = first["evidence"]["episodes"]["3"]
+    assert len(episodes) == 3, episodes
+    assert all(e["factor"] >= 1.2 and e["factor_after"] < 1.2 for e in episodes), episodes
 
 
 def test_alternate_detection_times_each_iteration_with_detection_on_or_off(tmp_path):
