@@ -18,6 +18,7 @@ probe round); this module only decides.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,7 +187,9 @@ class PendingVerdicts:
             if isinstance(again, Verdict) and not isinstance(outcome, Verdict):
                 detector.release(waiting.suspicion, iteration)  # slow, but not the same ones
             if isinstance(outcome, Cleared) and self.recurrences is not None:
-                bursts = self.recurrences.note(waiting.verdict, again.evidence.get("probe_factors", {}), iteration)
+                group = (waiting.suspicion.replica, waiting.suspicion.stage)
+                bursts = self.recurrences.note(waiting.verdict, again.evidence.get("probe_factors", {}), iteration,
+                                               functools.partial(detector.slow_share, group))
                 if bursts is not None:
                     detector.mute(waiting.suspicion)  # as a first round's verdict does, until a re-plan
                     outcome = bursts

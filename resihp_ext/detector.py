@@ -83,6 +83,8 @@ _MIN_LINK_EXCESS_FRACTION = 0.01  # of the iteration time, summed over the link'
 _SHARED_DEVICE_CONTENTION = 1.5
 # Healthy iterations remembered for link baselines and for the iteration overhead estimate.
 _HISTORY = 32
+# Judged iterations per group remembered for ``slow_share`` (beyond any --resihp-intermittent-window-iters in use).
+_SLOW_MARKS = 1024
 # Healthy links probed beside a suspected one, so the probe round has its own reference.
 _LINK_REFERENCES = 3
 
@@ -155,6 +157,8 @@ class FailSlowDetector:
         self._link_common: dict[LinkId, float] = {}
         self._group_ranks: dict[GroupId, tuple[int, ...]] = {}
         self._rank_group: dict[int, GroupId] = {}
+        # Per group, (iteration, judged slow) for recent judged iterations: how much of the time it is slow.
+        self._slow_marks: dict[GroupId, deque] = defaultdict(lambda: deque(maxlen=_SLOW_MARKS))
 
     # ---------------------------------------------------------------- per-iteration judgement
 
@@ -273,6 +277,7 @@ class FailSlowDetector:
         for g in slow_stage.keys() | sibling_ratio.keys():
             ratio, signal = max((slow_stage.get(g, 0.0), "predicted"), (sibling_ratio.get(g, 0.0), "siblings"))
             count = self._group_streak[g].update(ratio > threshold, iteration, ratio)
+            self._slow_marks[g].append((iteration, ratio > threshold))
             if count >= need and self._eligible(g, iteration):
                 ready.append((ratio, "compute", g, signal))
         for link, ratio in slow_link.items():
@@ -345,6 +350,13 @@ class FailSlowDetector:
         streaks = {"compute": self._group_streak, "link": self._link_streak, "recovery": self._recovery_streak}
         group = (suspicion.replica, suspicion.stage)
         streaks[suspicion.kind].pop(suspicion.links[0] if suspicion.kind == "link" else group, None)
+
+    def slow_share(self, group: GroupId, first: int, last: int) -> float | None:
+        """The share of ``group``'s judged iterations ``first..last`` in which it ran slow (above
+        ``slowdown_threshold``), or None when none was judged. How much of the time a device slow
+        in bursts costs the job."""
+        marks = [slow for iteration, slow in self._slow_marks.get(group, ()) if first <= iteration <= last]
+        return sum(marks) / len(marks) if marks else None
 
     def mute(self, suspicion: Suspicion) -> None:
         """Judge a suspicion's group (link) no more until ``reset``: a verdict stands for it, as one

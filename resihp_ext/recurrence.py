@@ -10,8 +10,9 @@ waits for it in the pipeline or the gradient all-reduce.
 This module remembers those dropped verdicts. When one rank has been named by ``episodes``
 first rounds and dropped by every second round, all within ``window_iters`` iterations, it is
 slow in bursts, and the module returns a compute verdict for it. The verdict's factor is the
-median of its first rounds' probe factors (its speed while a burst lasts): a plan that counts on
-that speed holds up through the bursts, and one that counts on its speed between them does not.
+median of its first rounds' probe factors (its speed while a burst lasts); its evidence holds the
+share of the iterations since the first burst in which the rank's group ran slow, which a plan
+weighs the bursts by (``resihp_ext.planner.bursts``).
 
 Pure: fed verdicts, returns verdicts; it never probes or reads clocks.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from resihp_ext.validation import Verdict
@@ -65,13 +67,18 @@ class Recurrences:
         self.window_iters = window_iters
         self._seen: dict[int, deque[Episode]] = defaultdict(deque)
 
-    def note(self, dropped: Verdict, again_factors: dict, iteration: int) -> Verdict | None:
+    def note(self, dropped: Verdict, again_factors: dict, iteration: int,
+             slow_share: Callable[[int, int], float | None] = lambda first, last: None) -> Verdict | None:
         """Remember a first-round compute verdict that the second round at ``iteration`` dropped.
 
         Args:
             dropped: the first round's verdict.
             again_factors: the second round's probe factors (rank as a string -> factor).
             iteration: the iteration of the second round.
+            slow_share: the share of its group's iterations ``first..last`` that ran slow
+                (``FailSlowDetector.slow_share``), for the verdict's evidence. It is asked for
+                the iterations from the first burst's onset to the one before the last burst's, a
+                whole number of periods when the bursts come regularly.
 
         Returns:
             A compute verdict for the ranks now dropped ``episodes`` times within the window
@@ -96,14 +103,16 @@ class Recurrences:
         if not ready:
             return None
         bursts = {r: list(self._seen.pop(r)) for r in ready}
-        return _intermittent_verdict(bursts, self.window_iters)
+        onsets = sorted(e.onset_iteration for episodes in bursts.values() for e in episodes)
+        return _intermittent_verdict(bursts, self.window_iters, onsets[-1] - 1, slow_share(onsets[0], onsets[-1] - 1))
 
     def forget(self) -> None:
         """Forget every episode (a re-plan renames ranks or changes what they run)."""
         self._seen.clear()
 
 
-def _intermittent_verdict(bursts: dict[int, list[Episode]], window_iters: int) -> Verdict:
+def _intermittent_verdict(bursts: dict[int, list[Episode]], window_iters: int, share_until: int,
+                          share: float | None) -> Verdict:
     factors = {r: statistics.median(e.factor for e in episodes) for r, episodes in bursts.items()}
     onset = min(e.onset_iteration for episodes in bursts.values() for e in episodes)
     last = max((e for episodes in bursts.values() for e in episodes), key=lambda e: e.dropped_iteration)
@@ -117,11 +126,13 @@ def _intermittent_verdict(bursts: dict[int, list[Episode]], window_iters: int) -
                                "dropped": e.dropped_iteration, "factor": round(e.factor, 4),
                                "factor_after": None if e.factor_after is None else round(e.factor_after, 4)}
                               for e in episodes] for r, episodes in bursts.items()},
+        "slow_share": None if share is None else round(share, 4),
         "onset_iteration": onset,
         "suspicion_iteration": last.suspicion_iteration,
         "probe_iteration": last.probe_iteration,
     }
     count = len(next(iter(bursts.values())))
+    share_text = "" if share is None else f", its group slow in {share:.0%} of iterations {onset}-{share_until}"
     reason = (f"slow in bursts: probed slow in {count} suspicions within {window_iters} iterations ({named}), "
-              f"fast again by each second round; judged at the median burst slowdown")
+              f"fast again by each second round{share_text}; judged at the median burst slowdown")
     return Verdict("compute", tuple(sorted(bursts)), max(factors.values()), onset, evidence, reason)

@@ -23,6 +23,7 @@ from megatron.training.model_builder import TrainingObjects, build_training_obje
 from megatron.training.parallel_state_patch import build_groups, install, teardown
 from megatron.training.reshard import apply_transfers, carry_schedule, stage_transfers, unstage_transfers
 from resihp_ext.layout import Layout
+from resihp_ext.planner.bursts import weigh_bursts
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
@@ -129,14 +130,25 @@ class LayoutChanges:
         deterministic), so no agreement round is needed.
         """
         start = time.perf_counter()
+        calm = self.known_health  # between the bursts of a rank slow in bursts
         for verdict in verdicts:
             self.known_health = self.known_health.updated(self._verdict_health(verdict))
-        self.live.detector.expect(self.known_health.slow_factors)  # kept across the reset below
+            if not verdict.evidence.get("intermittent"):
+                calm = calm.updated(self._verdict_health(verdict))
         horizon = max(self.args.train_iters - iteration, 1)
-        plan = plan_adaptation(self.layout, self.known_health, self._calibrated_hardware(),
+        hw = self._calibrated_hardware()
+        plan = plan_adaptation(self.layout, self.known_health, hw,
                                current_quotas=tuple(quotas), horizon_iters=horizon, uniform_tp_per_replica=True,
                                reshaped=[r for r, rep in enumerate(self.layout.replicas)
                                          if replica_shape(rep) != self.launch_shape])
+        shares = [v.evidence.get("slow_share") for v in verdicts if v.evidence.get("intermittent")]
+        if shares:
+            # Unknown shares count as always slow; of several, the largest.
+            share = max(1.0 if s is None else float(s) for s in shares)
+            plan = weigh_bursts(plan, self.layout, quotas, calm, self.known_health, share, hw, horizon)
+            if plan.action != "adapt":
+                self.known_health = calm  # not planned around: not the norm the detector expects
+        self.live.detector.expect(self.known_health.slow_factors)  # kept across the reset below
         if self.rank == 0:
             slow_factors = {str(r): round(f, 4) for r, f in sorted(self.known_health.slow_factors.items())}
             self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,

@@ -25,7 +25,10 @@ def test_the_third_dropped_verdict_of_a_rank_within_the_window_names_it_at_its_m
     assert seen.note(_dropped(5, 41, 1.45), {"5": 1.01}, 43) is None
     assert seen.note(_dropped(4, 44, 1.9), {"4": 1.0}, 46) is None  # another rank counts on its own
     assert seen.note(_dropped(5, 47, 1.60), {"5": 0.99}, 49) is None
-    verdict = seen.note(_dropped(5, 53, 1.50), {"5": 1.02}, 55)
+    asked = []
+    verdict = seen.note(_dropped(5, 53, 1.50), {"5": 1.02}, 55, lambda first, last: asked.append((first, last)) or 0.5)
+    assert asked == [(39, 50)]  # the first burst's onset up to the last one's: whole periods
+    assert verdict.evidence["slow_share"] == 0.5
     assert isinstance(verdict, Verdict) and verdict.kind == "compute" and verdict.ranks == (5,)
     assert verdict.factor == pytest.approx(1.50)
     assert verdict.iteration == 39  # the first burst's onset
@@ -82,6 +85,7 @@ def test_a_rank_slow_in_bursts_is_named_after_three_dropped_verdicts():
     assert len(dropped) == 2  # the first two bursts, each dropped by its second round
     assert verdict.kind == "compute" and verdict.ranks == (5,) and verdict.evidence["intermittent"]
     assert verdict.factor == pytest.approx(1.5, rel=0.2)
+    assert verdict.evidence["slow_share"] == pytest.approx(0.5, abs=0.1)  # 3 iterations in 6
     assert acted_at < 40 + 6 * 5, acted_at  # within five bursts
     assert len(verdicts) == 1  # the group is muted, as after any verdict, until a re-plan
 
