@@ -112,17 +112,28 @@ class FailSlowDetector:
         self._signature = stage_signature or (lambda replica, stage, tp: (stage, tp))
         self.last_report: DetectorReport | None = None
         self._expected: dict[int, float] = {}
+        self._in_bursts: dict[int, float] = {}
         self._probe_baselines: dict[int, float] = {}
         self.levels = SpeedLevels(self.config.speed_level_halflife_iters, self.config.max_speed_drift)
         self.reset()
 
-    def expect(self, slow_factors) -> None:
+    def expect(self, slow_factors, bursts=()) -> None:
         """Slowdowns already acted on (rank -> factor, e.g. 3.0): the op times of a group holding
         such a rank are divided by its largest factor before anything is judged or learnt, so a
         known slow device is the norm (one shared fit for the stage, no second verdict for it)
         and only a further change alarms. Replaces what an earlier call said; kept across
-        ``reset``."""
-        self._expected = {int(r): float(f) for r, f in slow_factors.items() if f > 1.0}
+        ``reset``.
+
+        The ranks in ``bursts`` are slow only in bursts (``resihp_ext.recurrence``), at full speed
+        between them, so dividing their group's times would make every calm iteration look like a
+        recovery and teach the cost model half the real speed. Their group is judged as it runs,
+        against a threshold raised by its factor: only bursts worse than the known ones alarm. It
+        is learnt from in the calm only, and never probed as a reference or suspected of recovery.
+        """
+        bursts = {int(r) for r in bursts}
+        factors = {int(r): float(f) for r, f in slow_factors.items() if f > 1.0}
+        self._expected = {r: f for r, f in factors.items() if r not in bursts}
+        self._in_bursts = {r: f for r, f in factors.items() if r in bursts}
 
     def needs_probe_baselines(self, groups: Sequence[Sequence[int]]) -> bool:
         """Whether a suspicion among ``groups`` (each a stage group's ranks) could find no healthy
@@ -145,6 +156,7 @@ class FailSlowDetector:
         self._group_streak: dict[GroupId, Streak] = defaultdict(new_streak)
         self._recovery_streak: dict[GroupId, Streak] = defaultdict(new_streak)
         self._known_groups: dict[GroupId, float] = {}
+        self._burst_groups: dict[GroupId, float] = {}
         self._link_streak: dict[LinkId, Streak] = defaultdict(new_streak)
         self._links = LinkBaselines(_HISTORY)
         self._overhead_history: deque = deque(maxlen=_HISTORY)
@@ -188,6 +200,11 @@ class FailSlowDetector:
             fwd, bwd = durations[g]
             durations[g] = (fwd / factor, bwd / factor)
         self._known_groups = known
+        self._burst_groups = {}
+        for rank, factor in self._in_bursts.items():
+            g = self._rank_group.get(rank)
+            if g in durations and g not in known:
+                self._burst_groups[g] = max(self._burst_groups.get(g, 1.0), factor)
         keys = {g: self._keys(g, len(obs)) for g, obs in groups.items()}
         fitted = all(self.predictor.fitted(k) for ks in keys.values() for k in ks)
         judged = fitted and self._seen >= self.config.warmup_iters
@@ -202,7 +219,7 @@ class FailSlowDetector:
         for g, obs in groups.items():
             # Siblings of a known slow rank wait for it on a device and not on a CPU, so against
             # them it tells nothing: the prediction alone judges such a group.
-            if len(obs) > 1 and g not in known:
+            if len(obs) > 1 and g not in known and g not in self._burst_groups:
                 busy = sorted(rank_busy[o.rank] for o in obs)
                 others = statistics.median(busy[:-1])
                 if others > 0:
@@ -276,7 +293,8 @@ class FailSlowDetector:
         ready = []
         for g in slow_stage.keys() | sibling_ratio.keys():
             ratio, signal = max((slow_stage.get(g, 0.0), "predicted"), (sibling_ratio.get(g, 0.0), "siblings"))
-            count = self._group_streak[g].update(ratio > threshold, iteration, ratio)
+            # A group known to be slow in bursts alarms only beyond its known bursts.
+            count = self._group_streak[g].update(ratio > threshold * self._burst_groups.get(g, 1.0), iteration, ratio)
             self._slow_marks[g].append((iteration, ratio > threshold))
             if count >= need and self._eligible(g, iteration):
                 ready.append((ratio, "compute", g, signal))
@@ -324,7 +342,7 @@ class FailSlowDetector:
                                  ratio, signal, self._stage_common.get(g, 1.0), self.config.slowdown_threshold)
 
     def _reference_ranks(self, g: GroupId, also_avoid=()) -> tuple[int, ...]:
-        return reference_ranks(g, self._group_ranks, avoid={*self._muted, *also_avoid})
+        return reference_ranks(g, self._group_ranks, avoid={*self._muted, *self._burst_groups, *also_avoid})
 
     def _recovery_suspicion(self, iteration: int, g: GroupId, speedup: float) -> Suspicion:
         reference = self._reference_ranks(g, also_avoid=self._known_groups)

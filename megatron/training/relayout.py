@@ -83,7 +83,7 @@ class LayoutChanges:
             self.live = LiveDetector(self.cfg, self.rank, replica, stage, layout.tp_rank_of(self.rank),
                                      self.live.device, lambda: self.layout, self.live.link_probe_bytes)
             self.live.costs = costs
-            self.live.detector.expect(self.known_health.slow_factors)
+            self.live.detector.expect(self.known_health.slow_factors, self.known_health.bursts)
         elif self.live is not None:
             self.live.replica, self.live.stage, self.live.tp_rank = replica, stage, layout.tp_rank_of(self.rank)
         if world_changed and start_monitor and self.store is not None:
@@ -118,7 +118,8 @@ class LayoutChanges:
             return Health(slow_links={(src, dst): 1.0 / max(verdict.factor or 1.0, 1.0)})
         factors = verdict.evidence.get("probe_factors", {})
         return Health(speed={r: 1.0 / max(float(factors.get(str(r), verdict.factor or 1.0)), 1.0)
-                             for r in verdict.ranks})
+                             for r in verdict.ranks},
+                      bursts=frozenset(verdict.ranks) if verdict.evidence.get("intermittent") else frozenset())
 
     def _replan(self, iteration: int, verdicts: list[Verdict], objects, quotas):
         """Fail-slow (compute, link or recovered verdicts): plan with the calibrated cost model, apply
@@ -148,7 +149,7 @@ class LayoutChanges:
             plan = weigh_bursts(plan, self.layout, quotas, calm, self.known_health, share, hw, horizon)
             if plan.action != "adapt":
                 self.known_health = calm  # not planned around: not the norm the detector expects
-        self.live.detector.expect(self.known_health.slow_factors)  # kept across the reset below
+        self.live.detector.expect(self.known_health.slow_factors, self.known_health.bursts)  # kept across the reset below
         if self.rank == 0:
             slow_factors = {str(r): round(f, 4) for r, f in sorted(self.known_health.slow_factors.items())}
             self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,

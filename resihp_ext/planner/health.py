@@ -22,15 +22,21 @@ class Health:
         slow_links: (src rank, dst rank) -> relative bandwidth in (0, 1] of transfers from src
             to dst. Pipeline transfers are priced per direction; TP and gradient collectives use
             both directions, so they run at the slower one (``link_speed``).
+        bursts: slow ranks whose ``speed`` is what they run at in bursts, being at full speed
+            between them (``resihp_ext.recurrence``).
     """
 
     speed: Mapping[int, float] = field(default_factory=dict)
     dead: frozenset[int] = frozenset()
     slow_links: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    bursts: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speed", MappingProxyType({int(r): float(v) for r, v in self.speed.items()}))
         object.__setattr__(self, "dead", frozenset(int(r) for r in self.dead))
+        object.__setattr__(self, "bursts", frozenset(int(r) for r in self.bursts))
+        if not self.bursts <= set(self.speed):
+            raise ValueError(f"ranks slow in bursts {sorted(self.bursts - set(self.speed))} need a speed (their burst speed)")
         object.__setattr__(
             self, "slow_links",
             MappingProxyType({(int(a), int(b)): float(v) for (a, b), v in self.slow_links.items()}),
@@ -77,13 +83,16 @@ class Health:
         return {r: 1.0 / v for r, v in self.speed.items() if v < 1.0 and r not in self.dead}
 
     def updated(self, newer: "Health") -> "Health":
-        """This health with what ``newer`` says on top: its speeds and links replace these, its dead join these."""
+        """This health with what ``newer`` says on top: its speeds and links replace these (and whether
+        a rank is slow in bursts with them), its dead join these."""
         return Health(speed={**self.speed, **newer.speed}, dead=self.dead | newer.dead,
-                      slow_links={**self.slow_links, **newer.slow_links})
+                      slow_links={**self.slow_links, **newer.slow_links},
+                      bursts=(self.bursts - set(newer.speed)) | newer.bursts)
 
     def relabel(self, new_rank: Mapping[int, int]) -> "Health":
         """The same facts in another world's ranks (old -> new); ranks that world lacks are dropped."""
         return Health(speed={new_rank[r]: v for r, v in self.speed.items() if r in new_rank},
                       dead=frozenset(new_rank[r] for r in self.dead if r in new_rank),
                       slow_links={(new_rank[a], new_rank[b]): v for (a, b), v in self.slow_links.items()
-                                  if a in new_rank and b in new_rank})
+                                  if a in new_rank and b in new_rank},
+                      bursts=frozenset(new_rank[r] for r in self.bursts if r in new_rank))

@@ -20,6 +20,10 @@ documents):
     These runs emulate one device per rank (``--cpu-device-time-scale``, default 16): on a host
     with fewer cores than ranks the cores, not the slowest rank, would bound throughput, and no
     plan could win anything back;
+    * ``--slow-rank`` slowed ``--factor`` x in bursts (``--bursts ON:OFF``) from ``--slow-at``, without
+      and with adaptation, over ``--burst-iters`` iterations: mean throughput over the same whole
+      periods after the adapted run's re-plan, as fractions of healthy and of a bound that is the
+      capacity bound above during bursts and healthy between them;
     * ``--slow-rank`` slowed ``--factor`` x from ``--slow-at`` until ``--recover-at``, adapted, with
       recovery (a ``recovered`` verdict gives its micro-batches back) and with
       ``--resihp-no-recovery`` (they stay where the first re-plan put them), as fractions of healthy
@@ -49,7 +53,8 @@ documents):
 
     python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0] [--slow-rank 7]
         [--link 0:4] [--link-factor 600] [--recover-at 22] [--kill 5]...
-        [--standby-factor 8] [--skip throughput|slow|link|recover|standby|shrunk|fail_stop]...
+        [--standby-factor 8] [--bursts 4:4] [--burst-iters 80]
+        [--skip throughput|slow|link|bursts|recover|standby|shrunk|fail_stop]...
 """
 
 from __future__ import annotations
@@ -115,15 +120,17 @@ def _distinct(rows: list[dict]) -> list[dict]:
 
 
 def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int, fixed_start: bool = False,
-                    launcher: str = "torchrun") -> dict:
+                    launcher: str = "torchrun", period: int | None = None, iters: int | None = None) -> dict:
     """One throughput run: median iteration seconds in steady state, with its verdicts and re-plans.
 
     Measured from ``onset + 1`` on, or from the iteration after the last re-plan when that is later
-    (unless ``fixed_start``, which compares two runs over the same iterations)."""
+    (unless ``fixed_start``, which compares two runs over the same iterations). With ``period`` (a
+    fault that comes and goes), the mean over the last whole periods from there instead."""
     device = ["--cpu-device-time-scale", str(args.device_time_scale)] if args.device_time_scale else []
     log = work / f"{name}.events.jsonl"
     log.unlink(missing_ok=True)
-    launch([*MODEL, "--global-batch-size", str(args.global_batch), *device, "--train-iters", str(args.iters),
+    iters = iters or args.iters
+    launch([*MODEL, "--global-batch-size", str(args.global_batch), *device, "--train-iters", str(iters),
             "--resihp-event-log", str(log), *extra], launcher=launcher)
     adapted = events(log, "adapted")
     # Steady state: after the onset (and after the re-plan, when there is one) plus one iteration.
@@ -133,10 +140,16 @@ def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int, f
         after_replan = max(start, max(a["iteration"] for a in adapted) + 1)
         if sum(e["iteration"] > after_replan for e in iteration_events) >= 3:
             start = after_replan  # else too few iterations after the last re-plan: measure from onset
+    if period:
+        start = iters - (iters - start) // period * period
     times = [e["elapsed_s"] for e in iteration_events if e["iteration"] > start]
-    med = statistics.median(times)
+    if not times:
+        raise SystemExit(f"{name}: no iteration left to measure after iteration {start} of {iters}; "
+                         f"raise the run's iteration count")
+    med = statistics.fmean(times) if period else statistics.median(times)
     return {
-        "median_iteration_s": round(med, 4), "samples_per_s": round(args.global_batch / med, 3),
+        "median_iteration_s" if not period else "mean_iteration_s": round(med, 4),
+        "samples_per_s": round(args.global_batch / med, 3),
         "measured_iterations": len(times), "from_iteration": start + 1,
         "verdicts": _distinct([{k: v.get(k) for k in ("iteration", "kind", "ranks", "factor")}
                                for v in events(log, "verdict")]),
@@ -165,6 +178,8 @@ def throughput(args, work: Path) -> dict:
                                                    args.slow_at)
         out[f"{fault}_adapted_over_unadapted"] = round(
             out[f"{fault}_adapted"]["samples_per_s"] / out[f"{fault}_unadapted"]["samples_per_s"], 4)
+    if "bursts" not in args.skip:
+        out.update(_bursts(args, work, out["healthy"]["samples_per_s"]))
     if "recover" not in args.skip:
         out.update(_recovery(args, work))
     if "standby" not in args.skip:
@@ -187,6 +202,43 @@ def throughput(args, work: Path) -> dict:
         if name in out:
             out[name]["fraction_of_healthy"] = round(out[name]["samples_per_s"] / healthy, 4)
     return out
+
+
+def _bursts(args, work: Path, healthy: float) -> dict:
+    """``--slow-rank`` slowed ``--factor`` x in bursts (``--bursts ON:OFF`` iterations) from ``--slow-at``:
+    without adaptation, and adapted (a verdict once dropped verdicts recur, and a re-plan if it pays
+    over bursts and calm weighed). Both measured as the mean over the same whole periods, those
+    after the adapted run's last re-plan; as fractions of healthy and of a capacity bound."""
+    on, off = args.bursts
+    spec = f"slow:rank={args.slow_rank},factor={args.factor},at={args.slow_at},on={on},off={off}"
+    adapted = _throughput_run(args, work, "bursts_adapted", ["--resihp-enable", "--resihp-inject", spec],
+                              args.slow_at, period=on + off, iters=args.burst_iters)
+    unadapted = _throughput_run(args, work, "bursts_unadapted", ["--resihp-detect-only", "--resihp-inject", spec],
+                                adapted["from_iteration"] - 1, fixed_start=True, period=on + off,
+                                iters=args.burst_iters)
+    # In a burst at best the healthy rate with one rank's work spread perfectly; between bursts, healthy.
+    share = on / (on + off)
+    burst_bound = healthy * (NPROC - 1 + 1.0 / args.factor) / NPROC
+    bound = 1.0 / (share / burst_bound + (1 - share) / healthy)
+    out = {"bursts_unadapted": unadapted, "bursts_adapted": adapted,
+           "bursts_adapted_over_unadapted": round(adapted["samples_per_s"] / unadapted["samples_per_s"], 4),
+           "bursts_capacity_bound": {"samples_per_s": round(bound, 3),
+                                     "definition": f"{share:g} of the time healthy x ({NPROC - 1} + 1/{args.factor}) / "
+                                                   f"{NPROC}, the rest healthy (harmonic mean over time)"}}
+    for run in (unadapted, adapted):
+        run["fraction_of_healthy"] = round(run["samples_per_s"] / healthy, 4)
+        run["fraction_of_bound"] = round(run["samples_per_s"] / bound, 4)
+    return out
+
+
+def _bursts_spec(text: str) -> tuple[int, int]:
+    try:
+        on, off = (int(x) for x in text.split(":"))
+    except ValueError:
+        on = off = 0
+    if on < 1 or off < 1:
+        raise argparse.ArgumentTypeError(f"--bursts takes ON:OFF iteration counts >= 1, e.g. 4:4; got {text!r}")
+    return on, off
 
 
 def _recovery(args, work: Path) -> dict:
@@ -306,7 +358,9 @@ def _link_ends(text: str) -> tuple[int, int]:
 
 
 def _print_run(name: str, run: dict, fraction: str, of: str) -> None:
-    print(f"  {name:<19} {run['samples_per_s']:>8} samples/s ({run['median_iteration_s']} s/it, from it. "
+    seconds = (f"median {run['median_iteration_s']}" if "median_iteration_s" in run
+               else f"mean {run['mean_iteration_s']}")
+    print(f"  {name:<19} {run['samples_per_s']:>8} samples/s ({seconds} s/it, from it. "
           f"{run['from_iteration']}, n={run['measured_iterations']})  {run[fraction]:.3f} of {of}  "
           f"verdicts {run['verdicts']} adapted {run['adapted']}")
 
@@ -338,13 +392,17 @@ def main() -> None:
     parser.add_argument("--link", type=_link_ends, default=(0, 4),
                         help="SRC:DST of the slowed pipeline link (0:4: replica 0's stage boundary, TP rank 0)")
     parser.add_argument("--link-factor", type=float, default=LINK_FACTOR, help="slowdown of --link")
+    parser.add_argument("--bursts", type=_bursts_spec, default=(4, 4),
+                        help="ON:OFF iterations of --slow-rank's bursts in the burst runs")
+    parser.add_argument("--burst-iters", type=int, default=80, help="iterations per burst run")
     parser.add_argument("--kill-at", type=int, default=6)
     parser.add_argument("--kill", type=int, action="append", default=None,
                         help="rank SIGKILLed in the fail-stop runs (repeatable; default 5)")
-    parser.add_argument("--skip", choices=("throughput", "slow", "link", "recover", "standby", "shrunk", "fail_stop"),
+    parser.add_argument("--skip", choices=("throughput", "slow", "link", "bursts", "recover", "standby", "shrunk",
+                                           "fail_stop"),
                         action="append", default=[],
                         help="leave out a part: throughput (every throughput run), slow (the slow-rank runs), link "
-                             "(the slow-link runs), recover (the recovery runs), standby (the runs whose left-out ranks stand "
+                             "(the slow-link runs), bursts (the runs with a rank slow in bursts), recover (the recovery runs), standby (the runs whose left-out ranks stand "
                              "by or exit), shrunk (the runs after a fail-stop, "
                              "with and without a smaller-TP replica), fail_stop (time to resume)")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
@@ -386,6 +444,13 @@ def main() -> None:
             src, dst = args.link
             print(f"link {src}->{dst} slowed {args.link_factor:g}x at iteration {args.slow_at} (bound: healthy)")
             _print_pair(t, ("link_unadapted", "link_adapted"), "healthy", "link_adapted_over_unadapted",
+                        "adapted / unadapted")
+        if "bursts_adapted" in t:
+            on, off = args.bursts
+            print(f"rank {args.slow_rank} slowed {args.factor:g}x in bursts ({on} iterations on, {off} off) from "
+                  f"iteration {args.slow_at}; capacity bound {t['bursts_capacity_bound']['samples_per_s']} samples/s = "
+                  f"{t['bursts_capacity_bound']['definition']}")
+            _print_pair(t, ("bursts_unadapted", "bursts_adapted"), "bound", "bursts_adapted_over_unadapted",
                         "adapted / unadapted")
         if "recover_given_back" in t:
             print(f"rank {args.slow_rank} slowed {args.factor:g}x from iteration {args.slow_at} until {args.recover_at}, "

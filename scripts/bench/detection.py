@@ -6,10 +6,13 @@ document lengths, healthy and with injected fail-slows, and (b) live traces reco
 run, passed with ``--trace FILE`` (repeatable). Reports, per detector, false alarms per 1,000
 healthy iterations, detection latency (iterations from onset to alarm), localisation accuracy
 (alarm names exactly the faulty rank(s)), and for ResiHP the micro-batch and iteration predictor
-errors and the overhead of its decision logic. Prints only what it measures.
+errors and the overhead of its decision logic. With ``--sensitivity``, also which slowdowns of one
+rank each detector finds and how fast: steps of several sizes, ramps, and bursts. Prints only what
+it measures.
 
     python scripts/bench/detection.py [--json] [--healthy-iters 1000] [--trace run.jsonl]...
                                       [--overhead-from detection_overhead.json]
+                                      [--sensitivity [--sensitivity-iters 200]]
 """
 
 from __future__ import annotations
@@ -116,6 +119,8 @@ def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baseline
         for _, outcome in settled:
             if isinstance(outcome, Verdict) and "resihp" not in alarms:
                 alarms["resihp"] = frozenset(outcome.ranks)
+                if not healthy:
+                    stats.setdefault("verdicts", []).append(outcome)
                 # Latency counts from the suspicion, as live runs report it; the verdict is
                 # actionable confirm_after_iters later.
                 noticed["resihp"] = outcome.evidence.get("suspicion_iteration", iteration)
@@ -146,6 +151,61 @@ def synthetic(args, tallies, stats) -> None:
         faults = [parse_fault(part) for part in text.split(";")]
         run_one(synthetic_trace(spec, args.fault_iters, faults, seed=i), faults, spec, tallies, stats,
                 lambda it, s, faults=faults: synthetic_probes(spec, faults, it, s.probe_ranks, s.probe_links))
+
+
+def _ramp(rank: int, top: float, at: int, over: int) -> list[Fault]:
+    """A slowdown growing evenly to ``top`` over ``over`` iterations from ``at``: one step per iteration."""
+    steps = [Fault(FaultKind.SLOW, rank, at + k, 1.0 + (top - 1.0) * (k + 1) / over, until_iteration=at + k + 1)
+             for k in range(over - 1)]
+    return steps + [Fault(FaultKind.SLOW, rank, at + over - 1, top)]
+
+
+def sensitivity_cases(rank: int = 37) -> dict[str, list[Fault]]:
+    """Which slowdowns, of one rank from iteration ONSET: steps of several sizes, ramps, bursts."""
+    cases = {f"step {f:g}x": [Fault(FaultKind.SLOW, rank, ONSET, f)] for f in (1.1, 1.2, 1.25, 1.3, 1.5, 2.0)}
+    cases.update({f"ramp to 1.5x over {n}": _ramp(rank, 1.5, ONSET, n) for n in (10, 30, 60)})
+    cases.update({f"bursts 1.5x {on} on {off} off": [parse_fault(f"slow:rank={rank},factor=1.5,at={ONSET},on={on},off={off}")]
+                  for on, off in ((1, 3), (2, 2), (3, 3), (3, 9), (5, 5))})
+    return cases
+
+
+def sensitivity(args) -> dict:
+    """Each case of ``sensitivity_cases`` alone on the synthetic 256-GPU trace: when each detector
+    first alarms after the onset (iterations; None: never), whether it named exactly the slow rank,
+    and our verdict's factor. Alarms before the onset are false ones, counted per 1,000 iterations."""
+    spec = SyntheticSpec()
+    rows = {}
+    for i, (name, faults) in enumerate(sensitivity_cases().items()):
+        tallies = {n: _Tally() for n in NAMES}
+        stats = {k: [] for k in ("decision_s", "iteration_s", "itp_err", "itp_err_flat", "mtp", "mtp_flat")}
+        stats["flat_suspicions"] = 0
+        run_one(synthetic_trace(spec, args.sensitivity_iters, faults, seed=100 + i), faults, spec, tallies, stats,
+                lambda it, s, faults=faults: synthetic_probes(spec, faults, it, s.probe_ranks, s.probe_links))
+        row = {}
+        for n in NAMES:
+            t = tallies[n]
+            row[n] = {"latency_iters": t.latencies[0] if t.latencies else None, "localised": bool(t.localised),
+                      "false_alarms_per_1000": round(1000.0 * t.false_alarms / max(t.healthy_iters, 1), 2)}
+        verdict = (stats.get("verdicts") or [None])[0]
+        row["resihp"]["factor"] = None if verdict is None else round(verdict.factor, 3)
+        row["resihp"]["in_bursts"] = bool(verdict is not None and verdict.evidence.get("intermittent"))
+        rows[name] = row
+    return rows
+
+
+def _print_sensitivity(rows: dict, iterations: int) -> None:
+    print(f"\n== sensitivity: one rank of 256 slowed from iteration {ONSET}, {iterations} iterations ==")
+    print(f"{'case':<26} {'resihp':>22} {'greyhound':>16} {'nvrx':>16}")
+    fmt = lambda r: "never" if r["latency_iters"] is None else (  # noqa: E731
+        f"{r['latency_iters']} it{'' if r['localised'] else ' (wrong ranks)'}")
+    for name, row in rows.items():
+        ours = row["resihp"]
+        text = fmt(ours) + ("" if ours["factor"] is None else f", {ours['factor']:.2f}x") + (
+            " bursts" if ours["in_bursts"] else "")
+        print(f"{name:<26} {text:>22} {fmt(row['greyhound']):>16} {fmt(row['nvrx']):>16}")
+    first = next(iter(rows.values()))
+    print("false alarms per 1,000 iterations before the onset: "
+          + ", ".join(f"{n} {first[n]['false_alarms_per_1000']:g}" for n in NAMES) + " (first case)")
 
 
 def live(path: str, tallies, stats) -> list[str]:
@@ -187,7 +247,15 @@ def main() -> None:
     parser.add_argument("--overhead-from", help="JSON with detection's live cost ({'overhead_pct': x}, as "
                                                 "live_detection.py writes it); else overhead_pct is the "
                                                 "decision logic's share of the replayed iteration time")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="also replay one rank slowed in steps of several sizes, in ramps and in bursts, and "
+                             "print when each detector first alarms")
+    parser.add_argument("--sensitivity-iters", type=int, default=200,
+                        help=f"iterations per --sensitivity case (onset {ONSET})")
     args = parser.parse_args()
+    if args.sensitivity and args.sensitivity_iters < ONSET + 60:
+        parser.error(f"--sensitivity-iters must be at least {ONSET + 60}: the slowest ramp reaches its top 60 "
+                     f"iterations after the onset at {ONSET}")
     if args.fault_iters < ONSET + AFTER_ONSET:
         parser.error(f"--fault-iters must be at least {ONSET + AFTER_ONSET}: the fault starts at {ONSET}, and a "
                      f"verdict needs a suspicion and a second probe round after it")
@@ -234,11 +302,14 @@ def main() -> None:
             block["resihp"]["overhead_pct"] = measured["overhead_pct"]
             block["resihp"]["overhead_source"] = "live, detection on vs off per iteration"
 
+    rows = sensitivity(args) if args.sensitivity else None
     if args.json:
         # Top level: the synthetic results per detector; live traces under "live".
         out = dict(results.pop("synthetic"))
         if results:
             out["live"] = results
+        if rows is not None:
+            out["sensitivity"] = rows
         out["notes"] = notes
         print(json.dumps(out))
         return
@@ -257,6 +328,8 @@ def main() -> None:
               f"itp_mape {r['itp_mape']}% (without speed levels: {r['mtp_mape_without_levels']}%, "
               f"{r['itp_mape_without_levels']}%, suspicions/1000 {r['suspicions_per_1000_healthy_without_levels']}), decision {r['decision_ms_per_iter']} ms/iter "
               f"({r['decision_overhead_pct']}% of iteration), overhead_pct {r['overhead_pct']}")
+    if rows is not None:
+        _print_sensitivity(rows, args.sensitivity_iters)
     for note in notes:
         print("note:", note)
 

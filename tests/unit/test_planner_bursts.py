@@ -56,3 +56,13 @@ def test_a_plan_that_keeps_stays_as_it_is_and_a_share_must_be_a_share():
     assert weigh_bursts(keep, LAYOUT, EVEN, CALM, BURST, 0.5, HW, 500) is keep
     with pytest.raises(ValueError, match="share of iterations in bursts"):
         weigh_bursts(keep, LAYOUT, EVEN, CALM, BURST, 1.5, HW, 500)
+
+
+def test_health_knows_which_slow_ranks_are_slow_in_bursts_through_updates_and_relabels():
+    health = Health(speed={3: 0.5, 4: 0.8}, bursts={3})
+    assert health.bursts == {3} and health.slow_factors == {3: 2.0, 4: 1.25}
+    assert health.updated(Health(speed={4: 0.7}, bursts={4})).bursts == {3, 4}
+    assert health.updated(Health(speed={3: 0.4})).bursts == set()  # now slow all the time
+    assert health.relabel({3: 1, 4: 2}).bursts == {1} and health.relabel({4: 0}).bursts == set()
+    with pytest.raises(ValueError, match="need a speed"):
+        Health(speed={4: 0.5}, bursts={3})

@@ -100,3 +100,29 @@ def test_a_steady_slowdown_is_confirmed_as_before_not_as_bursts():
     settled = _run(ResiHPConfig(), [parse_fault("slow:rank=5,factor=1.5,at=40")], iterations=60)
     verdicts = [o for _, o in settled if isinstance(o, Verdict)]
     assert verdicts and verdicts[0].ranks == (5,) and "intermittent" not in verdicts[0].evidence
+
+
+def _suspicions(expect_bursts: bool, faults, iterations: int = 100):
+    detector = FailSlowDetector()
+    detector.expect({5: 1.5}, bursts={5} if expect_bursts else ())
+    raised = []
+    for iteration, observations in synthetic_trace(SPEC, iterations, faults, seed=5):
+        suspicion = detector.observe(iteration, observations)
+        if suspicion is not None:
+            raised.append(suspicion)
+            detector.release(suspicion, iteration)  # probes cleared it: watch on
+    return raised
+
+
+def test_a_rank_known_to_be_slow_in_bursts_raises_nothing_while_its_bursts_stay_as_known():
+    known_from_start = parse_fault("slow:rank=5,factor=1.5,at=1,on=3,off=3")
+    assert _suspicions(True, [known_from_start]) == []
+    # Known as a plain 1.5x slowdown instead, every calm spell looks like a recovery.
+    assert any(s.kind == "recovery" for s in _suspicions(False, [known_from_start]))
+
+
+def test_bursts_worse_than_the_known_ones_are_suspected():
+    worse = [parse_fault("slow:rank=5,factor=1.5,at=1,on=3,off=3,until=61"),
+             parse_fault("slow:rank=5,factor=2.5,at=61,on=3,off=3")]
+    raised = _suspicions(True, worse)
+    assert raised and all(s.kind == "compute" and 5 in s.ranks and s.iteration >= 61 for s in raised), raised
