@@ -214,7 +214,7 @@ def _bursts(args, work: Path, healthy: float) -> dict:
     adapted = _throughput_run(args, work, "bursts_adapted", ["--resihp-enable", "--resihp-inject", spec],
                               args.slow_at, period=on + off, iters=args.burst_iters)
     unadapted = _throughput_run(args, work, "bursts_unadapted", ["--resihp-detect-only", "--resihp-inject", spec],
-                                adapted["from_iteration"] - 1, fixed_start=True, period=on + off,
+                                adapted["from_iteration"] - 2, fixed_start=True, period=on + off,
                                 iters=args.burst_iters)
     # In a burst at best the healthy rate with one rank's work spread perfectly; between bursts, healthy.
     share = on / (on + off)
