@@ -106,10 +106,6 @@ class Recurrences:
         onsets = sorted(e.onset_iteration for episodes in bursts.values() for e in episodes)
         return _intermittent_verdict(bursts, self.window_iters, onsets[-1] - 1, slow_share(onsets[0], onsets[-1] - 1))
 
-    def forget(self) -> None:
-        """Forget every episode (a re-plan renames ranks or changes what they run)."""
-        self._seen.clear()
-
 
 def _intermittent_verdict(bursts: dict[int, list[Episode]], window_iters: int, share_until: int,
                           share: float | None) -> Verdict:
