@@ -376,6 +376,14 @@ class FailSlowDetector:
         marks = [slow for iteration, slow in self._slow_marks.get(group, ()) if first <= iteration <= last]
         return sum(marks) / len(marks) if marks else None
 
+    def watch_again(self, ranks) -> None:
+        """Judge again the groups holding ``ranks``, which their verdicts muted, from a fresh run of
+        suspect iterations. For a plan that kept the layout: their slowdowns are expected now
+        (``expect``), so only a further change (slower still, or fast again) alarms."""
+        for group in {self._rank_group[r] for r in ranks if r in self._rank_group}:
+            self._muted.discard(group)
+            self._group_streak.pop(group, None)
+
     def mute(self, suspicion: Suspicion) -> None:
         """Judge a suspicion's group (link) no more until ``reset``: a verdict stands for it, as one
         from its probes does. For verdicts reached other than by ``conclude``."""

@@ -142,14 +142,16 @@ class LayoutChanges:
                                current_quotas=tuple(quotas), horizon_iters=horizon, uniform_tp_per_replica=True,
                                reshaped=[r for r, rep in enumerate(self.layout.replicas)
                                          if replica_shape(rep) != self.launch_shape])
+        # What the detector takes as the norm from now on: every verdict so far, bursts included.
+        expected = self.known_health
         shares = [v.evidence.get("slow_share") for v in verdicts if v.evidence.get("intermittent")]
         if shares:
             # Unknown shares count as always slow; of several, the largest.
             share = max(1.0 if s is None else float(s) for s in shares)
             plan = weigh_bursts(plan, self.layout, quotas, calm, self.known_health, share, hw, horizon)
             if plan.action != "adapt":
-                self.known_health = calm  # not planned around: not the norm the detector expects
-        self.live.detector.expect(self.known_health.slow_factors, self.known_health.bursts)  # kept across the reset below
+                self.known_health = calm  # bursts not worth planning around: later plans do not see them
+        self.live.detector.expect(expected.slow_factors, expected.bursts)  # kept across the reset below
         if self.rank == 0:
             slow_factors = {str(r): round(f, 4) for r, f in sorted(self.known_health.slow_factors.items())}
             self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
@@ -159,6 +161,10 @@ class LayoutChanges:
                              compute_costs=self.costs_record())
             log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
         if plan.action != "adapt":
+            # The layout stays and these slowdowns are expected now: their groups are judged again,
+            # so that a rank that slows further (or recovers) is seen. A link has no expectation,
+            # so a slow link stays muted rather than being named again and again.
+            self.live.detector.watch_again([r for v in verdicts if v.kind != "link" for r in v.ranks])
             return objects, quotas
         if plan.layout != self.layout:
             objects, _ = self._apply_layout(plan.layout, objects, iteration)

@@ -52,6 +52,20 @@ def test_slow_ranks_are_adapted_in_place_one_after_another_and_training_stays_ex
     assert_same_losses(log, reference_losses, 34)
 
 
+def test_a_slowdown_the_plan_keeps_is_watched_and_named_again_when_it_worsens(tmp_path):
+    # One rank: nothing to move work to, so the plan for its 2x verdict is "keep". Its group used
+    # to stay muted after that, and the same rank slowing to 4x at 25 went unseen.
+    log = tmp_path / "events.jsonl"
+    check(run_job(1, [*MODEL, "--train-iters", "40", "--resihp-enable", "--resihp-event-log", str(log),
+                      "--resihp-inject", "slow:rank=0,factor=2,at=10,until=25",
+                      "--resihp-inject", "slow:rank=0,factor=4,at=25"]))
+    verdicts = [v for v in read_events(log, "verdict") if v["kind"] == "compute"]
+    assert [v["ranks"] for v in verdicts] == [[0], [0]], decisions(log)
+    assert verdicts[0]["factor"] == pytest.approx(2.0, rel=0.2) and verdicts[0]["iteration"] < 25, decisions(log)
+    assert verdicts[1]["factor"] == pytest.approx(4.0, rel=0.2) and verdicts[1]["iteration"] >= 24, decisions(log)
+    assert [p["action"] for p in read_events(log, "plan")] == ["keep", "keep"], decisions(log)
+
+
 def test_a_slow_rank_that_recovers_gets_its_micro_batches_back(tmp_path, reference_losses):
     # Rank 3 runs 3x slow from iteration 10 to 21 (a throttled device that cools down). The
     # re-plan moves micro-batches off replica 1; once the rank is fast again a "recovered" verdict

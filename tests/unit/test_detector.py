@@ -570,3 +570,26 @@ def test_a_known_slow_rank_that_recovers_is_named_faster_again():
     _, events = _run(_trace(70, (gone,)), (still,), detector=det)
     assert events and isinstance(events[0][1], Cleared), events
     assert "no rank faster than its known slowdown" in events[0][1].reason
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_a_group_watched_again_after_a_kept_verdict_alarms_only_when_its_rank_slows_further(watch):
+    faults = [parse_fault("slow:rank=5,factor=2,at=40,until=70"), parse_fault("slow:rank=5,factor=4,at=70")]
+    det = FailSlowDetector()
+    raised = []
+    for iteration, obs in synthetic_trace(SPEC, 100, faults, seed=5):
+        suspicion = det.observe(iteration, obs)
+        if suspicion is None:
+            continue
+        raised.append(suspicion)
+        outcome = det.conclude(suspicion, synthetic_probes(SPEC, faults, iteration, suspicion.probe_ranks,
+                                                           suspicion.probe_links))
+        if isinstance(outcome, Verdict) and watch:
+            det.expect({r: outcome.factor for r in outcome.ranks})  # a plan kept the layout
+            det.watch_again(outcome.ranks)
+    assert raised and raised[0].iteration < 45 and 5 in raised[0].ranks
+    later = [s for s in raised[1:] if 5 in s.ranks]
+    if watch:  # 2x expected: quiet until the rank slows to 4x
+        assert later and all(s.iteration >= 70 for s in later) and later[0].iteration <= 73, raised
+    else:  # muted since its first verdict
+        assert later == [], raised
