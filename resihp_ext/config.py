@@ -1,8 +1,9 @@
 """The one dataclass behind every ``--resihp-*`` flag.
 
 The training front end generates its argparse group from the fields below (field ``foo_bar``
-becomes ``--resihp-foo-bar``; the first docstring line after a field is its help text). All
-validation happens in ``__post_init__`` and raises ``ValueError`` naming the flag and the fix.
+becomes ``--resihp-foo-bar``; the first paragraph of the docstring after a field is its help
+text). All validation happens in ``__post_init__`` and raises ``ValueError`` naming the flag and
+the fix.
 """
 
 from __future__ import annotations

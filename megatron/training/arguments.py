@@ -153,14 +153,14 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _field_help(cls: type) -> dict[str, str]:
-    """The first docstring line under each dataclass field (attribute docstrings)."""
+    """The first paragraph of the docstring under each dataclass field (attribute docstrings), on one line."""
     tree = ast.parse(inspect.getsource(cls)).body[0]
     docs, previous = {}, None
     for node in tree.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             previous = node.target.id
         elif previous and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            docs[previous] = str(node.value.value).strip().splitlines()[0]
+            docs[previous] = " ".join(str(node.value.value).strip().split("\n\n")[0].split())
             previous = None
     return docs
 

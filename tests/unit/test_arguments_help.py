@@ -1,4 +1,4 @@
-"""`--help` lists every --resihp-* flag with its help line, whatever characters the help holds."""
+"""`--help` lists every --resihp-* flag with its whole help, whatever characters the help holds."""
 
 import dataclasses
 
@@ -14,6 +14,8 @@ def test_help_lists_every_resihp_flag():
     for field in dataclasses.fields(ResiHPConfig):
         assert "--resihp-" + field.name.replace("_", "-") in text
     assert "(0.05 = 5%)" in " ".join(text.split())
+    # A help that spans lines in config.py is whole, not cut at its first line.
+    assert "all within --resihp-intermittent-window-iters, is slow in bursts" in " ".join(text.split())
 
 
 @pytest.mark.parametrize("flag, value, says", [
