@@ -197,23 +197,35 @@ def test_a_slow_rank_with_one_peer_to_probe_beside_it_is_named_under_1_5x(tmp_pa
     assert abs(verdicts[0]["factor"] - factor) <= 0.2 * factor, context
 
 
+BURST_ITERS = 50
+
+
 def test_a_rank_slow_in_bursts_is_named_once_its_dropped_verdicts_recur(tmp_path):
-    """PP2 x DP2 at TP 1, rank 3 1.5x slow for 4 iterations in every 8: each burst lasts until its
-    first probe round (a suspicion after 2 or, on a shared host, 3 of them, probed one iteration
-    later) and is over by its second, so each verdict is dropped; the third names the rank."""
+    """PP2 x DP2 at TP 1, rank 3 1.5x slow for 3 iterations in every 6: a burst raises a
+    suspicion after 2 of them, its first probe round comes one iteration later, on the burst's
+    last iteration, and its second round 2 iterations after that, in the calm, so each verdict
+    is dropped; the third names the rank.
+
+    Two suspect iterations are asked for even when the 4 ranks count as sharing the 2 cores (3
+    by default). With 3 a burst's first round came after it, and a verdict was never held (seen
+    in CI: 2 of 4 bursts probed in their calm). A suspicion one iteration late still loses a
+    burst, and 7 bursts leave room for that. Bursts of 4 were tried, and a suspicion one iteration
+    early, from a noisy iteration before a burst, then had both rounds inside it: a plain verdict
+    (3 of 14 runs here)."""
     log = tmp_path / "events.jsonl"
     tp1 = list(SHAPE)
     tp1[tp1.index("--tensor-model-parallel-size") + 1] = "1"
-    check(run_job(4, [*tp1, "--train-iters", "40", "--resihp-detect-only", "--resihp-event-log", str(log),
-                      "--resihp-inject", f"slow:rank=3,factor=1.5,at={ONSET},on=4,off=4"], timeout_s=240))
-    # The injection follows the bursts: on at 10, 18, 26, ..., off at 14, 22, 30, ...
-    assert [e["iteration"] for e in read_events(log, "inject")] == list(range(ONSET, 41, 8))
-    assert [e["iteration"] for e in read_events(log, "inject_end")] == list(range(ONSET + 4, 41, 8))
+    check(run_job(4, [*tp1, "--train-iters", str(BURST_ITERS), "--resihp-detect-only", "--resihp-event-log", str(log),
+                      "--resihp-shared-host-persistence-iters", "2",
+                      "--resihp-inject", f"slow:rank=3,factor=1.5,at={ONSET},on=3,off=3"], timeout_s=240))
+    # The injection follows the bursts: on at 10, 16, 22, ..., off at 13, 19, 25, ...
+    assert [e["iteration"] for e in read_events(log, "inject")] == list(range(ONSET, BURST_ITERS + 1, 6))
+    assert [e["iteration"] for e in read_events(log, "inject_end")] == list(range(ONSET + 3, BURST_ITERS + 1, 6))
     context = [e for e in read_events(log) if e["event"] in ("suspicion", "cleared", "verdict")]
     verdicts = read_events(log, "verdict")
     assert verdicts, f"no verdict: {context}"
     first = verdicts[0]
-    assert first["kind"] == "compute" and first["ranks"] == [3] and first["evidence"]["intermittent"], context
+    assert first["kind"] == "compute" and first["ranks"] == [3] and first["evidence"].get("intermittent"), context
     assert abs(first["factor"] - 1.5) <= 0.2 * 1.5, first
     episodes = first["evidence"]["episodes"]["3"]
     assert len(episodes) == 3, episodes
