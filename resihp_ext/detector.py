@@ -191,20 +191,13 @@ class FailSlowDetector:
         times = {o.rank: op_times(o) for o in observations}
         durations = {g: group_op_durations([times[o.rank] for o in obs]) for g, obs in groups.items()}
         # A group runs at its slowest member's pace, so a known slowdown scales the whole group.
-        known: dict[GroupId, float] = {}
-        for rank, factor in self._expected.items():
-            g = self._rank_group.get(rank)
-            if g in durations:
-                known[g] = max(known.get(g, 1.0), factor)
+        known = self._group_factors(self._expected, durations)
         for g, factor in known.items():
             fwd, bwd = durations[g]
             durations[g] = (fwd / factor, bwd / factor)
         self._known_groups = known
-        self._burst_groups = {}
-        for rank, factor in self._in_bursts.items():
-            g = self._rank_group.get(rank)
-            if g in durations and g not in known:
-                self._burst_groups[g] = max(self._burst_groups.get(g, 1.0), factor)
+        self._burst_groups = {g: f for g, f in self._group_factors(self._in_bursts, durations).items()
+                              if g not in known}
         keys = {g: self._keys(g, len(obs)) for g, obs in groups.items()}
         fitted = all(self.predictor.fitted(k) for ks in keys.values() for k in ks)
         judged = fitted and self._seen >= self.config.warmup_iters
@@ -492,6 +485,15 @@ class FailSlowDetector:
                        f"slowdown since iteration {suspicion.onset_iteration}")
 
     # ---------------------------------------------------------------- helpers
+
+    def _group_factors(self, rank_factors, groups) -> dict[GroupId, float]:
+        """Each of ``groups`` holding a rank of ``rank_factors``: the largest factor among its ranks."""
+        out: dict[GroupId, float] = {}
+        for rank, factor in rank_factors.items():
+            g = self._rank_group.get(rank)
+            if g in groups:
+                out[g] = max(out.get(g, 1.0), factor)
+        return out
 
     def _group(self, observations):
         groups: dict[GroupId, list[RankObservation]] = defaultdict(list)

@@ -104,13 +104,13 @@ class Recurrences:
             return None
         bursts = {r: list(self._seen.pop(r)) for r in ready}
         onsets = sorted(e.onset_iteration for episodes in bursts.values() for e in episodes)
-        return _intermittent_verdict(bursts, self.window_iters, onsets[-1] - 1, slow_share(onsets[0], onsets[-1] - 1))
+        return _intermittent_verdict(bursts, self.window_iters, onsets[0], onsets[-1] - 1,
+                                     slow_share(onsets[0], onsets[-1] - 1))
 
 
-def _intermittent_verdict(bursts: dict[int, list[Episode]], window_iters: int, share_until: int,
+def _intermittent_verdict(bursts: dict[int, list[Episode]], window_iters: int, onset: int, share_until: int,
                           share: float | None) -> Verdict:
     factors = {r: statistics.median(e.factor for e in episodes) for r, episodes in bursts.items()}
-    onset = min(e.onset_iteration for episodes in bursts.values() for e in episodes)
     last = max((e for episodes in bursts.values() for e in episodes), key=lambda e: e.dropped_iteration)
     named = "; ".join(
         f"rank {r} at " + ", ".join(f"{e.factor:.2f}x (probe {e.probe_iteration})" for e in episodes)

@@ -133,9 +133,10 @@ class LayoutChanges:
         start = time.perf_counter()
         calm = self.known_health  # between the bursts of a rank slow in bursts
         for verdict in verdicts:
-            self.known_health = self.known_health.updated(self._verdict_health(verdict))
+            health = self._verdict_health(verdict)
+            self.known_health = self.known_health.updated(health)
             if not verdict.evidence.get("intermittent"):
-                calm = calm.updated(self._verdict_health(verdict))
+                calm = calm.updated(health)
         horizon = max(self.args.train_iters - iteration, 1)
         hw = self._calibrated_hardware()
         plan = plan_adaptation(self.layout, self.known_health, hw,

@@ -75,6 +75,12 @@ class _Tally:
         }
 
 
+def _new_stats() -> dict:
+    """What ``run_one`` adds to over one or more runs."""
+    return {"decision_s": [], "iteration_s": [], "itp_err": [], "mtp": [], "mtp_flat": [], "itp_err_flat": [],
+            "flat_suspicions": 0}
+
+
 def _truth(faults: list[Fault]) -> frozenset[int]:
     """The ranks a verdict should name: the slow ranks, or a slow link's two ends."""
     return frozenset(r for f in faults for r in ((f.rank, f.dst) if f.kind is FaultKind.LINK else (f.rank,)))
@@ -178,8 +184,7 @@ def sensitivity(args) -> dict:
     rows, before = {}, {n: [0, 0] for n in NAMES}  # false alarms, healthy iterations: all cases together
     for i, (name, faults) in enumerate(sensitivity_cases().items()):
         tallies = {n: _Tally() for n in NAMES}
-        stats = {k: [] for k in ("decision_s", "iteration_s", "itp_err", "itp_err_flat", "mtp", "mtp_flat")}
-        stats["flat_suspicions"] = 0
+        stats = _new_stats()
         run_one(synthetic_trace(spec, args.sensitivity_iters, faults, seed=100 + i), faults, spec, tallies, stats,
                 lambda it, s, faults=faults: synthetic_probes(spec, faults, it, s.probe_ranks, s.probe_links))
         row = {}
@@ -270,8 +275,7 @@ def main() -> None:
         notes.append("no --trace given: live traces skipped")
     for kind, path in sources:
         tallies = {name: _Tally() for name in NAMES}
-        stats = {"decision_s": [], "iteration_s": [], "itp_err": [], "mtp": [], "mtp_flat": [], "itp_err_flat": [],
-                 "flat_suspicions": 0}
+        stats = _new_stats()
         if kind == "synthetic":
             synthetic(args, tallies, stats)
         else:
