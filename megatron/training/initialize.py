@@ -24,6 +24,13 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.training import cpu_affinity, cpu_mode, host_memory
 
 
+def world_backend(device: str) -> str:
+    """The default group's backend: gloo on CPU; on CUDA, NCCL for GPU tensors and gloo for the
+    host tensors that the loss sum, detection's messages and re-planning exchange (NCCL alone
+    rejects a host tensor, and every group made without a backend inherits both)."""
+    return "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
+
+
 def initialize_distributed(args: argparse.Namespace) -> None:
     """Join the job's default group (torchrun-style env) and build megatron-core's groups."""
     if args.device == "cpu":
@@ -51,7 +58,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
                 )
             rendezvous["store"] = dist.HashStore()  # a plain `python pretrain_gpt_resilient.py` run
         dist.init_process_group(
-            backend="gloo" if args.device == "cpu" else "nccl",
+            backend=world_backend(args.device),
             rank=int(os.environ.get("RANK", "0")),
             world_size=world_size,
             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron.training import recovery
 from megatron.training.detection import LiveDetector, healthy_link_bandwidth_Bps
+from megatron.training.initialize import world_backend
 from megatron.training.layer_sync import LayoutGradSync
 from megatron.training.logging_utils import log_line
 from megatron.training.model_builder import TrainingObjects, build_training_objects
@@ -287,4 +288,4 @@ class LayoutChanges:
 
     @property
     def backend(self) -> str:
-        return "gloo" if self.args.device == "cpu" else "nccl"
+        return world_backend(self.args.device)
