@@ -48,7 +48,10 @@ from resihp_ext.validation import Cleared, ProbeResults, Verdict, undecided
 DECIDER = 0  # the rank that judges every rank's observations
 _OBSERVATION_TAG, _COMMAND_TAG = 7301, 7302
 
-_PROBE_SIZE = 256
+# The probe GEMM's side per device type. On a GPU it must be compute-bound: 8 GEMMs of 256 took
+# 0.2 ms on an H100, the time of their kernel launches, which a throttled GPU would barely change.
+# 2048 is ~17 GFLOP per GEMM, a few ms for the eight in fp32.
+_PROBE_SIZE = {"cpu": 256, "cuda": 2048}
 _PROBE_REPEATS = 8
 _PROBE_PASSES = 5  # samples per probed rank or link; each one's time is its fastest
 _PROBE_EXTENSIONS = 2  # further sets of passes an undecided rank probe round may take
@@ -65,8 +68,9 @@ def gemm_probe_s(device: torch.device, samples: int = 5) -> float:
     The minimum over ``samples`` runs: the work is fixed, so interference can only add time, and
     the fastest run is the device's own speed.
     """
-    a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, device=device)
-    b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, device=device)
+    size = _PROBE_SIZE.get(device.type, _PROBE_SIZE["cpu"])
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
     times = []
     for _ in range(samples):
         RECORDER.synchronize()

@@ -51,3 +51,20 @@ def test_device_time_scale_is_ignored_on_cuda():
     recorder.device_time_scale = 4.0
     recorder.use_device("cuda", cpu_device_time_scale=4.0)
     assert recorder.device_time_scale == 0.0
+
+
+def test_a_short_op_on_a_wall_clock_device_is_stretched_by_the_factor_not_by_the_os_wake_up():
+    """On a GPU the host waits out an injected slowdown. The probe GEMM lasted 0.2 ms on an H100, and
+    waited out with a plain sleep (which wakes ~0.1 ms late) a 1.5x slowdown read 2.45x there."""
+    recorder = OpRecorder()
+    recorder.use_device("cuda")  # only picks the clocks; nothing here touches a GPU
+    recorder.slowdown_factor = 1.5
+    op_s = 2e-4
+    waits = []
+    for _ in range(51):
+        start = time.perf_counter()
+        recorder.stretch(op_s)
+        waits.append(time.perf_counter() - start)
+    waits.sort()
+    assert waits[0] >= 0.5 * op_s  # never short of the factor
+    assert waits[len(waits) // 2] < 0.7 * op_s  # the median within 1.2 of the extra 0.1 ms wanted
