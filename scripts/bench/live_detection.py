@@ -52,8 +52,8 @@ sys.path.insert(0, str(REPO))
 SHAPES = {"tp2pp2dp2": (2, 2, 2), "tp1pp2dp2": (1, 2, 2), "tp1pp2dp1": (1, 2, 1), "tp1pp1dp1": (1, 1, 1)}
 # (hidden size, attention heads, sequence length). "tiny" is the tests' model, whose ops last a few
 # ms, so that the interpreter's and the host's jitter are a large part of each; "medium" ops last
-# tens of ms on CPU. On a GPU both are bound by kernel launches; "large" gives a GPU's ops work
-# that lasts milliseconds.
+# tens of ms on CPU. On a GPU both are bound by kernel launches; "large" has GEMMs of ~100 GFLOP
+# per layer (on an H100 its ops were still host-bound: docs/benchmarks.md section 31).
 MODELS = {"tiny": (64, 4, 64), "medium": (256, 8, 256), "large": (1024, 16, 2048)}
 SLOW_RANK, FACTOR, ONSET = 3, 1.5, 10
 MICRO_BATCH, GLOBAL_BATCH = 2, 16
