@@ -54,7 +54,8 @@ from resihp_ext.observations import (  # noqa: F401  (part of this module's API)
 )
 from resihp_ext.link_baselines import LinkBaselines
 from resihp_ext.op_signals import Streak, beyond_common, group_op_durations, link_gaps, nansum, op_times
-from resihp_ext.predictor import MicrobatchPredictor, as_feature_array, predict_replica
+from resihp_ext.iteration_estimate import IterationEstimate
+from resihp_ext.predictor import MicrobatchPredictor, as_feature_array
 from resihp_ext.speed_level import SpeedLevels
 from resihp_ext.suspicions import (
     compute_suspicion,
@@ -159,8 +160,7 @@ class FailSlowDetector:
         self._burst_groups: dict[GroupId, float] = {}
         self._link_streak: dict[LinkId, Streak] = defaultdict(new_streak)
         self._links = LinkBaselines(_HISTORY)
-        self._overhead_history: deque = deque(maxlen=_HISTORY)
-        self._contention_history: deque = deque(maxlen=_HISTORY)
+        self._iteration = IterationEstimate(_HISTORY)
         self._shared = False  # ranks share devices (judged on the contention history)
         self._pending: set = set()
         self._muted: set = set()
@@ -237,9 +237,12 @@ class FailSlowDetector:
         # to the iteration (``LinkBaselines.ratios``): a sub-millisecond baseline jittering by a
         # few microseconds, or a receiver that now and then wakes late, is not a 2x slowdown.
         min_excess_s = max(_MIN_LINK_EXCESS_S, _MIN_LINK_EXCESS_FRACTION * observed_iter)
-        self._shared = statistics.median(self._contention_history or [contention]) >= _SHARED_DEVICE_CONTENTION
+        self._shared = self._iteration.typical_contention(contention) >= _SHARED_DEVICE_CONTENTION
         link_ratio = self._links.ratios(gaps, min_excess_s, judge=not self._shared)
-        predicted_iter = self._predict_iteration(groups, keys, feats, observed_iter, contention) if fitted else None
+        predicted_iter = None
+        if fitted:
+            predicted_iter = self._iteration.predict(self.predictor, keys, feats, self.levels.level, self._transfer_s,
+                                                     observed_iter, contention, self.config.slowdown_threshold)
         self.last_report = DetectorReport(
             iteration, judged, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter, sibling_ratio
         )
@@ -525,35 +528,9 @@ class FailSlowDetector:
             return None
         return tuple(level * c.predict(feats[:, 0], feats[:, 1], feats[:, 2]) for c in coefs)
 
-    def _predict_iteration(self, groups, keys, feats, observed_iter: float, contention: float) -> float | None:
-        """The iteration's wall time from the predicted busy time of its ops.
-
-        ``contention`` is this iteration's wall seconds per busy second over all ops. Ops take
-        longer than their busy time when ranks share a device (CPU cores); the median over recent
-        healthy iterations turns predicted busy times into wall times (1 on a dedicated device).
-        """
-        scale = statistics.median(self._contention_history) if self._contention_history else contention
-        replicas = sorted({g[0] for g in groups})
-        spans = []
-        for r in replicas:
-            stages = sorted(s for (rr, s) in groups if rr == r)
-            if stages != list(range(len(stages))):
-                return None  # a replica with missing stages cannot be simulated
-            p2p = []
-            for s in stages[:-1]:
-                # The group waits for its slowest TP pair: use the largest healthy baseline.
-                up, down = self._group_ranks[(r, s)], self._group_ranks[(r, s + 1)]
-                known = [self._links.base[(a, b)] for a, b in zip(up, down) if (a, b) in self._links.base]
-                p2p.append(max(known) if known else 0.0)
-            pred = predict_replica(self.predictor, [keys[(r, s)] for s in stages], feats[r], p2p,
-                                   op_scale=[scale * self.levels.level((r, s)) for s in stages])
-            spans.append(pred.total_s)
-        span = max(spans)
-        # Work outside the schedule (DP gradient sync, optimizer step) is learnt as the median
-        # residual of recent healthy iterations.
-        overhead = statistics.median(self._overhead_history) if self._overhead_history else 0.0
-        settled = len(self._overhead_history) >= 3  # before that the estimate itself is unknown
-        if not settled or observed_iter / max(span + overhead, 1e-12) <= self.config.slowdown_threshold:
-            self._overhead_history.append(max(observed_iter - span, 0.0))
-            self._contention_history.append(contention)
-        return span + overhead
+    def _transfer_s(self, up: GroupId, down: GroupId) -> float:
+        """One healthy transfer from stage group ``up`` to ``down``: the group waits for its slowest
+        TP pair, so the largest baseline among their pairs (0 before any is known)."""
+        pairs = zip(self._group_ranks[up], self._group_ranks[down])
+        known = [self._links.base[pair] for pair in pairs if pair in self._links.base]
+        return max(known) if known else 0.0
