@@ -58,6 +58,7 @@ from resihp_ext.iteration_estimate import IterationEstimate
 from resihp_ext.predictor import MicrobatchPredictor, as_feature_array
 from resihp_ext.speed_level import SpeedLevels
 from resihp_ext.suspicions import (
+    bursts_ended_suspicion,
     compute_suspicion,
     link_suspicion,
     recovery_suspicion,
@@ -158,6 +159,7 @@ class FailSlowDetector:
         self._recovery_streak: dict[GroupId, Streak] = defaultdict(new_streak)
         self._known_groups: dict[GroupId, float] = {}
         self._burst_groups: dict[GroupId, float] = {}
+        self._calm_since: dict[GroupId, int] = {}  # a bursting group's first iteration of its current calm
         self._link_streak: dict[LinkId, Streak] = defaultdict(new_streak)
         self._links = LinkBaselines(_HISTORY)
         self._iteration = IterationEstimate(_HISTORY)
@@ -294,6 +296,8 @@ class FailSlowDetector:
             self._slow_marks[g].append((iteration, ratio > threshold))
             if count >= need and self._eligible(g, iteration):
                 ready.append((ratio, "compute", g, signal))
+            if g in self._burst_groups and self._bursts_ended(g, iteration, ratio > threshold):
+                ready.append((1.0, "bursts ended", g, None))
         for link, ratio in slow_link.items():
             count = self._link_streak[link].update(ratio > threshold, iteration, ratio)
             if count >= need and self._eligible(link, iteration):
@@ -315,10 +319,26 @@ class FailSlowDetector:
             suspicion = self._compute_suspicion(iteration, what, ratio, signal)
         elif kind == "recovery":
             suspicion = self._recovery_suspicion(iteration, what, ratio)
+        elif kind == "bursts ended":
+            reference = self._reference_ranks(what, also_avoid=self._known_groups)
+            suspicion = bursts_ended_suspicion(iteration, what, self._group_ranks[what], self._in_bursts, reference,
+                                               self._calm_since[what])
         else:
             suspicion = self._link_suspicion(iteration, what, ratio)
         self._pending.add(self._subject(suspicion))
         return suspicion
+
+    def _bursts_ended(self, g: GroupId, iteration: int, slow: bool) -> bool:
+        """Whether group ``g``, known to be slow in bursts, has now run a whole
+        ``intermittent_window_iters`` without one. Its bursts came at least
+        ``intermittent_episodes`` times within such a window when it was named, so a window
+        without any says they have stopped, and the probes can tell whether it is fast."""
+        if slow:
+            self._calm_since.pop(g, None)
+            return False
+        since = self._calm_since.setdefault(g, iteration)
+        return (not self.config.no_recovery and iteration - since + 1 >= self.config.intermittent_window_iters
+                and self._eligible(("recovery", g), iteration))
 
     def _persistence(self) -> int:
         """Consecutive suspect iterations a suspicion needs. Ranks that share cores see the host's
@@ -364,6 +384,8 @@ class FailSlowDetector:
         streaks = {"compute": self._group_streak, "link": self._link_streak, "recovery": self._recovery_streak}
         group = (suspicion.replica, suspicion.stage)
         streaks[suspicion.kind].pop(suspicion.links[0] if suspicion.kind == "link" else group, None)
+        if suspicion.kind == "recovery":
+            self._calm_since.pop(group, None)
 
     def slow_share(self, group: GroupId, first: int, last: int) -> float | None:
         """The share of ``group``'s judged iterations ``first..last`` in which it ran slow (above
@@ -377,7 +399,7 @@ class FailSlowDetector:
         suspect iterations. For a plan that kept the layout: their slowdowns are expected now
         (``expect``), so only a further change (slower still, or fast again) alarms."""
         for group in {self._rank_group[r] for r in ranks if r in self._rank_group}:
-            self._muted.discard(group)
+            self._muted.difference_update((group, ("recovery", group)))
             self._group_streak.pop(group, None)
 
     def mute(self, suspicion: Suspicion) -> None:
@@ -476,7 +498,7 @@ class FailSlowDetector:
     def _recovered(self, suspicion: Suspicion, loc, evidence: dict) -> Verdict | None:
         """A ``recovered`` verdict for the known slow ranks whose probe beats their known slowdown
         by ``probe_threshold``, or None if none does."""
-        known = {r: self._expected.get(r, 1.0) for r in suspicion.ranks}
+        known = {r: self._expected.get(r, self._in_bursts.get(r, 1.0)) for r in suspicion.ranks}
         evidence["known_factors"] = {str(r): round(f, 4) for r, f in known.items()}
         now = {r: max(loc.rank_factors[r], 1.0) for r in suspicion.ranks if r in loc.rank_factors
                and loc.rank_factors[r] * self.config.probe_threshold <= known[r]}

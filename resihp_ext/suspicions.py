@@ -74,6 +74,21 @@ def recovery_suspicion(iteration: int, g: GroupId, ranks: tuple[int, ...], known
     )
 
 
+def bursts_ended_suspicion(iteration: int, g: GroupId, ranks: tuple[int, ...], in_bursts: Mapping[int, float],
+                           reference: tuple[int, ...], calm_since: int) -> Suspicion:
+    """Group ``g``, holding ranks known to be slow in bursts (``in_bursts``: rank -> burst factor),
+    has run at full speed from ``calm_since`` on, for longer than its bursts ever stayed away: a
+    recovery suspicion, which probes of the group confirm."""
+    slow = tuple(r for r in ranks if r in in_bursts)
+    bursts = ", ".join(f"{r}: {in_bursts[r]:.2f}x" for r in slow)
+    return Suspicion(
+        iteration=iteration, onset_iteration=calm_since, kind="recovery", replica=g[0], stage=g[1],
+        ranks=slow, links=(), probe_ranks=tuple(ranks) + tuple(reference), probe_links=(), ratio=1.0,
+        reason=(f"replica {g[0]} stage {g[1]} (ranks {list(ranks)}), known to be slow in bursts ({bursts}), "
+                f"has had none for {iteration - calm_since + 1} iterations since {calm_since}"),
+    )
+
+
 def link_suspicion(iteration: int, link: LinkId, sender: GroupId, receiver: GroupId, references: list[LinkId],
                    streak: Streak, ratio: float, common: float) -> Suspicion:
     """Transfers over ``link`` (from group ``sender`` to ``receiver``) took ``ratio`` x their

@@ -126,3 +126,39 @@ def test_bursts_worse_than_the_known_ones_are_suspected():
              parse_fault("slow:rank=5,factor=2.5,at=61,on=3,off=3")]
     raised = _suspicions(True, worse)
     assert raised and all(s.kind == "compute" and 5 in s.ranks and s.iteration >= 61 for s in raised), raised
+
+
+def _first_recovery(faults, iterations: int, window: int = 40):
+    """The detector told rank 5 is slow in bursts; its first recovery suspicion, concluded with the
+    probes the faults would give, or None."""
+    detector = FailSlowDetector(ResiHPConfig(intermittent_window_iters=window))
+    detector.expect({5: 1.5}, bursts={5})
+    for iteration, observations in synthetic_trace(SPEC, iterations, faults, seed=5):
+        suspicion = detector.observe(iteration, observations)
+        if suspicion is None:
+            continue
+        assert suspicion.kind == "recovery", suspicion
+        probes = synthetic_probes(SPEC, faults, iteration + 1, suspicion.probe_ranks, suspicion.probe_links)
+        return suspicion, detector.conclude(suspicion, probes)
+    return None
+
+
+def test_a_rank_whose_bursts_stop_for_a_whole_window_is_found_fast_again():
+    stopped = [parse_fault("slow:rank=5,factor=1.5,at=1,on=3,off=3,until=31")]
+    found = _first_recovery(stopped, iterations=90)
+    assert found is not None
+    suspicion, verdict = found
+    assert suspicion.ranks == (5,) and suspicion.onset_iteration == 28  # the last burst was 25-27
+    assert suspicion.iteration == suspicion.onset_iteration + 40 - 1  # a whole window without a burst
+    assert isinstance(verdict, Verdict) and verdict.kind == "recovered" and verdict.ranks == (5,)
+    assert verdict.factor == pytest.approx(1.0, abs=0.15)
+    assert "slow in bursts" in suspicion.reason
+
+
+def test_a_rank_still_bursting_is_never_suspected_of_recovery():
+    assert _first_recovery([parse_fault("slow:rank=5,factor=1.5,at=1,on=3,off=9")], iterations=90) is None
+    # Nor with the feature that names recoveries turned off.
+    stopped = [parse_fault("slow:rank=5,factor=1.5,at=1,on=3,off=3,until=31")]
+    detector = FailSlowDetector(ResiHPConfig(intermittent_window_iters=40, no_recovery=True))
+    detector.expect({5: 1.5}, bursts={5})
+    assert all(detector.observe(i, obs) is None for i, obs in synthetic_trace(SPEC, 90, stopped, seed=5))
