@@ -73,7 +73,8 @@ class ResiHPConfig:
     0: never."""
 
     intermittent_window_iters: int = 100
-    """Iterations within which --resihp-intermittent-episodes cleared verdicts of one rank must fall."""
+    """Iterations within which --resihp-intermittent-episodes cleared verdicts of one rank must fall. A rank
+    named slow in bursts that then has none for this many iterations is suspected of recovery."""
 
     no_recovery: bool = False
     """Never raise recovery suspicions: a slow rank that is fast again keeps the smaller share it
