@@ -394,13 +394,20 @@ class FailSlowDetector:
         marks = [slow for iteration, slow in self._slow_marks.get(group, ()) if first <= iteration <= last]
         return sum(marks) / len(marks) if marks else None
 
-    def watch_again(self, ranks) -> None:
-        """Judge again the groups holding ``ranks``, which their verdicts muted, from a fresh run of
-        suspect iterations. For a plan that kept the layout: their slowdowns are expected now
-        (``expect``), so only a further change (slower still, or fast again) alarms."""
+    def watch_again(self, ranks, links=()) -> None:
+        """Judge again the groups holding ``ranks`` and the ``links`` (``(src, dst)``), which their
+        verdicts muted, from a fresh run of suspect iterations. For a plan that kept the layout:
+        the groups' slowdowns are expected now (``expect``), so only a further change (slower
+        still, or fast again) alarms. A link has no expected factor: it learns its baseline
+        afresh, at its slow speed, so only a further slowdown alarms (one that ends does not)."""
         for group in {self._rank_group[r] for r in ranks if r in self._rank_group}:
             self._muted.difference_update((group, ("recovery", group)))
             self._group_streak.pop(group, None)
+        for link in links:
+            link = tuple(link)
+            self._muted.discard(link)
+            self._link_streak.pop(link, None)
+            self._links.forget(link)
 
     def mute(self, suspicion: Suspicion) -> None:
         """Judge a suspicion's group (link) no more until ``reset``: a verdict stands for it, as one

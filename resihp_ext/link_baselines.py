@@ -60,6 +60,13 @@ class LinkBaselines:
             out[link] = ratio if slow else min(ratio, 1.0)
         return out
 
+    def forget(self, link: LinkId) -> None:
+        """Start ``link`` over: its next ``min_count`` readings, whatever they are, are its new norm."""
+        self._healthy.forget(link)
+        self._noise.forget(link)
+        self._run_start.pop(link, None)
+        self.base.pop(link, None)
+
     def learn(self, gaps, ratios: dict, threshold: float, muted) -> None:
         """Remember this iteration's readings: those at or below ``threshold`` as healthy (unless
         the link is ``muted``: a known slowdown); the first of a run above it as noise once the

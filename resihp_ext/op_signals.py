@@ -70,6 +70,13 @@ class Baselines:
             return values[-1]
         return values[low] + (position - low) * (values[low + 1] - values[low])
 
+    def forget(self, key) -> None:
+        """Drop ``key``'s values: it starts over, as if new."""
+        i = self.index.get(key)
+        if i is not None:
+            self.values[i] = np.nan
+            self.count[i] = 0
+
     def add(self, key, value: float) -> None:
         i = self.index.get(key)
         if i is None:

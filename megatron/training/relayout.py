@@ -164,9 +164,10 @@ class LayoutChanges:
             log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
         if plan.action != "adapt":
             # The layout stays and these slowdowns are expected now: their groups are judged again,
-            # so that a rank that slows further (or recovers) is seen. A link has no expectation,
-            # so a slow link stays muted rather than being named again and again.
-            self.live.detector.watch_again([r for v in verdicts if v.kind != "link" for r in v.ranks])
+            # so that a rank that slows further (or recovers) is seen, and a slow link against its
+            # slow speed, so that it is seen if it slows further.
+            self.live.detector.watch_again([r for v in verdicts if v.kind != "link" for r in v.ranks],
+                                           links=[tuple(v.ranks) for v in verdicts if v.kind == "link"])
             return objects, quotas
         if plan.layout != self.layout:
             objects, _ = self._apply_layout(plan.layout, objects, iteration)

@@ -593,3 +593,31 @@ def test_a_group_watched_again_after_a_kept_verdict_alarms_only_when_its_rank_sl
         assert later and all(s.iteration >= 70 for s in later) and later[0].iteration <= 73, raised
     else:  # muted since its first verdict
         assert later == [], raised
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_a_link_watched_again_after_a_kept_verdict_alarms_only_when_it_slows_further(watch):
+    # From 75 the second fault stands for the link (the later of two active faults of a link wins).
+    faults = [parse_fault("link:src=1,dst=5,factor=4,at=40"), parse_fault("link:src=1,dst=5,factor=12,at=75")]
+    det = FailSlowDetector()
+    raised, verdicts = [], []
+    for iteration, obs in synthetic_trace(SPEC, 100, faults, seed=5):
+        suspicion = det.observe(iteration, obs)
+        if suspicion is None:
+            continue
+        raised.append(suspicion)
+        outcome = det.conclude(suspicion, synthetic_probes(SPEC, faults, iteration, suspicion.probe_ranks,
+                                                           suspicion.probe_links))
+        if isinstance(outcome, Verdict):
+            verdicts.append(outcome)
+            if watch:
+                det.watch_again((), links=[outcome.ranks])  # a plan kept the layout
+    assert verdicts and verdicts[0].kind == "link" and set(verdicts[0].ranks) == {1, 5} and raised[0].iteration < 45
+    # Both directions of the link are named, each by its own suspicion, at 41 and 42.
+    assert {s.links[0] for s in raised if s.iteration < 45} == {(1, 5), (5, 1)}, raised
+    later = [s for s in raised if s.kind == "link" and s.iteration >= 45]
+    if watch:  # the 4x link is its new norm: quiet until it slows to 12x, 3x more
+        assert later and all(s.iteration >= 75 for s in later) and later[0].iteration <= 78, raised
+        assert set(verdicts[-1].ranks) == {1, 5} and verdicts[-1].iteration >= 75
+    else:  # muted since its first verdict
+        assert later == [], raised

@@ -51,3 +51,16 @@ def test_a_link_reading_that_did_not_persist_raises_its_noise_reach_and_a_persis
     for _ in range(5):
         muted.learn({(0, 2): (0.0005, 4)}, {}, 1.25, muted={(0, 2)})
     assert muted.ratios({(0, 2): (0.0005, 4)}, 0.005) == {}
+
+
+def test_a_forgotten_link_learns_its_current_speed_as_the_norm():
+    links = LinkBaselines(size=32)
+    for _ in range(20):
+        _judge(links, 0.0005)
+    assert _judge(links, 0.004) == pytest.approx(8.0)
+    links.forget((0, 2))
+    # Its next min_count readings are its norm, slow as they are; then only a further change shows.
+    assert [_judge(links, 0.004) for _ in range(3)] == [None] * 3
+    assert _judge(links, 0.004) == 1.0
+    assert _judge(links, 0.04) == pytest.approx(10.0)
+    assert links.forget(("never", "seen")) is None  # nothing to forget: no error
