@@ -572,21 +572,34 @@ def test_a_known_slow_rank_that_recovers_is_named_faster_again():
     assert "no rank faster than its known slowdown" in events[0][1].reason
 
 
-@pytest.mark.parametrize("watch", [True, False])
-def test_a_group_watched_again_after_a_kept_verdict_alarms_only_when_its_rank_slows_further(watch):
-    faults = [parse_fault("slow:rank=5,factor=2,at=40,until=70"), parse_fault("slow:rank=5,factor=4,at=70")]
+def _kept(faults, on_verdict, iterations: int = 100):
+    """The detector over ``faults``, each suspicion concluded by its probes and each verdict handed
+    to ``on_verdict(detector, verdict)``, as a plan that kept the layout would; the suspicions
+    raised and the verdicts."""
     det = FailSlowDetector()
-    raised = []
-    for iteration, obs in synthetic_trace(SPEC, 100, faults, seed=5):
+    raised, verdicts = [], []
+    for iteration, obs in synthetic_trace(SPEC, iterations, faults, seed=5):
         suspicion = det.observe(iteration, obs)
         if suspicion is None:
             continue
         raised.append(suspicion)
         outcome = det.conclude(suspicion, synthetic_probes(SPEC, faults, iteration, suspicion.probe_ranks,
                                                            suspicion.probe_links))
-        if isinstance(outcome, Verdict) and watch:
-            det.expect({r: outcome.factor for r in outcome.ranks})  # a plan kept the layout
-            det.watch_again(outcome.ranks)
+        if isinstance(outcome, Verdict):
+            verdicts.append(outcome)
+            on_verdict(det, outcome)
+    return raised, verdicts
+
+
+def _expect_and_watch(det, verdict):
+    det.expect({r: verdict.factor for r in verdict.ranks})
+    det.watch_again(verdict.ranks)
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_a_group_watched_again_after_a_kept_verdict_alarms_only_when_its_rank_slows_further(watch):
+    faults = [parse_fault("slow:rank=5,factor=2,at=40,until=70"), parse_fault("slow:rank=5,factor=4,at=70")]
+    raised, _ = _kept(faults, _expect_and_watch if watch else lambda det, verdict: None)
     assert raised and raised[0].iteration < 45 and 5 in raised[0].ranks
     later = [s for s in raised[1:] if 5 in s.ranks]
     if watch:  # 2x expected: quiet until the rank slows to 4x
@@ -599,19 +612,8 @@ def test_a_group_watched_again_after_a_kept_verdict_alarms_only_when_its_rank_sl
 def test_a_link_watched_again_after_a_kept_verdict_alarms_only_when_it_slows_further(watch):
     # From 75 the second fault stands for the link (the later of two active faults of a link wins).
     faults = [parse_fault("link:src=1,dst=5,factor=4,at=40"), parse_fault("link:src=1,dst=5,factor=12,at=75")]
-    det = FailSlowDetector()
-    raised, verdicts = [], []
-    for iteration, obs in synthetic_trace(SPEC, 100, faults, seed=5):
-        suspicion = det.observe(iteration, obs)
-        if suspicion is None:
-            continue
-        raised.append(suspicion)
-        outcome = det.conclude(suspicion, synthetic_probes(SPEC, faults, iteration, suspicion.probe_ranks,
-                                                           suspicion.probe_links))
-        if isinstance(outcome, Verdict):
-            verdicts.append(outcome)
-            if watch:
-                det.watch_again((), links=[outcome.ranks])  # a plan kept the layout
+    raised, verdicts = _kept(faults, (lambda det, verdict: det.watch_again((), links=[verdict.ranks])) if watch
+                             else (lambda det, verdict: None))
     assert verdicts and verdicts[0].kind == "link" and set(verdicts[0].ranks) == {1, 5} and raised[0].iteration < 45
     # Both directions of the link are named, each by its own suspicion, at 41 and 42.
     assert {s.links[0] for s in raised if s.iteration < 45} == {(1, 5), (5, 1)}, raised
