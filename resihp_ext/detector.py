@@ -159,7 +159,8 @@ class FailSlowDetector:
         self._recovery_streak: dict[GroupId, Streak] = defaultdict(new_streak)
         self._known_groups: dict[GroupId, float] = {}
         self._burst_groups: dict[GroupId, float] = {}
-        self._calm_since: dict[GroupId, int] = {}  # a bursting group's first iteration of its current calm
+        # A bursting group's first iteration without a burst, and its current run of slow iterations.
+        self._calm: dict[GroupId, tuple[int, int]] = {}
         self._link_streak: dict[LinkId, Streak] = defaultdict(new_streak)
         self._links = LinkBaselines(_HISTORY)
         self._iteration = IterationEstimate(_HISTORY)
@@ -322,7 +323,7 @@ class FailSlowDetector:
         elif kind == "bursts ended":
             reference = self._reference_ranks(what, also_avoid=self._known_groups)
             suspicion = bursts_ended_suspicion(iteration, what, self._group_ranks[what], self._in_bursts, reference,
-                                               self._calm_since[what])
+                                               self._calm[what][0])
         else:
             suspicion = self._link_suspicion(iteration, what, ratio)
         self._pending.add(self._subject(suspicion))
@@ -332,12 +333,18 @@ class FailSlowDetector:
         """Whether group ``g``, known to be slow in bursts, has now run a whole
         ``intermittent_window_iters`` without one. Its bursts came at least
         ``intermittent_episodes`` times within such a window when it was named, so a window
-        without any says they have stopped, and the probes can tell whether it is fast."""
-        if slow:
-            self._calm_since.pop(g, None)
-            return False
-        since = self._calm_since.setdefault(g, iteration)
-        return (not self.config.no_recovery and iteration - since + 1 >= self.config.intermittent_window_iters
+        without any says they have stopped, and the probes can tell whether it is fast.
+
+        A burst is a run of slow iterations as long as a suspicion needs: a lone noisy iteration
+        is not one (live, on a shared host, one came every few dozen iterations and a calm that
+        any slow iteration ended never lasted a window)."""
+        since, run = self._calm.get(g, (iteration, 0))
+        run = run + 1 if slow else 0
+        if run >= self._persistence():
+            since = iteration + 1
+        self._calm[g] = (since, run)
+        return (not slow and not self.config.no_recovery
+                and iteration - since + 1 >= self.config.intermittent_window_iters
                 and self._eligible(("recovery", g), iteration))
 
     def _persistence(self) -> int:
@@ -383,9 +390,9 @@ class FailSlowDetector:
         # learned as normal.
         streaks = {"compute": self._group_streak, "link": self._link_streak, "recovery": self._recovery_streak}
         group = (suspicion.replica, suspicion.stage)
+        # A bursting group's calm stands: probes that caught it slow ended it only if a burst has
+        # begun, and then the burst's slow run ends it; after noisy probes it is asked again.
         streaks[suspicion.kind].pop(suspicion.links[0] if suspicion.kind == "link" else group, None)
-        if suspicion.kind == "recovery":
-            self._calm_since.pop(group, None)
 
     def slow_share(self, group: GroupId, first: int, last: int) -> float | None:
         """The share of ``group``'s judged iterations ``first..last`` in which it ran slow (above
@@ -512,9 +519,13 @@ class FailSlowDetector:
         if not now:
             return None
         named = ", ".join(f"{r} ({f:.2f}x, was {known[r]:.2f}x)" for r, f in sorted(now.items()))
+        if all(r in self._in_bursts for r in now):
+            seen = f"no burst in its group since iteration {suspicion.onset_iteration}"
+        else:
+            seen = (f"group ran {suspicion.ratio:.2f}x faster than its known slowdown since iteration "
+                    f"{suspicion.onset_iteration}")
         return Verdict("recovered", tuple(sorted(now)), max(now.values()), suspicion.onset_iteration, evidence,
-                       f"faster again: ranks {named}; group ran {suspicion.ratio:.2f}x faster than its known "
-                       f"slowdown since iteration {suspicion.onset_iteration}")
+                       f"faster again: ranks {named}; {seen}")
 
     # ---------------------------------------------------------------- helpers
 
