@@ -53,17 +53,30 @@ def test_slow_ranks_are_adapted_in_place_one_after_another_and_training_stays_ex
 
 
 def test_a_slowdown_the_plan_keeps_is_watched_and_named_again_when_it_worsens(tmp_path):
-    # One rank: nothing to move work to, so the plan for its 2x verdict is "keep". Its group used
-    # to stay muted after that, and the same rank slowing to 4x at 25 went unseen.
+    """One rank: nothing to move work to, so the plan for its 2x verdict is "keep". Its group used
+    to stay muted after that, and the same rank slowing further went unseen.
+
+    A one-rank job's probe is compared with the rank's own healthy probe, and a core of this host
+    runs a fixed GEMM at one of two speeds up to 1.6x apart for seconds at a time (fastest of 5 in
+    one process: 2.46 to 4.24 ms), so factors are checked within that band; the rank worsens 4x,
+    to 8x, so that the worse one reads slower than the first by the probe threshold in any two
+    spells. A spell may still have the rank named again or found faster: each later verdict must
+    then show it slower than the last by the probe threshold."""
     log = tmp_path / "events.jsonl"
-    check(run_job(1, [*MODEL, "--train-iters", "40", "--resihp-enable", "--resihp-event-log", str(log),
-                      "--resihp-inject", "slow:rank=0,factor=2,at=10,until=25",
-                      "--resihp-inject", "slow:rank=0,factor=4,at=25"]))
-    verdicts = [v for v in read_events(log, "verdict") if v["kind"] == "compute"]
-    assert [v["ranks"] for v in verdicts] == [[0], [0]], decisions(log)
-    assert verdicts[0]["factor"] == pytest.approx(2.0, rel=0.2) and verdicts[0]["iteration"] < 25, decisions(log)
-    assert verdicts[1]["factor"] == pytest.approx(4.0, rel=0.2) and verdicts[1]["iteration"] >= 24, decisions(log)
-    assert [p["action"] for p in read_events(log, "plan")] == ["keep", "keep"], decisions(log)
+    check(run_job(1, [*MODEL, "--train-iters", "30", "--resihp-enable", "--resihp-event-log", str(log),
+                      "--resihp-inject", "slow:rank=0,factor=2,at=10,until=22",
+                      "--resihp-inject", "slow:rank=0,factor=8,at=22"]))
+    verdicts = [v for v in read_events(log, "verdict") if v["kind"] in ("compute", "recovered")]
+    assert verdicts and all(v["ranks"] == [0] for v in verdicts), decisions(log)
+    first = verdicts[0]
+    assert first["kind"] == "compute" and first["iteration"] < 22 and 2.0 / 1.6 <= first["factor"] <= 2.0 * 1.6, \
+        decisions(log)
+    for before, after in zip(verdicts, verdicts[1:]):
+        if after["kind"] == "compute":
+            assert after["factor"] >= 1.2 * before["factor"], decisions(log)
+    worse = [v for v in verdicts if v["kind"] == "compute" and v["evidence"]["probe_iteration"] >= 22]
+    assert worse and max(v["factor"] for v in worse) >= 8.0 / 1.6, decisions(log)
+    assert {p["action"] for p in read_events(log, "plan")} == {"keep"}, decisions(log)
 
 
 def test_a_slow_rank_that_recovers_gets_its_micro_batches_back(tmp_path, reference_losses):

@@ -12,7 +12,8 @@ from resihp_ext.detector import Cleared, FailSlowDetector, RankObservation, Verd
 from resihp_ext.faults import parse_fault
 from resihp_ext.op_signals import Streak, beyond_common
 from resihp_ext.traces import SyntheticSpec, load_trace, save_trace, synthetic_probes, synthetic_trace
-from resihp_ext.validation import ProbeResults, fail_stop_verdict, localise, peer_reference_s, undecided
+from resihp_ext.validation import (ProbeResults, fail_stop_verdict, localise, pass_normalised_times, peer_reference_s,
+                                   undecided)
 
 # TP2 x PP2 x DP2: rank = tp + 2 * (replica + 2 * stage); rank 5 is replica 0, stage 1, TP rank 1.
 SPEC = SyntheticSpec(tp_degree=2, pp_degree=2, dp_degree=2, num_microbatches=4, seq_length=4096)
@@ -382,6 +383,29 @@ def test_localise_names_slow_rank_and_factor():
         localise(ProbeResults(1, {0: 1.0}), threshold=1.0)
 
 
+def test_a_lone_fast_sample_does_not_make_its_peer_slow():
+    # Two healthy ranks probed in turn on one core of a shared host (ms, live): rank 3 drew one
+    # sample at the core's fast speed. By each rank's fastest sample, rank 1 read 1.43x rank 3.
+    samples = {1: [4.08, 4.17, 4.22, 4.21, 4.11], 3: [4.23, 2.86, 4.21, 4.15, 4.17]}
+    assert min(samples[1]) / min(samples[3]) > 1.4
+    times = pass_normalised_times(samples)
+    assert times[1] / times[3] == pytest.approx(1.0, abs=0.03)
+
+
+def test_a_slow_rank_reads_its_factor_while_the_host_changes_speed_between_passes():
+    samples = {0: [2.0, 2.0, 3.0, 3.0, 3.0], 1: [3.0, 3.0, 4.5, 4.5, 4.5], 2: [2.1, 2.0, 3.1, 2.9, 3.0]}
+    times = pass_normalised_times(samples)
+    assert times[1] / times[0] == pytest.approx(1.5, rel=0.05)
+    assert times[2] / times[0] == pytest.approx(1.0, abs=0.05)
+    assert localise(ProbeResults(1, times), 1.2).slow_ranks == (1,)
+
+
+def test_pass_normalised_times_of_one_subject_and_of_ragged_rounds():
+    assert pass_normalised_times({0: [3.0, 1.0, 2.0]}) == {0: 2.0}  # its median sample
+    assert pass_normalised_times({0: [1.0, 1.0], 1: [1.0], 2: []}) == {0: 1.0}  # short ones left out
+    assert pass_normalised_times({}) == {} and pass_normalised_times({0: []}) == {}
+
+
 def test_a_round_whose_healthy_probes_disagree_is_undecided_and_one_that_names_or_agrees_is_not():
     # Live rounds, 8 ranks on 2 cores, rank 3 1.5x slow (ms): held-back references put it at
     # 1.19x their median, under the threshold; the rounds before and after named it.
@@ -540,6 +564,27 @@ def test_a_known_slowdown_is_the_norm_and_only_a_further_one_alarms():
     suspicion, verdict = events[0]
     assert 60 <= suspicion.iteration <= 63 and suspicion.ratio == pytest.approx(2.0, rel=0.25)
     assert isinstance(verdict, Verdict) and verdict.ranks == (5,) and verdict.factor == pytest.approx(4.0, rel=0.2)
+
+
+@pytest.mark.parametrize("probed_factor, named", [(2.0, False), (3.0, True)])
+def test_a_known_slow_rank_is_named_again_only_when_its_probe_shows_it_slower_still(probed_factor, named):
+    # Rank 5 is known 2x slow; its group's iterations run 3x from 60. Probes reading the known 2x
+    # (the iterations slowed for another reason) clear it; probes reading 3x (1.5x more) name it.
+    known, worse = "slow:rank=5,factor=2.0,at=1", "slow:rank=5,factor=3.0,at=60"
+    det = FailSlowDetector()
+    det.expect({5: 2.0})
+    suspicion = next(s for i, obs in _trace(70, (known, worse)) if (s := det.observe(i, obs)) is not None)
+    assert 5 in suspicion.ranks and suspicion.iteration >= 60
+    probed = (known, worse) if named else (known,)
+    outcome = det.conclude(suspicion, synthetic_probes(SPEC, [parse_fault(f) for f in probed], suspicion.iteration,
+                                                       suspicion.probe_ranks, suspicion.probe_links))
+    assert outcome.evidence["known_factors"] == {"5": 2.0}
+    if named:
+        assert isinstance(outcome, Verdict) and outcome.ranks == (5,)
+        assert outcome.factor == pytest.approx(probed_factor, rel=0.1)
+    else:
+        assert isinstance(outcome, Cleared) and "slower than its known slowdown" in outcome.reason, outcome
+        assert outcome.evidence["probe_factors"]["5"] == pytest.approx(probed_factor, rel=0.1)
 
 
 def test_a_known_slow_rank_that_recovers_is_named_faster_again():
