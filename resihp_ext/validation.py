@@ -107,6 +107,28 @@ def peer_reference_s(times: Mapping[int, float], suspects: Sequence[int]) -> flo
     return float(np.median(peers)) if peers else None
 
 
+def pass_normalised_times(samples: Mapping[int, Sequence[float]]) -> dict[int, float]:
+    """Each subject's seconds in one probe round, with the speed each pass ran at divided out.
+
+    ``samples`` holds each subject's sample of every pass, in pass order (subjects take turns
+    within a pass, so a pass's samples are close in time). A pass's level is the median of its
+    samples; a subject's seconds are the median over passes of its sample over that pass's level,
+    times the median level. A subject is then judged against the others as they ran at the same
+    moments, and a lone fast or slow sample moves nothing. Each subject's fastest sample did not
+    do: a shared host's core ran a fixed GEMM at ~4.2 ms with now and then a sample at ~2.9 ms, and
+    whichever subject drew such a sample read the other 1.2-1.8x slow (6 in 150 rounds of two
+    healthy ranks, pinned to one core). With one subject its seconds are its median sample.
+    Subjects with fewer samples than the others (none: ``[]``) are left out.
+    """
+    passes = max((len(v) for v in samples.values()), default=0)
+    full = {k: [float(x) for x in v] for k, v in samples.items() if len(v) == passes and passes > 0}
+    if not full:
+        return {}
+    levels = [float(np.median([v[p] for v in full.values()])) for p in range(passes)]
+    scale = float(np.median(levels))
+    return {k: float(np.median([v[p] / levels[p] for p in range(passes)])) * scale for k, v in full.items()}
+
+
 def undecided(times: Mapping, threshold: float, suspects: Sequence[int] = ()) -> bool:
     """Whether a probe round neither names a slow one nor shows its probes alike: none reaches
     ``threshold`` times the round's reference (the suspects' peers' median when ``suspects`` and

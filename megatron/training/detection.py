@@ -25,8 +25,9 @@ plane that neither touches the accelerator nor opens a communicator per pair of 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from resihp_ext.confirmation import PendingVerdicts, ProbePlan
 from resihp_ext.detector import FailSlowDetector, RankObservation
 from resihp_ext.observations import Suspicion
 from resihp_ext.planner.calibration import FIT_WINDOW, ComputeCosts, fit_compute_costs, pooled_costs
-from resihp_ext.validation import Cleared, ProbeResults, Verdict, undecided
+from resihp_ext.validation import Cleared, ProbeResults, Verdict, pass_normalised_times, undecided
 
 DECIDER = 0  # the rank that judges every rank's observations
 _OBSERVATION_TAG, _COMMAND_TAG = 7301, 7302
@@ -55,29 +56,52 @@ _PROBE_SIZE = {"cpu": 256, "cuda": 2048}
 _PROBE_REPEATS = 8
 _PROBE_PASSES = 5  # samples per probed rank or link; each one's time is its fastest
 _PROBE_EXTENSIONS = 2  # further sets of passes an undecided rank probe round may take
-_BASELINE_ROUNDS = 5  # probe rounds behind a one-stage-group job's own baselines
+_BASELINE_ROUNDS = 7  # probe rounds behind a one-stage-group job's own baselines (see measure_probe_baselines)
 # Link probes send what the pipeline sends (one micro-batch's activations), and at least this much,
 # so bandwidth rather than per-message latency dominates their time.
 _MIN_LINK_PROBE_BYTES = 64 << 10
 
 
-def gemm_probe_s(device: torch.device, samples: int = 5) -> float:
+@contextlib.contextmanager
+def on_probe_core(device: torch.device):
+    """On CPU, run the calling thread on the first core it may use for the duration: every unpinned
+    rank's GEMM probe then runs on the same core, and probes compare ranks, not cores. A core of a
+    shared host runs at speeds up to 1.6x apart for seconds at a time, each core on its own (two
+    cores probed side by side: 2.6 ms on one while 4.0 on the other, and the other way round a
+    second later). Two healthy ranks of four on two cores, probed in turn: unpinned, 22 of 150
+    rounds read them 1.2x apart or more; on one core, 1 of 150 (0 with ``pass_normalised_times``).
+    A rank pinned to a core of its own (``cpu_affinity``) stays there: that core is its device.
+    Elsewhere (a GPU per rank, or no affinity control) it changes nothing."""
+    if device.type != "cpu" or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
+def gemm_probe_s(device: torch.device, samples: int = 5, one_core: bool = True) -> float:
     """Busy seconds of a fixed GEMM workload on this rank, as slow as its real compute.
 
     Timed like the training ops (``RECORDER.finish_op``: busy clock, injected slowdown, emulated device).
     The minimum over ``samples`` runs: the work is fixed, so interference can only add time, and
-    the fastest run is the device's own speed.
+    the fastest run is the device's own speed. Runs ``on_probe_core`` unless ``one_core`` is False
+    (``scripts/bench/probe_noise.py`` measures what that changes).
     """
     size = _PROBE_SIZE.get(device.type, _PROBE_SIZE["cpu"])
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
     times = []
-    for _ in range(samples):
-        RECORDER.synchronize()
-        start, busy_start = time.perf_counter(), RECORDER.busy_clock()
-        for _ in range(_PROBE_REPEATS):
-            a = torch.tanh(a @ b)
-        times.append(RECORDER.finish_op(start, busy_start))
+    with on_probe_core(device) if one_core else contextlib.nullcontext():
+        for _ in range(samples):
+            RECORDER.synchronize()
+            start, busy_start = time.perf_counter(), RECORDER.busy_clock()
+            for _ in range(_PROBE_REPEATS):
+                a = torch.tanh(a @ b)
+            times.append(RECORDER.finish_op(start, busy_start))
     return min(times)
 
 
@@ -198,6 +222,8 @@ class LiveDetector:
         self.refined_baselines: dict[int, float] | None = None  # set by the iteration that refined them
         self._baseline_ranks: list[int] = []
         self._baseline_rounds_left = 0
+        self._baseline_due = 0  # observed iterations until the next baseline round
+        self._baseline_spacing = 1
         self.world_size = dist.get_world_size()
         self.group = message_group(config.collective_timeout_s)
         self.outbox = Outbox()
@@ -215,16 +241,20 @@ class LiveDetector:
         """Time each rank's GEMM probe, one rank at a time (collective), when the layout has no
         second stage group to probe beside a suspect (one stage, one replica): the detector then
         compares a suspect's probe with the rank's own healthy time. Call before training: the
-        first round runs now, the others after each of the next ``rounds - 1`` iterations, and
+        first round runs now, the others after iterations 1, 2, 4, 8, ... (``rounds`` in all), and
         each rank's baseline is its fastest. One round at start-up is not enough on a shared host:
-        one came out 27% above the device's speed, and a 1.5x slowdown then probed 1.19x and
-        was cleared four times. Returns the baselines ({} when not needed)."""
+        one came out 27% above the device's speed, and a 1.5x slowdown then probed 1.19x and was
+        cleared four times. Nor are rounds on consecutive iterations: a core of a shared host runs
+        at one of two speeds 1.6x apart for seconds at a time, and five rounds within one second
+        all fell in its slow spell (a 4x slowdown then probed 2.4x against them, a 2x one 2.05x).
+        Spread out, they span that long. Returns the baselines ({} when not needed)."""
         layout = self.layout_getter()
         groups = [stage.ranks for replica in layout.replicas for stage in replica.stages]
         if not self.detector.needs_probe_baselines(groups):
             return {}
         self._baseline_ranks = sorted(r for g in groups for r in g)
         self._baseline_rounds_left = rounds
+        self._baseline_due = self._baseline_spacing = 1
         return self._refine_probe_baselines()
 
     def _refine_probe_baselines(self) -> dict[int, float]:
@@ -233,6 +263,17 @@ class LiveDetector:
         self.detector.set_probe_baselines(self.probe_baselines)
         self._baseline_rounds_left -= 1
         return dict(self.probe_baselines)
+
+    def _baseline_round_due(self) -> dict[int, float] | None:
+        """After an observed iteration: a baseline round's baselines if one is due, else None (collective)."""
+        if self._baseline_rounds_left <= 0:
+            return None
+        self._baseline_due -= 1
+        if self._baseline_due > 0:
+            return None
+        self._baseline_due = self._baseline_spacing
+        self._baseline_spacing *= 2
+        return self._refine_probe_baselines()
 
     def observation(self, iteration_s: float, ops, features, busy=()) -> RankObservation:
         shift = self.clock_offset_s
@@ -284,7 +325,7 @@ class LiveDetector:
         settled: list = []
         if deciding and rounds:
             settled = self.pending.settle_probed(self.detector, iteration, self._plan, rounds)
-        self.refined_baselines = self._refine_probe_baselines() if self._baseline_rounds_left > 0 else None
+        self.refined_baselines = self._baseline_round_due()
         if rounds:
             # The probes held every rank here anyway: decide now, and hand out the outcome and the
             # next command at once.
@@ -344,21 +385,23 @@ class LiveDetector:
         return probes
 
     def _probe_ranks(self, ranks, suspects=()) -> dict[int, float]:
-        """GEMM probe on each listed rank (collective; see ``_fastest_in_passes``).
+        """GEMM probe on each listed rank (collective; see ``_samples_in_passes``): each rank's
+        seconds relative to the others' in the same passes (``pass_normalised_times``).
 
         A round that is ``undecided`` (no probe slow against the round, yet the slowest well above
-        the fastest) takes more passes, up to ``_PROBE_EXTENSIONS`` times, each probe keeping its
-        fastest sample: a host's slow spell that held some references back passes, a slow device
-        does not. Every rank sees the same gathered times, so all decide alike.
+        the fastest) takes more passes, up to ``_PROBE_EXTENSIONS`` times, and is judged on all of
+        them: a host's slow spell that held some references back passes, a slow device does not.
+        Every rank sees the same gathered samples, so all decide alike.
         """
-        subjects, fastest = sorted(ranks), float("inf")
+        subjects, own = sorted(ranks), []
         for extension in range(_PROBE_EXTENSIONS + 1):
-            mine = self._fastest_in_passes(subjects, lambda rank: gemm_probe_s(self.device, samples=1)
+            mine = self._samples_in_passes(subjects, lambda rank: gemm_probe_s(self.device, samples=1)
                                            if rank == self.rank else None)
-            fastest = min(fastest, mine.get(self.rank, fastest))
-            times: list = [None] * dist.get_world_size()
-            dist.all_gather_object(times, fastest if math.isfinite(fastest) else 0.0)
-            round_s = {r: times[r] for r in subjects}
+            own.extend(mine.get(self.rank, ()))
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, own)
+            chosen = pass_normalised_times({r: gathered[r] for r in subjects})
+            round_s = {r: chosen.get(r, 0.0) for r in subjects}
             if not undecided(round_s, self.config.probe_threshold, suspects):
                 break
             if self.rank == DECIDER and extension < _PROBE_EXTENSIONS:
@@ -367,33 +410,33 @@ class LiveDetector:
         return round_s
 
     def _probe_links(self, links) -> dict[tuple[int, int], float]:
-        """p2p probe on each listed link (collective; see ``_fastest_in_passes``)."""
-        mine = self._fastest_in_passes(links, lambda link: link_probe_s(*link, self.device, self.link_probe_bytes,
+        """p2p probe on each listed link (collective; see ``_samples_in_passes``): each link's fastest sample."""
+        mine = self._samples_in_passes(links, lambda link: link_probe_s(*link, self.device, self.link_probe_bytes,
                                                                         samples=1) if self.rank in link else None)
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, {link: min(seconds) for link, seconds in mine.items()})
         return {link: seconds for table in gathered for link, seconds in table.items()}
 
     @staticmethod
-    def _fastest_in_passes(subjects, sample) -> dict:
-        """Each subject's fastest of ``_PROBE_PASSES`` samples, one subject at a time (collective).
+    def _samples_in_passes(subjects, sample) -> dict[object, list[float]]:
+        """Each subject's ``_PROBE_PASSES`` samples, in pass order, one subject at a time (collective).
 
         ``sample(subject)`` returns this rank's seconds for it, or None where this rank takes no
-        part. One at a time because ranks may share cores or a power budget (always on CPU):
-        probing concurrently would measure contention between them, not each device's speed. In
-        passes, one sample of each subject per pass, so the suspects' samples and their
-        references' spread over the same span: a host busy for part of the round slows both
-        alike, where each subject's samples back to back could all fall in the busy part for the
-        suspect alone.
+        part (such subjects are absent from the result). One at a time because ranks may share
+        cores or a power budget (always on CPU): probing concurrently would measure contention
+        between them, not each device's speed. In passes, one sample of each subject per pass, so
+        the suspects' samples and their references' spread over the same span: a host busy for
+        part of the round slows both alike, where each subject's samples back to back could all
+        fall in the busy part for the suspect alone.
         """
-        fastest: dict = {}
+        samples: dict = {}
         for _ in range(_PROBE_PASSES):
             for subject in subjects:
                 seconds = sample(subject)
                 if seconds is not None:
-                    fastest[subject] = min(seconds, fastest.get(subject, seconds))
+                    samples.setdefault(subject, []).append(seconds)
                 dist.barrier()
-        return fastest
+        return samples
 
 
 def describe(outcome: Verdict | Cleared) -> str:

@@ -152,9 +152,12 @@ def test_injected_link_slowdown_is_named_by_link_probes_and_replanned(tmp_path):
 
 def test_a_one_rank_job_names_its_own_slowdown_against_its_healthy_probe(tmp_path):
     """With one stage group there is no healthy peer to probe beside a suspect: the rank's fastest
-    probe of the first iterations is the reference (``LiveDetector.measure_probe_baselines``). A 2x slowdown: what is
-    checked is that a rank compared with itself can be found slow at all; the 1.5x bound on
-    naming and factor is the 8-rank test's."""
+    probe of rounds at start-up and after iterations 1, 2, 4, 8 and 16 is the reference
+    (``LiveDetector.measure_probe_baselines``). A 2x slowdown: what is checked is that a rank
+    compared with itself can be found slow at all; the 1.5x bound on naming and factor is the
+    8-rank test's. A core of this host runs a fixed GEMM at speeds up to 1.6x apart for seconds at
+    a time, and a probe is compared with a baseline taken seconds before it, so the factor is
+    checked within that band."""
     factor = 2.0
     log, trace = tmp_path / "events.jsonl", tmp_path / "trace.jsonl"
     one_rank = list(SHAPE)
@@ -168,8 +171,15 @@ def test_a_one_rank_job_names_its_own_slowdown_against_its_healthy_probe(tmp_pat
     context = [e for e in read_events(log) if e["event"] in ("suspicion", "cleared", "verdict")]
     assert verdicts, f"no verdict: {context}"
     assert verdicts[0]["kind"] == "compute" and verdicts[0]["ranks"] == [0], verdicts[0]
-    assert abs(verdicts[0]["factor"] - factor) <= 0.2 * factor, verdicts[0]
+    assert factor / 1.6 <= verdicts[0]["factor"] <= factor * 1.6, verdicts[0]
     assert ONSET <= verdicts[0]["evidence"]["suspicion_iteration"] <= ONSET + 3, context
+    # Baseline rounds spread over seconds: each baselines row follows the iteration after which it ran.
+    after, rounds = 0, []
+    for row in map(json.loads, trace.read_text().splitlines()):
+        after = row.get("iteration", after)
+        if row.get("event") == "probe_baselines":
+            rounds.append(after)
+    assert rounds == [0, 1, 2, 4, 8, 16], rounds
     # The trace keeps the baseline, so a replay of it concludes as the live run did.
     baselines = load_trace(str(trace)).probe_baselines
     assert list(baselines) == [0] and 0 < baselines[0] < 1, baselines

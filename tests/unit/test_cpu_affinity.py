@@ -1,4 +1,5 @@
-"""CPU ranks get a core of their own when the host has one for each, and are left alone otherwise."""
+"""CPU ranks get a core of their own when the host has one for each, and are left alone otherwise;
+unpinned ranks probe on one shared core."""
 
 import os
 import subprocess
@@ -6,8 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron.training.cpu_affinity import core_for_rank
+from megatron.training.detection import on_probe_core
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,3 +41,14 @@ def test_a_real_process_is_pinned():
     env.pop("RESIHP_CPU_PIN", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split(None, 1) == [str(cpus[1]), f"[{cpus[1]}]\n"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a host with two cores this process may use")
+def test_cpu_probes_run_on_the_first_core_and_the_thread_goes_back_after():
+    cores = os.sched_getaffinity(0)
+    with on_probe_core(torch.device("cpu")):
+        assert os.sched_getaffinity(0) == {min(cores)}
+    assert os.sched_getaffinity(0) == cores
+    with on_probe_core(torch.device("cuda")):  # a device of its own: nothing moves
+        assert os.sched_getaffinity(0) == cores
