@@ -23,8 +23,8 @@ Decisions:
       becomes a Suspicion (a single noisy iteration triggers nothing); while ranks share devices,
       of ``shared_host_persistence_iters``. A run survives ``persistence_gap_iters`` quiet
       iterations in a row (``op_signals.Streak``), and its group is not learnt from meanwhile;
-    * ``conclude`` localises with the probes (``resihp_ext.validation``) and returns a Verdict or
-      a Cleared.
+    * ``conclude`` localises with the probes (``resihp_ext.validation``) and returns the Verdict
+      or Cleared the round supports (``resihp_ext.probe_verdicts``).
 
 The values a suspicion concludes to (``Verdict``, ``Cleared``) and the fail-stop judgement
 (``judge_heartbeats``, ``fail_stop_verdict``) live in ``resihp_ext.validation`` and are
@@ -54,6 +54,7 @@ from resihp_ext.observations import (  # noqa: F401  (part of this module's API)
 )
 from resihp_ext.link_baselines import LinkBaselines
 from resihp_ext.op_signals import Streak, beyond_common, group_op_durations, link_gaps, nansum, op_times
+from resihp_ext import probe_verdicts
 from resihp_ext.iteration_estimate import IterationEstimate
 from resihp_ext.predictor import MicrobatchPredictor, as_feature_array
 from resihp_ext.speed_level import SpeedLevels
@@ -460,38 +461,21 @@ class FailSlowDetector:
             self._muted.add(what)
             return Verdict("hang", tuple(silent), None, probes.iteration, evidence,
                            f"ranks {silent} did not answer validation probes after: {suspicion.reason}")
-        if suspicion.kind != "link":
-            evidence["probe_factors"] = {str(r): round(loc.rank_factors[r], 4)
-                                         for r in suspicion.ranks if r in loc.rank_factors}
-            evidence["probe_s"] = {str(r): probes.rank_s[r] for r in suspicion.ranks if r in probes.rank_s}
-            evidence["probe_reference_s"] = loc.rank_reference_s
-        if suspicion.kind == "recovery":
-            verdict = self._recovered(suspicion, loc, evidence)
-            if verdict is not None:
-                self._muted.add(what)
-                return verdict
-        elif suspicion.kind == "compute":
-            slow = self._slower_than_known(suspicion, loc, evidence)
-            if slow:
-                factor = loc.rank_factors[slow[0]]
-                self._muted.add(what)
-                return Verdict("compute", tuple(sorted(slow)), factor, onset, evidence,
-                               f"{loc.reason}; group ran {suspicion.ratio:.2f}x predicted since iteration {onset}")
+        known = probe_verdicts.known_factors(suspicion.ranks, self._expected, self._in_bursts)
+        threshold = self.config.probe_threshold
+        if suspicion.kind == "link":
+            evidence.update(probe_verdicts.link_evidence(probes, loc))
+            verdict = probe_verdicts.link_verdict(suspicion, loc, onset, evidence)
         else:
-            slow = [link for link in loc.slow_links if link in suspicion.links]
-            evidence["probe_factors"] = {f"{a}->{b}": round(f, 4) for (a, b), f in loc.link_factors.items()}
-            evidence["probe_s"] = {f"{a}->{b}": s for (a, b), s in probes.link_s.items()}
-            evidence["probe_reference_s"] = loc.link_reference_s
-            if slow:
-                self._muted.add(what)
-                return Verdict("link", tuple(slow[0]), loc.link_factors[slow[0]], onset, evidence,
-                               f"{loc.reason}; transfers ran {suspicion.ratio:.2f}x baseline since iteration {onset}")
+            evidence.update(probe_verdicts.rank_evidence(suspicion, probes, loc))
+            verdict = (probe_verdicts.compute_verdict(suspicion, loc, known, threshold, onset, evidence)
+                       if suspicion.kind == "compute" else
+                       probe_verdicts.recovered_verdict(suspicion, loc, known, self._in_bursts, threshold, evidence))
+        if verdict is not None:
+            self._muted.add(what)
+            return verdict
         self.release(suspicion, probes.iteration)
-        found = {"compute": "no rank slower than its known slowdown" if "known_factors" in evidence else "no slow rank",
-                 "link": "no slow link", "recovery": "no rank faster than its known slowdown"}
-        return Cleared(probes.iteration, suspicion.ranks, evidence,
-                       f"probes found {found[suspicion.kind]} ({loc.reason}); "
-                       f"suspicion at iteration {suspicion.iteration} dropped")
+        return probe_verdicts.cleared(suspicion, loc, probes.iteration, evidence)
 
     def _onset(self, suspicion: Suspicion) -> int:
         """When the slowdown behind ``suspicion`` began, as far as its streak can tell by now.
@@ -509,35 +493,6 @@ class FailSlowDetector:
         if streak is None or streak.count == 0 or streak.onset != suspicion.onset_iteration:
             return suspicion.onset_iteration  # the streak broke since: nothing newer to go by
         return streak.step_onset(self.config.slowdown_threshold, self._persistence())
-
-    def _slower_than_known(self, suspicion: Suspicion, loc, evidence: dict) -> list[int]:
-        """The suspects ``loc`` names slow, slowest first, less any whose probe is under
-        ``probe_threshold`` times its known slowdown (``expect``). A group a plan kept is watched
-        again for a further change, and its probe has to show one: live, a one-rank job kept at
-        1.36x was named again at 1.28x when a busy spell of its host slowed its iterations."""
-        known = {r: self._expected.get(r, self._in_bursts.get(r, 1.0)) for r in suspicion.ranks}
-        if any(f > 1.0 for f in known.values()):
-            evidence["known_factors"] = {str(r): round(f, 4) for r, f in known.items() if f > 1.0}
-        return [r for r in loc.slow_ranks if r in suspicion.ranks
-                and loc.rank_factors[r] >= self.config.probe_threshold * known[r]]
-
-    def _recovered(self, suspicion: Suspicion, loc, evidence: dict) -> Verdict | None:
-        """A ``recovered`` verdict for the known slow ranks whose probe beats their known slowdown
-        by ``probe_threshold``, or None if none does."""
-        known = {r: self._expected.get(r, self._in_bursts.get(r, 1.0)) for r in suspicion.ranks}
-        evidence["known_factors"] = {str(r): round(f, 4) for r, f in known.items()}
-        now = {r: max(loc.rank_factors[r], 1.0) for r in suspicion.ranks if r in loc.rank_factors
-               and loc.rank_factors[r] * self.config.probe_threshold <= known[r]}
-        if not now:
-            return None
-        named = ", ".join(f"{r} ({f:.2f}x, was {known[r]:.2f}x)" for r, f in sorted(now.items()))
-        if all(r in self._in_bursts for r in now):
-            seen = f"no burst in its group since iteration {suspicion.onset_iteration}"
-        else:
-            seen = (f"group ran {suspicion.ratio:.2f}x faster than its known slowdown since iteration "
-                    f"{suspicion.onset_iteration}")
-        return Verdict("recovered", tuple(sorted(now)), max(now.values()), suspicion.onset_iteration, evidence,
-                       f"faster again: ranks {named}; {seen}")
 
     # ---------------------------------------------------------------- helpers
 

@@ -116,8 +116,9 @@ def pass_normalised_times(samples: Mapping[int, Sequence[float]]) -> dict[int, f
     times the median level. A subject is then judged against the others as they ran at the same
     moments, and a lone fast or slow sample moves nothing. Each subject's fastest sample did not
     do: a shared host's core ran a fixed GEMM at ~4.2 ms with now and then a sample at ~2.9 ms, and
-    whichever subject drew such a sample read the other 1.2-1.8x slow (6 in 150 rounds of two
-    healthy ranks, pinned to one core). With one subject its seconds are its median sample.
+    whichever subject drew such a sample read the other up to 1.8x slow (two healthy ranks probed
+    in turn on one core: 6 of 150 rounds 1.2x apart or more). With one subject its seconds are
+    its median sample.
     Subjects with fewer samples than the others (none: ``[]``) are left out.
     """
     passes = max((len(v) for v in samples.values()), default=0)

@@ -54,7 +54,7 @@ _OBSERVATION_TAG, _COMMAND_TAG = 7301, 7302
 # 2048 is ~17 GFLOP per GEMM, a few ms for the eight in fp32.
 _PROBE_SIZE = {"cpu": 256, "cuda": 2048}
 _PROBE_REPEATS = 8
-_PROBE_PASSES = 5  # samples per probed rank or link; each one's time is its fastest
+_PROBE_PASSES = 5  # samples per probed rank or link in a round, one per pass
 _PROBE_EXTENSIONS = 2  # further sets of passes an undecided rank probe round may take
 _BASELINE_ROUNDS = 7  # probe rounds behind a one-stage-group job's own baselines (see measure_probe_baselines)
 # Link probes send what the pipeline sends (one micro-batch's activations), and at least this much,
@@ -68,8 +68,9 @@ def on_probe_core(device: torch.device):
     rank's GEMM probe then runs on the same core, and probes compare ranks, not cores. A core of a
     shared host runs at speeds up to 1.6x apart for seconds at a time, each core on its own (two
     cores probed side by side: 2.6 ms on one while 4.0 on the other, and the other way round a
-    second later). Two healthy ranks of four on two cores, probed in turn: unpinned, 22 of 150
-    rounds read them 1.2x apart or more; on one core, 1 of 150 (0 with ``pass_normalised_times``).
+    second later). Two healthy ranks of four on two cores, probed in turn, by their fastest
+    samples: unpinned, 25 of 75 rounds read them 1.2x apart or more; on one core, 6 of 75 (2 with
+    ``pass_normalised_times``; ``scripts/bench/probe_noise.py``).
     A rank pinned to a core of its own (``cpu_affinity``) stays there: that core is its device.
     Elsewhere (a GPU per rank, or no affinity control) it changes nothing."""
     if device.type != "cpu" or not hasattr(os, "sched_setaffinity"):
