@@ -251,11 +251,16 @@ def test_a_rank_whose_bursts_stop_is_found_fast_again_and_its_work_comes_back(tm
 
     On this shared host a second probe round now and then reads a calm rank 1.2x slow, and a
     burst is then confirmed as a plain slowdown (2 runs in 13 here); its recovery then comes by
-    the older path (its group runs faster than that slowdown), and the test checks only that."""
+    the older path (its group runs faster than that slowdown), and the test checks only that.
+
+    140 iterations leave room for a calm cut short: with this host's cores in slow spells, all
+    groups now and then read 1.3-1.6x for two iterations (seen at 57-60, 77-79 and 88-90 in one
+    run), a run as long as a burst, which starts the window again. At 110 iterations one run in
+    four here ended with no recovery asked, most likely so."""
     log = tmp_path / "events.jsonl"
     tp1 = list(SHAPE)
     tp1[tp1.index("--tensor-model-parallel-size") + 1] = "1"
-    check(run_job(4, [*tp1, "--train-iters", "110", "--resihp-enable", "--resihp-event-log", str(log),
+    check(run_job(4, [*tp1, "--train-iters", "140", "--resihp-enable", "--resihp-event-log", str(log),
                       "--resihp-shared-host-persistence-iters", "2", "--resihp-intermittent-window-iters", "30",
                       "--resihp-inject", f"slow:rank=3,factor=1.5,at={ONSET},on=3,off=3,until=40"], timeout_s=300))
     context = decisions(log)
