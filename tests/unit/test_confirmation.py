@@ -121,6 +121,20 @@ def test_a_round_slowed_by_a_busy_neighbour_does_not_inflate_the_confirmed_facto
     assert outcome.evidence["first_probe_factors"] == {"3": pytest.approx(1.59)}
 
 
+def test_a_round_taken_while_the_host_ran_slower_does_not_inflate_the_confirmed_factor():
+    # In CI: a 2x rank read 2.82x against its round's reference, then 1.98x in a round whose host ran
+    # 1.38x slower throughout. Its fastest seconds over the fastest reference of the two read 2.73x.
+    def probed(seconds: float, reference_s: float) -> Verdict:
+        return Verdict("compute", (7,), seconds / reference_s, 10,
+                       {"probe_iteration": 11, "probe_factors": {"7": seconds / reference_s},
+                        "probe_s": {"7": seconds}, "probe_reference_s": reference_s})
+
+    first, again = probed(2.8163e-3, 1.0e-3), probed(1.977 * 1.38e-3, 1.38e-3)
+    assert min(2.8163e-3, 1.977 * 1.38e-3) / 1.0e-3 == pytest.approx(2.73, abs=0.01)
+    outcome = PendingVerdicts.settle(Waiting(None, first, 14), again, 14)
+    assert isinstance(outcome, Verdict) and outcome.factor == pytest.approx(1.977)
+
+
 def test_a_link_confirmed_by_two_rounds_keeps_its_fastest_transfer():
     # A transfer of fixed bytes, like a GEMM, can only take longer when the host is busy: a 4x link
     # that probed 4.1x, then 6.0x, is 4.1x, not the geometric mean (4.96x).
