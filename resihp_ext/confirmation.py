@@ -42,22 +42,6 @@ class Waiting:
     due_iteration: int
 
 
-def _smaller_factors(first: dict, again: dict) -> dict[str, float]:
-    """Per probed rank or link: the smaller of its two rounds' factors, each its probe over its own
-    round's healthy reference (empty when a round lacks probe seconds).
-
-    A round's reference ran at the same moments as its probes; the next round, iterations later,
-    may find the host at another speed. Its fastest probe over the fastest reference of both
-    rounds, as first built, mixed the two: in CI, a core in a slow spell for the second round left
-    the first round's reference the faster, and a 2x rank whose rounds read 2.82x and 1.98x came
-    out 2.73x."""
-    refs = [e.get("probe_reference_s") for e in (first, again)]
-    if None in refs or min(refs) <= 0:
-        return {}
-    times = (first.get("probe_s", {}), again.get("probe_s", {}))
-    return {k: round(min(times[0][k] / refs[0], times[1][k] / refs[1]), 4) for k in times[0] if k in times[1]}
-
-
 @dataclass(frozen=True)
 class ProbePlan:
     """The probe rounds one probe step runs: each due verdict's second round, then a new suspicion's first."""
@@ -122,11 +106,13 @@ class PendingVerdicts:
         names is left to a suspicion of its own, as a busy neighbour can slow one round (seen live:
         a TP sibling probed 1.30x in the first round and 1.00x in the second, while the slow rank
         probed 1.48x and 1.53x). A confirmed rank's or link's factor is the smaller of its two
-        rounds' factors, each against its own round's reference (``_smaller_factors``): a probe's
-        work is fixed (a GEMM, a transfer of fixed bytes), so a busy neighbour can only add time,
-        as one round did live (a 1.5x rank probed 1.59x, then 2.24x). The onset is the second round's, which saw more of the slowdown.
-        A verdict no rank of which is named again becomes a Cleared that names both rounds' probe
-        factors.
+        rounds' probe factors: a probe's work is fixed (a GEMM, a transfer of fixed bytes), so a
+        busy neighbour can only add time, as one round did live (a 1.5x rank probed 1.59x, then
+        2.24x). Each factor is against its own round's reference, which ran at the same moments:
+        the next round may find the host at another speed (in CI, a 2x rank whose rounds read 2.82x
+        and 1.98x came out 2.73x when its fastest seconds were divided by the faster round's
+        reference). The onset is the second round's, which saw more of the slowdown. A verdict no
+        rank of which is named again becomes a Cleared that names both rounds' probe factors.
         """
         first = waiting.verdict
         evidence = {**first.evidence, "confirm_probe_iteration": iteration,
@@ -141,9 +127,7 @@ class PendingVerdicts:
                            f"the probes at iteration {iteration} did not confirm {first.kind} ranks "
                            f"{list(first.ranks)} named at iteration {first.evidence.get('probe_iteration')}; dropped")
         rounds = (first.evidence.get("probe_factors", {}), again.evidence.get("probe_factors", {}))
-        both = _smaller_factors(first.evidence, again.evidence)
-        if not both:  # rounds without probe seconds: the geometric mean
-            both = {k: round(math.sqrt(rounds[0][k] * rounds[1][k]), 4) for k in rounds[0] if k in rounds[1]}
+        both = {k: min(rounds[0][k], rounds[1][k]) for k in rounds[0] if k in rounds[1]}
         named = [f"{kept[0]}->{kept[1]}"] if first.kind == "link" else [str(r) for r in kept]
         factor = first.factor
         if all(k in both for k in named):

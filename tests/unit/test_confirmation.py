@@ -6,6 +6,7 @@ from resihp_ext.confirmation import PendingVerdicts, Waiting
 from resihp_ext.detector import Cleared, FailSlowDetector, Verdict
 from resihp_ext.faults import parse_fault
 from resihp_ext.traces import synthetic_probes, synthetic_trace
+from resihp_ext.validation import ProbeResults, localise
 from tests.unit.test_detector import SPEC, _busy
 
 # Rank 5 (replica 0, stage 1) slows at iteration 60; link 2 -> 6 slows at 59, but only the first
@@ -108,7 +109,7 @@ def test_a_sibling_that_only_the_first_round_named_is_dropped_and_the_slow_rank_
 
 def test_a_round_slowed_by_a_busy_neighbour_does_not_inflate_the_confirmed_factor():
     # Seen live: a 1.5x rank probed 1.59x, then 2.24x while its host was busy; the geometric mean
-    # (1.89x) was off by 26%. Interference only adds time, so the fastest probe counts.
+    # (1.89x) was off by 26%. Interference only adds time, so the smaller factor counts.
     def probed(rank_s: dict, reference_s: float) -> Verdict:
         return Verdict("compute", tuple(rank_s), max(rank_s.values()) / reference_s, 10,
                        {"probe_iteration": 11, "probe_factors": {str(r): t / reference_s for r, t in rank_s.items()},
@@ -133,6 +134,24 @@ def test_a_round_taken_while_the_host_ran_slower_does_not_inflate_the_confirmed_
     assert min(2.8163e-3, 1.977 * 1.38e-3) / 1.0e-3 == pytest.approx(2.73, abs=0.01)
     outcome = PendingVerdicts.settle(Waiting(None, first, 14), again, 14)
     assert isinstance(outcome, Verdict) and outcome.factor == pytest.approx(1.977)
+
+
+def test_ranks_probed_against_their_own_baselines_are_confirmed_at_their_own_factors():
+    # One stage group at TP 2: each rank against its own healthy probe. Rank 1's device is 1.2x
+    # slower than rank 0's when healthy, and slowed 1.5x; the round's reference is the median of
+    # the two baselines, so its seconds over that reference read 1.64x.
+    baselines = {0: 0.010, 1: 0.012}
+
+    def probed(iteration: int) -> Verdict:
+        loc = localise(ProbeResults(iteration, {0: 0.010, 1: 0.018}), 1.2, rank_baselines_s=baselines)
+        assert loc.slow_ranks == (1,) and loc.rank_reference_s == pytest.approx(0.011)
+        return Verdict("compute", (1,), loc.rank_factors[1], 10,
+                       {"probe_iteration": iteration, "probe_factors": {"1": round(loc.rank_factors[1], 4)},
+                        "probe_s": {"1": 0.018}, "probe_reference_s": loc.rank_reference_s})
+
+    outcome = PendingVerdicts.settle(Waiting(None, probed(11), 13), probed(13), 13)
+    assert isinstance(outcome, Verdict) and outcome.factor == pytest.approx(1.5)
+    assert outcome.evidence["probe_factors"] == {"1": pytest.approx(1.5)}
 
 
 def test_a_link_confirmed_by_two_rounds_keeps_its_fastest_transfer():
