@@ -18,6 +18,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+# How far apart this host's cores ran one fixed GEMM, seconds apart, with nothing else running
+# (fastest of 5 in one process: 2.46 and 4.24 ms; docs/benchmarks.md section 33). A one-rank job
+# compares its probe with its own baseline taken seconds before, so its factors carry this.
+CORE_SPEED_SPREAD = 4.24 / 2.46
+
 TINY_GPT = [
     "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",

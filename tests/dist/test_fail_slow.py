@@ -7,7 +7,8 @@ the verdict names the rank slowed after the detector's warm-up, a plan is applie
 
 import pytest
 
-from tests.dist.launch import assert_same_losses, check, decisions, iteration_losses, read_events, run_job
+from tests.dist.launch import (CORE_SPEED_SPREAD, assert_same_losses, check, decisions, iteration_losses,
+                               read_events, run_job)
 
 MODEL = [
     "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -57,8 +58,9 @@ def test_a_slowdown_the_plan_keeps_is_watched_and_named_again_when_it_worsens(tm
     to stay muted after that, and the same rank slowing further went unseen.
 
     A one-rank job's probe is compared with the rank's own healthy probe, and a core of this host
-    runs a fixed GEMM at one of two speeds up to 1.6x apart for seconds at a time (fastest of 5 in
-    one process: 2.46 to 4.24 ms), so factors are checked within that band; the rank worsens 4x,
+    runs a fixed GEMM at one of two speeds up to 1.72x apart for seconds at a time
+    (``CORE_SPEED_SPREAD``), so factors are checked within that band (a 1.6x band failed once in
+    CI: an 8x rank read 4.89x, its baseline rounds all in a slow spell); the rank worsens 4x,
     to 8x, so that the worse one reads slower than the first by the probe threshold in any two
     spells. A spell may still have the rank named again or found faster: each later verdict must
     then show it slower than the last by the probe threshold."""
@@ -69,13 +71,13 @@ def test_a_slowdown_the_plan_keeps_is_watched_and_named_again_when_it_worsens(tm
     verdicts = [v for v in read_events(log, "verdict") if v["kind"] in ("compute", "recovered")]
     assert verdicts and all(v["ranks"] == [0] for v in verdicts), decisions(log)
     first = verdicts[0]
-    assert first["kind"] == "compute" and first["iteration"] < 22 and 2.0 / 1.6 <= first["factor"] <= 2.0 * 1.6, \
-        decisions(log)
+    assert first["kind"] == "compute" and first["iteration"] < 22, decisions(log)
+    assert 2.0 / CORE_SPEED_SPREAD <= first["factor"] <= 2.0 * CORE_SPEED_SPREAD, decisions(log)
     for before, after in zip(verdicts, verdicts[1:]):
         if after["kind"] == "compute":
             assert after["factor"] >= 1.2 * before["factor"], decisions(log)
     worse = [v for v in verdicts if v["kind"] == "compute" and v["evidence"]["probe_iteration"] >= 22]
-    assert worse and max(v["factor"] for v in worse) >= 8.0 / 1.6, decisions(log)
+    assert worse and max(v["factor"] for v in worse) >= 8.0 / CORE_SPEED_SPREAD, decisions(log)
     assert {p["action"] for p in read_events(log, "plan")} == {"keep"}, decisions(log)
 
 
