@@ -43,7 +43,7 @@ from tests.one_rank_world import one_rank_world  # noqa: E402
 EOD = 0
 
 
-def _packed_tokens(batch: int, seq_length: int, rng: np.random.Generator) -> torch.Tensor:
+def packed_tokens(batch: int, seq_length: int, rng: np.random.Generator) -> torch.Tensor:
     """``batch`` samples of packed documents with lognormal lengths (median 256), each ended by
     an EOD (a sample's last document is cut at its end)."""
     lengths = LengthDistribution.parse(f"lognormal:median=256,sigma=1.0,min=8,max={seq_length}")
@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
         times = {"per_layer": [], "shared": []}
         distinct_lengths = []
         for round_ in range(args.rounds + 1):  # round 0 warms up
-            tokens = _packed_tokens(args.micro_batch_size, args.seq_length, rng)
+            tokens = packed_tokens(args.micro_batch_size, args.seq_length, rng)
             x = torch.randn(args.seq_length, args.micro_batch_size, args.heads, args.head_dim, device=device,
                             requires_grad=True)
             for name in (("shared", "per_layer") if round_ % 2 else ("per_layer", "shared")):

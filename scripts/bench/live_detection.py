@@ -27,6 +27,7 @@ suspicions whose simulated probes blamed a rank). Our own live suspicions, clear
     python scripts/bench/live_detection.py [--json] [--healthy-iters 200] [--shape tp2pp2dp2]
     python scripts/bench/live_detection.py --shape tp1pp2dp1 --model medium  # a rank per core
     python scripts/bench/live_detection.py --device cuda --shape tp1pp1dp1    # one GPU
+    python scripts/bench/live_detection.py --device cuda --shape tp1pp1dp1 --bf16  # TE THD attention
 
 With one rank, the slowdown goes to rank 0; with no other rank to probe beside it, its probes are
 compared with its own from the first iterations.
@@ -259,6 +260,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: one GPU per rank (NCCL); with one GPU, use --shape tp1pp1dp1")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--bf16", action="store_true",
+                        help="train in bf16; on CUDA with Transformer Engine, packed documents then go through "
+                             "TE's THD attention")
     parser.add_argument("--healthy-iters", type=int, default=200)
     parser.add_argument("--slow-iters", type=int, default=40)
     parser.add_argument("--overhead-iters", type=int, default=120,
@@ -270,11 +274,11 @@ def main() -> None:
     nproc = tp * pp * dp
     work = Path(args.workdir or tempfile.mkdtemp(prefix="live_detection_"))
     work.mkdir(parents=True, exist_ok=True)
-    base = model_args(tp, pp, args.device, args.model)
+    base = model_args(tp, pp, args.device, args.model) + (["--bf16"] if args.bf16 else [])
     slow_rank = min(SLOW_RANK, nproc - 1)
     hidden, heads, seq = MODELS[args.model]
     out: dict = {"shape": f"TP{tp} x PP{pp} x DP{dp} ({nproc} processes), {args.model} model (hidden {hidden}, "
-                          f"{heads} heads, sequence {seq})",
+                          f"{heads} heads, sequence {seq}){', bf16' if args.bf16 else ''}",
                  "cpu_count": os.cpu_count(), "loadavg_start": os.getloadavg(), "workdir": str(work),
                  "timer_floor": timer_floor()}
 
