@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
         parser.error("needs a CUDA GPU (Transformer Engine's attention runs only there)")
     try:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
-        import transformer_engine  # noqa: F401
+        import transformer_engine
     except ImportError as error:
         parser.error(f"needs Transformer Engine ({error}); install transformer_engine[pytorch]")
     hidden = args.heads * args.head_dim
@@ -97,8 +97,6 @@ def main(argv=None) -> dict:
                     times[name].append(seconds)
             distinct_lengths.append(variants["ours"][0].last_num_attention_calls)
     te, ours = statistics.median(times["te"]), statistics.median(times["ours"])
-    import transformer_engine
-
     result = {
         "device": torch.cuda.get_device_name(), "transformer_engine": transformer_engine.__version__,
         "layers": args.layers, "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
