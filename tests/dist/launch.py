@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts.child_env import repo_pythonpath
+
 REPO = Path(__file__).resolve().parents[2]
 
 # How far apart this host's cores ran one fixed GEMM, seconds apart, with nothing else running
@@ -33,7 +35,7 @@ TINY_GPT = [
 
 def run_job(nproc: int, args: list[str], timeout_s: float = 300, launcher: str = "local",
             env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            **(env_extra or {})}
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.dist.launch import REPO, check, iteration_losses, main_copies, read_events
+from scripts.child_env import repo_pythonpath
 
 MODEL = [
     "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -25,7 +26,7 @@ MODEL = [
 
 
 def _run(nproc, script, args, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), f"--nproc-per-node={nproc}", str(script), *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
@@ -154,7 +155,7 @@ def failure_free_losses(failure_free):
 
 def _run_forced_under_local_launcher(log, fault: str) -> subprocess.CompletedProcess:
     """8 ranks (DP2) under launch_local.py; replica 1 is forced [2, 2] -> [1, 3] after iteration 3."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--nproc-per-node", "8",
          str(REPO / "tests" / "dist" / "forced_layout_driver.py"), *MODEL, "--resihp-enable",
