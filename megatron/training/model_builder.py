@@ -19,6 +19,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron.training.initialize import initialize_parameters
 
@@ -103,10 +104,21 @@ def layer_spec(args: argparse.Namespace):
     return with_document_attention(spec)
 
 
+def decoder_spec(args: argparse.Namespace, config: TransformerConfig):
+    """What GPTModel builds its decoder from. Given a layer spec alone, megatron-core picks the
+    decoder's final norm itself, and it picks Transformer Engine's whenever TE is installed, which
+    runs only on CUDA: a model whose layers are not TE's ends in the norm its layers use."""
+    spec = layer_spec(args)
+    if args.device == "cuda" and HAVE_TE:
+        return spec
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=spec.submodules.input_layernorm)
+
+
 def build_model(args: argparse.Namespace, config: TransformerConfig) -> GPTModel:
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args),
+        transformer_layer_spec=decoder_spec(args, config),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -289,3 +289,27 @@ def test_the_layer_spec_attends_within_documents_only_when_packing_is_on(device)
     assert core(True) is DocumentCausalAttention
     assert core(True, "thd") is DocumentCausalAttention  # without TE it reads the thd layout itself
     assert core(False) is DotProductAttention
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_model_without_te_layers_ends_in_its_layers_norm_whatever_megatron_core_would_pick(
+        one_rank, monkeypatch, reset):
+    """With Transformer Engine installed, megatron-core ends every decoder built from a layer spec
+    in TE's norm, which fails on CPU tensors; a CPU model's final norm must be its layers' own."""
+    import argparse
+
+    from megatron.core.transformer import transformer_block
+
+    from megatron.training.model_builder import decoder_spec
+
+    class CudaOnlyNorm(torch.nn.Module):
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("megatron-core's default final norm was built")
+
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", CudaOnlyNorm)
+    config = _config(num_layers=3)
+    args = argparse.Namespace(device="cpu", reset_attention_mask=reset, packed_seq_layout="sbhd")
+    spec = decoder_spec(args, config)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=32)
+    assert len(model.decoder.layers) == 3
+    assert type(model.decoder.final_layernorm) is type(model.decoder.layers[0].input_layernorm)
