@@ -4,7 +4,7 @@ megatron-core assumes CUDA in a handful of places (current device, synchronize, 
 tracker, literal ``device="cuda"`` tensors in the schedule, the optimizer and gradient clipping,
 ``torch.cuda.FloatTensor`` type checks). ``enable()`` maps each of them onto the CPU, once per
 process, and ``disable()`` undoes every change. It is a supported mode for development and CI, in
-fp32, bf16 or fp16; its limits: no Transformer Engine, no sequence parallelism, no distributed
+fp32, bf16 or fp16, with Transformer Engine installed or not; its limits: no TE layers, no sequence parallelism, no distributed
 optimizer.
 
 This module must never change numerics: every replacement computes what the CUDA original does.
@@ -114,6 +114,20 @@ def _with_cuda_type_names(init: Callable) -> Callable:
     return wrapped
 
 
+def _use_torch_optimizer_kernels() -> None:
+    """With Transformer Engine or Apex installed, megatron-core takes their fused Adam and
+    multi-tensor kernels, which read CUDA memory only (given CPU tensors, TE's fault with an
+    illegal memory access); on CPU it gets the torch implementations it falls back to without them."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    _set(importlib.import_module("megatron.core.optimizer"), "USING_PYTORCH_OPTIMIZER", True)
+    for module in (clip_grads, optimizer):
+        _set(module, "multi_tensor_applier", utils.local_multi_tensor_applier)
+        _set(module, "multi_tensor_scale_impl", utils.local_multi_tensor_scale)
+    _set(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
+
+
 def enable() -> None:
     """Map megatron-core's CUDA-only calls onto the CPU (idempotent)."""
     if _undo:
@@ -140,6 +154,7 @@ def enable() -> None:
     _set(optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32)
     half_optimizer = optimizer.Float16OptimizerWithFloat16Params
     _set(half_optimizer, "__init__", _with_cuda_type_names(half_optimizer.__init__))
+    _use_torch_optimizer_kernels()
     # fork() compares CPU RNG state before/after and warns on every dropout call; on CPU the
     # tracked state *is* the CPU state, so the warning is expected and would flood the log.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
