@@ -4,8 +4,8 @@ megatron-core assumes CUDA in a handful of places (current device, synchronize, 
 tracker, literal ``device="cuda"`` tensors in the schedule, the optimizer and gradient clipping,
 ``torch.cuda.FloatTensor`` type checks). ``enable()`` maps each of them onto the CPU, once per
 process, and ``disable()`` undoes every change. It is a supported mode for development and CI, in
-fp32, bf16 or fp16, with Transformer Engine installed or not; its limits: no TE layers, no sequence parallelism, no distributed
-optimizer.
+fp32, bf16 or fp16, with Transformer Engine installed or not; its limits: no TE layers, no sequence
+parallelism, no distributed optimizer.
 
 This module must never change numerics: every replacement computes what the CUDA original does.
 """
