@@ -72,8 +72,6 @@ from resihp_ext.validation import (  # noqa: F401  (Verdict values are part of t
     Verdict,
     fail_stop_verdict,
     judge_heartbeats,
-    localise,
-    peer_reference_s,
 )
 
 # A link is only suspect when its transfer also grew by this many seconds in absolute terms, so a
@@ -442,40 +440,13 @@ class FailSlowDetector:
         """
         what = self._subject(suspicion)
         self._pending.discard(what)
-        onset = self._onset(suspicion)
-        # Suspect ranks against their peers (peer_reference_s), or, with no peer probed, each
-        # against its own baseline. Links keep the round's median: live, 2-link rounds on a shared
-        # host read 1.3-1.4x apart with no link slow (a link into a compute-slowed rank among
-        # them), which only a median that includes the suspect absorbs.
-        peer_reference = peer_reference_s(probes.rank_s, suspicion.ranks)
-        loc = localise(probes, self.config.probe_threshold, rank_reference_s=peer_reference,
-                       rank_baselines_s=self._probe_baselines if peer_reference is None else None)
-        evidence = {
-            "observed_ratio": round(float(suspicion.ratio), 4),
-            "onset_iteration": onset,
-            "suspicion_iteration": suspicion.iteration,
-            "probe_iteration": probes.iteration,
-        }
-        silent = sorted(set(loc.unresponsive) & set(suspicion.ranks))
-        if silent:
+        outcome = probe_verdicts.read_round(suspicion, probes, self._onset(suspicion), self.config.probe_threshold,
+                                            self._probe_baselines, self._expected, self._in_bursts)
+        if isinstance(outcome, Verdict):
             self._muted.add(what)
-            return Verdict("hang", tuple(silent), None, probes.iteration, evidence,
-                           f"ranks {silent} did not answer validation probes after: {suspicion.reason}")
-        known = probe_verdicts.known_factors(suspicion.ranks, self._expected, self._in_bursts)
-        threshold = self.config.probe_threshold
-        if suspicion.kind == "link":
-            evidence.update(probe_verdicts.link_evidence(probes, loc))
-            verdict = probe_verdicts.link_verdict(suspicion, loc, onset, evidence)
         else:
-            evidence.update(probe_verdicts.rank_evidence(suspicion, probes, loc))
-            verdict = (probe_verdicts.compute_verdict(suspicion, loc, known, threshold, onset, evidence)
-                       if suspicion.kind == "compute" else
-                       probe_verdicts.recovered_verdict(suspicion, loc, known, self._in_bursts, threshold, evidence))
-        if verdict is not None:
-            self._muted.add(what)
-            return verdict
-        self.release(suspicion, probes.iteration)
-        return probe_verdicts.cleared(suspicion, loc, probes.iteration, evidence)
+            self.release(suspicion, probes.iteration)
+        return outcome
 
     def _onset(self, suspicion: Suspicion) -> int:
         """When the slowdown behind ``suspicion`` began, as far as its streak can tell by now.

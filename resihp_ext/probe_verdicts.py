@@ -1,10 +1,10 @@
 """What one probe round says about one suspicion.
 
-Responsible for turning a localised probe round (``resihp_ext.validation.localise``) into the
-Verdict it supports, or the Cleared it ends in, given what is already known of the suspects:
-each rank's known slowdown (``FailSlowDetector.expect``), and whether it is slow only in bursts.
-The detector decides what to probe and what to do with the outcome (mute, release); this module
-only reads the round.
+Responsible for turning a probe round into the Verdict it supports, or the Cleared it ends in
+(``read_round``): localising it (``resihp_ext.validation.localise``) against the right reference,
+given what is already known of the suspects: each rank's known slowdown
+(``FailSlowDetector.expect``), and whether it is slow only in bursts. The detector decides what
+to probe and what to do with the outcome (mute, release); this module only reads the round.
 
 Pure: no clocks, no process groups.
 """
@@ -14,7 +14,49 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from resihp_ext.observations import Suspicion
-from resihp_ext.validation import Cleared, Localisation, ProbeResults, Verdict
+from resihp_ext.validation import Cleared, Localisation, ProbeResults, Verdict, localise, peer_reference_s
+
+
+def read_round(suspicion: Suspicion, probes: ProbeResults, onset: int, threshold: float,
+               probe_baselines: Mapping[int, float], expected: Mapping[int, float],
+               in_bursts: Mapping[int, float]) -> Verdict | Cleared:
+    """The Verdict a probe round supports for ``suspicion``, or the Cleared it ends in.
+
+    Args:
+        suspicion: what the detector raised; ``onset`` is when its slowdown began, as its streak
+            tells by now.
+        probes: the round's timings.
+        threshold: ``probe_threshold``.
+        probe_baselines: each rank's healthy probe seconds, for suspects with no peer probed.
+        expected, in_bursts: known slowdowns (rank -> factor), steady and in bursts.
+    """
+    # Suspect ranks against their peers (peer_reference_s), or, with no peer probed, each
+    # against its own baseline. Links keep the round's median: live, 2-link rounds on a shared
+    # host read 1.3-1.4x apart with no link slow (a link into a compute-slowed rank among
+    # them), which only a median that includes the suspect absorbs.
+    peer_reference = peer_reference_s(probes.rank_s, suspicion.ranks)
+    loc = localise(probes, threshold, rank_reference_s=peer_reference,
+                   rank_baselines_s=probe_baselines if peer_reference is None else None)
+    evidence = {
+        "observed_ratio": round(float(suspicion.ratio), 4),
+        "onset_iteration": onset,
+        "suspicion_iteration": suspicion.iteration,
+        "probe_iteration": probes.iteration,
+    }
+    silent = sorted(set(loc.unresponsive) & set(suspicion.ranks))
+    if silent:
+        return Verdict("hang", tuple(silent), None, probes.iteration, evidence,
+                       f"ranks {silent} did not answer validation probes after: {suspicion.reason}")
+    known = known_factors(suspicion.ranks, expected, in_bursts)
+    if suspicion.kind == "link":
+        evidence.update(link_evidence(probes, loc))
+        verdict = link_verdict(suspicion, loc, onset, evidence)
+    else:
+        evidence.update(rank_evidence(suspicion, probes, loc))
+        verdict = (compute_verdict(suspicion, loc, known, threshold, onset, evidence)
+                   if suspicion.kind == "compute" else
+                   recovered_verdict(suspicion, loc, known, in_bursts, threshold, evidence))
+    return verdict if verdict is not None else cleared(suspicion, loc, probes.iteration, evidence)
 
 
 def known_factors(ranks, expected: Mapping[int, float], in_bursts: Mapping[int, float]) -> dict[int, float]:
