@@ -56,6 +56,38 @@ def packed_tokens(batch: int, seq_length: int, rng: np.random.Generator) -> torc
     return tokens
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The packed micro-batches and attention shape the attention benchmarks time, and --json."""
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def parse_shape_arguments(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """Parse; exit with code 2 naming the flag when a size is below 1."""
+    args = parser.parse_args(argv)
+    for name in ("layers", "seq_length", "micro_batch_size", "heads", "head_dim", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def report(args: argparse.Namespace, result: dict, what: str, rows: list[tuple[str, str]]) -> None:
+    """Print ``result`` as one JSON object (--json), or as a line saying what ran and ``rows``."""
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{what}, {args.layers} layers, {args.micro_batch_size} x {args.seq_length} tokens, "
+          f"{result['distinct_lengths_median']} distinct document lengths per micro-batch (median), "
+          f"{result['device']}, forward + backward:")
+    for label, value in rows:
+        print(f"  {label:<26}{value}")
+
+
 def _time_micro_batch(layers, x, params, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -71,18 +103,9 @@ def _time_micro_batch(layers, x, params, device) -> float:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=15)
+    add_shape_arguments(parser)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    args = parser.parse_args(argv)
-    for name in ("layers", "seq_length", "micro_batch_size", "heads", "head_dim", "rounds"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    args = parse_shape_arguments(parser, argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; pass --device cpu")
     device = torch.device(args.device)
@@ -119,15 +142,11 @@ def main(argv=None) -> dict:
         "per_layer_ms": round(1e3 * per_layer, 3), "shared_ms": round(1e3 * shared, 3),
         "ratio_per_layer_over_shared": round(per_layer / shared, 4),
     }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"document attention, {args.layers} layers, {args.micro_batch_size} x {args.seq_length} tokens, "
-              f"{result['distinct_lengths_median']} distinct document lengths per micro-batch (median), "
-              f"{result['device']}, forward + backward:")
-        print(f"  row plan per layer      {result['per_layer_ms']:10.3f} ms per micro-batch")
-        print(f"  one plan, shared        {result['shared_ms']:10.3f} ms per micro-batch")
-        print(f"  ratio per-layer/shared  {result['ratio_per_layer_over_shared']:10.4f}")
+    report(args, result, "document attention", [
+        ("row plan per layer", f"{result['per_layer_ms']:10.3f} ms per micro-batch"),
+        ("one plan, shared", f"{result['shared_ms']:10.3f} ms per micro-batch"),
+        ("ratio per-layer/shared", f"{result['ratio_per_layer_over_shared']:10.4f}"),
+    ])
     return result
 
 

@@ -17,7 +17,6 @@ Needs a CUDA GPU and Transformer Engine (exit code 2 without them).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -33,7 +32,13 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron.training.models.document_attention import DocumentCausalAttention, packed_seq_params_for  # noqa: E402
-from scripts.bench.document_attention import EOD, packed_tokens  # noqa: E402
+from scripts.bench.document_attention import (  # noqa: E402
+    EOD,
+    add_shape_arguments,
+    packed_tokens,
+    parse_shape_arguments,
+    report,
+)
 from tests.one_rank_world import one_rank_world  # noqa: E402
 
 
@@ -50,17 +55,8 @@ def _time_micro_batch(layers, x, params) -> float:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    args = parser.parse_args(argv)
-    for name in ("layers", "seq_length", "micro_batch_size", "heads", "head_dim", "rounds"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    add_shape_arguments(parser)
+    args = parse_shape_arguments(parser, argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (Transformer Engine's attention runs only there)")
     try:
@@ -104,16 +100,12 @@ def main(argv=None) -> dict:
         "te_thd_ms": round(1e3 * te, 3), "ours_ms": round(1e3 * ours, 3),
         "ratio_ours_over_te": round(ours / te, 4), "max_abs_diff": round(max_abs_diff, 5),
     }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"packed-document attention, {args.layers} layers, {args.micro_batch_size} x {args.seq_length} "
-              f"tokens, {result['distinct_lengths_median']} distinct document lengths per micro-batch (median), "
-              f"{result['device']}, Transformer Engine {result['transformer_engine']}, bf16, forward + backward:")
-        print(f"  Transformer Engine, THD   {result['te_thd_ms']:10.3f} ms per micro-batch")
-        print(f"  document attention        {result['ours_ms']:10.3f} ms per micro-batch")
-        print(f"  ratio ours/TE             {result['ratio_ours_over_te']:10.4f}")
-        print(f"  largest output difference {result['max_abs_diff']:10.5f}")
+    report(args, result, f"packed-document attention, Transformer Engine {result['transformer_engine']}, bf16", [
+        ("Transformer Engine, THD", f"{result['te_thd_ms']:10.3f} ms per micro-batch"),
+        ("document attention", f"{result['ours_ms']:10.3f} ms per micro-batch"),
+        ("ratio ours/TE", f"{result['ratio_ours_over_te']:10.4f}"),
+        ("largest output difference", f"{result['max_abs_diff']:10.5f}"),
+    ])
     return result
 
 
