@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -38,19 +37,9 @@ from scripts.bench.document_attention import (  # noqa: E402
     packed_tokens,
     parse_shape_arguments,
     report,
+    time_micro_batch,
 )
 from tests.one_rank_world import one_rank_world  # noqa: E402
-
-
-def _time_micro_batch(layers, x, params) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = x
-    for layer in layers:
-        out = layer(out, out, out, None, AttnMaskType.causal, packed_seq_params=params).view_as(x)
-    out.float().square().mean().backward()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def main(argv=None) -> dict:
@@ -88,7 +77,7 @@ def main(argv=None) -> dict:
                            for name in ("te", "ours")]
                 max_abs_diff = max(max_abs_diff, (outputs[0].float() - outputs[1].float()).abs().max().item())
             for name in (("te", "ours") if round_ % 2 else ("ours", "te")):
-                seconds = _time_micro_batch(variants[name], x, params)
+                seconds = time_micro_batch(variants[name], x, params, x.device)
                 if round_:
                     times[name].append(seconds)
             distinct_lengths.append(variants["ours"][0].last_num_attention_calls)

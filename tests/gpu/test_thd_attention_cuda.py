@@ -36,4 +36,3 @@ def test_te_thd_attention_matches_document_attention(one_rank):
     whole = packed_seq_params_for(torch.ones_like(tokens.view(1, -1)), EOD, "thd")
     crossing = document(q, k, v, None, packed_seq_params=whole).reshape(b * s, -1)
     assert (crossing.float() - expected.float()).abs().max() > 0.1
-
