@@ -7,11 +7,15 @@ decides anything: timings go out as plain tuples.
 
 Each op gets two times. Its wall-clock start and end place it on the job's timeline (pipeline
 transfers are the gaps between ops). Its *busy* time is how long the device worked on it, which
-is what a device's speed changes. On CUDA the two agree (the op is bracketed by synchronizes). On
-CPU they do not when ranks share cores: a rank's op takes as long in wall time as the scheduler
-lets it, so busy time is the main thread's CPU time (``time.thread_time``; with more than one
-torch thread per rank, the process's). Measured on a 2-core host with 8 processes running a fixed GEMM: wall time 3.8x the
-one-process figure with 13% spread, CPU time 1.04x with 4% spread, the same spread as alone.
+is what a device's speed changes. On CUDA both come from timing events recorded around the op on
+the device's stream and read once the iteration's schedule is done (``collect``), so the host
+queues kernels ahead of the device as it does without the hooks; a synchronize around every op
+would stall the host once per op, a cost that grows as ops get shorter. On CPU the two differ
+when ranks share cores: a rank's op takes as long in wall time as the scheduler lets it, so busy
+time is the main thread's CPU time (``time.thread_time``; with more than one torch thread per
+rank, the process's). Measured on a 2-core host with 8 processes running a fixed GEMM: wall time
+3.8x the one-process figure with 13% spread, CPU time 1.04x with 4% spread, the same spread as
+alone.
 
 Busy time fixes what the detector sees, not how the job runs: ranks sharing cores still slow each
 other down, so a pipeline on a small host is bound by its cores, not by its slowest rank. For
@@ -60,6 +64,8 @@ class OpRecorder:
 
     synchronize: Callable[[], None] = lambda: None
     busy_clock: Callable[[], float] = time.thread_time
+    # On CUDA, makes a timing event (record / synchronize / elapsed_time in ms, as torch.cuda.Event).
+    device_event: Callable[[], object] | None = None
     slowdown_factor: float = 1.0
     device_time_scale: float = 0.0  # > 0: emulate a dedicated device this many times slower than a core
     active: bool = False
@@ -68,14 +74,18 @@ class OpRecorder:
     busy: list[float] = dataclasses.field(default_factory=list)  # per op in ``ops``, device seconds
     features: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     _next_mb: dict[str, int] = dataclasses.field(default_factory=dict)
+    _pending: list[tuple[str, int, object, object]] = dataclasses.field(default_factory=list)
+    _origin: object | None = None  # event recorded at ``iteration_start_s``
 
     def use_device(self, device_type: str, cpu_device_time_scale: float = 0.0) -> None:
         """Time ops the way ``device_type`` (``"cuda"`` or ``"cpu"``) measures device work."""
         import torch
 
         self.device_time_scale = cpu_device_time_scale if device_type == "cpu" else 0.0
+        self.device_event = None
         if device_type == "cuda":
             self.synchronize, self.busy_clock = torch.cuda.synchronize, time.perf_counter
+            self.device_event = functools.partial(torch.cuda.Event, enable_timing=True)
         else:
             # With intra-op threads (RESIHP_CPU_THREADS > 1) the work is spread over them, so the
             # whole process's CPU time is the closer measure (it also counts the small heartbeat
@@ -120,24 +130,57 @@ class OpRecorder:
         return busy
 
     def start_iteration(self) -> None:
-        self.ops, self.busy, self.features = [], [], []
+        self.ops, self.busy, self.features, self._pending = [], [], [], []
         self._next_mb = {OpKind.FORWARD.value: 0, OpKind.BACKWARD.value: 0}
         self.active = True
+        if self.device_event is not None:
+            # One wait per iteration, for what the last step left queued (the gradients' zeroing:
+            # reading its loss already waited for the rest), so the origin event fires at the host
+            # time taken next and every event maps onto the host's clock.
+            self._origin = self.device_event()
+            self._origin.record()
+            self._origin.synchronize()
         self.iteration_start_s = time.perf_counter()
 
     def timed(self, kind: OpKind, fn: Callable, *args, **kwargs):
         if not self.active:
             return fn(*args, **kwargs)
+        mb = self._next_mb[kind.value]
+        self._next_mb[kind.value] = mb + 1
+        if self.device_event is not None:
+            start_event, end_event = self.device_event(), self.device_event()
+            start_event.record()
+            result = fn(*args, **kwargs)
+            end_event.record()
+            if self.slowdown_factor > 1.0:  # an injected slowdown needs the op's time now
+                end_event.synchronize()
+                self.stretch(start_event.elapsed_time(end_event) / 1e3)
+                end_event.record()  # the device idled through the host's wait: the op ends with it
+            self._pending.append((kind.value, mb, start_event, end_event))
+            return result
         self.synchronize()
         start, busy_start = time.perf_counter(), self.busy_clock()
         result = fn(*args, **kwargs)
         busy = self.finish_op(start, busy_start)
-        end = time.perf_counter()
-        mb = self._next_mb[kind.value]
-        self._next_mb[kind.value] = mb + 1
-        self.ops.append((kind.value, mb, start, end))
+        self.ops.append((kind.value, mb, start, time.perf_counter()))
         self.busy.append(busy)
         return result
+
+    def collect(self) -> None:
+        """Turn the iteration's timing events into ``ops`` and ``busy`` (CUDA; a no-op elsewhere).
+
+        Waits for the last op's end event, which the step's loss and gradient norm waited for
+        already when this is called after the optimizer step.
+        """
+        if not self._pending:
+            return
+        self._pending[-1][3].synchronize()
+        origin, origin_s = self._origin, self.iteration_start_s
+        for kind, mb, start_event, end_event in self._pending:
+            self.ops.append((kind, mb, origin_s + origin.elapsed_time(start_event) / 1e3,
+                             origin_s + origin.elapsed_time(end_event) / 1e3))
+            self.busy.append(start_event.elapsed_time(end_event) / 1e3)
+        self._pending = []
 
 
 RECORDER = OpRecorder()
@@ -203,6 +246,7 @@ def train_step(
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         objects.scheduler.step(increment=global_batch_size)
+    RECORDER.collect()
     loss_sum, num_tokens = 0.0, 0
     for item in losses or []:
         pair = item["lm loss"]

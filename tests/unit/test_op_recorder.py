@@ -68,3 +68,74 @@ def test_a_short_op_on_a_wall_clock_device_is_stretched_by_the_factor_not_by_the
     waits.sort()
     assert waits[0] >= 0.5 * op_s  # never short of the factor
     assert waits[len(waits) // 2] < 0.7 * op_s  # the median within 1.2 of the extra 0.1 ms wanted
+
+
+class HostClockEvent:
+    """Stands in for ``torch.cuda.Event(enable_timing=True)`` (no GPU here): fires when recorded,
+    on the host's clock, and counts the waits on it."""
+
+    waits = 0
+
+    def __init__(self):
+        self.at = None
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def synchronize(self):
+        HostClockEvent.waits += 1
+
+    def elapsed_time(self, later: "HostClockEvent") -> float:
+        return (later.at - self.at) * 1e3
+
+
+def _event_recorder(factor: float = 1.0) -> tuple[OpRecorder, list[str]]:
+    recorder = OpRecorder()
+    recorder.use_device("cuda")  # picks the clocks and events; the events are replaced below
+    host_waits = []
+    recorder.synchronize = lambda: host_waits.append("synchronize")
+    recorder.device_event = HostClockEvent
+    recorder.slowdown_factor = factor
+    HostClockEvent.waits = 0
+    return recorder, host_waits
+
+
+def _wait(seconds: float) -> None:
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+def test_on_cuda_ops_are_timed_by_events_read_once_after_the_schedule():
+    """A device wait around every op stalls the host once per op; with events there is one wait at
+    the iteration's start and one when the times are read."""
+    recorder, host_waits = _event_recorder()
+    recorder.start_iteration()
+    schedule = [(OpKind.FORWARD, 0.004), (OpKind.FORWARD, 0.002), (OpKind.BACKWARD, 0.008), (OpKind.BACKWARD, 0.004)]
+    for kind, seconds in schedule:
+        recorder.timed(kind, _wait, seconds)
+        _wait(0.001)  # a pipeline transfer between ops
+    assert recorder.ops == [] and HostClockEvent.waits == 1  # nothing read, nothing waited for yet
+    recorder.active = False
+    recorder.collect()
+    assert host_waits == [] and HostClockEvent.waits == 2
+    assert [(kind, mb) for kind, mb, _, _ in recorder.ops] == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert recorder.ops[0][2] >= recorder.iteration_start_s
+    for (_, _, start, end), busy, (_, seconds) in zip(recorder.ops, recorder.busy, schedule):
+        assert end - start == pytest.approx(busy, abs=1e-9)
+        assert seconds <= busy < seconds + 0.004
+    gaps = [b[2] - a[3] for a, b in zip(recorder.ops, recorder.ops[1:])]
+    assert all(0.001 <= gap < 0.005 for gap in gaps)  # the transfers stay between the ops
+    recorder.collect()
+    assert len(recorder.ops) == 4  # read once
+
+
+def test_on_cuda_an_injected_slowdown_stretches_each_op_and_its_end_event():
+    recorder, _ = _event_recorder(factor=2.0)
+    recorder.start_iteration()
+    recorder.timed(OpKind.FORWARD, _wait, 0.005)
+    recorder.active = False
+    recorder.collect()
+    (_, _, start, end), = recorder.ops
+    assert 0.010 <= end - start < 0.016
+    assert recorder.busy[0] == pytest.approx(end - start, abs=1e-9)
