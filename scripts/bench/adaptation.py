@@ -72,7 +72,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.child_env import repo_pythonpath  # noqa: E402
+from scripts.child_env import job_env  # noqa: E402
 NPROC, TP, PP = 8, 2, 2
 GLOBAL_BATCH = 16  # fail-stop runs; the throughput runs take --global-batch
 KILL_RANKS = (5,)
@@ -90,7 +90,7 @@ MODEL = [
 
 
 def launch(args: list[str], launcher: str = "torchrun", check: bool = True, timeout_s: float = 900):
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = job_env()
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}"]
     else:

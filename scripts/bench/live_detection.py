@@ -49,7 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.child_env import repo_pythonpath  # noqa: E402
+from scripts.child_env import job_env  # noqa: E402
 
 # tp1pp1dp1 is for one GPU: the micro-batch predictor's error on a device whose op times repeat.
 SHAPES = {"tp2pp2dp2": (2, 2, 2), "tp1pp2dp2": (1, 2, 2), "tp1pp2dp1": (1, 2, 1), "tp1pp1dp1": (1, 1, 1)}
@@ -76,8 +76,7 @@ def model_args(tp: int, pp: int, device: str = "cpu", model: str = "tiny") -> li
 
 
 def launch(nproc: int, args: list[str], env_extra: dict | None = None, timeout_s: float = 1200) -> float:
-    env = {k: v for k, v in os.environ.items() if k != "RESIHP_DISABLE_OP_HOOKS"}
-    env.update({"PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})})
+    env = job_env(env_extra, without=["RESIHP_DISABLE_OP_HOOKS"])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(REPO / "pretrain_gpt_resilient.py"), *args]
     start = time.time()

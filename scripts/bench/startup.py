@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.child_env import repo_pythonpath  # noqa: E402
+from scripts.child_env import job_env  # noqa: E402
 MODEL = ("--device cpu --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
          "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 --lr 1e-3 --mock-data "
          "--tokenizer-type NullTokenizer --vocab-size 512 --log-interval 1 --train-iters 1").split()
@@ -41,7 +41,7 @@ def launch(name: str, nproc: int) -> dict:
     """Seconds from start to the first iteration's event and to the launcher's exit."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "events.jsonl"
-        env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
+        env = job_env()
         shape = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"] if nproc % 4 == 0 else []
         start = time.time()
         proc = subprocess.run([*LAUNCHES[name](nproc), str(REPO / "pretrain_gpt_resilient.py"), *MODEL, *shape,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.child_env import repo_pythonpath  # noqa: E402
+from scripts.child_env import job_env  # noqa: E402
 SHAPES = [(1, 1, 1), (1, 1, 2), (1, 2, 2), (2, 2, 2)]  # (TP, PP, DP)
 MODEL = ("--device cpu --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
          "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 --lr 1e-3 --mock-data "
@@ -33,7 +32,7 @@ def run(tp: int, pp: int, dp: int, iters: int, hooks: bool) -> float:
     """Median seconds per iteration after warm-up."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "ev.jsonl"
-        env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
+        env = job_env()
         if not hooks:
             env["RESIHP_DISABLE_OP_HOOKS"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp * dp}",

@@ -9,14 +9,13 @@ torchrun.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from scripts.child_env import repo_pythonpath
+from scripts.child_env import job_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,8 +34,7 @@ TINY_GPT = [
 
 def run_job(nproc: int, args: list[str], timeout_s: float = 300, launcher: str = "local",
             env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           **(env_extra or {})}
+    env = job_env(env_extra)
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     else:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.dist.launch import REPO, check, iteration_losses, main_copies, read_events, run_job
-from scripts.child_env import repo_pythonpath
+from scripts.child_env import job_env
 
 MODEL = [
     "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -231,7 +231,7 @@ def test_no_in_place_plan_saves_from_survivors_and_resumes(tmp_path, reference):
     resumed_log = tmp_path / "resumed.jsonl"
     cmd = shlex.split(resume.replace(str(log), str(resumed_log)))
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"})
+                          env=job_env())
     check(done)
     resumed = iteration_losses(resumed_log)
     assert sorted(resumed) == list(range(4, 9))

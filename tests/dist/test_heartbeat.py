@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron.training.heartbeat import judge_progress
-from scripts.child_env import repo_pythonpath
+from scripts.child_env import job_env
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "scripts" / "launch_local.py"
@@ -88,7 +88,7 @@ with open(os.path.join(out, f"result{rank}.json"), "w") as f:
 
 def start(tmp_path: Path, mode: str, beacon: bool = False) -> subprocess.Popen:
     (tmp_path / "worker.py").write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": repo_pythonpath()}
+    env = job_env()
     return subprocess.Popen([sys.executable, str(LAUNCHER), "--nproc-per-node", str(WORLD), "worker.py",
                              str(tmp_path), mode, "beacon" if beacon else "thread"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -6,7 +6,6 @@ hold each layer. Losses and final parameters must equal a failure-free run's.
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from tests.dist.launch import REPO, check, iteration_losses, main_copies, read_events
-from scripts.child_env import repo_pythonpath
+from scripts.child_env import job_env
 
 MODEL = [
     "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -26,7 +25,7 @@ MODEL = [
 
 
 def _run(nproc, script, args, tmp_path):
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
+    env = job_env()
     cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), f"--nproc-per-node={nproc}", str(script), *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
@@ -155,7 +154,7 @@ def failure_free_losses(failure_free):
 
 def _run_forced_under_local_launcher(log, fault: str) -> subprocess.CompletedProcess:
     """8 ranks (DP2) under launch_local.py; replica 1 is forced [2, 2] -> [1, 3] after iteration 3."""
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
+    env = job_env()
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--nproc-per-node", "8",
          str(REPO / "tests" / "dist" / "forced_layout_driver.py"), *MODEL, "--resihp-enable",

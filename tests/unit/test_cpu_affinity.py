@@ -11,7 +11,7 @@ import torch
 
 from megatron.training.cpu_affinity import core_for_rank
 from megatron.training.detection import on_probe_core
-from scripts.child_env import repo_pythonpath
+from scripts.child_env import job_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,8 +38,7 @@ def test_a_real_process_is_pinned():
     code = "import os; from megatron.training.cpu_affinity import pin_this_rank; print(pin_this_rank(), " \
            "sorted(os.sched_getaffinity(0)))"
     cpus = sorted(os.sched_getaffinity(0))
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-    env.pop("RESIHP_CPU_PIN", None)
+    env = job_env({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, without=["RESIHP_CPU_PIN"])
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split(None, 1) == [str(cpus[1]), f"[{cpus[1]}]\n"]
 

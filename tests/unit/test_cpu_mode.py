@@ -1,6 +1,5 @@
 """CPU mode trains with torch's optimizer kernels even where megatron-core found fused ones."""
 
-import pytest
 import torch
 
 from megatron.training.arguments import parse_args
