@@ -53,7 +53,8 @@ from resihp_ext.observations import (  # noqa: F401  (part of this module's API)
     Suspicion,
 )
 from resihp_ext.link_baselines import LinkBaselines
-from resihp_ext.op_signals import Streak, beyond_common, group_op_durations, link_gaps, nansum, op_times
+from resihp_ext.op_signals import (Streak, beyond_common, group_op_durations, link_gaps, nansum, op_times,
+                                   sibling_ratios, wall_per_busy)
 from resihp_ext import probe_verdicts
 from resihp_ext.iteration_estimate import IterationEstimate
 from resihp_ext.predictor import MicrobatchPredictor, as_feature_array
@@ -200,27 +201,20 @@ class FailSlowDetector:
         self._known_groups = known
         self._burst_groups = {g: f for g, f in self._group_factors(self._in_bursts, durations).items()
                               if g not in known}
-        keys = {g: self._keys(g, len(obs)) for g, obs in groups.items()}
+        keys = {g: self.keys_for(*g, len(obs)) for g, obs in groups.items()}
         fitted = all(self.predictor.fitted(k) for ks in keys.values() for k in ks)
         judged = fitted and self._seen >= self.config.warmup_iters
         self._seen += 1
 
         stage_ratio: dict[GroupId, float] = {}
         rank_ratio: dict[int, float] = {}
-        # TP siblings run the same ops on the same data, so each is the others' reference: one slow
-        # rank shows against them whatever the predictor makes of this iteration's data.
         rank_busy = {r: nansum(t[4:6]) for r, t in times.items()}
-        sibling_ratio: dict[GroupId, float] = {}
-        for g, obs in groups.items():
-            # Siblings of a known slow rank wait for it on a device and not on a CPU, so against
-            # them it tells nothing: the prediction alone judges such a group.
-            if len(obs) > 1 and g not in known and g not in self._burst_groups:
-                busy = sorted(rank_busy[o.rank] for o in obs)
-                others = statistics.median(busy[:-1])
-                if others > 0:
-                    sibling_ratio[g] = busy[-1] / others
+        # Siblings of a known slow rank wait for it on a device and not on a CPU, so against them
+        # it tells nothing: the prediction alone judges such a group.
+        sibling_ratio = sibling_ratios({g: [rank_busy[o.rank] for o in obs] for g, obs in groups.items()
+                                        if g not in known and g not in self._burst_groups})
         # Per group, each op's predicted seconds: the model times the group's speed level.
-        op_predicted = {g: self._predict_ops(keys[g], feats[g[0]], self.levels.level(g)) for g in groups}
+        op_predicted = {g: self.predictor.predict_ops(keys[g], feats[g[0]], self.levels.level(g)) for g in groups}
         if fitted:
             for g, (fwd, bwd) in durations.items():
                 predicted = float(sum(p.sum() for p in op_predicted[g]))
@@ -229,10 +223,7 @@ class FailSlowDetector:
                 stage_ratio[g] = (nansum(fwd) + nansum(bwd)) / predicted
                 for o in groups[g]:
                     rank_ratio[o.rank] = rank_busy[o.rank] / predicted
-        every_op = np.concatenate(list(times.values()), axis=1)  # one table for all ranks: one pass
-        wall = nansum(every_op[1] - every_op[0]) + nansum(every_op[3] - every_op[2])
-        busy = nansum(every_op[4:6])
-        contention = wall / busy if busy > 0 else 1.0
+        contention = wall_per_busy(times)
         gaps = link_gaps(groups, times)
         observed_iter = statistics.median(o.iteration_s for o in observations)
         # A link is only suspect when its excess, over all its transfers in the iteration, matters
@@ -495,16 +486,6 @@ class FailSlowDetector:
         """The predictor keys ``(forward, backward)`` a group uses (for ``predict_replica``)."""
         sig = self._signature(replica, stage, tp_degree)
         return ((sig, "F"), (sig, "B"))
-
-    def _keys(self, g: GroupId, tp_degree: int):
-        return self.keys_for(g[0], g[1], tp_degree)
-
-    def _predict_ops(self, keys, feats: np.ndarray, level: float) -> tuple[np.ndarray, ...] | None:
-        """Predicted seconds of each forward and each backward of a group (None if unfitted)."""
-        coefs = [self.predictor.coefficients(key) for key in keys]
-        if any(c is None for c in coefs):
-            return None
-        return tuple(level * c.predict(feats[:, 0], feats[:, 1], feats[:, 2]) for c in coefs)
 
     def _transfer_s(self, up: GroupId, down: GroupId) -> float:
         """One healthy transfer from stage group ``up`` to ``down``: the group waits for its slowest

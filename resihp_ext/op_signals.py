@@ -9,6 +9,7 @@ Judging them is ``resihp_ext.detector``'s job.
 
 from __future__ import annotations
 
+import statistics
 import warnings
 
 import numpy as np
@@ -174,6 +175,30 @@ def group_op_durations(rank_times: list[np.ndarray]):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN column: op not recorded
         return np.nanmax(fwd, axis=0), np.nanmax(bwd, axis=0)
+
+
+def sibling_ratios(group_busy: dict) -> dict:
+    """Per group of two or more TP siblings (group -> each sibling's busy seconds): the slowest
+    sibling's busy time over the median of the others'. Siblings run the same ops on the same data,
+    so each is the others' reference: one slow rank shows against them whatever the predictor makes
+    of the iteration's data."""
+    ratios = {}
+    for g, busy in group_busy.items():
+        if len(busy) > 1:
+            busy = sorted(busy)
+            others = statistics.median(busy[:-1])
+            if others > 0:
+                ratios[g] = busy[-1] / others
+    return ratios
+
+
+def wall_per_busy(times: dict) -> float:
+    """Wall seconds per busy second over every op of every rank (rank -> ``op_times`` table): about
+    1 when each rank has a device of its own, more when ranks share one (CPU cores)."""
+    every_op = np.concatenate(list(times.values()), axis=1)  # one table for all ranks: one pass
+    wall = nansum(every_op[1] - every_op[0]) + nansum(every_op[3] - every_op[2])
+    busy = nansum(every_op[4:6])
+    return wall / busy if busy > 0 else 1.0
 
 
 def link_gaps(groups, times) -> dict[LinkId, tuple[float, int]]:

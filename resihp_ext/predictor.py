@@ -225,6 +225,15 @@ class MicrobatchPredictor:
         model = self._models.get(key)
         return None if model is None else model.coef
 
+    def predict_ops(self, keys: Sequence[Hashable], features: np.ndarray,
+                    scale: float = 1.0) -> tuple[np.ndarray, ...] | None:
+        """Per key, the predicted seconds of each micro-batch of ``features`` (``as_feature_array``)
+        times ``scale``; None while any key is unfitted."""
+        coefs = [self.coefficients(key) for key in keys]
+        if any(c is None for c in coefs):
+            return None
+        return tuple(scale * c.predict(features[:, 0], features[:, 1], features[:, 2]) for c in coefs)
+
     def predict(self, key: Hashable, num_tokens: float, sum_sq: float, num_docs: float = 0.0) -> float:
         """Predicted seconds of one op with these features.
 
@@ -335,11 +344,11 @@ def predict_replica(
     if len(scales) != num_stages:
         raise ValueError(f"op_scale needs one value per stage ({num_stages}), got {len(scales)}")
     for (fkey, bkey), scale in zip(stage_keys, scales):
-        cf, cb = predictor.coefficients(fkey), predictor.coefficients(bkey)
-        if cf is None or cb is None:
+        ops = predictor.predict_ops((fkey, bkey), feats, scale)
+        if ops is None:
             raise KeyError(f"stage keys {fkey!r}/{bkey!r} are not fitted yet")
-        fwd.append(tuple(scale * cf.predict(feats[:, 0], feats[:, 1], feats[:, 2])))
-        bwd.append(tuple(scale * cb.predict(feats[:, 0], feats[:, 1], feats[:, 2])))
+        fwd.append(tuple(ops[0]))
+        bwd.append(tuple(ops[1]))
     sim = simulate_iteration(one_f_one_b(num_stages, len(feats)), fwd, bwd, p2p_s, allreduce_s, keep_ops=False)
     if overhead_s:
         sim = IterationPrediction(sim.total_s + overhead_s, tuple(t + overhead_s for t in sim.stage_finish_s))

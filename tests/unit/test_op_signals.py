@@ -1,11 +1,13 @@
 """The detector's measures: ring-buffer baselines give each id the median (or a quantile) of its
-recent values; a link's noise reach learns from readings that did not persist."""
+recent values; a link's noise reach learns from readings that did not persist; a TP group's slowest
+sibling against the others; how much wall time the ops took per busy second."""
 
 import numpy as np
 import pytest
 
 from resihp_ext.link_baselines import LinkBaselines
-from resihp_ext.op_signals import Baselines
+from resihp_ext.observations import RankObservation
+from resihp_ext.op_signals import Baselines, op_times, sibling_ratios, wall_per_busy
 
 
 def test_baseline_medians_and_quantiles_are_over_each_ids_last_values():
@@ -64,3 +66,20 @@ def test_a_forgotten_link_learns_its_current_speed_as_the_norm():
     assert _judge(links, 0.004) == 1.0
     assert _judge(links, 0.04) == pytest.approx(10.0)
     assert links.forget(("never", "seen")) is None  # nothing to forget: no error
+
+
+def test_a_groups_slowest_sibling_is_judged_against_the_median_of_the_others():
+    ratios = sibling_ratios({(0, 0): [1.0, 1.1, 3.0, 0.9], (0, 1): [2.0], (1, 0): [0.0, 0.5]})
+    assert ratios.keys() == {(0, 0)}  # one sibling has no reference; idle others give no ratio
+    assert ratios[(0, 0)] == pytest.approx(3.0 / 1.0)  # the median of 0.9, 1.0, 1.1
+
+
+def test_wall_per_busy_is_one_on_a_device_of_its_own_and_grows_when_ranks_share_one():
+    def observation(rank, stretch):
+        ops = (("F", 0, 0.0, 2.0 * stretch), ("B", 0, 2.0 * stretch, 6.0 * stretch))
+        return RankObservation(rank=rank, replica=0, stage=rank, tp_rank=0, ops=ops, features=((8, 64, 1),),
+                               iteration_s=6.0 * stretch, busy=(2.0, 4.0))
+    own = {r: op_times(observation(r, 1.0)) for r in range(2)}
+    shared = {0: op_times(observation(0, 1.0)), 1: op_times(observation(1, 3.0))}
+    assert wall_per_busy(own) == pytest.approx(1.0)
+    assert wall_per_busy(shared) == pytest.approx((6.0 + 18.0) / 12.0)

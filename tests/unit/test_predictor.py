@@ -127,3 +127,17 @@ def test_iteration_prediction_walks_the_schedule():
     expected = simulate_iteration(one_f_one_b(2, 3), fwd, bwd, 0.001, 0.01)
     assert out.total_s == pytest.approx(expected.total_s, rel=1e-6)
     assert out.stage_busy_s[1] == pytest.approx(sum(fwd[1]) + sum(bwd[1]), rel=1e-6)
+
+
+def test_predicted_op_times_follow_each_keys_fit_and_wait_for_every_fit():
+    predictor = MicrobatchPredictor()
+    rng = np.random.default_rng(3)
+    feats = _features(rng, 40)
+    for key, scale in (("F", 1.0), ("B", 2.0)):
+        for n, s in feats:
+            predictor.observe(key, n, s, scale * (ALPHA * n + BETA * s))
+    table = np.column_stack([feats, np.zeros(len(feats))])
+    fwd, bwd = predictor.predict_ops(("F", "B"), table, scale=1.5)
+    assert fwd == pytest.approx(1.5 * (ALPHA * feats[:, 0] + BETA * feats[:, 1]), rel=1e-3)
+    assert bwd == pytest.approx(2.0 * fwd, rel=1e-3)
+    assert predictor.predict_ops(("F", "not seen"), table) is None
