@@ -320,7 +320,7 @@ def main() -> None:
                           "--healthy-iters", "20", "--fault-iters", "48",
                           "--overhead-from", str(work / "detection_overhead.json"),
                           "--trace", str(work / "healthy.trace.jsonl"), "--trace", str(work / "slow.trace.jsonl")],
-                         cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         cwd=REPO, capture_output=True, text=True, env=job_env())
     if det.returncode:
         raise SystemExit(f"detection.py failed:\n{det.stderr[-3000:]}")
     live = json.loads(det.stdout)["live"]

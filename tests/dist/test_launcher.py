@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts.child_env import job_env
+
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "scripts" / "launch_local.py"
 
@@ -36,7 +38,7 @@ with open(os.path.join(out, f"done{rank}"), "w") as f:
 
 
 def launch(tmp_path: Path, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = job_env()
     return subprocess.run([sys.executable, str(LAUNCHER), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
 
@@ -85,7 +87,7 @@ def test_sigterm_is_forwarded(tmp_path, target):
                       "    open(os.environ['RANK'] + '.term', 'a').write('x')\n    sys.exit(0)\n"
                       "signal.signal(signal.SIGTERM, leave)\n"
                       "open(os.environ['RANK'] + '.up', 'w').close()\ntime.sleep(60)\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = job_env()
     proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--nproc-per-node", "2", str(script)],
                             cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -151,7 +153,7 @@ def test_preload_reads_the_scripts_top_level_imports_and_warning_filters(tmp_pat
 def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
     script = tmp_path / "wait.py"
     script.write_text("import os, time\nopen(f\"{os.getpid()}.up\", 'w').close()\ntime.sleep(60)\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = job_env()
     proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--nproc-per-node", "2", str(script)],
                             cwd=tmp_path, env=env, stderr=subprocess.DEVNULL)
     try:
