@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one go, each bounded in time so that one that hangs leaves time
+# for the rest: tests/gpu, the THD attention benchmark, and detection's cost in bf16 through TE's
+# THD attention. Each writes its log to LOG_DIR.
+#
+# On a machine without megatron-core or Transformer Engine, put what tools/te_offline_bundle.py
+# builds in .whl/ first (te_site.tar.xz and a megatron-core wheel): they are unpacked to
+# $TE_SITE (/tmp/te_site) and put on PYTHONPATH, which the jobs the tests start keep.
+#
+# Usage: BUDGET_S=480 bash scripts/gpu_checks.sh [LOG_DIR]   (default: $OUT if set, else gpu_logs)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+logs=${1:-${OUT:-gpu_logs}}
+mkdir -p "$logs"
+start=$(date +%s)
+budget=${BUDGET_S:-480}
+left() { echo $(( budget - ($(date +%s) - start) )); }
+
+site=${TE_SITE:-/tmp/te_site}
+if [ -f .whl/te_site.tar.xz ]; then
+    mkdir -p "$site" && tar xJf .whl/te_site.tar.xz -C "$site" || { echo "error: could not unpack .whl/te_site.tar.xz"; exit 3; }
+fi
+if compgen -G ".whl/megatron_core-*.whl" > /dev/null && ! python3 -c "import megatron.core" 2> /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/megatron_core-*.whl || exit 3
+fi
+[ -d "$site" ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+python3 - <<'EOF' 2>&1 | tee "$logs/versions.txt"
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))
+for name in ("megatron.core", "transformer_engine"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as error:
+        print(name, "not importable:", error)
+EOF
+
+step() {  # step NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S (less if the budget is short)
+    local name=$1 limit=$2 remaining
+    shift 2
+    remaining=$(left)
+    if [ "$remaining" -lt 30 ]; then
+        echo "== $name skipped: $remaining s of the budget left"
+        return
+    fi
+    [ "$limit" -gt "$remaining" ] && limit=$remaining
+    echo "== $name (at most $limit s)"
+    timeout "$limit" "$@" > "$logs/$name.log" 2>&1
+    echo "== $name: exit $? after $(( $(date +%s) - start )) s"
+    tail -30 "$logs/$name.log"
+}
+
+step gpu_tests 240 python3 -m pytest -q -rs --tb=short -p no:warnings tests/gpu
+step thd_attention 90 python3 scripts/bench/thd_attention.py --rounds 9
+step detection_overhead 240 python3 scripts/bench/live_detection.py --device cuda --shape tp1pp1dp1 \
+    --model medium --bf16 --overhead-only --overhead-iters 80 --workdir /tmp/live_overhead
+echo "== done in $(( $(date +%s) - start )) s"
