@@ -10,6 +10,10 @@
 # Usage: BUDGET_S=480 bash scripts/gpu_checks.sh [LOG_DIR]   (default: $OUT if set, else gpu_logs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if ! python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2> /dev/null; then
+    echo "error: scripts/gpu_checks.sh needs a CUDA GPU that python3's torch can use; on CPU run scripts/test.sh" >&2
+    exit 2
+fi
 logs=${1:-${OUT:-gpu_logs}}
 mkdir -p "$logs"
 start=$(date +%s)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import os
 import shutil
@@ -98,13 +99,23 @@ def _run(cmd: list[str], **kwargs) -> None:
     subprocess.run(cmd, check=True, **kwargs)
 
 
-def _sdist_url(package: str, version: str) -> str:
-    with urllib.request.urlopen(f"https://pypi.org/pypi/{package}/{version}/json", timeout=60) as response:
-        release = json.load(response)
-    for file in release["urls"]:
-        if file["packagetype"] == "sdist":
-            return file["url"]
-    raise SystemExit(f"error: PyPI has no source distribution of {package} {version}")
+def _download_sdist(package: str, version: str, dest: Path) -> None:
+    """Fetch ``package``'s source distribution through the package index's JSON simple API
+    (PEP 691), checking its sha256; ``pip download`` cannot, because it builds metadata first."""
+    name = package.lower().replace("_", "-")
+    request = urllib.request.Request(f"https://pypi.org/simple/{name}/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        files = json.load(response)["files"]
+    wanted = f"{package}-{version}.tar.gz"
+    found = [f for f in files if f["filename"] == wanted]
+    if not found:
+        raise SystemExit(f"error: the package index has no {wanted}; check --te-version")
+    with urllib.request.urlopen(found[0]["url"], timeout=300) as response:
+        data = response.read()
+    if hashlib.sha256(data).hexdigest() != found[0]["hashes"]["sha256"]:
+        raise SystemExit(f"error: {wanted} does not match the index's sha256")
+    dest.write_bytes(data)
 
 
 def main() -> None:
@@ -143,7 +154,7 @@ def main() -> None:
         source = work / f"transformer_engine_torch-{args.te_version}"
         if not source.exists():
             archive = work / "te_torch_sdist.tar.gz"
-            urllib.request.urlretrieve(_sdist_url("transformer_engine_torch", args.te_version), archive)
+            _download_sdist("transformer_engine_torch", args.te_version, archive)
             with tarfile.open(archive) as tar:
                 tar.extractall(work, filter="data")
         env = {**os.environ, "NVTE_PYTORCH_FORCE_BUILD": "TRUE", "NVTE_BUILD_USE_NVIDIA_WHEELS": "1",

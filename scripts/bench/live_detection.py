@@ -195,27 +195,35 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
             "median_step_s_off": round(median_off, 4)}
 
 
-def hook_cost_s(calls: int = 20000) -> float:
-    """Seconds the op-timing hook adds to one op on CPU: the recorder around a no-op, less the
-    bare call (the fastest of 5 rounds of each)."""
+def hook_cost_s(device: str = "cpu", calls: int = 20000) -> float:
+    """Seconds the op-timing hook adds to one op: the recorder around a no-op, reading its timings
+    after the iteration included (on CUDA, its two events), less the bare call (the fastest of 5
+    rounds of each)."""
     from megatron.training.schedules import OpRecorder
     from resihp_ext.schedule import OpKind
 
     recorder = OpRecorder()
-    recorder.use_device("cpu")
+    recorder.use_device(device)
 
-    def per_call(fn) -> float:
+    def noop() -> None:
+        pass
+
+    def hooked() -> float:
+        recorder.start_iteration()
         start = time.perf_counter()
         for _ in range(calls):
-            fn()
+            recorder.timed(OpKind.FORWARD, noop)
+        recorder.active = False
+        recorder.collect()
         return (time.perf_counter() - start) / calls
 
-    hooked = bare = math.inf
-    for _ in range(5):
-        recorder.start_iteration()
-        hooked = min(hooked, per_call(lambda: recorder.timed(OpKind.FORWARD, lambda: None)))
-        bare = min(bare, per_call(lambda: (lambda: None)()))
-    return max(hooked - bare, 0.0)
+    def bare() -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            noop()
+        return (time.perf_counter() - start) / calls
+
+    return max(min(hooked() for _ in range(5)) - min(bare() for _ in range(5)), 0.0)
 
 
 def median_iteration_s(log: Path, skip: int) -> float:
@@ -307,7 +315,7 @@ def main() -> None:
     # Direct account: the detection step's own time, plus the hooks' cost per op times the ops a
     # rank runs per iteration (a forward and a backward per micro-batch of its replica).
     ops_per_iteration = 2 * (GLOBAL_BATCH // MICRO_BATCH) // dp
-    hooks_pct = 100 * hook_cost_s() * ops_per_iteration / paired["median_step_s_off"]
+    hooks_pct = 100 * hook_cost_s(args.device) * ops_per_iteration / paired["median_step_s_off"]
     paired.update(hooks_pct=round(hooks_pct, 4), direct_pct=round(paired["after_step_pct"] + hooks_pct, 3))
     out["detection_overhead"] = {**paired, "loadavg_after": os.getloadavg()}
     (work / "detection_overhead.json").write_text(json.dumps(out["detection_overhead"]))
