@@ -7,7 +7,7 @@ its ``PYTHONPATH``:
 1. a Python venv of the target machine's Python version, with the torch it runs (its CUDA
    headers and libraries come from pip's ``cuda-toolkit`` wheels; no CUDA install is needed);
 2. TE's torch extension, which PyPI publishes only as source, built against that torch (a plain
-   C++ extension: about 14 minutes on 2 cores) and made to load torch's CUDA libraries itself
+   C++ extension: about 10 minutes on 2 cores) and made to load torch's CUDA libraries itself
    (``patchelf --add-needed``: it uses c10::cuda and at::cuda symbols that nothing else loads);
 3. TE's core library and its Python dependencies, as published wheels for the target;
 4. the core library's device code for every other GPU architecture blanked (``prune_fatbin``):
@@ -141,7 +141,11 @@ def main() -> None:
     pip = [str(venv / "bin" / "python"), "-m", "pip"]
     py_tag = subprocess.run([args.python, "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"],
                             capture_output=True, text=True, check=True).stdout.strip()
-    target = ["--only-binary=:all:", "--platform", "manylinux_2_28_x86_64", "--python-version", py_tag]
+    # Wheels for a glibc 2.28 machine: pip takes a --platform as that tag alone, not the older
+    # manylinux tags it implies (pydantic-core's wheel is manylinux_2_17).
+    target = ["--only-binary=:all:", "--python-version", py_tag]
+    for minor in range(28, 16, -1):
+        target += ["--platform", f"manylinux_2_{minor}_x86_64"]
 
     if not (venv / "bin" / "python").exists():
         _run([args.python, "-m", "venv", str(venv)])
