@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one go, each bounded in time so that one that hangs leaves time
-# for the rest: tests/gpu, the THD attention benchmark, and detection's cost in bf16 through TE's
-# THD attention. Each writes its log to LOG_DIR.
+# for the rest: tests/gpu, the THD attention benchmark, detection's cost in bf16 through TE's THD
+# attention, then live detection's healthy and slowed runs with the budget left. Each writes its
+# log to LOG_DIR.
 #
 # On a machine without megatron-core or Transformer Engine, put what tools/te_offline_bundle.py
 # builds in .whl/ first (te_site.tar.xz and a megatron-core wheel): they are unpacked to
@@ -54,8 +55,12 @@ step() {  # step NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S (less 
     tail -30 "$logs/$name.log"
 }
 
+# The benchmarks keep their event logs and traces under LOG_DIR, so a run cut short by its limit
+# still leaves what it measured.
 step gpu_tests 240 python3 -m pytest -q -rs --tb=short -p no:warnings tests/gpu
 step thd_attention 90 python3 scripts/bench/thd_attention.py --rounds 9
-step detection_overhead 240 python3 scripts/bench/live_detection.py --device cuda --shape tp1pp1dp1 \
-    --model medium --bf16 --overhead-only --overhead-iters 80 --workdir /tmp/live_overhead
+step detection_overhead 180 python3 scripts/bench/live_detection.py --device cuda --shape tp1pp1dp1 \
+    --model medium --bf16 --overhead-only --overhead-iters 80 --workdir "$logs/detection_overhead"
+step live_detection 300 python3 scripts/bench/live_detection.py --device cuda --shape tp1pp1dp1 \
+    --model medium --bf16 --healthy-iters 200 --slow-iters 40 --overhead-iters 40 --workdir "$logs/live_detection"
 echo "== done in $(( $(date +%s) - start )) s"
