@@ -5,6 +5,7 @@ import time
 import pytest
 
 from megatron.training.schedules import OpRecorder
+from tests.host_clock_event import HostClockEvent
 from resihp_ext.schedule import OpKind
 
 
@@ -70,25 +71,6 @@ def test_a_short_op_on_a_wall_clock_device_is_stretched_by_the_factor_not_by_the
     assert waits[len(waits) // 2] < 0.7 * op_s  # the median within 1.2 of the extra 0.1 ms wanted
 
 
-class HostClockEvent:
-    """Stands in for ``torch.cuda.Event(enable_timing=True)`` (no GPU here): fires when recorded,
-    on the host's clock, and counts the waits on it."""
-
-    waits = 0
-
-    def __init__(self):
-        self.at = None
-
-    def record(self):
-        self.at = time.perf_counter()
-
-    def synchronize(self):
-        HostClockEvent.waits += 1
-
-    def elapsed_time(self, later: "HostClockEvent") -> float:
-        return (later.at - self.at) * 1e3
-
-
 def _event_recorder(factor: float = 1.0) -> tuple[OpRecorder, list[str]]:
     recorder = OpRecorder()
     recorder.use_device("cuda")  # picks the clocks and events; the events are replaced below
@@ -139,3 +121,39 @@ def test_on_cuda_an_injected_slowdown_stretches_each_op_and_its_end_event():
     (_, _, start, end), = recorder.ops
     assert 0.010 <= end - start < 0.016
     assert recorder.busy[0] == pytest.approx(end - start, abs=1e-9)
+
+
+def test_a_training_step_reads_its_event_timed_ops_in_megatron_cores_order(monkeypatch):
+    """``train_step`` on a real megatron-core model, with the hooks timing ops by events as on
+    CUDA: after the step, every forward and backward is there in the schedule's order, read with
+    two waits in all."""
+    import pretrain_gpt_resilient as gpt
+    from megatron.training.arguments import parse_args
+    from megatron.training.data_samplers import microbatches
+    from megatron.training.model_builder import build_training_objects
+    from megatron.training.schedules import RECORDER, install_hooks, train_step, uninstall_hooks
+    from resihp_ext.schedule import one_f_one_b
+    from tests.cli_args import TINY_CPU_ARGS
+    from tests.one_rank_world import one_rank_world
+
+    args = parse_args([*TINY_CPU_ARGS, "--global-batch-size", "4"])
+    monkeypatch.setattr(gpt, "ARGS", args, raising=False)
+    with one_rank_world("gloo"):
+        objects = build_training_objects(args, (args.num_layers,))
+        train_ds, _, _ = gpt.datasets_provider(args, (4, 0, 0))
+        batches = microbatches(train_ds, [[0], [1], [2], [3]])
+        install_hooks()
+        try:
+            RECORDER.use_device("cpu")
+            RECORDER.device_event = HostClockEvent
+            HostClockEvent.waits = 0
+            result = train_step(gpt.forward_step, iter(batches), objects, 4, args.seq_length, 1, 4)
+        finally:
+            uninstall_hooks()
+            RECORDER.use_device("cpu")
+    assert [(kind, mb) for kind, mb, _, _ in result.ops] == [(op.kind.value, op.microbatch)
+                                                             for op in one_f_one_b(1, 4)[0]]
+    assert HostClockEvent.waits == 2
+    assert len(result.busy) == 8 and min(result.busy) > 0 and len(result.features) == 4
+    first_start, last_end = result.ops[0][2], result.ops[-1][3]
+    assert result.iteration_start_s <= first_start and last_end <= result.iteration_start_s + result.iteration_s
