@@ -81,8 +81,13 @@ def transformer_config(args: argparse.Namespace, layers_per_stage: tuple[int, ..
     )
 
 
+def uses_te_layers(args: argparse.Namespace) -> bool:
+    """Whether the model is built from Transformer Engine's layers: on CUDA, when TE is installed."""
+    return args.device == "cuda" and HAVE_TE
+
+
 def layer_spec(args: argparse.Namespace):
-    use_te = args.device == "cuda" and HAVE_TE
+    use_te = uses_te_layers(args)
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -109,7 +114,7 @@ def decoder_spec(args: argparse.Namespace, config: TransformerConfig):
     decoder's final norm itself, and it picks Transformer Engine's whenever TE is installed, which
     runs only on CUDA: a model whose layers are not TE's ends in the norm its layers use."""
     spec = layer_spec(args)
-    if args.device == "cuda" and HAVE_TE:
+    if uses_te_layers(args):
         return spec
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
                                       layer_norm=spec.submodules.input_layernorm)

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from megatron.training.schedules import OpRecorder
+from megatron.training.schedules import OpRecorder, wait_until
 from tests.host_clock_event import HostClockEvent
 from resihp_ext.schedule import OpKind
 
@@ -83,9 +83,7 @@ def _event_recorder(factor: float = 1.0) -> tuple[OpRecorder, list[str]]:
 
 
 def _wait(seconds: float) -> None:
-    until = time.perf_counter() + seconds
-    while time.perf_counter() < until:
-        pass
+    wait_until(time.perf_counter() + seconds)
 
 
 def test_on_cuda_ops_are_timed_by_events_read_once_after_the_schedule():
