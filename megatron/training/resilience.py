@@ -462,6 +462,15 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             objects, quotas = self._replan(iteration, verdicts, objects, quotas)
         return objects, quotas
 
+    def probe_rounds_run(self) -> int:
+        """Probe rounds the last detection step ran (every rank runs the same ones): a suspicion's,
+        and a round of a one-stage-group job's own baselines. Probes cost far more than judging,
+        and a baseline round happens a few times per job, so measurements of detection's cost per
+        iteration tell these steps apart."""
+        if self.live is None:
+            return 0
+        return len(self.live.probe_rounds) + bool(self.live.refined_baselines)
+
     def _emit(self, event: dict) -> None:
         event = dict(event)
         self.events.emit(event.pop("event"), event.pop("iteration"), **event)

@@ -110,8 +110,8 @@ def evaluate(args, forward_step_func, dataset, objects, iteration: int, num_repl
 def _alternate_detection() -> tuple[int, int] | None:
     """``RESIHP_ALTERNATE_DETECTION=PERIOD:PHASE``, for measuring what detection costs: the op
     hooks and the per-iteration detection run only on iterations ``i`` with ``i % PERIOD == PHASE``,
-    and each iteration event carries ``detecting`` and ``step_s`` (the iteration's time including
-    detection). Two runs of different phases time iterations both ways. Returns
+    and each iteration event carries ``detecting``, ``step_s`` (the iteration's time including
+    detection) and ``probe_rounds`` (probe rounds its detection step ran). Two runs of different phases time iterations both ways. Returns
     ``(period, phase)``, or None when unset."""
     value = os.environ.get("RESIHP_ALTERNATE_DETECTION")
     if not value:
@@ -247,8 +247,9 @@ def pretrain(
             interval_losses.append(loss)
         if _is_last_rank():
             lr = objects.optimizer.param_groups[0]["lr"]
-            measured = {} if alternate is None else {"detecting": detecting,
-                                                      "step_s": time.perf_counter() - start}
+            measured = {} if alternate is None else {
+                "detecting": detecting, "step_s": time.perf_counter() - start,
+                "probe_rounds": resilience.probe_rounds_run() if resilience is not None and detecting else 0}
             events.emit("iteration", iteration, lm_loss=loss, grad_norm=result.grad_norm, elapsed_s=elapsed_s,
                         consumed_samples=sampler.consumed_samples, lr=lr, **measured)
             board.scalars(iteration, {"lm loss": loss, "learning-rate": lr, "grad-norm": result.grad_norm,

@@ -10,7 +10,7 @@ attention) and measures, in one invocation:
     rank 0, its judging) run on every 4th iteration only, half a period apart. Each detection's
     iteration and the next (which pays for rank 0's judging) are thus timed with detection in
     one run and clean in the other, and neighbouring pairs take out the host's drift
-    (``paired_overhead``);
+    (``paired_overhead``); detection steps that ran probe rounds are reported apart, per round;
 (d) this host's timing floor: one fixed op (GEMMs, the size of a micro-batch's compute) timed by
     the same busy clock in this process alone, and the MAPE of predicting each run by the median.
     No cost model can predict a micro-batch better than the clock repeats a fixed op, so the
@@ -147,23 +147,33 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
     -0.26%, on 470 iterations of 8 ranks over 2 cores, while rank 0 judged for 0.52% of an
     iteration in CPU.)
 
+    Detection steps that ran probe rounds (``probe_rounds`` of the iteration event) are left out
+    of these: a one-stage-group job's own probe baselines take a round after its 1st, 2nd, 4th,
+    ..., 32nd detection and never again, and a round costs tens of iterations' judging, so in a
+    short run they would be most of the estimate of a cost that stops. They are reported apart:
+    how many rounds each run took (``probe_rounds``) and what one cost (``probe_round_ms``: such a
+    step's time less the median probe-free step's, per round). ``overhead_pct_with_probes`` is the
+    within-runs estimate over every detection, probes included.
+
     ``decider_cpu_pct`` is rank 0's judging per detecting iteration, in CPU seconds
     (``decision_cpu_s`` of the ``detector_overhead`` events), over the median clean iteration.
     """
-    times, detecting, elapsed = [{}, {}], [{}, {}], [{}, {}]
+    times, detecting, elapsed, probed = [{}, {}], [{}, {}], [{}, {}], [{}, {}]
     decision_cpu_s, decided = 0.0, 0
     for run, log in enumerate(logs):
         for e in events(log, "iteration"):
             times[run][e["iteration"]] = e["step_s"]
             elapsed[run][e["iteration"]] = e["elapsed_s"]
             detecting[run][e["iteration"]] = e["detecting"]
+            probed[run][e["iteration"]] = e.get("probe_rounds", 0)
             decided += e["detecting"]
         decision_cpu_s += sum(e.get("decision_cpu_s", 0.0) for e in events(log, "detector_overhead"))
 
     def pair(run: int, i: int) -> float:
         return math.log(times[run][i] + times[run][i + 1])
 
-    cross, within, clean, on, after_step = [], [], [], [], []
+    cross, within, within_all, clean, on, after_step = [], [], [], [], [], []
+    probe_steps: list[tuple[float, int]] = []  # (detection step seconds, probe rounds it ran)
     for x in (0, 1):
         y = 1 - x
         for i in sorted(times[x]):
@@ -173,20 +183,32 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
             if detecting[y][i] or detecting[y][i + 1] or detecting[x][i + 1] or not detecting[y][i - 2]:
                 raise SystemExit(f"{logs[x]} and {logs[y]} are not runs of RESIHP_ALTERNATE_DETECTION "
                                  f"{ALTERNATE_PHASES[0]} and {ALTERNATE_PHASES[1]}")
-            cross.append(2 * (pair(x, i) - pair(y, i)))
             dx = pair(x, i) - (pair(x, i - 2) + pair(x, i + 2)) / 2
             dy = pair(y, i) - (pair(y, i - 2) + pair(y, i + 2)) / 2
-            within.append(dx - dy)  # twice the half difference: per iteration, not per pair
+            within_all.append(dx - dy)  # twice the half difference: per iteration, not per pair
+            step_s = times[x][i] - elapsed[x][i]  # the detection step, timed directly
+            if probed[x][i]:
+                probe_steps.append((step_s, probed[x][i]))
+            if probed[x][i] or probed[y][i - 2] or probed[y][i + 2]:
+                continue
+            cross.append(2 * (pair(x, i) - pair(y, i)))
+            within.append(dx - dy)
             clean += [times[y][i], times[y][i + 1]]
             on.append(times[x][i])
-            after_step.append(times[x][i] - elapsed[x][i])  # the detection step, timed directly
+            after_step.append(step_s)
     if len(within) < 4:
-        raise SystemExit(f"only {len(within)} detecting iterations timed both ways; raise --overhead-iters")
+        raise SystemExit(f"only {len(within)} detecting iterations without probe rounds timed both ways; "
+                         f"raise --overhead-iters")
     cross_mean, cross_half = _mean_ci(cross)
     within_mean, within_half = _mean_ci(within)
     median_off = statistics.median(clean)
+    quiet_step_s = statistics.median(after_step)
+    probe_round_ms = (round(1e3 * statistics.mean((s - quiet_step_s) / n for s, n in probe_steps), 3)
+                      if probe_steps else None)
     return {"detections_paired": len(within), "overhead_pct": _pct(within_mean),
             "ci95_pct": [_pct(within_mean - within_half), _pct(within_mean + within_half)],
+            "overhead_pct_with_probes": _pct(statistics.mean(within_all)),
+            "probe_rounds": [sum(probed[run].values()) for run in (0, 1)], "probe_round_ms": probe_round_ms,
             "decider_cpu_pct": round(100 * decision_cpu_s / max(decided, 1) / median_off, 3),
             "cross_run_pct": _pct(cross_mean), "cross_run_ci95_pct": [_pct(cross_mean - cross_half),
                                                                       _pct(cross_mean + cross_half)],
@@ -373,6 +395,9 @@ def main() -> None:
           f"(95% interval {h['cross_run_ci95_pct']}); median iteration {h['median_step_s_on']} / "
           f"{h['median_step_s_off']} s; the detection step after each training step took {h['after_step_pct']}% "
           f"of an iteration on the last rank, the hooks {h['hooks_pct']}%: {h['direct_pct']}% in all")
+    if h["probe_round_ms"] is not None:
+        print(f"detection steps with probe rounds, left out of the above: {h['probe_rounds']} rounds in the two runs, "
+              f"{h['probe_round_ms']} ms each; the estimate with them in: {h['overhead_pct_with_probes']}%")
     print(f"load average at end {out['loadavg_end']}")
 
 

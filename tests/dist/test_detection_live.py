@@ -314,5 +314,14 @@ def test_alternate_detection_times_each_iteration_with_detection_on_or_off(tmp_p
     assert sorted(recorded) == [2, 6]
     assert all(len(obs) == 2 and all(o.ops for o in obs) for obs in recorded.values())
 
+    # One rank, one stage group: its probe baselines take a round after its 1st and 2nd detections
+    # (iterations 4 and 8), which the measurement must tell apart from the judging.
+    shape[shape.index("--pipeline-model-parallel-size") + 1] = "1"
+    alone = tmp_path / "alone.jsonl"
+    check(run_job(1, [*shape, "--train-iters", "8", "--resihp-detect-only", "--resihp-event-log", str(alone)],
+                  timeout_s=240, env_extra={"RESIHP_ALTERNATE_DETECTION": "4:0"}))
+    assert {e["iteration"]: e["probe_rounds"] for e in read_events(alone, "iteration")} == {
+        i: int(i in (4, 8)) for i in range(1, 9)}
+
     bad = run_job(2, [*shape, "--train-iters", "2"], timeout_s=240, env_extra={"RESIHP_ALTERNATE_DETECTION": "4:4"})
     assert bad.returncode == 2 and "RESIHP_ALTERNATE_DETECTION must be PERIOD:PHASE" in bad.stderr, bad.stderr[-2000:]

@@ -18,24 +18,28 @@ NEXT_COST = 0.03  # and to the next one (rank 0 judged before starting it; the o
 
 
 def _write_runs(tmp_path, decision_cpu_s=0.0, iterations=400, seed=3, phases=live_detection.ALTERNATE_PHASES,
-                step_cost=STEP_COST, next_cost=NEXT_COST):
+                step_cost=STEP_COST, next_cost=NEXT_COST, probe_round_s=0.0):
     """Two runs of the same data (iteration costs that swing 2x), on a host whose speed drifts
-    differently in each run, each detecting on every 4th iteration, half a period apart."""
+    differently in each run, each detecting on every 4th iteration, half a period apart. With
+    ``probe_round_s``, the 1st, 2nd, 4th, ..., 32nd detection steps of each run also take a probe
+    round that long, as a one-stage-group job's own probe baselines do."""
     rng = random.Random(seed)
     data = [rng.uniform(0.25, 0.5) for _ in range(iterations + 1)]
     logs = []
     for run, phase in enumerate(phases):
         period, offset = (int(v) for v in phase.split(":"))
         drift_phase = rng.uniform(0, 2 * math.pi)
-        rows = []
+        rows, detections = [], 0
         for i in range(1, iterations + 1):
             detecting = i % period == offset
             after = (i - 1) % period == offset
+            detections += detecting
+            probes = int(detecting and probe_round_s > 0 and detections in (1, 2, 4, 8, 16, 32))
             host = 1 + 0.08 * math.sin(i / 15 + drift_phase) + rng.gauss(0, 0.005)
             elapsed = data[i] * host * (1 + (next_cost if after else 0.0))
-            step = elapsed + (data[i] * host * step_cost if detecting else 0.0)
+            step = elapsed + (data[i] * host * step_cost if detecting else 0.0) + probes * probe_round_s
             rows.append({"event": "iteration", "iteration": i, "detecting": detecting, "step_s": step,
-                         "elapsed_s": elapsed})
+                         "elapsed_s": elapsed, "probe_rounds": probes})
         rows.append({"event": "detector_overhead", "iteration": -1, "decision_s": 0.0,
                      "decision_cpu_s": decision_cpu_s})
         log = tmp_path / f"run{run}.jsonl"
@@ -61,6 +65,20 @@ def test_a_cost_that_lands_only_on_the_next_iteration_is_counted_in_full(tmp_pat
     result = live_detection.paired_overhead(_write_runs(tmp_path, step_cost=0.0, next_cost=0.04), skip=10)
     low, high = result["ci95_pct"]
     assert low <= 4.0 <= high and low > 3.0, result
+
+
+def test_probe_rounds_are_counted_apart_from_the_cost_of_every_detection(tmp_path):
+    # Baseline rounds of 0.2 s (about half an iteration) after detections 1, 2, 4, ..., 32 of 100:
+    # counted in, they would be most of the estimate; they stop after the 32nd detection.
+    result = live_detection.paired_overhead(_write_runs(tmp_path, probe_round_s=0.2), skip=10)
+    low, high = result["ci95_pct"]
+    assert low <= 100 * (STEP_COST + NEXT_COST) <= high, result
+    assert result["after_step_pct"] == pytest.approx(100 * STEP_COST, rel=0.1)
+    assert result["probe_rounds"] == [6, 6]
+    assert result["probe_round_ms"] == pytest.approx(200, rel=0.05)
+    assert result["overhead_pct_with_probes"] > high, result
+    without = live_detection.paired_overhead(_write_runs(tmp_path), skip=10)
+    assert without["probe_rounds"] == [0, 0] and without["probe_round_ms"] is None
 
 
 def test_rank_0s_judging_is_reported_as_cpu_per_detecting_iteration(tmp_path):
