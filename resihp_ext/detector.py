@@ -53,7 +53,7 @@ from resihp_ext.observations import (  # noqa: F401  (part of this module's API)
     Suspicion,
 )
 from resihp_ext.link_baselines import LinkBaselines
-from resihp_ext.op_signals import (Streak, beyond_common, group_op_durations, link_gaps, nansum, op_times,
+from resihp_ext.op_signals import (Streak, beyond_common, group_op_durations, link_gaps, nansum, op_tables,
                                    sibling_ratios, wall_per_busy)
 from resihp_ext import probe_verdicts
 from resihp_ext.iteration_estimate import IterationEstimate
@@ -191,7 +191,9 @@ class FailSlowDetector:
         if not observations:
             return None
         groups, feats = self._group(observations)
-        times = {o.rank: op_times(o) for o in observations}
+        tables = op_tables(observations)
+        row = {o.rank: i for i, o in enumerate(observations)}
+        times = {o.rank: tables[i, :, :len(o.features)] for i, o in enumerate(observations)}
         durations = {g: group_op_durations([times[o.rank] for o in obs]) for g, obs in groups.items()}
         # A group runs at its slowest member's pace, so a known slowdown scales the whole group.
         known = self._group_factors(self._expected, durations)
@@ -223,8 +225,8 @@ class FailSlowDetector:
                 stage_ratio[g] = (nansum(fwd) + nansum(bwd)) / predicted
                 for o in groups[g]:
                     rank_ratio[o.rank] = rank_busy[o.rank] / predicted
-        contention = wall_per_busy(times)
-        gaps = link_gaps(groups, times)
+        contention = wall_per_busy(tables)
+        gaps = link_gaps(groups, tables, row)
         observed_iter = statistics.median(o.iteration_s for o in observations)
         # A link is only suspect when its excess, over all its transfers in the iteration, matters
         # to the iteration (``LinkBaselines.ratios``): a sub-millisecond baseline jittering by a

@@ -77,9 +77,9 @@ def fit_compute_costs(iteration: int, observations: Iterable[RankObservation], l
     for obs in observations:
         replica = layout.replicas[obs.replica]
         stage = replica.stages[obs.stage]
-        busy = obs.op_busy()
-        fwd = sorted(t for (k, *_), t in zip(obs.ops, busy) if k == "F")
-        bwd = sorted(t for (k, *_), t in zip(obs.ops, busy) if k == "B")
+        pairs = list(zip(obs.ops, obs.op_busy()))
+        fwd = sorted([t for op, t in pairs if op[0] == "F"])
+        bwd = sorted([t for op, t in pairs if op[0] == "B"])
         if not (fwd and bwd):
             continue
         f, b = fwd[len(fwd) // 2], bwd[len(bwd) // 2]
