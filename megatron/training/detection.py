@@ -1,7 +1,7 @@
 """Live fail-slow detection: bring every rank's op timings to one rank, run validation probes, report.
 
 Responsible for the collective side of detection: each rank turns its recorded ops into a
-``RankObservation`` and sends it to the deciding rank (rank 0), which runs the pure
+``RankObservation`` and sends it to the deciding rank (``decider_rank``), which runs the pure
 ``FailSlowDetector`` on all of them. A suspicion triggers a probe round (a fixed GEMM timed on the
 suspects and their references, stretched like real compute when a slowdown is injected), which
 the detector concludes. Decisions are never made here.
@@ -16,8 +16,16 @@ every rank's timings, which held every rank until the slowest arrived, and the s
 on every rank; on 8 ranks sharing 2 cores the two cost 6-8% of each iteration. A probe step is a
 collective anyway: after one, the decider broadcasts what it settled and its next command, so
 every rank acts on a verdict at the same iteration and nothing is left in flight when a re-plan
-changes the groups. Rank 0 judges in its training thread: on a thread of its own it would share
-the GIL with the training thread, and delays of rank 0's sends would read as slow links.
+changes the groups. The decider judges in its training thread: on a thread of its own it would
+share the GIL with the training thread, and delays of its sends would read as slow links.
+
+The decider is the first rank of replica 0's last pipeline stage. Every iteration ends in the
+loss's all-reduce over the world, so all ranks start the next one together, and a last stage
+waits for its first activations while the stages before it each run a forward: judging there costs
+the job nothing until it takes longer than that. Judging on rank 0, the first stage, delays every
+stage behind it by all of its time, which at 1,024 ranks is 2.3% of an iteration
+(``scripts/bench/decider_scaling.py``). With one stage it is rank 0, as before. Each world chooses
+its decider when its detectors are built; a re-plan within a world keeps it.
 
 Messages travel on a gloo group of the whole world (the world group itself on CPU): a CPU control
 plane that neither touches the accelerator nor opens a communicator per pair of ranks.
@@ -46,7 +54,6 @@ from resihp_ext.observations import Suspicion
 from resihp_ext.planner.calibration import FIT_WINDOW, ComputeCosts, fit_compute_costs, pooled_costs
 from resihp_ext.validation import Cleared, ProbeResults, Verdict, pass_normalised_times, undecided
 
-DECIDER = 0  # the rank that judges every rank's observations
 _OBSERVATION_TAG, _COMMAND_TAG = 7301, 7302
 
 # The probe GEMM's side per device type. On a GPU it must be compute-bound: 8 GEMMs of 256 took
@@ -161,6 +168,12 @@ def healthy_link_bandwidth_Bps(probes: ProbeResults | None, slow: set[tuple[int,
     return num_bytes / seconds[len(seconds) // 2] if seconds else None
 
 
+def decider_rank(layout) -> int:
+    """The rank that judges: the first rank of replica 0's last pipeline stage (see the module's
+    docstring for why there)."""
+    return layout.replicas[0].stages[-1].ranks[0]
+
+
 def job_clock_offset() -> float:
     """Offset turning this rank's ``perf_counter`` into seconds since a job-wide origin.
 
@@ -198,7 +211,7 @@ def message_group(timeout_s: float):
 
 
 class LiveDetector:
-    """One per rank; call ``observe`` on every rank after every iteration (rank 0 decides; probe
+    """One per rank; call ``observe`` on every rank after every iteration (``decider_rank`` decides; probe
     steps are collective over the world group)."""
 
     def __init__(self, config, rank: int, replica: int, stage: int, tp_rank: int, device: torch.device,
@@ -226,6 +239,7 @@ class LiveDetector:
         self._baseline_due = 0  # observed iterations until the next baseline round
         self._baseline_spacing = 1
         self.world_size = dist.get_world_size()
+        self.decider = decider_rank(layout_getter())
         self.group = message_group(config.collective_timeout_s)
         self.outbox = Outbox()
         self.costs: ComputeCosts | None = None  # the latest command's: every rank holds the same
@@ -234,7 +248,7 @@ class LiveDetector:
         self._in_flight: Command | None = None  # decider: sent point-to-point, delivered at the next step
         # The others: the receive of a command sent point-to-point, to be read at the next step.
         self._awaiting: PostedReceive | None = None
-        self._posted: list[PostedReceive] | None = None  # rank 0: receives of the next observations
+        self._posted: list[PostedReceive] | None = None  # decider: receives of the next observations
         self._plan: ProbePlan | None = None  # decider: the plan behind the next step's probes
         self._lost: RuntimeError | None = None  # a receive that failed, left to the next iteration
 
@@ -295,16 +309,17 @@ class LiveDetector:
         """
         if self._lost is not None:  # a whole iteration ran since, and nothing failed: not a lost peer
             raise self._lost
-        deciding = self.rank == DECIDER
+        deciding = self.deciding
         gathered = None
         try:
             if deciding:
                 posted = self._posted or self._post_observation_receives()
-                gathered = [mine] + [receive.take() for receive in posted]
+                gathered = [receive.take() for receive in posted]
+                gathered.insert(self.decider, mine)  # every rank's, in rank order
                 # Next iteration's observations can arrive while this rank computes.
                 self._posted = self._post_observation_receives()
             else:
-                self.outbox.send(mine, [DECIDER], _OBSERVATION_TAG, self.group)
+                self.outbox.send(mine, [self.decider], _OBSERVATION_TAG, self.group)
                 if self._awaiting is not None:
                     self._deliver(self._awaiting.take())
                     self._awaiting = None
@@ -332,7 +347,7 @@ class LiveDetector:
             # next command at once.
             following = self._decide(iteration, gathered) if deciding else None
             shared = [(settled, following)]
-            dist.broadcast_object_list(shared, src=DECIDER, group=self.group)
+            dist.broadcast_object_list(shared, src=self.decider, group=self.group)
             settled, following = shared[0]
             self._deliver(following)
         else:
@@ -340,15 +355,23 @@ class LiveDetector:
                 if deciding:
                     following = self._decide(iteration, gathered)
                     self._in_flight = following
-                    self.outbox.send(following, range(1, self.world_size), _COMMAND_TAG, self.group)
+                    self.outbox.send(following, self._others(), _COMMAND_TAG, self.group)
                 else:
-                    self._awaiting = PostedReceive(DECIDER, _COMMAND_TAG, self.group)
+                    self._awaiting = PostedReceive(self.decider, _COMMAND_TAG, self.group)
             except RuntimeError as error:  # a peer that died since it sent: as above
                 self._lost = error
         return gathered, settled
 
+    @property
+    def deciding(self) -> bool:
+        """Whether this rank is the one that judges (and holds every rank's observations)."""
+        return self.rank == self.decider
+
+    def _others(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.decider]
+
     def _post_observation_receives(self) -> list[PostedReceive]:
-        return [PostedReceive(r, _OBSERVATION_TAG, self.group) for r in range(1, self.world_size)]
+        return [PostedReceive(r, _OBSERVATION_TAG, self.group) for r in self._others()]
 
     def _decide(self, iteration: int, gathered: list[RankObservation]) -> Command:
         start, cpu_start = time.perf_counter(), time.thread_time()
@@ -405,7 +428,7 @@ class LiveDetector:
             round_s = {r: chosen.get(r, 0.0) for r in subjects}
             if not undecided(round_s, self.config.probe_threshold, suspects):
                 break
-            if self.rank == DECIDER and extension < _PROBE_EXTENSIONS:
+            if self.deciding and extension < _PROBE_EXTENSIONS:
                 readings = ", ".join(f"{r}: {t * 1e3:.2f}" for r, t in round_s.items())
                 log_line(f" resihp: probes undecided (ms: {readings}), probing ranks {subjects} again")
         return round_s

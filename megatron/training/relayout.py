@@ -85,6 +85,7 @@ class LayoutChanges:
                                      self.live.device, lambda: self.layout, self.live.link_probe_bytes)
             self.live.costs = costs
             self.live.detector.expect(self.known_health.slow_factors, self.known_health.bursts)
+            self._trace_follows_decider()
         elif self.live is not None:
             self.live.replica, self.live.stage, self.live.tp_rank = replica, stage, layout.tp_rank_of(self.rank)
         if world_changed and start_monitor and self.store is not None:

@@ -112,7 +112,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         # Ranks a fail-slow plan leaves out stand by to rejoin (they need the store to be called).
         self.standby_on = self.cfg.enable and not self.cfg.no_standby and self.store is not None
         self.trace = None
-        if self.cfg.trace and self.rank == 0:
+        # Written by the decider, which holds every rank's observations.
+        if self.cfg.trace and (self.live.deciding if self.live is not None else self.rank == 0):
             self.trace = open(self.cfg.trace, "w", encoding="utf-8")
             header = {"format": "resihp-trace", "version": 1, "source": "live",
                       "layout": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
@@ -471,6 +472,16 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             return 0
         return len(self.live.probe_rounds) + bool(self.live.refined_baselines)
 
+    def _trace_follows_decider(self) -> None:
+        """A new world chose its decider: the trace goes on in the process that now judges."""
+        if not self.cfg.trace or self.live is None:
+            return
+        if self.live.deciding and self.trace is None:
+            self.trace = open(self.cfg.trace, "a", encoding="utf-8")
+        elif not self.live.deciding and self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
     def _emit(self, event: dict) -> None:
         event = dict(event)
         self.events.emit(event.pop("event"), event.pop("iteration"), **event)
@@ -485,7 +496,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             self.sync = None
         if self.trace is not None:
             self.trace.close()
-        if self.live is not None and self.rank == 0:
+        if self.live is not None and self.live.deciding:
             self.events.emit("detector_overhead", -1, decision_s=self.live.decision_s,
                              decision_cpu_s=self.live.decision_cpu_s)
 

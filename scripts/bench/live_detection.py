@@ -7,8 +7,8 @@ attention) and measures, in one invocation:
 (b) the same job with ``slow:rank=3,factor=1.5,at=10`` injected;
 (c) what detection costs: two runs of ``--overhead-iters`` with ``RESIHP_ALTERNATE_DETECTION``
     ``4:0`` and ``4:2``, in which the op hooks and the per-iteration detection (sending timings to
-    rank 0, its judging) run on every 4th iteration only, half a period apart. Each detection's
-    iteration and the next (which pays for rank 0's judging) are thus timed with detection in
+    the decider, its judging) run on every 4th iteration only, half a period apart. Each detection's
+    iteration and the next (which pays for the judging) are thus timed with detection in
     one run and clean in the other, and neighbouring pairs take out the host's drift
     (``paired_overhead``); detection steps that ran probe rounds are reported apart, per round;
 (d) this host's timing floor: one fixed op (GEMMs, the size of a micro-batch's compute) timed by
@@ -127,8 +127,8 @@ ALTERNATE_PHASES = ("4:0", "4:2")
 def paired_overhead(logs: list[Path], skip: int) -> dict:
     """Detection's cost from the two runs of ``ALTERNATE_PHASES`` (``RESIHP_ALTERNATE_DETECTION``).
 
-    Detecting after iteration ``i`` costs time in ``i`` (the detection step) and in ``i + 1``: rank 0
-    judges after its step, so it starts ``i + 1`` late, and the ranks that wait for it in the
+    Detecting after iteration ``i`` costs time in ``i`` (the detection step) and in ``i + 1``: the
+    decider judges after its step, so it may start ``i + 1`` late, and the ranks that wait for it in the
     pipeline and the gradient all-reduce pay for that in their ``i + 1``. So the unit is the pair
     ``(i, i + 1)``: when one run detects after ``i``, the other detects after ``i - 2`` and
     ``i + 2``, and its pair ``(i, i + 1)`` is clean while its neighbouring pairs are not (and the
@@ -155,7 +155,7 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
     step's time less the median probe-free step's, per round). ``overhead_pct_with_probes`` is the
     within-runs estimate over every detection, probes included.
 
-    ``decider_cpu_pct`` is rank 0's judging per detecting iteration, in CPU seconds
+    ``decider_cpu_pct`` is the decider's judging per detecting iteration, in CPU seconds
     (``decision_cpu_s`` of the ``detector_overhead`` events), over the median clean iteration.
     """
     times, detecting, elapsed, probed = [{}, {}], [{}, {}], [{}, {}], [{}, {}]
@@ -390,7 +390,7 @@ def main() -> None:
     h = out["detection_overhead"]
     print(f"\ndetection on/off, {h['detections_paired']} detections timed with the next iteration against the same "
           f"iterations clean: overhead {h['overhead_pct']}% of an iteration "
-          f"(95% interval {h['ci95_pct']}), within runs; rank 0's judging took {h['decider_cpu_pct']}% of an "
+          f"(95% interval {h['ci95_pct']}), within runs; the decider's judging took {h['decider_cpu_pct']}% of an "
           f"iteration in CPU; across runs {h['cross_run_pct']}% "
           f"(95% interval {h['cross_run_ci95_pct']}); median iteration {h['median_step_s_on']} / "
           f"{h['median_step_s_off']} s; the detection step after each training step took {h['after_step_pct']}% "
