@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ import torch.distributed as dist
 from megatron.training.link_faults import LINKS
 from megatron.training.logging_utils import log_line
 from megatron.training.object_messages import Outbox, PostedReceive
-from megatron.training.schedules import RECORDER
+from megatron.training.schedules import RECORDER, wait_until
 from resihp_ext.confirmation import PendingVerdicts, ProbePlan
 from resihp_ext.detector import FailSlowDetector, RankObservation
 from resihp_ext.observations import Suspicion
@@ -170,8 +171,36 @@ def healthy_link_bandwidth_Bps(probes: ProbeResults | None, slow: set[tuple[int,
 
 def decider_rank(layout) -> int:
     """The rank that judges: the first rank of replica 0's last pipeline stage (see the module's
-    docstring for why there)."""
-    return layout.replicas[0].stages[-1].ranks[0]
+    docstring for why there). ``RESIHP_DECIDER=first`` makes it rank 0 (measurement only:
+    ``scripts/bench/decider_placement.py``)."""
+    placement = os.environ.get("RESIHP_DECIDER", "last")
+    if placement not in ("first", "last"):
+        _refuse(f"RESIHP_DECIDER must be 'first' (rank 0) or 'last' (the first rank of replica 0's last stage, "
+                f"the default), got {placement!r}")
+    return 0 if placement == "first" else layout.replicas[0].stages[-1].ranks[0]
+
+
+PAD_PERIOD = 4  # RESIHP_JUDGING_PAD_S pads the judgement after every 4th iteration
+
+
+def _refuse(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def judging_pad_s() -> float:
+    """``RESIHP_JUDGING_PAD_S``: the judgement after every 4th iteration lasts at least this many
+    seconds, waited out in the decider's training thread, as judging a job of many more ranks
+    would; the iterations between time the same run without it (measurement only:
+    ``scripts/bench/decider_placement.py``). 0 when unset."""
+    value = os.environ.get("RESIHP_JUDGING_PAD_S", "0")
+    try:
+        pad = float(value)
+    except ValueError:
+        pad = -1.0
+    if not 0.0 <= pad < 60.0:
+        _refuse(f"RESIHP_JUDGING_PAD_S must be seconds in [0, 60), got {value!r}")
+    return pad
 
 
 def job_clock_offset() -> float:
@@ -240,6 +269,7 @@ class LiveDetector:
         self._baseline_spacing = 1
         self.world_size = dist.get_world_size()
         self.decider = decider_rank(layout_getter())
+        self.judging_pad_s = judging_pad_s()
         self.group = message_group(config.collective_timeout_s)
         self.outbox = Outbox()
         self.costs: ComputeCosts | None = None  # the latest command's: every rank holds the same
@@ -383,6 +413,8 @@ class LiveDetector:
                 self._fits.append(self.costs)
             self._fits.append(fit)
         command = Command(iteration, tuple(self._plan.subjects), pooled_costs(self._fits) if fit else None)
+        if self.judging_pad_s and iteration % PAD_PERIOD == 0:
+            wait_until(start + self.judging_pad_s)
         self.decision_s += time.perf_counter() - start
         self.decision_cpu_s += time.thread_time() - cpu_start
         return command

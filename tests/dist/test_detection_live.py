@@ -313,6 +313,8 @@ def test_alternate_detection_times_each_iteration_with_detection_on_or_off(tmp_p
     recorded = load_trace(str(trace)).iterations
     assert sorted(recorded) == [2, 6]
     assert all(len(obs) == 2 and all(o.ops for o in obs) for obs in recorded.values())
+    # Rank 1, the last stage, judged (and wrote the trace): it idles while stage 0 runs its first forward.
+    assert [e["rank"] for e in read_events(log, "detector_overhead")] == [1]
 
     # One rank, one stage group: its probe baselines take a round after its 1st and 2nd detections
     # (iterations 4 and 8), which the measurement must tell apart from the judging.
