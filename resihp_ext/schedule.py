@@ -8,6 +8,7 @@ live test asserts the order recorded by the schedule hooks equals it. Nothing he
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 
@@ -36,6 +37,9 @@ def num_warmup_microbatches(num_stages: int, stage: int, num_microbatches: int) 
     return min(num_stages - stage - 1, num_microbatches)
 
 
+# Immutable, and asked for once per replica per judged iteration (128 times an iteration at 4,096
+# ranks) with the same few shapes.
+@functools.lru_cache(maxsize=256)
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """The non-interleaved 1F1B schedule, one op list per pipeline stage.
 

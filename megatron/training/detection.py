@@ -95,7 +95,7 @@ def on_probe_core(device: torch.device):
 def gemm_probe_s(device: torch.device, samples: int = 5, one_core: bool = True) -> float:
     """Busy seconds of a fixed GEMM workload on this rank, as slow as its real compute.
 
-    Timed like the training ops (``RECORDER.finish_op``: busy clock, injected slowdown, emulated device).
+    Timed like the training ops (``RECORDER.run_timed``: busy clock, injected slowdown, emulated device).
     The minimum over ``samples`` runs: the work is fixed, so interference can only add time, and
     the fastest run is the device's own speed. Runs ``on_probe_core`` unless ``one_core`` is False
     (``scripts/bench/probe_noise.py`` measures what that changes).
@@ -106,12 +106,15 @@ def gemm_probe_s(device: torch.device, samples: int = 5, one_core: bool = True) 
     times = []
     with on_probe_core(device) if one_core else contextlib.nullcontext():
         for _ in range(samples):
-            RECORDER.synchronize()
-            start, busy_start = time.perf_counter(), RECORDER.busy_clock()
-            for _ in range(_PROBE_REPEATS):
-                a = torch.tanh(a @ b)
-            times.append(RECORDER.finish_op(start, busy_start))
+            a, _, busy = RECORDER.run_timed(_gemm_chain, a, b)
+            times.append(busy)
     return min(times)
+
+
+def _gemm_chain(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    for _ in range(_PROBE_REPEATS):
+        a = torch.tanh(a @ b)
+    return a
 
 
 def link_probe_bytes(args) -> int:

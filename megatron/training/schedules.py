@@ -158,13 +158,19 @@ class OpRecorder:
                 end_event.record()  # the device idled through the host's wait: the op ends with it
             self._pending.append((kind.value, mb, start_event, end_event))
             return result
-        self.synchronize()
-        start, busy_start = time.perf_counter(), self.busy_clock()
-        result = fn(*args, **kwargs)
-        busy = self.finish_op(start, busy_start)
+        result, start, busy = self.run_timed(fn, *args, **kwargs)
         self.ops.append((kind.value, mb, start, time.perf_counter()))
         self.busy.append(busy)
         return result
+
+    def run_timed(self, fn: Callable, *args, **kwargs) -> tuple[object, float, float]:
+        """Run ``fn`` as device work timed on the host: ``(its result, its start on perf_counter,
+        its device seconds)``, after a synchronize, stretched by an injected slowdown, and on an
+        emulated device waited out (``finish_op``). The training ops' CPU path and the GEMM probes."""
+        self.synchronize()
+        start, busy_start = time.perf_counter(), self.busy_clock()
+        result = fn(*args, **kwargs)
+        return result, start, self.finish_op(start, busy_start)
 
     def collect(self) -> None:
         """Turn the iteration's timing events into ``ops`` and ``busy`` (CUDA; a no-op elsewhere).
