@@ -111,8 +111,8 @@ def _alternate_detection() -> tuple[int, int] | None:
     """``RESIHP_ALTERNATE_DETECTION=PERIOD:PHASE``, for measuring what detection costs: the op
     hooks and the per-iteration detection run only on iterations ``i`` with ``i % PERIOD == PHASE``,
     and each iteration event carries ``detecting``, ``step_s`` (the iteration's time including
-    detection) and ``probe_rounds`` (probe rounds its detection step ran). Two runs of different phases time iterations both ways. Returns
-    ``(period, phase)``, or None when unset."""
+    detection) and ``probe_rounds`` (probe rounds its detection step ran). Two runs of different
+    phases time iterations both ways. Returns ``(period, phase)``, or None when unset."""
     value = os.environ.get("RESIHP_ALTERNATE_DETECTION")
     if not value:
         return None

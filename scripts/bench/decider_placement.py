@@ -9,13 +9,15 @@ Measured live: a TP1 x PP4 CPU job of 4 processes whose ranks act as devices of 
 (``--cpu-device-time-scale``, so a rank that waits is idle, as a GPU's host is), judging after
 every iteration (``--resihp-detect-only``). After every 4th iteration the judgement is made to
 last ``--pads`` seconds (``RESIHP_JUDGING_PAD_S``), as judging a job of thousands of ranks does
-(``decider_scaling.py``: 65 ms at 1,024 ranks, 302 ms at 4,096, on a 2-core host). A padded judgement after iteration ``i`` lands in the periods
-of ``i`` and ``i + 1`` (the periods between the last rank's iteration events: everything a rank
-does per iteration); ``i + 2`` and ``i + 3`` in the same run are the same job without it, a few
-hundred milliseconds apart, so the host's drift between runs stays out. Per pad, runs with the
-decider on rank 0 (``RESIHP_DECIDER=first``) and on the last stage (the default), in ``--rounds``
-rounds. Prints, per placement, the median extra time of a padded pair of iterations and what share
-of the pad the last stage hides.
+(``decider_scaling.py``: 65 ms at 1,024 ranks, 302 ms at 4,096, on a 2-core host). Documents are
+of one length, so every iteration does the same work. A padded judgement after iteration ``i``
+lands in the periods of ``i`` and ``i + 1`` (the periods between the last rank's iteration
+events: everything a rank does per iteration); ``i + 2`` and ``i + 3`` of the same run are the
+same job without it, a few hundred milliseconds later, so the host's drift between runs stays
+out. Per pad, runs with the decider on rank 0 (``RESIHP_DECIDER=first``) and on the last stage
+(the default), in ``--rounds`` rounds, and a run without a pad for the estimate's zero. Prints,
+per placement, the median extra time of a padded pair of iterations and what share of the pad the
+last stage hides (against rank 0).
 
     python scripts/bench/decider_placement.py [--json] [--pads 0.05,0.15] [--rounds 2] [--iters 60]
 """
@@ -121,7 +123,8 @@ def main() -> None:
     print(f"TP1 x PP4, 4 processes, devices emulated at {SCALE}x a core; iteration {out['iteration_s']} s; a forward "
           f"before the last stage {out['forward_s_before_last_stage']} s, so the last stage waits about "
           f"{out['wait_of_last_stage_s']} s for its first activations")
-    print(f"{'judging s':>10} {'decider':>11} {'judgements':>11} {'extra s':>8} {'% of iter.':>10} {'share hidden':>13}")
+    print(f"{'judging s':>10} {'decider':>11} {'judgements':>11} {'extra s':>8} {'% of iter.':>10} "
+          f"{'share hidden':>13}")
     for r in rows:
         print(f"{r['pad_s']:>10} {r['decider']:>11} {r['padded_judgements']:>11} {r['extra_s']:>8} "
               f"{r['extra_pct_of_iteration']:>10} {r.get('share_hidden', '-')!s:>13}")

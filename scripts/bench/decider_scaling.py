@@ -1,14 +1,15 @@
 """What judging costs the deciding rank as the job grows: 64 to 4,096 ranks.
 
-Rank 0 judges every iteration of the whole job (``megatron.training.detection.LiveDetector``):
-it unpickles every rank's observation, runs the fail-slow detector over all of them and fits the
-planner's compute costs. Its TP group and then the pipeline wait for it, so this time adds to the
+One rank judges every iteration of the whole job (``megatron.training.detection.LiveDetector``,
+on ``decider_rank``): it unpickles every rank's observation, runs the fail-slow detector over all
+of them and fits the planner's compute costs. What of it exceeds the decider's wait for its
+first activations (it sits on the last pipeline stage; ``decider_placement.py``) adds to the
 job's iteration. Here that work runs on synthetic healthy iterations of TP8 x PP4 x DP jobs
 (``resihp_ext.traces.SyntheticSpec``: packed documents, 8 micro-batches per iteration) at each
 size, pickled as ``object_messages`` sends them, and is timed per iteration after the detector's
 warm-up. Reported per size: milliseconds per iteration, microseconds per rank, the share of the
 synthetic iteration's time, and the per-rank cost over the smallest size's (1 when judging
-scales linearly). The receives themselves (one per rank, over gloo or NCCL) are not included.
+scales linearly). The receives themselves (one per rank, over gloo) are not included.
 
     python scripts/bench/decider_scaling.py [--json] [--ranks 64,256,1024,4096] [--iters 30]
 """
@@ -62,7 +63,8 @@ def measure(ranks: int, iters: int, seed: int = 1) -> dict:
             iteration_s.append(statistics.median(o.iteration_s for o in observations))
             suspicions += suspicion is not None
     median_s = statistics.median(per_iteration)
-    return {"ranks": ranks, "ms_per_iteration": round(1e3 * median_s, 2), "us_per_rank": round(1e6 * median_s / ranks, 2),
+    return {"ranks": ranks, "ms_per_iteration": round(1e3 * median_s, 2),
+            "us_per_rank": round(1e6 * median_s / ranks, 2),
             "pct_of_iteration": round(100 * median_s / statistics.median(iteration_s), 3),
             "iteration_s": round(statistics.median(iteration_s), 3), "suspicions": suspicions}
 
@@ -79,7 +81,8 @@ def main() -> None:
     except ValueError:
         parser.error(f"--ranks takes comma-separated integers, got {args.ranks!r}")
     if any(r <= 0 or r % (TP * PP) for r in sizes):
-        parser.error(f"--ranks: every size must be a positive multiple of {TP * PP} (TP{TP} x PP{PP}), got {args.ranks}")
+        parser.error(f"--ranks: every size must be a positive multiple of {TP * PP} (TP{TP} x PP{PP}), "
+                     f"got {args.ranks}")
     if args.iters < 5:
         parser.error("--iters must be at least 5")
     rows = [measure(r, args.iters) for r in sizes]
