@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import live_detection  # noqa: E402  (its job arguments and launcher)
+from tables import print_table  # noqa: E402
 
 PP = 4
 SCALE = "4"  # each rank a device 4x slower than a core: 4 ranks on 2 cores then idle most of the time
@@ -123,11 +124,9 @@ def main() -> None:
     print(f"TP1 x PP4, 4 processes, devices emulated at {SCALE}x a core; iteration {out['iteration_s']} s; a forward "
           f"before the last stage {out['forward_s_before_last_stage']} s, so the last stage waits about "
           f"{out['wait_of_last_stage_s']} s for its first activations")
-    print(f"{'judging s':>10} {'decider':>11} {'judgements':>11} {'extra s':>8} {'% of iter.':>10} "
-          f"{'share hidden':>13}")
-    for r in rows:
-        print(f"{r['pad_s']:>10} {r['decider']:>11} {r['padded_judgements']:>11} {r['extra_s']:>8} "
-              f"{r['extra_pct_of_iteration']:>10} {r.get('share_hidden', '-')!s:>13}")
+    print_table([("pad_s", "judging s", 10), ("decider", "decider", 11), ("padded_judgements", "judgements", 11),
+                 ("extra_s", "extra s", 8), ("extra_pct_of_iteration", "% of iter.", 10),
+                 ("share_hidden", "share hidden", 13)], rows)
 
 
 if __name__ == "__main__":

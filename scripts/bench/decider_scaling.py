@@ -26,12 +26,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from resihp_ext.config import ResiHPConfig
 from resihp_ext.detector import FailSlowDetector
 from resihp_ext.layout import Layout, ModelSpec
 from resihp_ext.planner.calibration import fit_compute_costs
 from resihp_ext.traces import SyntheticSpec, synthetic_trace
+from tables import print_table  # noqa: E402
 
 TP, PP = 8, 4
 WARMUP_ITERS = 10  # the detector judges from its 5th iteration; its fits settle over a few more
@@ -91,11 +93,9 @@ def main() -> None:
     if args.json:
         print(json.dumps({"rows": rows}))
         return
-    print(f"{'ranks':>6} {'ms/iteration':>13} {'us/rank':>8} {'% of iteration':>15} {'per rank vs smallest':>21} "
-          f"{'suspicions':>10}")
-    for row in rows:
-        print(f"{row['ranks']:>6} {row['ms_per_iteration']:>13} {row['us_per_rank']:>8} {row['pct_of_iteration']:>15} "
-              f"{row['per_rank_over_smallest']:>21} {row['suspicions']:>10}")
+    print_table([("ranks", "ranks", 6), ("ms_per_iteration", "ms/iteration", 13), ("us_per_rank", "us/rank", 8),
+                 ("pct_of_iteration", "% of iteration", 15), ("per_rank_over_smallest", "per rank vs smallest", 21),
+                 ("suspicions", "suspicions", 10)], rows)
 
 
 if __name__ == "__main__":
