@@ -66,8 +66,11 @@ class IterationEstimate:
         """
         scale = self.typical_contention(contention)
         spans = []
-        for r in sorted({g[0] for g in keys}):
-            stages = sorted(s for (rr, s) in keys if rr == r)
+        by_replica: dict[int, list[int]] = {}
+        for r, s in keys:
+            by_replica.setdefault(r, []).append(s)
+        for r in sorted(by_replica):
+            stages = sorted(by_replica[r])
             if stages != list(range(len(stages))):
                 return None  # a replica with missing stages cannot be simulated
             p2p = [transfer_s((r, s), (r, s + 1)) for s in stages[:-1]]

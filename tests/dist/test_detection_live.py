@@ -143,8 +143,15 @@ def test_injected_link_slowdown_is_named_by_link_probes_and_replanned(tmp_path):
     plans = [p for p in read_events(log, "plan") if p["iteration"] == acted]
     assert plans and plans[0]["action"] == "adapt", context
     quotas = plans[0]["quotas"]
-    assert sum(quotas) == GLOBAL_BATCH // MICRO_BATCH and quotas[0] < quotas[1], plans
-    assert [a["quotas"] for a in read_events(log, "adapted")] == [quotas]
+    assert sum(quotas) == GLOBAL_BATCH // MICRO_BATCH, plans
+    adapted = [a["quotas"] for a in read_events(log, "adapted")]
+    if len(quotas) == 1:
+        # The link ran far slower than 1000x (once 3,650x, its healthy speed measured on a busy
+        # host): replica 0 is left out, stands by, and rejoins once the re-formed world no longer
+        # slows it (an injected link fault names the old world's ranks).
+        assert "replica 0: dropped" in plans[0]["reason"] and adapted[0] == quotas, (plans, adapted)
+    else:
+        assert quotas[0] < quotas[1] and adapted == [quotas], (plans, adapted)
     ours, ref = iteration_losses(log), iteration_losses(ref_log)
     assert sorted(ours) == list(range(1, 21))
     assert [ours[i] for i in range(1, 21)] == pytest.approx([ref[i] for i in range(1, 21)], rel=1e-5)
