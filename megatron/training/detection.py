@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.link_faults import LINKS
-from megatron.training.logging_utils import log_line
+from megatron.training.logging_utils import exit_with_error, log_line
 from megatron.training.object_messages import Outbox, PostedReceive
 from megatron.training.schedules import RECORDER, wait_until
 from resihp_ext.confirmation import PendingVerdicts, ProbePlan
@@ -181,17 +180,12 @@ def decider_rank(layout) -> int:
     ``scripts/bench/decider_placement.py``)."""
     placement = os.environ.get("RESIHP_DECIDER", "last")
     if placement not in ("first", "last"):
-        _refuse(f"RESIHP_DECIDER must be 'first' (rank 0) or 'last' (the first rank of replica 0's last stage, "
+        exit_with_error(f"RESIHP_DECIDER must be 'first' (rank 0) or 'last' (the first rank of replica 0's last stage, "
                 f"the default), got {placement!r}")
     return 0 if placement == "first" else layout.replicas[0].stages[-1].ranks[0]
 
 
 PAD_PERIOD = 4  # RESIHP_JUDGING_PAD_S pads the judgement after every 4th iteration
-
-
-def _refuse(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def judging_pad_s() -> float:
@@ -205,7 +199,7 @@ def judging_pad_s() -> float:
     except ValueError:
         pad = -1.0
     if not 0.0 <= pad < 60.0:
-        _refuse(f"RESIHP_JUDGING_PAD_S must be seconds in [0, 60), got {value!r}")
+        exit_with_error(f"RESIHP_JUDGING_PAD_S must be seconds in [0, 60), got {value!r}")
     return pad
 
 

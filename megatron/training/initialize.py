@@ -14,7 +14,6 @@ import datetime
 import hashlib
 import os
 import random
-import sys
 
 import numpy as np
 import torch
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron.training import cpu_affinity, cpu_mode, host_memory
+from megatron.training.logging_utils import exit_with_error
 
 
 def world_backend(device: str) -> str:
@@ -40,8 +40,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         try:
             cpu_affinity.pin_this_rank()
         except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            raise SystemExit(2) from None
+            exit_with_error(str(error))
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if args.resihp.enable:

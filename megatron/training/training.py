@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from typing import Callable
 
@@ -22,7 +21,7 @@ from megatron.core import parallel_state
 from megatron.training import checkpointing, garbage_collection, heartbeat_beacon
 from megatron.training.data_samplers import GlobalBatchSampler, even_quotas, microbatches
 from megatron.training.initialize import initialize_distributed, set_random_seed
-from megatron.training.logging_utils import EventLog, TensorBoard, iteration_line, log_line
+from megatron.training.logging_utils import EventLog, TensorBoard, exit_with_error, iteration_line, log_line
 from megatron.training.model_builder import build_training_objects
 from megatron.training.resilience import StopTraining
 from megatron.training.schedules import RECORDER, install_hooks, train_step, uninstall_hooks
@@ -119,9 +118,8 @@ def _alternate_detection() -> tuple[int, int] | None:
     period, _, phase = value.partition(":")
     if period.isdigit() and phase.isdigit() and 0 <= int(phase) < int(period):
         return int(period), int(phase)
-    print(f"error: RESIHP_ALTERNATE_DETECTION must be PERIOD:PHASE with 0 <= PHASE < PERIOD (4:0 detects on "
-          f"iterations 4, 8, ...), got {value!r}", file=sys.stderr)
-    raise SystemExit(2)
+    exit_with_error(f"RESIHP_ALTERNATE_DETECTION must be PERIOD:PHASE with 0 <= PHASE < PERIOD (4:0 detects on "
+                    f"iterations 4, 8, ...), got {value!r}")
 
 
 def pretrain(
