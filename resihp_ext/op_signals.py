@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from resihp_ext.observations import LinkId, RankObservation
+from resihp_ext.observations import LinkId
 
 
 def op_tables(observations) -> np.ndarray:
@@ -36,11 +36,6 @@ def op_tables(observations) -> np.ndarray:
                 b_start[mb], b_end[mb], b_busy[mb] = start, end, busy
         rows.append(table)
     return np.array(rows, dtype=float).reshape(len(observations), 6, width)
-
-
-def op_times(obs: RankObservation) -> np.ndarray:
-    """One observation's op table (``op_tables``), ``[row, micro-batch]``."""
-    return op_tables([obs])[0]
 
 
 class Baselines:

@@ -7,7 +7,7 @@ import pytest
 
 from resihp_ext.link_baselines import LinkBaselines
 from resihp_ext.observations import RankObservation
-from resihp_ext.op_signals import Baselines, link_gaps, op_tables, op_times, sibling_ratios, wall_per_busy
+from resihp_ext.op_signals import Baselines, link_gaps, op_tables, sibling_ratios, wall_per_busy
 
 
 def test_baseline_medians_and_quantiles_are_over_each_ids_last_values():
@@ -121,7 +121,7 @@ def test_op_tables_pad_replicas_that_run_fewer_micro_batches_and_link_gaps_ignor
     tables = op_tables(observations)
     assert tables.shape == (4, 6, 3)
     assert np.isnan(tables[2:, :, 2]).all() and not np.isnan(tables[:2]).any()
-    np.testing.assert_array_equal(tables[3, :, :2], op_times(observations[3]))
+    np.testing.assert_array_equal(tables[3, :, :2], op_tables(observations[3:])[0])  # its own, unpadded
     np.testing.assert_allclose(tables[1, 4], [0.8, 0.9, 0.7])  # busy: each forward's end - start
     groups = {(o.replica, o.stage): [o] for o in observations}
     gaps = link_gaps(groups, tables, {o.rank: i for i, o in enumerate(observations)})
