@@ -33,37 +33,36 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import live_detection  # noqa: E402  (its job arguments and launcher)
+import live_detection  # noqa: E402  (its job arguments and launcher; puts the checkout on sys.path)
 from tables import print_table  # noqa: E402
+
+from megatron.training.detection import PAD_PERIOD  # noqa: E402
+from resihp_ext.traces import load_trace  # noqa: E402
 
 PP = 4
 SCALE = "4"  # each rank a device 4x slower than a core: 4 ranks on 2 cores then idle most of the time
 WARMUP_ITERS = 10
-PAD_PERIOD = 4  # megatron.training.detection.PAD_PERIOD
 
 
-def padded_pair_extra(log: Path) -> list[float]:
-    """Per padded judgement after iteration ``i``: the periods of ``i`` and ``i + 1`` less those of
-    ``i + 2`` and ``i + 3`` (a period: seconds since the last rank's previous iteration event)."""
+def periods(log: Path) -> dict[int, float]:
+    """Per iteration, seconds since the last rank's previous iteration event: everything a rank
+    does per iteration."""
     times = {e["iteration"]: e["time"] for e in live_detection.events(log, "iteration")}
-    period = {i: times[i] - times[i - 1] for i in times if i - 1 in times}
+    return {i: times[i] - times[i - 1] for i in times if i - 1 in times}
+
+
+def padded_pair_extra(period: dict[int, float]) -> list[float]:
+    """Per padded judgement after iteration ``i``: the periods of ``i`` and ``i + 1`` less those of
+    ``i + 2`` and ``i + 3``."""
     return [period[i] + period[i + 1] - period[i + 2] - period[i + 3] for i in sorted(period)
             if i > WARMUP_ITERS and i % PAD_PERIOD == 0 and all(k in period for k in range(i, i + 4))]
 
 
-def median_period(log: Path) -> float:
-    times = [e["time"] for e in live_detection.events(log, "iteration") if e["iteration"] >= WARMUP_ITERS]
-    return statistics.median(b - a for a, b in zip(times, times[1:]))
-
-
 def forward_s(trace: Path) -> float:
     """Median forward of the stages before the last: what the last stage waits for, per stage."""
-    durations = []
-    for line in trace.read_text().splitlines():
-        row = json.loads(line)
-        if "ops" in row and row["iteration"] > WARMUP_ITERS and row["stage"] < PP - 1:
-            durations += [end - start for kind, _, start, end in row["ops"] if kind == "F"]
-    return statistics.median(durations)
+    return statistics.median(end - start for iteration, observations in load_trace(str(trace)).iterations.items()
+                             if iteration > WARMUP_ITERS for o in observations if o.stage < PP - 1
+                             for kind, _, start, end in o.ops if kind == "F")
 
 
 def main() -> None:
@@ -100,10 +99,11 @@ def main() -> None:
             log.unlink(missing_ok=True)
             live_detection.launch(PP, [*base, "--resihp-event-log", str(log), "--resihp-trace", str(trace)],
                                   {"RESIHP_DECIDER": where, "RESIHP_JUDGING_PAD_S": str(pad)})
-            extra[(pad, where)] += padded_pair_extra(log)
+            period = periods(log)
+            extra[(pad, where)] += padded_pair_extra(period)
             forwards.append(forward_s(trace))
             if pad == 0:
-                iteration_s.append(median_period(log))
+                iteration_s.append(statistics.median(p for i, p in period.items() if i > WARMUP_ITERS))
     none = statistics.median(iteration_s)
     rows = []
     for pad, where in runs:
