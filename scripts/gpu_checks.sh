@@ -8,6 +8,9 @@
 # builds in .whl/ first (te_site.tar.xz and a megatron-core wheel): they are unpacked to
 # $TE_SITE (/tmp/te_site) and put on PYTHONPATH, which the jobs the tests start keep.
 #
+# LOG_DIR ends up holding a handful of files: one log per step, versions.txt, and runs.tar.gz with
+# the benchmarks' event logs and traces, so that a harness that returns few files gets them all.
+#
 # Usage: BUDGET_S=480 bash scripts/gpu_checks.sh [LOG_DIR]   (default: $OUT if set, else gpu_logs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +19,7 @@ if ! python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2> 
     exit 2
 fi
 logs=${1:-${OUT:-gpu_logs}}
+runs=$(mktemp -d)
 mkdir -p "$logs"
 start=$(date +%s)
 budget=${BUDGET_S:-480}
@@ -53,16 +57,17 @@ step() {  # step NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S (less 
     timeout "$limit" "$@" > "$logs/$name.log" 2>&1
     echo "== $name: exit $? after $(( $(date +%s) - start )) s"
     tail -30 "$logs/$name.log"
+    tar czf "$logs/runs.tar.gz" -C "$runs" .
 }
 
-# The benchmarks keep their event logs and traces under LOG_DIR, so a run cut short by its limit
-# still leaves what it measured.
+# The benchmarks keep their event logs and traces in $runs, packed into LOG_DIR after each step, so
+# a run cut short by its limit still leaves what it measured.
 step gpu_tests 240 python3 -m pytest -q -rs --tb=short -p no:warnings tests/gpu
 step thd_attention 90 python3 scripts/bench/thd_attention.py --rounds 9
 # 120 iterations a run: its probe baseline rounds (after detections 1, 2, 4, ..., 32) leave a few
 # detections out of the estimate, and on an H100 iterations of this model swing by 15%.
 step detection_overhead 200 python3 scripts/bench/live_detection.py --device cuda --shape tp1pp1dp1 \
-    --model medium --bf16 --overhead-only --overhead-iters 120 --workdir "$logs/detection_overhead"
+    --model medium --bf16 --overhead-only --overhead-iters 120 --workdir "$runs/detection_overhead"
 step live_detection 300 python3 scripts/bench/live_detection.py --device cuda --shape tp1pp1dp1 \
-    --model medium --bf16 --healthy-iters 200 --slow-iters 40 --overhead-iters 40 --workdir "$logs/live_detection"
+    --model medium --bf16 --healthy-iters 200 --slow-iters 40 --overhead-iters 40 --workdir "$runs/live_detection"
 echo "== done in $(( $(date +%s) - start )) s"
