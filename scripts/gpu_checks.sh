@@ -12,6 +12,7 @@
 # the benchmarks' event logs and traces, so that a harness that returns few files gets them all.
 #
 # Usage: BUDGET_S=480 bash scripts/gpu_checks.sh [LOG_DIR]   (default: $OUT if set, else gpu_logs)
+#        STEPS="detection_overhead" ... runs only the steps named (space-separated).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2> /dev/null; then
@@ -47,6 +48,9 @@ EOF
 step() {  # step NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S (less if the budget is short)
     local name=$1 limit=$2 remaining
     shift 2
+    if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then
+        return
+    fi
     remaining=$(left)
     if [ "$remaining" -lt 30 ]; then
         echo "== $name skipped: $remaining s of the budget left"

@@ -110,7 +110,9 @@ def _alternate_detection() -> tuple[int, int] | None:
     """``RESIHP_ALTERNATE_DETECTION=PERIOD:PHASE``, for measuring what detection costs: the op
     hooks and the per-iteration detection run only on iterations ``i`` with ``i % PERIOD == PHASE``,
     and each iteration event carries ``detecting``, ``step_s`` (the iteration's time including
-    detection) and ``probe_rounds`` (probe rounds its detection step ran). Two runs of different
+    detection), ``probe_rounds`` (probe rounds its detection step ran), and over the same span
+    ``cpu_s`` (the process's CPU time), ``gc_s`` (the cyclic collector's pauses) and ``gc_full``
+    (its full collections), which tell host work and collections from waiting on the device. Two runs of different
     phases time iterations both ways. Returns ``(period, phase)``, or None when unset."""
     value = os.environ.get("RESIHP_ALTERNATE_DETECTION")
     if not value:
@@ -130,6 +132,7 @@ def pretrain(
 ) -> dict:
     """Run training to ``--train-iters``. Returns a summary dict (last loss, iterations run)."""
     alternate = _alternate_detection()
+    pauses = garbage_collection.PauseClock() if alternate is not None else None
     if args.resihp.detection_on:
         # Forked before anything starts a thread (process groups do): see heartbeat_beacon.
         heartbeat_beacon.start_beacon(args.resihp.heartbeat_interval_s)
@@ -181,7 +184,8 @@ def pretrain(
         detecting = alternate is None or iteration % alternate[0] == alternate[1]
         if alternate is not None:
             (install_hooks if detecting else uninstall_hooks)()
-        start = time.perf_counter()
+        start, start_cpu_s = time.perf_counter(), time.process_time()
+        start_pauses = pauses.read() if pauses is not None else None
         stepped = reduced = advanced = False
         try:
             if resilience is not None:
@@ -245,9 +249,14 @@ def pretrain(
             interval_losses.append(loss)
         if _is_last_rank():
             lr = objects.optimizer.param_groups[0]["lr"]
-            measured = {} if alternate is None else {
-                "detecting": detecting, "step_s": time.perf_counter() - start,
-                "probe_rounds": resilience.probe_rounds_run() if resilience is not None and detecting else 0}
+            measured = {}
+            if alternate is not None:
+                paused_s, full_collections = pauses.read()
+                measured = {
+                    "detecting": detecting, "step_s": time.perf_counter() - start,
+                    "cpu_s": time.process_time() - start_cpu_s,
+                    "gc_s": paused_s - start_pauses[0], "gc_full": full_collections - start_pauses[1],
+                    "probe_rounds": resilience.probe_rounds_run() if resilience is not None and detecting else 0}
             events.emit("iteration", iteration, lm_loss=loss, grad_norm=result.grad_norm, elapsed_s=elapsed_s,
                         consumed_samples=sampler.consumed_samples, lr=lr, **measured)
             board.scalars(iteration, {"lm loss": loss, "learning-rate": lr, "grad-norm": result.grad_norm,
@@ -275,6 +284,8 @@ def pretrain(
         checkpointing.save_checkpoint(args, iteration, sampler.consumed_samples, objects)
         events.emit("checkpoint", iteration, path=args.save)
     garbage_collection.finish(args)
+    if pauses is not None:
+        pauses.stop()
     events.emit("finish", iteration, lm_loss=last_loss)
     if resilience is not None:
         resilience.close()
