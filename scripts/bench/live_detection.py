@@ -157,6 +157,15 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
 
     ``decider_cpu_pct`` is the decider's judging per detecting iteration, in CPU seconds
     (``decision_cpu_s`` of the ``detector_overhead`` events), over the median clean iteration.
+
+    Where the cost lies: ``detecting_iteration_pct`` and ``next_iteration_pct`` are the same
+    within-runs estimate made of one iteration's training step (``elapsed_s``) instead of the
+    pair, for the iteration that detects (its ops ran hooked) and the one after; with
+    ``after_step_pct`` (the detection step) they add up to about ``overhead_pct``. Where the
+    events carry them (``cpu_s``, ``gc_s``, ``gc_full``), ``host_busy_pct`` is the median share of
+    an iteration the process spent on CPU (near 100: the host, not the device, sets the pace),
+    ``gc_ms_per_iteration`` the collector's mean pause per iteration and ``gc_full`` its full
+    collections, over both runs.
     """
     times, detecting, elapsed, probed = [{}, {}], [{}, {}], [{}, {}], [{}, {}]
     decision_cpu_s, decided = 0.0, 0
@@ -172,7 +181,11 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
     def pair(run: int, i: int) -> float:
         return math.log(times[run][i] + times[run][i + 1])
 
+    def step_against_neighbours(run: int, i: int) -> float:
+        return math.log(elapsed[run][i]) - (math.log(elapsed[run][i - 2]) + math.log(elapsed[run][i + 2])) / 2
+
     cross, within, within_all, clean, on, after_step = [], [], [], [], [], []
+    in_detecting, in_next = [], []  # per iteration: half the difference between the runs
     probe_steps: list[tuple[float, int]] = []  # (detection step seconds, probe rounds it ran)
     for x in (0, 1):
         y = 1 - x
@@ -193,6 +206,8 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
                 continue
             cross.append(2 * (pair(x, i) - pair(y, i)))
             within.append(dx - dy)
+            in_detecting.append((step_against_neighbours(x, i) - step_against_neighbours(y, i)) / 2)
+            in_next.append((step_against_neighbours(x, i + 1) - step_against_neighbours(y, i + 1)) / 2)
             clean += [times[y][i], times[y][i + 1]]
             on.append(times[x][i])
             after_step.append(step_s)
@@ -214,7 +229,20 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
                                                                       _pct(cross_mean + cross_half)],
             "after_step_pct": round(100 * statistics.mean(after_step) / statistics.mean(clean), 3),
             "median_step_s_on": round(statistics.median(on), 4),
-            "median_step_s_off": round(median_off, 4)}
+            "median_step_s_off": round(median_off, 4),
+            "detecting_iteration_pct": _pct(statistics.mean(in_detecting)),
+            "next_iteration_pct": _pct(statistics.mean(in_next)), **host_time(logs)}
+
+
+def host_time(logs: list[Path]) -> dict:
+    """The host's share of the alternate-detection runs' iterations and the collector's pauses,
+    where the iteration events carry ``cpu_s``, ``gc_s`` and ``gc_full``; else nothing."""
+    rows = [e for log in logs for e in events(log, "iteration") if "cpu_s" in e]
+    if not rows:
+        return {}
+    return {"host_busy_pct": round(100 * statistics.median(e["cpu_s"] / e["step_s"] for e in rows), 1),
+            "gc_ms_per_iteration": round(1e3 * statistics.mean(e["gc_s"] for e in rows), 3),
+            "gc_full": sum(e["gc_full"] for e in rows)}
 
 
 def hook_cost_s(device: str = "cpu", calls: int = 20000) -> float:
@@ -395,6 +423,11 @@ def main() -> None:
           f"(95% interval {h['cross_run_ci95_pct']}); median iteration {h['median_step_s_on']} / "
           f"{h['median_step_s_off']} s; the detection step after each training step took {h['after_step_pct']}% "
           f"of an iteration on the last rank, the hooks {h['hooks_pct']}%: {h['direct_pct']}% in all")
+    print(f"where it lay: the detecting iteration's training step {h['detecting_iteration_pct']}%, the next "
+          f"iteration's {h['next_iteration_pct']}%, the detection step {h['after_step_pct']}%")
+    if "host_busy_pct" in h:
+        print(f"the host was busy {h['host_busy_pct']}% of an iteration (median); the collector paused "
+              f"{h['gc_ms_per_iteration']} ms per iteration, with {h['gc_full']} full collections")
     if h["probe_round_ms"] is not None:
         print(f"detection steps with probe rounds, left out of the above: {h['probe_rounds']} rounds in the two runs, "
               f"{h['probe_round_ms']} ms each; the estimate with them in: {h['overhead_pct_with_probes']}%")

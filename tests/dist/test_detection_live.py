@@ -316,6 +316,8 @@ def test_alternate_detection_times_each_iteration_with_detection_on_or_off(tmp_p
     for e in iterations:
         assert e["detecting"] == (e["iteration"] % 4 == 2), e
         assert e["step_s"] >= e["elapsed_s"] > 0, e
+        # the host's CPU time and the collector's pauses over the same span
+        assert e["cpu_s"] > 0 and 0 <= e["gc_s"] < e["step_s"] and isinstance(e["gc_full"], int), e
     # Detection (and its trace) ran on those iterations only, with both ranks' op timings.
     recorded = load_trace(str(trace)).iterations
     assert sorted(recorded) == [2, 6]

@@ -55,3 +55,18 @@ def test_negative_interval_is_refused_with_the_flag_named(monkeypatch, capsys):
         parse_args(base + ["--manual-gc", "--manual-gc-interval", "-1"])
     assert exit_info.value.code == 2
     assert "--manual-gc-interval must be >= 0" in capsys.readouterr().err
+
+
+def test_the_pause_clock_counts_collections_and_their_time_until_stopped():
+    clock = garbage_collection.PauseClock()
+    try:
+        assert clock.read() == (0.0, 0)
+        gc.collect()
+        gc.collect(0)
+        paused_s, full = clock.read()
+        assert paused_s > 0 and full == 1
+    finally:
+        clock.stop()
+    gc.collect()
+    assert clock.read() == (paused_s, full)
+    clock.stop()  # twice is harmless

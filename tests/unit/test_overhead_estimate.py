@@ -81,6 +81,30 @@ def test_probe_rounds_are_counted_apart_from_the_cost_of_every_detection(tmp_pat
     assert without["probe_rounds"] == [0, 0] and without["probe_round_ms"] is None
 
 
+def test_the_cost_is_split_between_the_detecting_iteration_the_next_and_the_detection_step(tmp_path):
+    result = live_detection.paired_overhead(_write_runs(tmp_path, step_cost=0.01, next_cost=0.03), skip=10)
+    assert result["next_iteration_pct"] == pytest.approx(3.0, abs=0.5), result
+    assert result["detecting_iteration_pct"] == pytest.approx(0.0, abs=0.5), result
+    assert result["after_step_pct"] == pytest.approx(1.0, rel=0.1), result
+    assert "host_busy_pct" not in result  # the events carry no host times
+
+
+def test_host_time_and_collector_pauses_are_read_from_the_events(tmp_path):
+    logs = _write_runs(tmp_path)
+    for log in logs:
+        rows = [json.loads(line) for line in log.read_text().splitlines()]
+        for row in rows:
+            if row["event"] == "iteration":
+                # a host busy 90% of each iteration, a 2 ms pause every 10th, one full collection
+                row.update(cpu_s=0.9 * row["step_s"], gc_s=0.002 * (row["iteration"] % 10 == 0),
+                           gc_full=int(row["iteration"] == 50))
+        log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = live_detection.paired_overhead(logs, skip=10)
+    assert result["host_busy_pct"] == pytest.approx(90.0)
+    assert result["gc_ms_per_iteration"] == pytest.approx(0.2)
+    assert result["gc_full"] == 2
+
+
 def test_rank_0s_judging_is_reported_as_cpu_per_detecting_iteration(tmp_path):
     # 100 detecting iterations per run, each judged in 3.75 ms of rank 0's CPU.
     result = live_detection.paired_overhead(_write_runs(tmp_path, decision_cpu_s=0.375), skip=10)
