@@ -177,12 +177,15 @@ class FailSlowDetector:
 
     # ---------------------------------------------------------------- per-iteration judgement
 
-    def observe(self, iteration: int, observations: Sequence[RankObservation]) -> Suspicion | None:
+    def observe(self, iteration: int, observations: Sequence[RankObservation],
+                tables: np.ndarray | None = None) -> Suspicion | None:
         """Judge one iteration; learn from what looks healthy.
 
         Args:
             iteration: the training iteration these observations belong to.
             observations: one ``RankObservation`` per rank that reported.
+            tables: ``op_tables(observations)``, when the caller built them (it shares them with
+                ``fit_compute_costs``).
 
         Returns:
             A new Suspicion (the caller should run the probes it names and call ``conclude``),
@@ -191,7 +194,8 @@ class FailSlowDetector:
         if not observations:
             return None
         groups, feats = self._group(observations)
-        tables = op_tables(observations)
+        if tables is None:
+            tables = op_tables(observations)
         row = {o.rank: i for i, o in enumerate(observations)}
         times = {o.rank: tables[i, :, :len(o.features)] for i, o in enumerate(observations)}
         durations = {g: group_op_durations([times[o.rank] for o in obs]) for g, obs in groups.items()}
@@ -210,7 +214,7 @@ class FailSlowDetector:
 
         stage_ratio: dict[GroupId, float] = {}
         rank_ratio: dict[int, float] = {}
-        rank_busy = {r: nansum(t[4:6]) for r, t in times.items()}
+        rank_busy = dict(zip(row, np.nansum(tables[:, 4:6], axis=(1, 2)).tolist()))
         # Siblings of a known slow rank wait for it on a device and not on a CPU, so against them
         # it tells nothing: the prediction alone judges such a group.
         sibling_ratio = sibling_ratios({g: [rank_busy[o.rank] for o in obs] for g, obs in groups.items()

@@ -71,6 +71,7 @@ class LinkBaselines:
         """Remember this iteration's readings: those at or below ``threshold`` as healthy (unless
         the link is ``muted``: a known slowdown); the first of a run above it as noise once the
         next reading is back below, so only a slowdown that persisted is left out."""
+        links, healthy, spikes = [], [], []
         for link, (gap, _) in gaps.items():
             if ratios.get(link, 1.0) > threshold:
                 self._run_start[link] = gap if link not in self._run_start else None
@@ -78,7 +79,11 @@ class LinkBaselines:
             spike = self._run_start.pop(link, None)
             if link in muted:
                 continue
-            self._healthy.add(link, gap)
-            self._noise.add(link, gap)
+            links.append(link)
+            healthy.append(gap)
             if spike is not None:
-                self._noise.add(link, spike)
+                spikes.append((link, spike))
+        self._healthy.add_many(links, healthy)
+        self._noise.add_many(links, healthy)
+        for link, spike in spikes:  # after the link's healthy reading, as it came
+            self._noise.add(link, spike)

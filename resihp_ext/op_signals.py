@@ -14,6 +14,7 @@ import warnings
 
 import numpy as np
 
+from resihp_ext.observation_wire import PackedObservation, packed_op_columns
 from resihp_ext.observations import LinkId
 
 
@@ -21,21 +22,32 @@ def op_tables(observations) -> np.ndarray:
     """Every observation's op table in one array ``[observation, row, micro-batch]``: rows F start,
     F end, B start, B end, F busy, B busy, NaN where not recorded, and past an observation's own
     micro-batches (replicas can run different counts). Start and end place ops on the timeline;
-    busy is what the device spent on them. Filled as Python lists and converted once: at 1,024
-    ranks, a table per rank filled item by item took a fifth of judging's time."""
+    busy is what the device spent on them.
+
+    Observations as the decider receives them (``PackedObservation``) are read in a few array
+    calls for all of them; others op by op (traces, tests).
+    """
     width = max((len(o.features) for o in observations), default=0)
-    nan = float("nan")
-    rows = []
-    for obs in observations:
-        table = [[nan] * width for _ in range(6)]
-        f_start, f_end, b_start, b_end, f_busy, b_busy = table
-        for (kind, mb, start, end), busy in zip(obs.ops, obs.op_busy()):
-            if kind == "F":
-                f_start[mb], f_end[mb], f_busy[mb] = start, end, busy
-            else:
-                b_start[mb], b_end[mb], b_busy[mb] = start, end, busy
-        rows.append(table)
-    return np.array(rows, dtype=float).reshape(len(observations), 6, width)
+    if not all(isinstance(o, PackedObservation) for o in observations):
+        nan = float("nan")
+        rows = []
+        for obs in observations:
+            table = [[nan] * width for _ in range(6)]
+            f_start, f_end, b_start, b_end, f_busy, b_busy = table
+            for (kind, mb, start, end), busy in zip(obs.ops, obs.op_busy()):
+                if kind == "F":
+                    f_start[mb], f_end[mb], f_busy[mb] = start, end, busy
+                else:
+                    b_start[mb], b_end[mb], b_busy[mb] = start, end, busy
+            rows.append(table)
+        return np.array(rows, dtype=float).reshape(len(observations), 6, width)
+    tables = np.full((len(observations), 6, width), np.nan)
+    counts, backward, mb, starts, ends, seconds = packed_op_columns(observations)
+    owner = np.repeat(np.arange(len(observations)), counts)
+    tables[owner, 2 * backward, mb] = starts
+    tables[owner, 2 * backward + 1, mb] = ends
+    tables[owner, 4 + backward, mb] = seconds
+    return tables
 
 
 class Baselines:
@@ -94,6 +106,19 @@ class Baselines:
             self.count[i] = 0
 
     def add(self, key, value: float) -> None:
+        i = self._row(key)
+        self.values[i, self.count[i] % self.size] = value
+        self.count[i] += 1
+
+    def add_many(self, keys, values) -> None:
+        """``add`` each of ``keys`` (distinct) its value, in one array assignment: every link of a
+        job reports each iteration, 3,072 calls of ``add`` per iteration at 1,024 ranks."""
+        rows = np.array([self._row(key) for key in keys], dtype=int)
+        if len(rows):
+            self.values[rows, self.count[rows] % self.size] = values
+            self.count[rows] += 1
+
+    def _row(self, key) -> int:
         i = self.index.get(key)
         if i is None:
             i = self.index[key] = len(self.index)
@@ -101,8 +126,7 @@ class Baselines:
                 grow = max(16, len(self.values))
                 self.values = np.vstack([self.values, np.full((grow, self.size), np.nan)])
                 self.count = np.concatenate([self.count, np.zeros(grow, dtype=int)])
-        self.values[i, self.count[i] % self.size] = value
-        self.count[i] += 1
+        return i
 
 
 class Streak:

@@ -51,6 +51,8 @@ from megatron.training.schedules import RECORDER, wait_until
 from resihp_ext.confirmation import PendingVerdicts, ProbePlan
 from resihp_ext.detector import FailSlowDetector, RankObservation
 from resihp_ext.observations import Suspicion
+from resihp_ext.observation_wire import packed
+from resihp_ext.op_signals import op_tables
 from resihp_ext.planner.calibration import FIT_WINDOW, ComputeCosts, fit_compute_costs, pooled_costs
 from resihp_ext.validation import Cleared, ProbeResults, Verdict, pass_normalised_times, undecided
 
@@ -339,6 +341,7 @@ class LiveDetector:
         """
         if self._lost is not None:  # a whole iteration ran since, and nothing failed: not a lost peer
             raise self._lost
+        mine = packed(mine)  # as it travels, and as the decider reads every rank's op tables
         deciding = self.deciding
         gathered = None
         try:
@@ -405,9 +408,10 @@ class LiveDetector:
 
     def _decide(self, iteration: int, gathered: list[RankObservation]) -> Command:
         start, cpu_start = time.perf_counter(), time.thread_time()
-        suspicion = self.detector.observe(iteration, gathered)
+        tables = op_tables(gathered)  # built once, for the detector and the cost fit
+        suspicion = self.detector.observe(iteration, gathered, tables)
         self._plan = self.pending.plan_probes(iteration + 1, suspicion)
-        fit = fit_compute_costs(iteration, gathered, self.layout_getter())
+        fit = fit_compute_costs(iteration, gathered, self.layout_getter(), tables)
         if fit is not None:
             if not self._fits and self.costs is not None:  # a new decider starts from what it was handed
                 self._fits.append(self.costs)

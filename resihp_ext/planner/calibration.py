@@ -18,11 +18,14 @@ took a 3x slow last stage for twice as costly as a 3x slow first stage and kept 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from resihp_ext.layout import Layout
 from resihp_ext.observations import RankObservation
+from resihp_ext.op_signals import op_tables
 from resihp_ext.planner.hardware import HardwareModel
 
 # Fits the pooled costs are the median of: enough that a few disturbed iterations move nothing,
@@ -62,27 +65,33 @@ class ComputeCosts:
         return HardwareModel(**{**costs, **facts})
 
 
-def fit_compute_costs(iteration: int, observations: Iterable[RankObservation], layout: Layout) -> ComputeCosts | None:
+def fit_compute_costs(iteration: int, observations: Sequence[RankObservation], layout: Layout,
+                      tables: np.ndarray | None = None) -> ComputeCosts | None:
     """Fit ``ComputeCosts`` to one iteration's observations, which ran on ``layout``.
 
     Per-layer forward seconds come from the healthiest stage that holds only transformer layers'
     work (not the last one); the output layer + loss from what the healthiest last stage spends
-    beyond its layers. Each rank's op time is the median of its forwards (backwards), so one
-    disturbed micro-batch moves nothing.
+    beyond its layers. Each rank's op time is the median of its forwards (backwards), the upper
+    one of an even count, so one disturbed micro-batch moves nothing. ``tables`` are the
+    observations' ``op_tables`` when the caller has them (the detector built them already).
 
     Returns:
         The fit, or None when no rank ran both a forward and a backward.
     """
+    if tables is None:
+        tables = op_tables(observations)
+    if not tables.size:  # no micro-batch anywhere
+        return None
+    busy = tables[:, 4:6]  # [observation, F | B, micro-batch]
+    counts = np.isfinite(busy).sum(axis=2)
+    # Sorted, NaN last: each observation's median op is at half its count of ops.
+    medians = np.take_along_axis(np.sort(busy, axis=2), (counts // 2)[..., None], axis=2)[..., 0]
     per_layer, last_stage, ratios = [], [], []
-    for obs in observations:
+    for obs, (f, b), (num_f, num_b) in zip(observations, medians.tolist(), counts.tolist()):
+        if not (num_f and num_b):
+            continue
         replica = layout.replicas[obs.replica]
         stage = replica.stages[obs.stage]
-        pairs = list(zip(obs.ops, obs.op_busy()))
-        fwd = sorted([t for op, t in pairs if op[0] == "F"])
-        bwd = sorted([t for op, t in pairs if op[0] == "B"])
-        if not (fwd and bwd):
-            continue
-        f, b = fwd[len(fwd) // 2], bwd[len(bwd) // 2]
         is_last = obs.stage == len(replica.stages) - 1
         (last_stage if is_last else per_layer).append((f * stage.tp_degree, stage.num_layers))
         ratios.append(b / f)

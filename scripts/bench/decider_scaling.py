@@ -6,7 +6,7 @@ of them and fits the planner's compute costs. What of it exceeds the decider's w
 first activations (it sits on the last pipeline stage; ``decider_placement.py``) adds to the
 job's iteration. Here that work runs on synthetic healthy iterations of TP8 x PP4 x DP jobs
 (``resihp_ext.traces.SyntheticSpec``: packed documents, 8 micro-batches per iteration) at each
-size, pickled as ``object_messages`` sends them, and is timed per iteration after the detector's
+size, packed and pickled as ``object_messages`` sends them, and is timed per iteration after the detector's
 warm-up. Reported per size: milliseconds per iteration, microseconds per rank, the share of the
 synthetic iteration's time, and the per-rank cost over the smallest size's (1 when judging
 scales linearly). The receives themselves (one per rank, over gloo) are not included.
@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from resihp_ext.config import ResiHPConfig
 from resihp_ext.detector import FailSlowDetector
 from resihp_ext.layout import Layout, ModelSpec
+from resihp_ext.observation_wire import packed
+from resihp_ext.op_signals import op_tables
 from resihp_ext.planner.calibration import fit_compute_costs
 from resihp_ext.traces import SyntheticSpec, synthetic_trace
 from tables import print_table  # noqa: E402
@@ -53,12 +55,13 @@ def measure(ranks: int, iters: int, seed: int = 1) -> dict:
     per_iteration, iteration_s, suspicions = [], [], 0
     for iteration, observations in synthetic_trace(spec, WARMUP_ITERS + iters, seed=seed):
         # As live ranks send them: with each op's busy seconds (synthetic ones derive it from the ops).
-        messages = [pickle.dumps(dataclasses.replace(o, busy=o.op_busy()), protocol=pickle.HIGHEST_PROTOCOL)
+        messages = [pickle.dumps(packed(dataclasses.replace(o, busy=o.op_busy())), protocol=pickle.HIGHEST_PROTOCOL)
                     for o in observations]
         start = time.perf_counter()
         gathered = [pickle.loads(m) for m in messages]
-        suspicion = detector.observe(iteration, gathered)
-        fit_compute_costs(iteration, gathered, layout)
+        tables = op_tables(gathered)  # as the live decider does: once, for both
+        suspicion = detector.observe(iteration, gathered, tables)
+        fit_compute_costs(iteration, gathered, layout, tables)
         elapsed = time.perf_counter() - start
         if iteration > WARMUP_ITERS:
             per_iteration.append(elapsed)

@@ -6,6 +6,7 @@ import pytest
 
 from resihp_ext.layout import Layout, ModelSpec
 from resihp_ext.observations import RankObservation
+from resihp_ext.op_signals import op_tables
 from resihp_ext.planner.calibration import FIT_WINDOW, ComputeCosts, fit_compute_costs, pooled_costs
 
 MODEL = ModelSpec(num_layers=8, hidden_size=64, num_attention_heads=8, ffn_hidden_size=256,
@@ -85,3 +86,22 @@ def test_fits_from_a_layout_with_another_number_of_stages_are_not_pooled_with_th
     assert pooled_costs(fits) == ComputeCosts(1, 0.003, None, 2.0)
     with pytest.raises(ValueError, match="at least one fit"):
         pooled_costs([])
+
+
+def test_each_ranks_op_time_is_the_upper_median_of_its_ops_with_or_without_tables():
+    # One rank, one stage of 8 layers: forwards 0.08, 0.16, 0.24, 0.32 s (upper median 0.24 s, so
+    # 0.03 s a layer), backwards twice those; and a replica that ran 3 micro-batches.
+    layout = Layout.uniform(MODEL, tp_degree=1, pp_degree=1, dp_degree=2)
+    forwards = [0.08, 0.16, 0.24, 0.32]
+    ops, busy, t = [], [], 0.0
+    for mb, seconds in enumerate(forwards):
+        for kind, s in (("F", seconds), ("B", 2 * seconds)):
+            ops.append((kind, mb, t, t + s))
+            busy.append(s)
+            t += s
+    four = RankObservation(rank=0, replica=0, stage=0, tp_rank=0, ops=tuple(ops), features=((128, 16384),) * 4,
+                           iteration_s=t, busy=tuple(busy))
+    three = _observation(layout, 1, 0.4, 0.8, microbatches=3)
+    costs = fit_compute_costs(5, [four, three], layout)
+    assert costs.layer_forward_s == pytest.approx(0.03) and costs.backward_factor == pytest.approx(2.0)
+    assert fit_compute_costs(5, [four, three], layout, op_tables([four, three])) == costs

@@ -29,6 +29,22 @@ def test_baseline_medians_and_quantiles_are_over_each_ids_last_values():
     assert Baselines(size=4).medians(min_count=1) == {}
 
 
+def test_adding_many_values_at_once_is_adding_each():
+    one, many = Baselines(size=4), Baselines(size=4)
+    rng = np.random.default_rng(1)
+    for _ in range(12):
+        keys = [int(k) for k in rng.choice(40, size=25, replace=False)]  # new ids past the first allocation too
+        values = rng.random(25).tolist()
+        for key, value in zip(keys, values):
+            one.add(key, value)
+        many.add_many(keys, values)
+    many.add_many([], [])
+    assert one.index == many.index
+    np.testing.assert_array_equal(one.count, many.count)
+    np.testing.assert_array_equal(one.values, many.values)
+    assert one.medians(min_count=1) == many.medians(min_count=1)
+
+
 def _judge(links, gap_s, threshold=1.25):
     gaps = {(0, 2): (gap_s, 4)}
     ratios = links.ratios(gaps, min_excess_s=0.005)
