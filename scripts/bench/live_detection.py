@@ -46,6 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import scipy.stats
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
@@ -245,6 +247,32 @@ def host_time(logs: list[Path]) -> dict:
             "gc_full": sum(e["gc_full"] for e in rows)}
 
 
+def pooled_overhead(pairs: list[dict]) -> dict:
+    """Detection's cost over several pairs of alternate-detection runs (``paired_overhead`` of
+    each), and an interval that counts how far the pairs disagree.
+
+    One pair's interval counts only the spread of its detections. Between pairs, taken minutes
+    apart, the host and the device change as well: on one H200, two pairs of the same job read
+    4.14% (1.49% to 6.86%) and -0.93% (-3.45% to 1.66%) (``docs/benchmarks.md`` section 37). The
+    pooled estimate weighs each pair by its detections; its interval is the wider of the pooled
+    within-pair one and a t-interval over the pairs' estimates (with 2 pairs, one degree of freedom,
+    so it is wide unless they agree).
+    """
+    logs = [math.log1p(p["overhead_pct"] / 100) for p in pairs]
+    halves = [(math.log1p(p["ci95_pct"][1] / 100) - math.log1p(p["ci95_pct"][0] / 100)) / 2 for p in pairs]
+    weights = [p["detections_paired"] for p in pairs]
+    total = sum(weights)
+    mean = sum(w * x for w, x in zip(weights, logs)) / total
+    within = math.sqrt(sum((w * h) ** 2 for w, h in zip(weights, halves))) / total
+    between = 0.0
+    if len(pairs) > 1:
+        between = float(scipy.stats.t.ppf(0.975, len(pairs) - 1)) * statistics.stdev(logs) / math.sqrt(len(pairs))
+    half = max(within, between)
+    return {"pairs": len(pairs), "detections_paired": total, "overhead_pct": _pct(mean),
+            "ci95_pct": [_pct(mean - half), _pct(mean + half)], "pair_overhead_pct": [p["overhead_pct"] for p in pairs],
+            "between_pairs_half_pct": round(100 * between, 3), "within_pairs_half_pct": round(100 * within, 3)}
+
+
 def hook_cost_s(device: str = "cpu", calls: int = 20000) -> float:
     """Seconds the op-timing hook adds to one op: the recorder around a no-op, reading its timings
     after the iteration included (on CUDA, its two events), less the bare call (the fastest of 5
@@ -326,9 +354,15 @@ def main() -> None:
     parser.add_argument("--slow-iters", type=int, default=40)
     parser.add_argument("--overhead-iters", type=int, default=120,
                         help="iterations of each of the two runs that time detection's cost")
+    parser.add_argument("--overhead-repeats", type=int, default=1,
+                        help="pairs of alternate-detection runs; with 2 or more the cost is pooled over them and "
+                             "its interval counts how far they disagree")
     parser.add_argument("--workdir", help="keep logs and traces here (default: a temporary folder)")
     parser.add_argument("--overhead-only", action="store_true", help="only the measurement of detection's cost")
     args = parser.parse_args()
+    if args.overhead_repeats < 1:
+        parser.error(f"--overhead-repeats must be at least 1 (one pair of alternate-detection runs), "
+                     f"got {args.overhead_repeats}")
     tp, pp, dp = SHAPES[args.shape]
     nproc = tp * pp * dp
     work = Path(args.workdir or tempfile.mkdtemp(prefix="live_detection_"))
@@ -354,14 +388,19 @@ def main() -> None:
     # Detection's cost: each detecting iteration and the next timed with detection in one run and
     # clean in the other (``paired_overhead``); the first iterations fit the predictor and, on one
     # stage group, measure probe baselines.
-    logs = []
-    for phase in ALTERNATE_PHASES:
-        log = work / f"overhead_{phase.replace(':', '_')}.events.jsonl"
-        log.unlink(missing_ok=True)
-        launch(nproc, [*base, "--train-iters", str(args.overhead_iters), "--resihp-detect-only",
-                       "--resihp-event-log", str(log)], {"RESIHP_ALTERNATE_DETECTION": phase})
-        logs.append(log)
-    paired = paired_overhead(logs, skip=10)
+    pairs = []
+    for repeat in range(args.overhead_repeats):
+        logs = []
+        for phase in ALTERNATE_PHASES:
+            log = work / f"overhead_{phase.replace(':', '_')}{f'_{repeat}' if repeat else ''}.events.jsonl"
+            log.unlink(missing_ok=True)
+            launch(nproc, [*base, "--train-iters", str(args.overhead_iters), "--resihp-detect-only",
+                           "--resihp-event-log", str(log)], {"RESIHP_ALTERNATE_DETECTION": phase})
+            logs.append(log)
+        pairs.append(paired_overhead(logs, skip=10))
+    paired = pairs[0]
+    if len(pairs) > 1:  # the pairs' figures apart, the pooled estimate in their place
+        paired = {**paired, "pair_results": pairs, **pooled_overhead(pairs)}
     # Direct account: the detection step's own time, plus the hooks' cost per op times the ops a
     # rank runs per iteration (a forward and a backward per micro-batch of its replica).
     ops_per_iteration = 2 * (GLOBAL_BATCH // MICRO_BATCH) // dp
@@ -423,6 +462,10 @@ def main() -> None:
           f"(95% interval {h['cross_run_ci95_pct']}); median iteration {h['median_step_s_on']} / "
           f"{h['median_step_s_off']} s; the detection step after each training step took {h['after_step_pct']}% "
           f"of an iteration on the last rank, the hooks {h['hooks_pct']}%: {h['direct_pct']}% in all")
+    if "pair_results" in h:
+        print(f"that estimate is pooled over {h['pairs']} pairs of runs, which read {h['pair_overhead_pct']}%; its "
+              f"interval's half width is the wider of {h['between_pairs_half_pct']}% between the pairs and "
+              f"{h['within_pairs_half_pct']}% within them; the other figures are the first pair's")
     print(f"where it lay: the detecting iteration's training step {h['detecting_iteration_pct']}%, the next "
           f"iteration's {h['next_iteration_pct']}%, the detection step {h['after_step_pct']}%")
     if "host_busy_pct" in h:

@@ -114,3 +114,29 @@ def test_rank_0s_judging_is_reported_as_cpu_per_detecting_iteration(tmp_path):
 def test_runs_of_other_phases_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="are not runs of RESIHP_ALTERNATE_DETECTION 4:0 and 4:2"):
         live_detection.paired_overhead(_write_runs(tmp_path, phases=("2:1", "2:0")), skip=10)
+
+
+def test_pairs_of_runs_that_disagree_widen_the_pooled_interval(tmp_path):
+    # Two pairs of runs whose detection really cost 2% and 6%: each pair's own interval is narrow
+    # and excludes the other's cost; pooled, the estimate lies between and the interval, which now
+    # counts the pairs' disagreement, holds both.
+    pairs = []
+    for k, cost in enumerate((0.02, 0.06)):
+        folder = tmp_path / f"pair{k}"
+        folder.mkdir()
+        pairs.append(live_detection.paired_overhead(
+            _write_runs(folder, step_cost=cost, next_cost=0.0, seed=5 + k), skip=10))
+    low0, high0 = pairs[0]["ci95_pct"]
+    low1, high1 = pairs[1]["ci95_pct"]
+    assert high0 < 6.0 and low1 > 2.0, pairs
+    pooled = live_detection.pooled_overhead(pairs)
+    assert pooled["pairs"] == 2 and pooled["detections_paired"] == sum(p["detections_paired"] for p in pairs)
+    assert 2.0 < pooled["overhead_pct"] < 6.0
+    low, high = pooled["ci95_pct"]
+    assert low < 2.0 and high > 6.0, pooled
+    assert pooled["between_pairs_half_pct"] > pooled["within_pairs_half_pct"]
+    # Pairs that agree keep about their within-pair interval.
+    agreeing = live_detection.pooled_overhead([pairs[0], pairs[0]])
+    assert agreeing["overhead_pct"] == pytest.approx(pairs[0]["overhead_pct"], abs=1e-3)
+    assert agreeing["between_pairs_half_pct"] == 0.0
+    assert agreeing["ci95_pct"][1] - agreeing["ci95_pct"][0] < high0 - low0
