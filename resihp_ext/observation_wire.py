@@ -44,7 +44,10 @@ class PackedObservation(RankObservation):
 
     @property
     def busy(self):
-        return tuple(array("d", self.op_seconds)) if self.busy_measured else ()
+        return self.op_busy() if self.busy_measured else ()
+
+    def op_busy(self) -> tuple[float, ...]:
+        return tuple(array("d", self.op_seconds))  # packed as measured, else as each op's wall time
 
     def __reduce__(self):
         return _rebuild, tuple(getattr(self, name) for name in _WIRE)

@@ -27,8 +27,8 @@ import time
 
 
 class PauseClock:
-    """Seconds the cyclic collector has paused this process, and its full collections, since
-    ``start()`` (``gc.callbacks``). For measurements that must tell a collection from the work
+    """Seconds the cyclic collector has paused this process, and its full collections, since the
+    clock was made (``gc.callbacks``). For measurements that must tell a collection from the work
     around it; ``stop()`` removes the callback."""
 
     def __init__(self) -> None:

@@ -112,8 +112,9 @@ def _alternate_detection() -> tuple[int, int] | None:
     and each iteration event carries ``detecting``, ``step_s`` (the iteration's time including
     detection), ``probe_rounds`` (probe rounds its detection step ran), and over the same span
     ``cpu_s`` (the process's CPU time), ``gc_s`` (the cyclic collector's pauses) and ``gc_full``
-    (its full collections), which tell host work and collections from waiting on the device. Two runs of different
-    phases time iterations both ways. Returns ``(period, phase)``, or None when unset."""
+    (its full collections), which tell host work and collections from waiting on the device. Two
+    runs of different phases time iterations both ways. Returns ``(period, phase)``, or None when
+    unset."""
     value = os.environ.get("RESIHP_ALTERNATE_DETECTION")
     if not value:
         return None
