@@ -11,6 +11,7 @@ attention) and measures, in one invocation:
     iteration and the next (which pays for the judging) are thus timed with detection in
     one run and clean in the other, and neighbouring pairs take out the host's drift
     (``paired_overhead``); detection steps that ran probe rounds are reported apart, per round;
+    ``--overhead-repeats R`` runs R such pairs and pools them (``pooled_overhead``);
 (d) this host's timing floor: one fixed op (GEMMs, the size of a micro-batch's compute) timed by
     the same busy clock in this process alone, and the MAPE of predicting each run by the median.
     No cost model can predict a micro-batch better than the clock repeats a fixed op, so the
