@@ -182,8 +182,8 @@ def decider_rank(layout) -> int:
     ``scripts/bench/decider_placement.py``)."""
     placement = os.environ.get("RESIHP_DECIDER", "last")
     if placement not in ("first", "last"):
-        exit_with_error(f"RESIHP_DECIDER must be 'first' (rank 0) or 'last' (the first rank of replica 0's last stage, "
-                f"the default), got {placement!r}")
+        exit_with_error(f"RESIHP_DECIDER must be 'first' (rank 0) or 'last' (the first rank of replica 0's last "
+                        f"stage, the default), got {placement!r}")
     return 0 if placement == "first" else layout.replicas[0].stages[-1].ranks[0]
 
 

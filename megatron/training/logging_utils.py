@@ -15,11 +15,11 @@ import time
 from typing import Any, NoReturn
 
 
-
 def exit_with_error(message: str) -> NoReturn:
     """Refuse a setting before the job does anything: ``error: MESSAGE`` on stderr, exit code 2."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
 
 class EventLog:
     """JSONL events: every object has ``event``, ``iteration``, ``time`` (unix s) and ``rank``."""

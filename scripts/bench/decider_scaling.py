@@ -6,8 +6,8 @@ of them and fits the planner's compute costs. What of it exceeds the decider's w
 first activations (it sits on the last pipeline stage; ``decider_placement.py``) adds to the
 job's iteration. Here that work runs on synthetic healthy iterations of TP8 x PP4 x DP jobs
 (``resihp_ext.traces.SyntheticSpec``: packed documents, 8 micro-batches per iteration) at each
-size, packed and pickled as ``object_messages`` sends them, and is timed per iteration after the detector's
-warm-up. Reported per size: milliseconds per iteration, microseconds per rank, the share of the
+size, packed and pickled as ``object_messages`` sends them, and is timed per iteration after the
+detector's warm-up. Reported per size: milliseconds per iteration, microseconds per rank, the share of the
 synthetic iteration's time, and the per-rank cost over the smallest size's (1 when judging
 scales linearly). The receives themselves (one per rank, over gloo) are not included.
 
