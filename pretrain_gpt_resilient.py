@@ -15,11 +15,11 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 
 import torch  # noqa: E402
 
-from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.data.batch import microbatch_features  # noqa: E402
-from megatron.training.data.datasets import build_pretraining_datasets  # noqa: E402
-from megatron.training.schedules import RECORDER  # noqa: E402
-from megatron.training.training import pretrain  # noqa: E402
+from megatron.resihp.arguments import parse_args  # noqa: E402
+from megatron.resihp.data.batch import microbatch_features  # noqa: E402
+from megatron.resihp.data.datasets import build_pretraining_datasets  # noqa: E402
+from megatron.resihp.schedules import RECORDER  # noqa: E402
+from megatron.resihp.training import pretrain  # noqa: E402
 
 ARGS: argparse.Namespace | None = None
 
@@ -61,7 +61,7 @@ def forward_step(data_iterator, model):
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     extra = {}
     if args.reset_attention_mask:
-        from megatron.training.models.document_attention import packed_seq_params_for
+        from megatron.resihp.models.document_attention import packed_seq_params_for
 
         # From the host's tokens: finding the documents waits for nothing on the device.
         extra["packed_seq_params"] = params = packed_seq_params_for(tokens, args.tokenizer.eod,
@@ -75,7 +75,7 @@ def forward_step(data_iterator, model):
     position_ids = batch["position_ids"].to(device, non_blocking=True)
     attention_mask = batch.get("attention_mask")
     if args.reset_attention_mask and args.packed_seq_layout == "thd":
-        from megatron.training.models.document_attention import flatten_for_thd
+        from megatron.resihp.models.document_attention import flatten_for_thd
 
         tokens, labels, loss_mask, position_ids = flatten_for_thd(tokens, labels, loss_mask, position_ids)
     output = model(tokens, position_ids, attention_mask, labels=labels, **extra)
@@ -85,7 +85,7 @@ def forward_step(data_iterator, model):
 def main(argv: list[str] | None = None) -> dict:
     global ARGS
     ARGS = parse_args(argv)
-    from megatron.training.resilience import build_resilience
+    from megatron.resihp.resilience import build_resilience
 
     return pretrain(ARGS, datasets_provider, forward_step, resilience_factory=build_resilience)
 

@@ -1,6 +1,6 @@
 """ResiHP-Megatron: resilient GPT pretraining on megatron-core.
 
-Installs two packages: ``resihp_ext`` (pure decision logic) and ``megatron.training`` (the
+Installs two packages: ``resihp_ext`` (pure decision logic) and ``megatron.resihp`` (the
 training front end that sits beside megatron-core's ``megatron.core`` in the ``megatron``
 namespace package; there is deliberately no ``megatron/__init__.py``).
 """
@@ -12,7 +12,7 @@ setup(
     version="0.1.0",
     description="Resilient Megatron-LM: in-place TP/PP/DP re-planning on fail-slow and fail-stop",
     python_requires=">=3.10",
-    packages=find_namespace_packages(include=["resihp_ext", "resihp_ext.*", "megatron.training", "megatron.training.*"]),
+    packages=find_namespace_packages(include=["resihp_ext", "resihp_ext.*", "megatron.resihp", "megatron.resihp.*"]),
     py_modules=["pretrain_gpt_resilient"],
     install_requires=[
         # 0.16.1 is the newest megatron-core release that installs on Python 3.11.

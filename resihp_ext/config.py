@@ -52,7 +52,7 @@ class ResiHPConfig:
 
     speed_level_halflife_iters: float = 2.0
     """Half-life in healthy iterations of each stage group's speed level (its recent drift from the cost model); 0 turns levels off.
-    The prediction a group is judged by is the cost model times its level (resihp_ext/speed_level.py)."""
+    The prediction a group is judged by is the cost model times its level (resihp_ext/detection/speed_level.py)."""
 
     max_speed_drift: float = 0.05
     """Largest drift from the cost model a speed level may follow (0.05 = 5%); below --resihp-slowdown-threshold - 1.
@@ -69,7 +69,7 @@ class ResiHPConfig:
 
     intermittent_episodes: int = 3
     """A rank the second probe round clears this many times, each time after a first round named it slow, all
-    within --resihp-intermittent-window-iters, is slow in bursts and gets a compute verdict (resihp_ext/recurrence.py).
+    within --resihp-intermittent-window-iters, is slow in bursts and gets a compute verdict (resihp_ext/detection/recurrence.py).
     0: never."""
 
     intermittent_window_iters: int = 100

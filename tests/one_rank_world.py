@@ -11,7 +11,7 @@ from megatron.core import parallel_state, tensor_parallel
 @contextlib.contextmanager
 def one_rank_world(backend: str):
     """``gloo`` runs megatron-core on CPU (CPU mode on), ``nccl`` on the current GPU."""
-    from megatron.training import cpu_mode
+    from megatron.resihp import cpu_mode
 
     created = not dist.is_initialized()
     if created:

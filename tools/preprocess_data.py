@@ -30,7 +30,7 @@ import numpy as np
 # Allow ``python tools/preprocess_data.py`` from a checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron.resihp.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 
 class InputError(Exception):

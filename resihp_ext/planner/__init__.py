@@ -1,6 +1,6 @@
 """The re-planner: Layout + Health -> Plan, across TP, PP and DP.
 
-``plan_adaptation`` (joint.py) is the ResiHP policy; ``baselines.POLICIES`` holds it beside the
+``plan_adaptation`` (joint.py) is the ResiHP policy; ``simple_policies.POLICIES`` holds it beside the
 comparison policies, all with the same signature. Everything here is a pure function of plain
 data: no process groups, clocks or files.
 """

@@ -1,6 +1,6 @@
 """Plans for a device slow in bursts: weigh the bursts against the calm between them.
 
-A rank slow in bursts (``resihp_ext.recurrence``) is planned for at the speed it runs during a
+A rank slow in bursts (``resihp_ext.detection.recurrence``) is planned for at the speed it runs during a
 burst. Between bursts it runs at full speed, and the work a plan moved off it then waits on the
 others. With replica times linear in their micro-batches, moving work off one of W replicas
 gains ``share * f`` per micro-batch in the bursts and costs ``(1 - share) / (W - 1)`` in the calm,

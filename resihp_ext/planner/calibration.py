@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from resihp_ext.layout import Layout
-from resihp_ext.observations import RankObservation
-from resihp_ext.op_signals import op_tables
+from resihp_ext.detection.observations import RankObservation
+from resihp_ext.detection.op_signals import op_tables
 from resihp_ext.planner.hardware import HardwareModel
 
 # Fits the pooled costs are the median of: enough that a few disturbed iterations move nothing,

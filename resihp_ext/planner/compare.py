@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from resihp_ext.layout import Layout
-from resihp_ext.planner.baselines import BASELINES, POLICIES
+from resihp_ext.planner.simple_policies import BASELINES, POLICIES
 from resihp_ext.planner.cost import capacity_bound_s
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health

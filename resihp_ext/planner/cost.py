@@ -2,7 +2,7 @@
 
 Responsible for turning a replica's stages (layers, TP group) plus health into per-stage forward,
 backward and transfer seconds, the affine fill + per-micro-batch model used inside the search,
-the exact 1F1B time from ``resihp_ext.simulator`` used for final scoring, and the gradient
+the exact 1F1B time from ``resihp_ext.detection.simulator`` used for final scoring, and the gradient
 all-reduce time. It decides nothing.
 """
 
@@ -17,7 +17,7 @@ from resihp_ext.planner.dp import assign_quotas
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.tp import group_time_factor
-from resihp_ext.simulator import pipeline_time_s
+from resihp_ext.detection.simulator import pipeline_time_s
 
 
 @dataclass(frozen=True)

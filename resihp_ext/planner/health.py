@@ -23,7 +23,7 @@ class Health:
             to dst. Pipeline transfers are priced per direction; TP and gradient collectives use
             both directions, so they run at the slower one (``link_speed``).
         bursts: slow ranks whose ``speed`` is what they run at in bursts, being at full speed
-            between them (``resihp_ext.recurrence``).
+            between them (``resihp_ext.detection.recurrence``).
     """
 
     speed: Mapping[int, float] = field(default_factory=dict)

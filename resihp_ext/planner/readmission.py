@@ -13,7 +13,7 @@ launch rank, the stable name of a process across re-formed worlds, which the lau
 the standbys use. In the grown world the working ranks keep their numbers and the joiners follow,
 in launch-rank order, so nothing that already runs is renumbered.
 
-Pure: the training front end (``megatron.training.standby``) gathers the reports and executes.
+Pure: the training front end (``megatron.resihp.standby``) gathers the reports and executes.
 """
 
 from __future__ import annotations

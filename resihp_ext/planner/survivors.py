@@ -5,7 +5,7 @@ which further replicas can be rebuilt from the stage groups of broken ones, how 
 is split when replicas differ in speed, the new dense rank of every kept rank (megatron-core's
 "tp-dp-pp" order over the new layout), which surviving ranks become spares, and, when no replica
 can go on, whether the survivors still hold every (stage, TP shard) so that a checkpoint can be
-assembled from them. Pure: the executor in ``megatron/training/recovery.py`` carries it out.
+assembled from them. Pure: the executor in ``megatron/resihp/recovery.py`` carries it out.
 
 Rebuilt replicas come in three kinds, cheapest first:
 - intact stage groups (a stage's TP group with every rank alive) at the stage they held: replicas

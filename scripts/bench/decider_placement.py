@@ -3,7 +3,7 @@
 Every iteration ends in the loss's all-reduce over the world, so all ranks start the next one
 together; a last stage then waits for its first activations while each stage before it runs a
 forward. Judging there delays nobody until it takes longer than that wait, where on rank 0 it
-delays every stage behind it by all of its time (``megatron.training.detection.decider_rank``).
+delays every stage behind it by all of its time (``megatron.resihp.detection.decider_rank``).
 
 Measured live: a TP1 x PP4 CPU job of 4 processes whose ranks act as devices of their own
 (``--cpu-device-time-scale``, so a rank that waits is idle, as a GPU's host is), judging after
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import live_detection  # noqa: E402  (its job arguments and launcher; puts the checkout on sys.path)
 from tables import print_table  # noqa: E402
 
-from megatron.training.detection import PAD_PERIOD  # noqa: E402
-from resihp_ext.traces import load_trace  # noqa: E402
+from megatron.resihp.detection import PAD_PERIOD  # noqa: E402
+from resihp_ext.detection.traces import load_trace  # noqa: E402
 
 PP = 4
 SCALE = "4"  # each rank a device 4x slower than a core: 4 ranks on 2 cores then idle most of the time

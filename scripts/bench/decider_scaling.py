@@ -1,11 +1,11 @@
 """What judging costs the deciding rank as the job grows: 64 to 4,096 ranks.
 
-One rank judges every iteration of the whole job (``megatron.training.detection.LiveDetector``,
+One rank judges every iteration of the whole job (``megatron.resihp.detection.LiveDetector``,
 on ``decider_rank``): it unpickles every rank's observation, runs the fail-slow detector over all
 of them and fits the planner's compute costs. What of it exceeds the decider's wait for its
 first activations (it sits on the last pipeline stage; ``decider_placement.py``) adds to the
 job's iteration. Here that work runs on synthetic healthy iterations of TP8 x PP4 x DP jobs
-(``resihp_ext.traces.SyntheticSpec``: packed documents, 8 micro-batches per iteration) at each
+(``resihp_ext.detection.traces.SyntheticSpec``: packed documents, 8 micro-batches per iteration) at each
 size, packed and pickled as ``object_messages`` sends them, and is timed per iteration after the
 detector's warm-up. Reported per size: milliseconds per iteration, microseconds per rank, the share of the
 synthetic iteration's time, and the per-rank cost over the smallest size's (1 when judging
@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from resihp_ext.config import ResiHPConfig
-from resihp_ext.detector import FailSlowDetector
+from resihp_ext.detection.detector import FailSlowDetector
 from resihp_ext.layout import Layout, ModelSpec
-from resihp_ext.observation_wire import packed
-from resihp_ext.op_signals import op_tables
+from resihp_ext.detection.observation_wire import packed
+from resihp_ext.detection.op_signals import op_tables
 from resihp_ext.planner.calibration import fit_compute_costs
-from resihp_ext.traces import SyntheticSpec, synthetic_trace
+from resihp_ext.detection.traces import SyntheticSpec, synthetic_trace
 from tables import print_table  # noqa: E402
 
 TP, PP = 8, 4

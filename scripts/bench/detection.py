@@ -27,13 +27,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from resihp_ext.config import ResiHPConfig
-from resihp_ext.confirmation import PendingVerdicts
-from resihp_ext.detection_baselines import GreyhoundStyleDetector, NvrxStyleDetector
-from resihp_ext.detector import FailSlowDetector, Verdict
+from resihp_ext.detection.confirmation import PendingVerdicts
+from resihp_ext.detection.peer_detectors import GreyhoundStyleDetector, NvrxStyleDetector
+from resihp_ext.detection.detector import FailSlowDetector, Verdict
 from resihp_ext.faults import Fault, FaultKind, parse_fault
-from resihp_ext.predictor import MicrobatchPredictor
-from resihp_ext.repeatability import same_work_spread
-from resihp_ext.traces import SyntheticSpec, load_trace, synthetic_probes, synthetic_trace
+from resihp_ext.detection.predictor import MicrobatchPredictor
+from resihp_ext.detection.repeatability import same_work_spread
+from resihp_ext.detection.traces import SyntheticSpec, load_trace, synthetic_probes, synthetic_trace
 
 ONSET = 40
 # TP8 x PP4 x DP8, rank = tp + 8 * (replica + 8 * stage).
@@ -286,14 +286,14 @@ def main() -> None:
             suspicions_per_1000_healthy=round(1000.0 * tallies["resihp"].suspicions_healthy
                                               / max(tallies["resihp"].healthy_iters, 1), 3),
             mtp_mape=round(statistics.mean(stats["mtp"]), 3) if stats["mtp"] else None,
-            # the same detector without speed levels (resihp_ext.speed_level), on the same timings
+            # the same detector without speed levels (resihp_ext.detection.speed_level), on the same timings
             mtp_mape_without_levels=round(statistics.mean(stats["mtp_flat"]), 3) if stats["mtp_flat"] else None,
             suspicions_per_1000_healthy_without_levels=round(
                 1000.0 * stats["flat_suspicions"] / max(tallies["resihp"].healthy_iters, 1), 3),
             itp_mape_without_levels=(round(100.0 * statistics.mean(stats["itp_err_flat"]), 3)
                                      if stats["itp_err_flat"] else None),
             # live traces: how far ops that did identical work spread around their median
-            # (resihp_ext.repeatability), the floor the micro-batch MAPE is read against
+            # (resihp_ext.detection.repeatability), the floor the micro-batch MAPE is read against
             same_work_mape=round(stats["same_work"].mape_pct, 3) if stats.get("same_work") else None,
             itp_mape=round(100.0 * statistics.mean(stats["itp_err"]), 3) if stats["itp_err"] else None,
             decision_ms_per_iter=round(1000.0 * statistics.mean(stats["decision_s"]), 3),

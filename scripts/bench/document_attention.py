@@ -36,7 +36,7 @@ from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from megatron.training.models.document_attention import DocumentCausalAttention, packed_seq_params_for  # noqa: E402
+from megatron.resihp.models.document_attention import DocumentCausalAttention, packed_seq_params_for  # noqa: E402
 from resihp_ext.workload import LengthDistribution, sample_document_lengths  # noqa: E402
 from tests.one_rank_world import one_rank_world  # noqa: E402
 

@@ -17,7 +17,7 @@ attention) and measures, in one invocation:
     No cost model can predict a micro-batch better than the clock repeats a fixed op, so the
     predictor's MAPE is printed beside it;
 (e) the same floor inside the run: how far ops that did identical work (same stage, op kind and
-    micro-batch features) spread around their median (``resihp_ext.repeatability``).
+    micro-batch features) spread around their median (``resihp_ext.detection.repeatability``).
 
 Both traces then go through ``scripts/bench/detection.py --trace`` (ours vs the Greyhound-style and
 NVRx-style baselines on the same live timings; that script simulates probe timings from the
@@ -278,7 +278,7 @@ def hook_cost_s(device: str = "cpu", calls: int = 20000) -> float:
     """Seconds the op-timing hook adds to one op: the recorder around a no-op, reading its timings
     after the iteration included (on CUDA, its two events), less the bare call (the fastest of 5
     rounds of each)."""
-    from megatron.training.schedules import OpRecorder
+    from megatron.resihp.schedules import OpRecorder
     from resihp_ext.schedule import OpKind
 
     recorder = OpRecorder()

@@ -37,9 +37,9 @@ def _rounds(rank: int, world: int, port: int, rounds: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.training import detection
-    from megatron.training.schedules import RECORDER
-    from resihp_ext.validation import pass_normalised_times
+    from megatron.resihp import detection
+    from megatron.resihp.schedules import RECORDER
+    from resihp_ext.detection.validation import pass_normalised_times
 
     RECORDER.use_device("cpu")
     device, pair = torch.device("cpu"), (1, world - 1)

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from megatron.training.models.document_attention import DocumentCausalAttention, packed_seq_params_for  # noqa: E402
+from megatron.resihp.models.document_attention import DocumentCausalAttention, packed_seq_params_for  # noqa: E402
 from scripts.bench.document_attention import (  # noqa: E402
     EOD,
     add_shape_arguments,

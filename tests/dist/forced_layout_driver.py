@@ -17,9 +17,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pretrain_gpt_resilient as entry  # noqa: E402
-from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.resilience import ResilienceHooks  # noqa: E402
-from megatron.training.training import pretrain  # noqa: E402
+from megatron.resihp.arguments import parse_args  # noqa: E402
+from megatron.resihp.resilience import ResilienceHooks  # noqa: E402
+from megatron.resihp.training import pretrain  # noqa: E402
 from resihp_ext.layout import Layout, ReplicaSpec, StageSpec  # noqa: E402
 
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megatron.training.recovery import agree_on_commit
+from megatron.resihp.recovery import agree_on_commit
 
 NEVER = lambda: None  # noqa: E731 - a stop that never fires
 

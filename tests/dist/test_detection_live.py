@@ -9,12 +9,12 @@ about alpha*N + beta*sum(l_i^2)):
 * the op order the timing hooks record is ``resihp_ext.schedule.one_f_one_b`` on every stage;
 * on PP2 x DP2, a slowed pipeline link is named by link probes and re-planned in place;
 * on PP2 x DP2, a 1.4x slow rank is named against its one probed peer;
-* on PP2 x DP2, a rank 1.5x slow in bursts of 3 iterations in 6 is named (resihp_ext.recurrence),
+* on PP2 x DP2, a rank 1.5x slow in bursts of 3 iterations in 6 is named (resihp_ext.detection.recurrence),
   and once its bursts stop for a whole window, found fast again and given its work back.
 
 The first two compare op timings across ranks. On CPU an op's busy time is its thread's CPU
 time, which does not depend on how many other ranks share the cores (see
-``megatron/training/schedules.py``), so they run on a 2-core host with 8 ranks.
+``megatron/resihp/schedules.py``), so they run on a 2-core host with 8 ranks.
 Rank placement under Megatron's default order (tp fastest, then dp, then pp):
 rank = tp + 2 * (replica + 2 * stage); rank 3 is TP rank 1 of replica 1, stage 0.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from resihp_ext.schedule import one_f_one_b
-from resihp_ext.traces import load_trace
+from resihp_ext.detection.traces import load_trace
 from tests.dist.launch import CORE_SPEED_SPREAD, check, decisions, iteration_losses, read_events, run_job
 
 NPROC, TP, PP, DP = 8, 2, 2, 2

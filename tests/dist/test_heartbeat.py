@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.heartbeat import judge_progress
+from megatron.resihp.heartbeat import judge_progress
 from scripts.child_env import job_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,8 +30,8 @@ WORLD = 4
 WORKER = r'''
 import ctypes, json, os, sys, time
 import torch, torch.distributed as dist
-from megatron.training import heartbeat_beacon
-from megatron.training.heartbeat import HeartbeatMonitor
+from megatron.resihp import heartbeat_beacon
+from megatron.resihp.heartbeat import HeartbeatMonitor
 out, mode, use_beacon = sys.argv[1], sys.argv[2], sys.argv[3] == "beacon"
 beacon = heartbeat_beacon.start_beacon(0.2) if use_beacon else None
 dist.init_process_group("gloo")

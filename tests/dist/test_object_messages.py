@@ -1,10 +1,10 @@
-"""Objects sent rank to rank without the sender waiting (megatron.training.object_messages), on real gloo ranks."""
+"""Objects sent rank to rank without the sender waiting (megatron.resihp.object_messages), on real gloo ranks."""
 
 from __future__ import annotations
 
 import datetime
 
-from megatron.training.object_messages import CAPACITY, Outbox, recv_object
+from megatron.resihp.object_messages import CAPACITY, Outbox, recv_object
 from tests.dist.test_parallel_state_patch import run_ranks
 
 SMALL = {"rank": 1, "ops": [("F", 0, 0.0, 0.25)]}

@@ -27,15 +27,15 @@ GROUP_TIMEOUT_S = 30.0
 
 # ---------------------------------------------------------------- harness
 _PRELOAD = ["torch", "torch.distributed", "megatron.core.models.gpt", "megatron.core.distributed",
-            "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron.training.cpu_mode",
-            "megatron.training.parallel_state_patch", __name__]
+            "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron.resihp.cpu_mode",
+            "megatron.resihp.parallel_state_patch", __name__]
 
 
 def _entry(fn, rank, world_size, port, results, args, world_timeout_s):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        from megatron.training import cpu_mode
+        from megatron.resihp import cpu_mode
 
         cpu_mode.enable()
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
@@ -194,7 +194,7 @@ def _train_one_step(seed: int = 1234) -> tuple[float, float]:
 def _uniform_rank(rank, world_size, store):
     from megatron.core import parallel_state as ps
 
-    from megatron.training import parallel_state_patch as patch
+    from megatron.resihp import parallel_state_patch as patch
 
     ps.initialize_model_parallel(2, 2, distributed_timeout_minutes=1)
     reference = _memberships(ps)
@@ -235,7 +235,7 @@ HETERO = Layout((ReplicaSpec((StageSpec(0, 4, (0, 1)),)), ReplicaSpec((StageSpec
 def _hetero_rank(rank, world_size, store):
     from megatron.core import parallel_state as ps
 
-    from megatron.training import parallel_state_patch as patch
+    from megatron.resihp import parallel_state_patch as patch
 
     groups = patch.build_groups(HETERO, rank, timeout=GROUP_TIMEOUT_S)
     collection = patch.install(groups)
@@ -284,7 +284,7 @@ def _open_fds() -> int:
 def _cycles_rank(rank, world_size, store, num_cycles):
     from megatron.core import parallel_state as ps
 
-    from megatron.training import parallel_state_patch as patch
+    from megatron.resihp import parallel_state_patch as patch
 
     layouts = [Layout.uniform(TINY, 2, 2, 1), Layout.uniform(TINY, 1, 2, 2), Layout.uniform(TINY, 2, 1, 2)]
     counts, times = [], []
@@ -325,7 +325,7 @@ def test_repeated_reforms_do_not_leak_threads_or_fds():
 
 # ---------------------------------------------------------------- (d) a rank dies, survivors re-form
 def _reform_rank(rank, world_size, store):
-    from megatron.training import parallel_state_patch as patch
+    from megatron.resihp import parallel_state_patch as patch
 
     value = torch.ones(1)
     dist.all_reduce(value)
@@ -361,7 +361,7 @@ def test_survivors_reform_a_smaller_world_after_sigkill():
 
 
 def test_dense_ranks():
-    from megatron.training.parallel_state_patch import dense_ranks
+    from megatron.resihp.parallel_state_patch import dense_ranks
 
     assert dense_ranks([7, 0, 3]) == {0: 0, 3: 1, 7: 2}
     assert dense_ranks([]) == {}

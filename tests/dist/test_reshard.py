@@ -10,8 +10,8 @@ from tests.dist.test_parallel_state_patch import TINY, run_ranks
 
 
 def _reshard_rank(rank, world_size, store):
-    from megatron.training import parallel_state_patch as patch
-    from megatron.training.reshard import copy_stage_state_from_replica
+    from megatron.resihp import parallel_state_patch as patch
+    from megatron.resihp.reshard import copy_stage_state_from_replica
 
     # TP1 x PP1 x DP3: rank 0 survived, ranks 1 and 2 were rebuilt with fresh weights.
     groups = patch.build_groups(Layout.uniform(TINY, 1, 1, 3), rank, timeout=30)

@@ -15,7 +15,7 @@ def test_document_attention_layers_do_not_synchronise_the_device(one_rank):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.training.models.document_attention import DocumentCausalAttention, packed_seq_params_for
+    from megatron.resihp.models.document_attention import DocumentCausalAttention, packed_seq_params_for
 
     config = TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=4, attention_dropout=0.0,
                                hidden_dropout=0.0)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from megatron.training.schedules import OpRecorder
+from megatron.resihp.schedules import OpRecorder
 from resihp_ext.schedule import OpKind
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -15,7 +15,7 @@ def test_te_thd_attention_matches_document_attention(one_rank):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.training.models.document_attention import DocumentCausalAttention, packed_seq_params_for
+    from megatron.resihp.models.document_attention import DocumentCausalAttention, packed_seq_params_for
 
     config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, attention_dropout=0.0,
                                hidden_dropout=0.0, bf16=True, params_dtype=torch.bfloat16)

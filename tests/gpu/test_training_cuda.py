@@ -61,7 +61,7 @@ def test_packed_documents_use_transformer_engines_thd_attention(tmp_path):
     pytest.importorskip("transformer_engine", reason="needs Transformer Engine")
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
-    from megatron.training.model_builder import layer_spec
+    from megatron.resihp.model_builder import layer_spec
 
     spec = layer_spec(argparse.Namespace(device="cuda", reset_attention_mask=True, packed_seq_layout="thd"))
     assert spec.submodules.self_attention.submodules.core_attention is TEDotProductAttention

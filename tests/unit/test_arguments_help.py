@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from megatron.training.arguments import build_parser, parse_args
+from megatron.resihp.arguments import build_parser, parse_args
 from resihp_ext.config import ResiHPConfig
 from tests.cli_args import TINY_CPU_ARGS
 

@@ -5,8 +5,8 @@ from collections import deque
 import pytest
 
 from resihp_ext.layout import Layout, ModelSpec
-from resihp_ext.observations import RankObservation
-from resihp_ext.op_signals import op_tables
+from resihp_ext.detection.observations import RankObservation
+from resihp_ext.detection.op_signals import op_tables
 from resihp_ext.planner.calibration import FIT_WINDOW, ComputeCosts, fit_compute_costs, pooled_costs
 
 MODEL = ModelSpec(num_layers=8, hidden_size=64, num_attention_heads=8, ffn_hidden_size=256,

@@ -1,12 +1,12 @@
-"""Verdicts wait for a second probe round; several may wait at once (resihp_ext.confirmation)."""
+"""Verdicts wait for a second probe round; several may wait at once (resihp_ext.detection.confirmation)."""
 
 import pytest
 
-from resihp_ext.confirmation import PendingVerdicts, Waiting
-from resihp_ext.detector import Cleared, FailSlowDetector, Verdict
+from resihp_ext.detection.confirmation import PendingVerdicts, Waiting
+from resihp_ext.detection.detector import Cleared, FailSlowDetector, Verdict
 from resihp_ext.faults import parse_fault
-from resihp_ext.traces import synthetic_probes, synthetic_trace
-from resihp_ext.validation import ProbeResults, localise
+from resihp_ext.detection.traces import synthetic_probes, synthetic_trace
+from resihp_ext.detection.validation import ProbeResults, localise
 from tests.unit.test_detector import SPEC, _busy
 
 # Rank 5 (replica 0, stage 1) slows at iteration 60; link 2 -> 6 slows at 59, but only the first

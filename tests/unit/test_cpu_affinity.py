@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.training.cpu_affinity import core_for_rank
-from megatron.training.detection import on_probe_core
+from megatron.resihp.cpu_affinity import core_for_rank
+from megatron.resihp.detection import on_probe_core
 from scripts.child_env import job_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def test_a_bad_setting_names_the_variable_and_its_values():
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs a host with two cores this process may use")
 def test_a_real_process_is_pinned():
-    code = "import os; from megatron.training.cpu_affinity import pin_this_rank; print(pin_this_rank(), " \
+    code = "import os; from megatron.resihp.cpu_affinity import pin_this_rank; print(pin_this_rank(), " \
            "sorted(os.sched_getaffinity(0)))"
     cpus = sorted(os.sched_getaffinity(0))
     env = job_env({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, without=["RESIHP_CPU_PIN"])

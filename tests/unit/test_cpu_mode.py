@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron.training.arguments import parse_args
+from megatron.resihp.arguments import parse_args
 from tests.cli_args import TINY_CPU_ARGS
 from tests.one_rank_world import one_rank_world
 
@@ -22,7 +22,7 @@ def test_cpu_training_uses_torch_adam_and_norms_where_fused_kernels_are_installe
     from megatron.core import optimizer as optimizer_package
     from megatron.core.optimizer import clip_grads, optimizer
 
-    from megatron.training.model_builder import build_training_objects
+    from megatron.resihp.model_builder import build_training_objects
 
     monkeypatch.setattr(optimizer_package, "USING_PYTORCH_OPTIMIZER", False)
     monkeypatch.setattr(optimizer_package, "Adam", _FusedAdam)

@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron.training.data.batch import document_bounds, document_lengths, microbatch_features
+from megatron.resihp.data.batch import document_bounds, document_lengths, microbatch_features
 
 EOD = 9
 

@@ -13,9 +13,9 @@ import torch
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
-from megatron.training.data.batch import document_lengths  # noqa: E402
-from megatron.training.data.datasets import build_pretraining_datasets  # noqa: E402
-from megatron.training.data.tokenizer import build_tokenizer  # noqa: E402
+from megatron.resihp.data.batch import document_lengths  # noqa: E402
+from megatron.resihp.data.datasets import build_pretraining_datasets  # noqa: E402
+from megatron.resihp.data.tokenizer import build_tokenizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")

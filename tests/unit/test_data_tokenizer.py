@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from megatron.training.data.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.training.data.tokenizer import _byte_to_unicode
+from megatron.resihp.data.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.resihp.data.tokenizer import _byte_to_unicode
 
 
 def test_byte_level_round_trip_and_eod():

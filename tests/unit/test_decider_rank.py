@@ -3,7 +3,7 @@ switches of scripts/bench/decider_placement.py."""
 
 import pytest
 
-from megatron.training.detection import decider_rank, judging_pad_s
+from megatron.resihp.detection import decider_rank, judging_pad_s
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
 
 MODEL = ModelSpec(num_layers=8, hidden_size=64, num_attention_heads=8, ffn_hidden_size=256, vocab_size=512,

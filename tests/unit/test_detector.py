@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from resihp_ext.config import ResiHPConfig
-from resihp_ext.detector import Cleared, FailSlowDetector, RankObservation, Verdict, judge_heartbeats
+from resihp_ext.detection.detector import Cleared, FailSlowDetector, RankObservation, Verdict, judge_heartbeats
 from resihp_ext.faults import parse_fault
-from resihp_ext.op_signals import Streak, beyond_common
-from resihp_ext.traces import SyntheticSpec, load_trace, save_trace, synthetic_probes, synthetic_trace
-from resihp_ext.validation import ProbeResults, fail_stop_verdict
+from resihp_ext.detection.op_signals import Streak, beyond_common
+from resihp_ext.detection.traces import SyntheticSpec, load_trace, save_trace, synthetic_probes, synthetic_trace
+from resihp_ext.detection.validation import ProbeResults, fail_stop_verdict
 
 # TP2 x PP2 x DP2: rank = tp + 2 * (replica + 2 * stage); rank 5 is replica 0, stage 1, TP rank 1.
 SPEC = SyntheticSpec(tp_degree=2, pp_degree=2, dp_degree=2, num_microbatches=4, seq_length=4096)
@@ -394,7 +394,7 @@ def test_trace_round_trip_and_tolerant_loader(tmp_path):
 
 
 def test_a_trace_keeps_the_last_probe_baselines_row(tmp_path):
-    from resihp_ext.traces import probe_baselines_to_dict
+    from resihp_ext.detection.traces import probe_baselines_to_dict
 
     path = tmp_path / "t.jsonl"
     rows = [{"format": "resihp-trace", "version": 1, "layout": {"tp": 1, "pp": 1, "dp": 1}},

@@ -14,7 +14,7 @@ from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from megatron.training.models.document_attention import (  # noqa: E402
+from megatron.resihp.models.document_attention import (  # noqa: E402
     DocumentCausalAttention,
     document_rows,
     flatten_for_thd,
@@ -128,7 +128,7 @@ def test_layers_of_one_micro_batch_share_one_row_plan(one_rank, monkeypatch):
     """Each layer needs the same document rows; building them per layer costs, on CUDA, one
     host-to-device copy per distinct document length per layer, each waiting for the stream.
     The params build them once, for the first layer that asks."""
-    import megatron.training.models.document_attention as module
+    import megatron.resihp.models.document_attention as module
 
     built = []
     monkeypatch.setattr(module, "document_rows", lambda *a: built.append(a) or document_rows(*a))
@@ -277,7 +277,7 @@ def test_the_layer_spec_attends_within_documents_only_when_packing_is_on(device)
     import argparse
     import importlib.util
 
-    from megatron.training.model_builder import layer_spec
+    from megatron.resihp.model_builder import layer_spec
 
     if device == "cuda" and importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("Transformer Engine is installed: the GPU tests cover its spec")
@@ -300,7 +300,7 @@ def test_a_model_without_te_layers_ends_in_its_layers_norm_whatever_megatron_cor
 
     from megatron.core.transformer import transformer_block
 
-    from megatron.training.model_builder import decoder_spec
+    from megatron.resihp.model_builder import decoder_spec
 
     class CudaOnlyNorm(torch.nn.Module):
         def __init__(self, *args, **kwargs):

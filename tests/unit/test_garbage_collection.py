@@ -5,8 +5,8 @@ import gc
 
 import pytest
 
-from megatron.training import garbage_collection
-from megatron.training.arguments import parse_args
+from megatron.resihp import garbage_collection
+from megatron.resihp.arguments import parse_args
 from tests.cli_args import TINY_CPU_ARGS
 
 

@@ -20,11 +20,11 @@ import torch
 torch.set_num_threads(1)
 torch.manual_seed(0)
 if sys.argv[1] == "keep":
-    from megatron.training.host_memory import keep_freed_memory
+    from megatron.resihp.host_memory import keep_freed_memory
     assert keep_freed_memory()
 elif sys.argv[1] == "cpu-rank":  # a CPU rank's own start-up
-    from megatron.training.arguments import parse_args
-    from megatron.training.initialize import initialize_distributed
+    from megatron.resihp.arguments import parse_args
+    from megatron.resihp.initialize import initialize_distributed
     initialize_distributed(parse_args(sys.argv[2:]))
 layer = torch.nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True)
 x = torch.randn(2, 256, 256)

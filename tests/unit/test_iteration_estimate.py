@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from resihp_ext.iteration_estimate import IterationEstimate
-from resihp_ext.predictor import MicrobatchPredictor, predict_replica, stage_keys_for
+from resihp_ext.detection.iteration_estimate import IterationEstimate
+from resihp_ext.detection.predictor import MicrobatchPredictor, predict_replica, stage_keys_for
 
 ALPHA, BETA = 2e-6, 1e-10
 FEATS = np.array([(8192, 1e7, 4), (8192, 4e7, 2), (8192, 2e6, 9)], dtype=float)

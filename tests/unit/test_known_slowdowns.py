@@ -3,9 +3,9 @@ or fast again) alarms; a group or link watched again after a kept verdict."""
 
 import pytest
 
-from resihp_ext.detector import Cleared, FailSlowDetector, Verdict
+from resihp_ext.detection.detector import Cleared, FailSlowDetector, Verdict
 from resihp_ext.faults import parse_fault
-from resihp_ext.traces import synthetic_probes, synthetic_trace
+from resihp_ext.detection.traces import synthetic_probes, synthetic_trace
 from tests.unit.test_detector import SPEC, _run, _trace
 
 

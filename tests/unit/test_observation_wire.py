@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from resihp_ext.config import ResiHPConfig
-from resihp_ext.detector import FailSlowDetector
+from resihp_ext.detection.detector import FailSlowDetector
 from resihp_ext.faults import parse_fault
 from resihp_ext.layout import Layout, ModelSpec
-from resihp_ext.observation_wire import PackedObservation, packed
-from resihp_ext.observations import RankObservation
-from resihp_ext.op_signals import op_tables
+from resihp_ext.detection.observation_wire import PackedObservation, packed
+from resihp_ext.detection.observations import RankObservation
+from resihp_ext.detection.op_signals import op_tables
 from resihp_ext.planner.calibration import fit_compute_costs
-from resihp_ext.traces import SyntheticSpec, synthetic_trace
+from resihp_ext.detection.traces import SyntheticSpec, synthetic_trace
 
 OPS = (("F", 0, 0.1, 0.2), ("F", 1, 0.2, 0.3), ("B", 1, 0.35, 0.5), ("B", 0, 0.5, 0.7))
 FEATURES = ((512, 70000, 3), (512, 90000, 2))

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from megatron.training.schedules import OpRecorder, wait_until
+from megatron.resihp.schedules import OpRecorder, wait_until
 from tests.host_clock_event import HostClockEvent
 from resihp_ext.schedule import OpKind
 
@@ -126,10 +126,10 @@ def test_a_training_step_reads_its_event_timed_ops_in_megatron_cores_order(monke
     CUDA: after the step, every forward and backward is there in the schedule's order, read with
     two waits in all."""
     import pretrain_gpt_resilient as gpt
-    from megatron.training.arguments import parse_args
-    from megatron.training.data_samplers import microbatches
-    from megatron.training.model_builder import build_training_objects
-    from megatron.training.schedules import RECORDER, install_hooks, train_step, uninstall_hooks
+    from megatron.resihp.arguments import parse_args
+    from megatron.resihp.data_samplers import microbatches
+    from megatron.resihp.model_builder import build_training_objects
+    from megatron.resihp.schedules import RECORDER, install_hooks, train_step, uninstall_hooks
     from resihp_ext.schedule import one_f_one_b
     from tests.cli_args import TINY_CPU_ARGS
     from tests.one_rank_world import one_rank_world

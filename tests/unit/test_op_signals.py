@@ -5,9 +5,9 @@ sibling against the others; how much wall time the ops took per busy second."""
 import numpy as np
 import pytest
 
-from resihp_ext.link_baselines import LinkBaselines
-from resihp_ext.observations import RankObservation
-from resihp_ext.op_signals import Baselines, link_gaps, op_tables, sibling_ratios, wall_per_busy
+from resihp_ext.detection.link_baselines import LinkBaselines
+from resihp_ext.detection.observations import RankObservation
+from resihp_ext.detection.op_signals import Baselines, link_gaps, op_tables, sibling_ratios, wall_per_busy
 
 
 def test_baseline_medians_and_quantiles_are_over_each_ids_last_values():

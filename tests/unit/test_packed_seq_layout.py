@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from megatron.training.arguments import _packed_seq_layout
+from megatron.resihp.arguments import _packed_seq_layout
 
 
 def _args(layout="auto", device="cpu", reset=True, bf16=False, fp16=False):

@@ -11,7 +11,7 @@ BASE = ["--tp", "2", "--pp", "2", "--dp", "2", "--num-layers", "4", "--hidden-si
 
 
 def run(*flags):
-    return subprocess.run([sys.executable, "-m", "resihp_ext.plan", *BASE, *flags],
+    return subprocess.run([sys.executable, "-m", "resihp_ext.planner", *BASE, *flags],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 

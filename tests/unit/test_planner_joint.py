@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
 from resihp_ext.planner import HardwareModel, Health, plan_adaptation
-from resihp_ext.planner.baselines import POLICIES
+from resihp_ext.planner.simple_policies import POLICIES
 from resihp_ext.planner.compare import compare
 
 MODEL = ModelSpec(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192,

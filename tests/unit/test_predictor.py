@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from resihp_ext.predictor import MicrobatchPredictor, predict_replica, stage_keys_for
+from resihp_ext.detection.predictor import MicrobatchPredictor, predict_replica, stage_keys_for
 from resihp_ext.schedule import one_f_one_b
-from resihp_ext.simulator import simulate_iteration
+from resihp_ext.detection.simulator import simulate_iteration
 from resihp_ext.workload import LengthDistribution, microbatch_features, sample_packed_workload
 
 ALPHA, BETA = 5e-6, 6e-10

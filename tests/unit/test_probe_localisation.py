@@ -3,10 +3,10 @@ healthy probe), how noisy samples are read, and a rank that does not answer."""
 
 import pytest
 
-from resihp_ext.detector import Cleared, FailSlowDetector, Verdict
+from resihp_ext.detection.detector import Cleared, FailSlowDetector, Verdict
 from resihp_ext.faults import parse_fault
-from resihp_ext.traces import SyntheticSpec, synthetic_probes, synthetic_trace
-from resihp_ext.validation import ProbeResults, localise, pass_normalised_times, peer_reference_s, undecided
+from resihp_ext.detection.traces import SyntheticSpec, synthetic_probes, synthetic_trace
+from resihp_ext.detection.validation import ProbeResults, localise, pass_normalised_times, peer_reference_s, undecided
 from tests.unit.test_detector import SPEC, _trace
 
 

@@ -1,13 +1,13 @@
-"""A rank slow in bursts shorter than the confirmation wait gets a verdict (resihp_ext.recurrence)."""
+"""A rank slow in bursts shorter than the confirmation wait gets a verdict (resihp_ext.detection.recurrence)."""
 
 import pytest
 
 from resihp_ext.config import ResiHPConfig
-from resihp_ext.confirmation import PendingVerdicts
-from resihp_ext.detector import Cleared, FailSlowDetector, Verdict
+from resihp_ext.detection.confirmation import PendingVerdicts
+from resihp_ext.detection.detector import Cleared, FailSlowDetector, Verdict
 from resihp_ext.faults import parse_fault
-from resihp_ext.recurrence import Recurrences
-from resihp_ext.traces import synthetic_probes, synthetic_trace
+from resihp_ext.detection.recurrence import Recurrences
+from resihp_ext.detection.traces import synthetic_probes, synthetic_trace
 from tests.unit.test_detector import SPEC
 
 # Rank 5 (replica 0, stage 1): 1.5x for 3 iterations, healthy for 3, from iteration 40.

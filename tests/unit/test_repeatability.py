@@ -2,8 +2,8 @@
 
 import pytest
 
-from resihp_ext.observations import RankObservation
-from resihp_ext.repeatability import same_work_spread
+from resihp_ext.detection.observations import RankObservation
+from resihp_ext.detection.repeatability import same_work_spread
 
 
 def _obs(rank, stage, features, busy):

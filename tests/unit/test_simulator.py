@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from resihp_ext.schedule import Op, OpKind, one_f_one_b
-from resihp_ext.simulator import IterationPrediction, pipeline_time_s, simulate_iteration
+from resihp_ext.detection.simulator import IterationPrediction, pipeline_time_s, simulate_iteration
 
 
 def test_two_stages_two_microbatches_by_hand():

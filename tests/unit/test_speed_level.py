@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from resihp_ext.config import ResiHPConfig
-from resihp_ext.detector import FailSlowDetector
-from resihp_ext.predictor import MicrobatchPredictor
-from resihp_ext.speed_level import SpeedLevels
+from resihp_ext.detection.detector import FailSlowDetector
+from resihp_ext.detection.predictor import MicrobatchPredictor
+from resihp_ext.detection.speed_level import SpeedLevels
 from tests.unit.test_detector import SPEC, _run, _stretch, _trace
 
 

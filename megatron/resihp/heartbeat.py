@@ -1,0 +1,418 @@
+"""Fail-stop and hang detection through the job's store.
+
+Responsible for: a daemon watchdog thread on every rank that reads every other rank's heartbeat
+(``prefix + str(rank)`` = ``"<time>:<progress>[:mark]"``, one ``multi_get`` per poll) and reports
+
+* **dead** ranks: no new heartbeat for ``timeout_s`` (the process or its node is gone), judged by
+  ``resihp_ext.detection.detector.judge_heartbeats``;
+* **dead** at once: a rank whose beacon wrote the ``dead`` mark (its process is gone);
+* **hung** ranks: heartbeat alive but the training progress they publish (``beat(progress)``,
+  called at each iteration boundary) stopped for ``hang_timeout_s`` while other ranks moved on,
+  judged by ``judge_progress`` below.
+
+This rank's own heartbeat is published by its beacon (``heartbeat_beacon``), a child process
+that no lock of this one can delay; without a beacon the watchdog thread publishes it.
+
+A death stalls the survivors too: each sits in a collective with the dead rank (or with a rank
+that does) until the collective times out. So once a monitor has seen a death, stall clocks start
+again at that moment and run ``failure_grace_s`` longer, and a rank that has reached its recovery
+code (``mark_recovering()``) is never called hung: it is alive and doing what it should, and it
+counts as ahead of every rank still training, so a rank that never gets there is named.
+
+A rank that stops its monitor cleanly (``stop()``) publishes an exit mark, so finishing training
+first is never mistaken for dying. Survivors that leave a rank behind ``evict()`` it: the evicted
+rank's own watchdog sees the mark and calls ``on_evicted``, so a hung process can be fenced (it
+still holds its device and sockets) instead of lingering after the job re-formed without it.
+
+It must never touch a process group or the store client of one: the watchdog uses its own
+TCPStore connection (``connect_store`` / ``HeartbeatMonitor.from_env``), so a collective that is
+stuck, or the process group's own store traffic, can neither delay nor be delayed by heartbeats.
+It only reports; what to do about a dead or hung rank is the caller's decision.
+
+Heartbeat times are wall-clock (``time.time()``) seconds, compared across ranks: on one node that
+is one clock; across nodes the clocks must agree to well within ``timeout_s`` (NTP does).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from megatron.resihp.heartbeat_beacon import DEAD_MARK, FENCED_MARK, MARK_EXIT, MARK_RECOVERING, MARK_TEXT, Beacon
+from resihp_ext.detection.detector import judge_heartbeats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 0.2
+DEFAULT_TIMEOUT_S = 1.5
+DEFAULT_PREFIX = "resihp/hb/"
+# Ranks start their monitors seconds apart (imports, model build); one not seen yet is only
+# declared dead after this long.
+DEFAULT_STARTUP_GRACE_S = 60.0
+_EXIT_MARK = MARK_TEXT[MARK_EXIT]
+_RECOVERING_MARK = MARK_TEXT[MARK_RECOVERING]
+
+RankCallback = Callable[[frozenset[int], float], None]
+
+
+def judge_progress(now: float, progress: Mapping[int, tuple[int, float]], hang_timeout_s: float,
+                   recovering: frozenset[int] = frozenset(), failure_seen_at: float | None = None,
+                   failure_grace_s: float = 0.0) -> frozenset[int]:
+    """Ranks whose training progress stopped while the job as a whole did not.
+
+    A rank is *stalled* when its progress value has not changed for more than ``hang_timeout_s``.
+    A stalled rank is hung when another rank is still advancing or recovering, or when it is
+    behind the most advanced rank. When every rank stalled at the same progress (an evaluation, a
+    checkpoint, or a hang inside a collective that blocks everyone), nobody is named: progress
+    alone cannot tell who is at fault there. Once the others' collectives time out they reach their
+    recovery code, and the one left stalled is named.
+
+    Args:
+        now: current time, same clock as the change times.
+        progress: rank -> (latest progress value, time that value was first seen), for ranks
+            whose heartbeat is alive.
+        hang_timeout_s: how long progress may stand still; choose it above the collective
+            timeout, so ranks blocked on a hung peer have reached recovery by then.
+        recovering: ranks that announced they are in their recovery code: never hung, and ahead
+            of every rank still in training.
+        failure_seen_at: when a dead rank was first seen, if one was. A survivor blocked in a
+            collective with it only returns when the collective times out, so no stall is counted
+            from before ``failure_seen_at + failure_grace_s``.
+        failure_grace_s: how long a blocked collective may take to time out.
+
+    Returns:
+        The ranks judged hung.
+    """
+    if hang_timeout_s <= 0:
+        raise ValueError(f"--resihp-hang-timeout-s must be > 0, got {hang_timeout_s}")
+    training = {r: p for r, p in progress.items() if r not in recovering}
+    if not training:
+        return frozenset()
+    if failure_seen_at is not None:
+        restart = failure_seen_at + failure_grace_s
+        training = {r: (value, max(changed, restart)) for r, (value, changed) in training.items()}
+    stalled = {r for r, (_, changed) in training.items() if now - changed > hang_timeout_s}
+    if not stalled:
+        return frozenset()
+    someone_moving = len(stalled) < len(training) or len(training) < len(progress)
+    top = max(value for value, _ in training.values())
+    return frozenset(r for r in stalled if someone_moving or training[r][0] < top)
+
+
+def connect_store(host: str | None = None, port: int | None = None, timeout_s: float = 10.0):
+    """A new TCPStore client connection to the job's store (``MASTER_ADDR``/``MASTER_PORT``).
+
+    Args:
+        host: store address; ``MASTER_ADDR`` if None.
+        port: store port; ``MASTER_PORT`` if None.
+        timeout_s: how long one store operation may block.
+
+    Returns:
+        A ``torch.distributed.TCPStore`` client of its own.
+    """
+    from torch.distributed import TCPStore
+
+    host = host or os.environ.get("MASTER_ADDR")
+    port_text = port if port is not None else os.environ.get("MASTER_PORT")
+    if not host or port_text is None:
+        raise ValueError("heartbeat store: MASTER_ADDR and MASTER_PORT must be set (launch with torchrun or "
+                         "scripts/launch_local.py), or pass host= and port=")
+    return TCPStore(host, int(port_text), is_master=False, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class HeartbeatMonitor:
+    """Publishes this rank's heartbeat and watches everyone else's, on a daemon thread.
+
+    Args:
+        store: a store client used by the watchdog thread only (see ``connect_store``); never the
+            process group's own client.
+        rank: this rank.
+        world_size: number of ranks.
+        interval_s: seconds between two heartbeats (and two polls).
+        timeout_s: a rank whose heartbeat is older than this is dead.
+        on_dead: called as ``on_dead(dead_ranks, now)`` on the watchdog thread each time the set
+            of dead ranks grows, with the whole set and the time of the decision.
+        prefix: key prefix; use a fresh one after the job re-forms.
+        hang_timeout_s: a rank whose progress stood still this long while others moved on is hung;
+            None disables hang detection. Choose several iteration times.
+        on_hang: like ``on_dead``, for the set of hung ranks.
+        on_evicted: called once, on the watchdog thread, when another rank ``evict()``s this one.
+        startup_grace_s: how long a rank may take to publish its first heartbeat.
+        failure_grace_s: after a death, how long survivors may stall before a hang is counted
+            (the collective timeout: that is how long a survivor blocked on the dead rank waits).
+        clock: wall clock shared by all ranks (tests may pass their own).
+        beacon: this process's ``heartbeat_beacon.Beacon``; when given (and alive), it publishes
+            this rank's heartbeat and the watchdog thread only reads the others'. Without one the
+            watchdog thread publishes, and a training thread holding the GIL delays it.
+    """
+
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world_size: int,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        on_dead: RankCallback | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        hang_timeout_s: float | None = None,
+        on_hang: RankCallback | None = None,
+        on_evicted: Callable[[], None] | None = None,
+        startup_grace_s: float = DEFAULT_STARTUP_GRACE_S,
+        failure_grace_s: float = 0.0,
+        clock: Callable[[], float] = time.time,
+        beacon: Beacon | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"heartbeat: rank must be in 0..{world_size - 1}, got {rank}")
+        if not 0 < interval_s < timeout_s:
+            raise ValueError(f"--resihp-heartbeat-interval-s must be > 0 and below --resihp-heartbeat-timeout-s "
+                             f"({timeout_s}), got {interval_s}")
+        if hang_timeout_s is not None and hang_timeout_s <= timeout_s:
+            raise ValueError(f"--resihp-hang-timeout-s must exceed the heartbeat timeout ({timeout_s}), got "
+                             f"{hang_timeout_s}; a hang is judged over several iterations")
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.hang_timeout_s = hang_timeout_s
+        self.prefix = prefix
+        self.startup_grace_s = startup_grace_s
+        self.failure_grace_s = failure_grace_s
+        self._on_dead = on_dead
+        self._on_hang = on_hang
+        self._on_evicted = on_evicted
+        self._evicted = False
+        self._clock = clock
+        self.beacon = beacon
+        self._progress = -1  # written by the training thread, read by the watchdog (an int: atomic)
+        self._recovering = False  # likewise
+        self._failure_seen_at: float | None = None
+        self._recovering_ranks: set[int] = set()
+        self._lock = threading.Lock()
+        self._dead: frozenset[int] = frozenset()
+        self._hung: frozenset[int] = frozenset()
+        self._exited: frozenset[int] = frozenset()
+        self._last_beat: dict[int, float] = {}
+        self._seen_progress: dict[int, tuple[int, float]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started_at = 0.0
+        self._store_errors = 0
+
+    @classmethod
+    def from_env(cls, **kwargs) -> HeartbeatMonitor:
+        """A monitor for this process from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, on its own store client."""
+        rank = kwargs.pop("rank", None)
+        world_size = kwargs.pop("world_size", None)
+        try:
+            rank = int(os.environ["RANK"]) if rank is None else rank
+            world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+        except KeyError as err:
+            raise ValueError(f"heartbeat: {err.args[0]} is not set; launch with torchrun or scripts/launch_local.py, "
+                             "or pass rank= and world_size=") from None
+        return cls(connect_store(), rank, world_size, **kwargs)
+
+    # ------------------------------------------------------------------ training-thread API
+
+    def beat(self, progress: int) -> None:
+        """Publish training progress (e.g. the iteration number); call at each iteration boundary.
+
+        Only records the value: the watchdog thread writes it with the next heartbeat, so the
+        training loop never waits on the store.
+        """
+        self._progress = int(progress)
+        if self.beacon is not None:
+            self.beacon.set_progress(self._progress)
+
+    def mark_recovering(self) -> None:
+        """Tell the other ranks this one has left training for its recovery code.
+
+        From the next heartbeat on, nobody judges this rank hung (it is alive and busy recovering);
+        it can still be judged dead.
+        """
+        self._recovering = True
+        if self.beacon is not None:
+            self.beacon.set_mark(MARK_RECOVERING)
+
+    def start(self) -> HeartbeatMonitor:
+        """Publish the first heartbeat and start the watchdog thread."""
+        if self._thread is not None:
+            raise RuntimeError("HeartbeatMonitor.start() called twice")
+        self._started_at = self._clock()
+        if self.beacon is not None:
+            self.beacon.point_at(self._key(self.rank), self._evicted_key(self.rank))
+            self.beacon.set_progress(self._progress)
+        self._publish(self._started_at)
+        self._thread = threading.Thread(target=self._run, name=f"resihp-heartbeat-{self.rank}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching and mark this rank as exited cleanly (others will not call it dead)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(5 * self.interval_s, 5.0))
+        if self.beacon is not None and self._beacon_alive():
+            self.beacon.set_mark(MARK_EXIT)
+            if self.beacon.wait_published(max(5 * self.interval_s, 2.0)):
+                return
+        try:
+            self._publish(self._clock(), exited=True, direct=True)
+        except Exception as err:  # the store may be gone at shutdown; nothing left to tell
+            logger.warning("heartbeat: could not publish exit of rank %d: %s", self.rank, err)
+
+    def evict(self, ranks) -> None:
+        """Mark ranks as left behind by the survivors; their watchdogs call ``on_evicted``."""
+        for r in ranks:
+            self.store.set(self._evicted_key(r), "1")
+
+    @property
+    def dead_ranks(self) -> frozenset[int]:
+        with self._lock:
+            return self._dead
+
+    @property
+    def hung_ranks(self) -> frozenset[int]:
+        with self._lock:
+            return self._hung
+
+    @property
+    def exited_ranks(self) -> frozenset[int]:
+        """Ranks that stopped their monitor cleanly."""
+        with self._lock:
+            return self._exited
+
+    @property
+    def alive_ranks(self) -> frozenset[int]:
+        """Ranks judged neither dead nor hung (exited ranks included): the ones a recovery keeps."""
+        with self._lock:
+            return frozenset(range(self.world_size)) - self._dead - self._hung
+
+    # ------------------------------------------------------------------ watchdog thread
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}{rank}"
+
+    def _evicted_key(self, rank: int) -> str:
+        return f"{self.prefix}evicted/{rank}"
+
+    def _beacon_alive(self) -> bool:
+        return self.beacon is not None and self.beacon.alive()
+
+    def _publish(self, now: float, exited: bool = False, direct: bool = False) -> None:
+        if not direct and self._beacon_alive():
+            return  # the beacon publishes, on time whatever holds this process's GIL
+        mark = _EXIT_MARK if exited else _RECOVERING_MARK if self._recovering else ""
+        value = f"{now:.6f}:{self._progress}" + (f":{mark}" if mark else "")
+        self.store.set(self._key(self.rank), value)
+
+    def _run(self) -> None:
+        next_at = self._clock()
+        while not self._stop.is_set():
+            try:
+                self._publish(self._clock())
+                self._poll()
+                self._store_errors = 0
+            except Exception as err:  # a store hiccup must not end the watchdog
+                self._store_errors += 1
+                if self._store_errors == 1:
+                    logger.warning("heartbeat: store operation failed on rank %d: %s", self.rank, err)
+            next_at += self.interval_s
+            # Fixed cadence, but never a burst of catch-up beats after a stall.
+            next_at = max(next_at, self._clock())
+            self._stop.wait(next_at - self._clock())
+
+    def _read(self, ranks: list[int]) -> dict[int, str]:
+        # get() blocks until a key exists, so unseen ranks are checked first; once every rank has
+        # beaten, one multi_get per poll reads all of them.
+        seen = [r for r in ranks if r in self._last_beat]
+        fresh = [r for r in ranks if r not in self._last_beat and self.store.check([self._key(r)])]
+        ranks = seen + fresh
+        if not ranks:
+            return {}
+        keys = [self._key(r) for r in ranks]
+        values = self.store.multi_get(keys) if hasattr(self.store, "multi_get") else [self.store.get(k) for k in keys]
+        return {r: v.decode() if isinstance(v, bytes) else str(v) for r, v in zip(ranks, values)}
+
+    def _poll(self) -> None:
+        others = [r for r in range(self.world_size) if r != self.rank and r not in self._dead and r not in self._exited]
+        # The clock is read before the store: a value read afterwards is at least that fresh, so a
+        # stall of this thread between the two can never make a live rank look late.
+        now = self._clock()
+        values = self._read(others)
+        exited, marked_dead, fenced = set(), set(), set()
+        for r, text in values.items():
+            parts = text.split(":")
+            beat_at, progress = float(parts[0]), int(parts[1])
+            if len(parts) > 2 and parts[2] == _EXIT_MARK:
+                exited.add(r)
+                continue
+            if len(parts) > 2 and parts[2] in (DEAD_MARK, FENCED_MARK):  # its beacon saw it die
+                marked_dead.add(r)
+                if parts[2] == FENCED_MARK:
+                    fenced.add(r)
+                continue
+            if len(parts) > 2 and parts[2] == _RECOVERING_MARK:
+                self._recovering_ranks.add(r)
+            self._last_beat[r] = beat_at
+            if self._seen_progress.get(r, (None, 0.0))[0] != progress:
+                self._seen_progress[r] = (progress, now)
+        if not self._evicted and self.store.check([self._evicted_key(self.rank)]):
+            self._evicted = True
+            logger.warning("heartbeat: rank %d was evicted by the other ranks", self.rank)
+            if self._on_evicted is not None:
+                self._on_evicted()
+        own = self._seen_progress.get(self.rank)
+        if own is None or own[0] != self._progress:
+            self._seen_progress[self.rank] = (self._progress, now)
+
+        # A rank never seen yet counts as having beaten at the end of its start-up grace.
+        last_beat = {r: self._last_beat.get(r, self._started_at + self.startup_grace_s - self.timeout_s)
+                     for r in others if r not in exited}
+        dead = judge_heartbeats(now, {r: t for r, t in last_beat.items() if r not in marked_dead},
+                                self.timeout_s) | frozenset(marked_dead)
+        if dead and self._failure_seen_at is None:
+            self._failure_seen_at = now
+        hung: frozenset[int] = frozenset()
+        if self.hang_timeout_s is not None:
+            gone = dead | self._dead | exited | self._exited
+            watched = {r: p for r, p in self._seen_progress.items() if r not in gone}
+            recovering = frozenset(self._recovering_ranks) | ({self.rank} if self._recovering else set())
+            hung = judge_progress(now, watched, self.hang_timeout_s, recovering, self._failure_seen_at,
+                                  self.failure_grace_s) - {self.rank}
+
+        with self._lock:
+            self._exited = self._exited | exited
+            # A rank that dies after being judged hung, or fenced after an eviction, is no news:
+            # the decision to leave it out was made already.
+            new_dead = dead - self._dead - self._hung - fenced
+            self._dead = self._dead | dead
+            new_hung = hung - self._hung - self._dead
+            self._hung = (self._hung | hung) - self._dead
+            dead_now, hung_now = self._dead, self._hung
+        if new_dead:
+            gone, silent = sorted(new_dead & marked_dead), sorted(new_dead - marked_dead)
+            logger.warning("heartbeat: rank %d sees ranks %s dead (%s)", self.rank, sorted(new_dead), "; ".join(
+                ([f"{gone}: process exited"] if gone else []) +
+                ([f"{silent}: no heartbeat for {self.timeout_s:.1f} s"] if silent else [])))
+            self._notify(self._on_dead, dead_now, now, "on_dead")
+        if new_hung:
+            logger.warning("heartbeat: rank %d sees ranks %s hung (no progress for %.1f s)",
+                           self.rank, sorted(new_hung), self.hang_timeout_s)
+            self._notify(self._on_hang, hung_now, now, "on_hang")
+
+    def _notify(self, callback: RankCallback | None, ranks: frozenset[int], now: float, name: str) -> None:
+        if callback is None:
+            return
+        try:
+            callback(ranks, now)
+        except Exception:  # the watchdog must outlive a faulty callback
+            logger.exception("heartbeat: %s callback raised on rank %d", name, self.rank)

@@ -1,0 +1,215 @@
+"""In-place fail-stop recovery: the executor's life cycle, one function per step.
+
+    await_failed_ranks -> agree_on_plan -> [stage_moves] -> reform_for_plan -> (rebuild, in relayout) -> resume
+                                        or -> save_assembled_checkpoint (no in-place plan)
+
+Responsible for carrying out a ``SurvivorPlan`` (``resihp_ext/planner/survivors.py``) in the
+surviving processes: the plan is decided once, by the lowest surviving rank, and published through
+the job's store, so every survivor applies the same one. State never comes from a checkpoint when
+a replica survives whole or can be rebuilt from intact stage groups: every kept rank already holds
+its stage's shard, model and optimizer, and copies them into the objects rebuilt on the new
+groups. A stage group that the plan moves to another stage is the one exception: its new stage's
+state comes point-to-point from surviving holders (``stage_moves``), in a world of every survivor,
+before spares leave. Nothing here decides what to keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron.resihp import checkpointing
+from megatron.resihp.model_builder import TrainingObjects
+from megatron.resihp.parallel_state_patch import build_groups, install, reform_world
+from megatron.resihp.reshard import stage_transfers
+from resihp_ext.layout import Layout
+from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.health import Health
+from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout, moved_groups, plan_survivors
+from resihp_ext.shard_map import Transfer, transfers
+
+
+def await_failed_ranks(monitor, wait_s: float, settle_s: float = 0.0, poll_s: float = 0.05) -> frozenset[int]:
+    """Ranks the heartbeat monitor names dead or hung, waiting up to ``wait_s`` for a name.
+
+    Once one is named, a further ``settle_s`` lets ranks that failed together (a node, a switch)
+    be named too, so the plan is made once for all of them rather than once per name.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        failed = monitor.dead_ranks | monitor.hung_ranks
+        if failed or time.monotonic() > deadline:
+            break
+        time.sleep(poll_s)
+    if failed and settle_s > 0:
+        time.sleep(settle_s)
+        failed = monitor.dead_ranks | monitor.hung_ranks
+    return frozenset(failed)
+
+
+def wait_for_keys(store, keys: list[str], wait_s: float, stop=lambda: None, poll_s: float = 0.02) -> None:
+    """Poll until every key is in the job store.
+
+    Polls rather than ``store.wait()``: a blocking wait holds the GIL, which silences this
+    process's heartbeat thread and gets it declared dead by the others.
+
+    Args:
+        stop: called between polls; a non-empty reason (say, which ranks failed) ends the wait.
+            The keys are read once more first, so a key written just before the reason arose counts.
+
+    Raises:
+        RuntimeError: ``stop`` gave a reason while a key was still missing.
+        TimeoutError: a key was still missing after ``wait_s`` seconds.
+    """
+    deadline = time.monotonic() + wait_s
+    while not store.check(keys):
+        reason = stop()
+        if reason or time.monotonic() > deadline:
+            if store.check(keys):
+                return
+            if reason:
+                raise RuntimeError(reason)
+            missing = [k for k in keys if not store.check([k])]
+            raise TimeoutError(f"no {missing[0]!r} in the job store after {wait_s:.0f} s "
+                               f"({len(missing)} of {len(keys)} keys missing)")
+        time.sleep(poll_s)
+
+
+def agree_on_commit(store, prefix: str, members: int, finished: bool, stop: Callable[[], str | None],
+                    wait_s: float, poll_s: float = 0.02) -> bool:
+    """Whether all ``members`` finished a step (True) or it is abandoned (False): one answer for all.
+
+    Each member that finished adds 1 to ``<prefix>finished``, then waits. The answer lives in one
+    key, ``<prefix>decision``, written once by an atomic compare-and-set: "commit" by a member that
+    sees the count reach ``members``, "abandon" by one that did not finish, sees a failure
+    (``stop`` gives a reason) or passes the deadline first. Every member returns what that key
+    holds, never what it saw itself, so members agree whoever dies at whatever point. A member
+    that finished and then died counts as finished, as it would have if it had died a moment later.
+    """
+    count_key, decision_key = f"{prefix}finished", f"{prefix}decision"
+    if finished:
+        store.add(count_key, 1)
+    deadline = time.monotonic() + wait_s
+    while not store.check([decision_key]):
+        if store.add(count_key, 0) == members:
+            store.compare_set(decision_key, "", "commit")
+        elif not finished or stop() or time.monotonic() > deadline:
+            store.compare_set(decision_key, "", "abandon")
+        else:
+            time.sleep(poll_s)
+    return store.get(decision_key) == b"commit"
+
+
+def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: frozenset[int],
+                  describe_preferred, wait_s: float, move_state: bool = True,
+                  hw: HardwareModel | None = None, health: Health | None = None
+                  ) -> tuple[SurvivorPlan, frozenset[int], dict]:
+    """The lowest surviving rank decides and publishes; everyone reads the same plan back.
+
+    ``health``: the fail-slow verdicts acted on so far (``layout``'s ranks); the quotas follow them.
+
+    Returns:
+        (the plan, the failed ranks it was made for, the joint planner's preferred plan).
+    """
+    key = f"resihp/gen{generation}/plan"
+    leader = min(set(layout.world_ranks) - failed)
+    if rank == leader:
+        plan = plan_survivors(layout, failed, move_state=move_state, hw=hw, health=health)
+        store.set(key, json.dumps({"plan": plan.to_dict(), "failed": sorted(failed),
+                                   "preferred": describe_preferred(failed)}))
+    wait_for_keys(store, [key], wait_s)
+    published = json.loads(store.get(key))
+    return SurvivorPlan.from_dict(published["plan"]), frozenset(published["failed"]), published["preferred"]
+
+
+def state_moves(layout: Layout, plan: SurvivorPlan, failed: frozenset[int]) -> tuple[Transfer, ...]:
+    """What the plan's moved stage groups must receive (in old ranks); empty when nothing moves."""
+    if plan.action != "adapt" or not moved_groups(layout, plan):
+        return ()
+    return transfers(layout, continuing_layout(layout, plan), failed)
+
+
+def meet_and_reform(store, label: str, new_rank: int, world_size: int, backend: str, timeout_s: float,
+                    stop: Callable[[], str | None] = lambda: None, met: Callable[[], None] = lambda: None) -> None:
+    """Every member writes ``resihp/gen<label>/joining/<new_rank>`` and polls for all of them before
+    ``reform_world``; only then does the GIL-holding rendezvous of ``init_process_group`` start.
+
+    Members reach a re-formed world at different times: one fails fast when a peer it sends to
+    dies, another waits out a timeout. Meeting in the store first keeps every member's heartbeat
+    thread running, and ``stop`` (a failure the heartbeats name among the members) makes them all
+    give up on a world that can no longer form together, rather than each on its own timeout.
+
+    ``met`` runs once every member has arrived, just before the rendezvous.
+
+    Raises:
+        RuntimeError: ``stop`` gave a reason before every member arrived (the old world stands), or
+            the rendezvous failed (the old world is gone: ``dist.is_initialized()`` is False).
+        TimeoutError: a member was missing after three collective timeouts.
+    """
+    prefix = f"resihp/gen{label}/joining/"
+    store.set(f"{prefix}{new_rank}", "1")
+    wait_for_keys(store, [f"{prefix}{r}" for r in range(world_size)], 3 * timeout_s, stop)
+    met()
+    reform_world(store, new_rank, world_size, label, backend=backend, timeout=timeout_s)
+
+
+def stage_moves(store, generation: int, rank: int, survivors: list[int], moves, layout: Layout, objects,
+                backend: str, timeout_s: float, stop: Callable[[], str | None] = lambda: None,
+                joined: Callable[[], None] = lambda: None) -> dict:
+    """Every survivor (spares too: they may hold what a moved group needs) joins one world and
+    sends or receives the plan's moves into flat buffers (``reshard.stage_transfers``).
+
+    The world uses its own store prefix (``gen<N>moves``), so the kept ranks' next world, under
+    ``gen<N>``, cannot meet it by mistake. ``joined`` runs once this rank is in that world.
+    """
+    meet_and_reform(store, f"{generation}moves", survivors.index(rank), len(survivors), backend, timeout_s, stop)
+    joined()
+    return stage_transfers(moves, layout, rank, objects, peer_rank=survivors.index)
+
+
+def reform_for_plan(store, generation: int, new_rank: int, new_world_size: int, backend: str,
+                    timeout_s: float, layout: Layout | None, stop: Callable[[], str | None] = lambda: None,
+                    met: Callable[[], None] = lambda: None):
+    """Join the new world and install its groups for megatron-core (kept ranks only). ``met`` runs
+    once every member has said it is there, just before the process group forms."""
+    meet_and_reform(store, str(generation), new_rank, new_world_size, backend, timeout_s, stop, met)
+    if layout is None:
+        return None
+    groups = build_groups(layout, new_rank, timeout=timeout_s)
+    install(groups)
+    return groups
+
+
+def save_assembled_checkpoint(args: argparse.Namespace, root: str, iteration: int, consumed_samples: int,
+                              objects: TrainingObjects, position: tuple[int, int], writer: bool) -> str:
+    """Collective over the survivors' world: each writer saves the (TP, PP) shard it holds.
+
+    Same on-disk layout and atomic protocol as ``checkpointing.save_checkpoint``, but shards come
+    from whichever survivor holds them, across replicas.
+    """
+    final = os.path.join(root, f"iter_{iteration:07d}")
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"))
+    dist.barrier()
+    stage, tp_rank = position
+    if writer:
+        shard = os.path.join(tmp, f"mp_rank_{tp_rank:02d}_{stage:03d}")
+        os.makedirs(shard, exist_ok=True)
+        torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
+                    "model": objects.model.state_dict(), "optimizer": objects.optimizer.state_dict(),
+                    "scheduler": objects.scheduler.state_dict()},
+                   os.path.join(shard, "model_optim_rng.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        checkpointing.finalize_checkpoint(args, root, tmp, final, iteration, consumed_samples)
+    dist.barrier()
+    return final
