@@ -92,8 +92,13 @@ def preload_modules(spec: str, script: str) -> Preload:
 
 def worker_env(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
     """The environment torchrun gives a worker, for a single node."""
-    env = dict(os.environ)
-    env.update({
+    return {**os.environ, **rank_vars(rank, world_size, master_addr, master_port)}
+
+
+def rank_vars(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """The variables a rank of this node reads to find its place and the job's store (also what
+    ``scripts/slurm/slurm_rank.py`` starts from under Slurm)."""
+    return {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world_size),
@@ -109,8 +114,7 @@ def worker_env(rank: int, world_size: int, master_addr: str, master_port: int) -
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
         LAUNCHER_ENV: "launch_local",
-    })
-    return env
+    }
 
 
 @dataclass
