@@ -12,6 +12,7 @@ This module must never change numerics: every replacement computes what the CUDA
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import types
@@ -63,6 +64,32 @@ class _CpuTorch(types.ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
+
+
+class _HostStream:
+    """The one stream of a CPU process: work runs in program order, so every wait is already met.
+
+    Why: megatron-core 0.19 asks for the current stream before each gradient reduction (to wait on
+    CUDA-graph replays) and in its overlap paths; a CUDA build of torch without a driver raises there.
+    """
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_HOST_STREAM = _HostStream()
 
 
 def _set(owner: Any, name: str, value: Any) -> None:
@@ -137,6 +164,9 @@ def enable() -> None:
 
     _set(torch.cuda, "current_device", lambda: _CPU)
     _set(torch.cuda, "synchronize", lambda device=None: None)
+    _set(torch.cuda, "current_stream", lambda device=None: _HOST_STREAM)
+    _set(torch.cuda, "default_stream", lambda device=None: _HOST_STREAM)
+    _set(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
     # e.g. the shared embedding all-reduce moves weights with `.cuda()` before reducing them.
     _set(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
     _set(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())

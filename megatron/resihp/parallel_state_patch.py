@@ -11,7 +11,7 @@ Responsible for three steps of a reconfiguration, each a function:
 - ``reform_world(...)`` / ``dense_ranks(...)``: after a rank died, destroy the old default group
   and join a smaller world through a fresh store prefix, survivors taking dense new ranks.
 
-What megatron-core reads (0.16.x). GPTModel, its attention and linear layers, DDP, the optimizer
+What megatron-core reads (0.16.x and 0.19.x). GPTModel, its attention and linear layers, DDP, the optimizer
 factory, the 1F1B schedule, p2p communication and ``finalize_model_grads`` either take a
 ``ProcessGroupCollection`` built by ``ProcessGroupCollection.use_mpu_process_groups()`` or call the
 ``parallel_state.get_*`` getters directly. Both read these globals, which ``install`` sets:
@@ -34,6 +34,9 @@ factory, the 1F1B schedule, p2p communication and ``finalize_model_grads`` eithe
 - overrides, reset to None so the getters derive sizes and ranks from the groups:
   ``_MPU_{TENSOR,PIPELINE}_MODEL_PARALLEL_{WORLD_SIZE,RANK}``, ``_MPU_DATA_PARALLEL_*``,
   ``_MPU_EXPERT_*``, ``_VIRTUAL_PIPELINE_MODEL_PARALLEL_*``;
+- 0.16 only: ``_DATA_PARALLEL_GROUP_WITH_CP_AG`` (None); 0.19 only: the generalized-TP weight
+  rematerialisation groups (size 1: this rank alone) and the ``*_WITH_GTP_REMAT`` / ``*_WITH_EGTP``
+  data-parallel groups, which alias the plain ones and are what the default DP getters read;
 - ``_GLOBAL_MEMORY_BUFFER`` is created if missing.
 
 Context parallelism and expert parallelism are 1: their groups are this rank alone or alias the
@@ -66,11 +69,12 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from resihp_ext.layout import Layout
 
-SUPPORTED_MCORE = "0.16"
-if not package_info.__version__.startswith(SUPPORTED_MCORE + "."):
+SUPPORTED_MCORE = ("0.16", "0.19")
+MCORE_SERIES = ".".join(package_info.__version__.split(".")[:2])
+if MCORE_SERIES not in SUPPORTED_MCORE:
     raise ImportError(
-        f"megatron.resihp.parallel_state_patch writes megatron-core {SUPPORTED_MCORE}.x globals, but "
-        f"megatron-core {package_info.__version__} is installed; install megatron-core=={SUPPORTED_MCORE}.* "
+        f"megatron.resihp.parallel_state_patch writes the globals of megatron-core {' and '.join(SUPPORTED_MCORE)}, "
+        f"but megatron-core {package_info.__version__} is installed; install megatron-core==0.19.2 "
         "or re-check the globals listed in this module's docstring against the new parallel_state.py"
     )
 
@@ -254,7 +258,7 @@ def build_groups(layout: Layout, rank: int | None = None, timeout: Timeout = 180
 _GLOBALS = (
     "_TENSOR_MODEL_PARALLEL_GROUP", "_PIPELINE_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
     "_EMBEDDING_GROUP", "_POSITION_EMBEDDING_GROUP", "_DATA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP_GLOO",
-    "_DATA_PARALLEL_GROUP_WITH_CP", "_DATA_PARALLEL_GROUP_WITH_CP_AG", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+    "_DATA_PARALLEL_GROUP_WITH_CP", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
     "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
     "_CONTEXT_PARALLEL_GROUP", "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS", "_TENSOR_AND_CONTEXT_PARALLEL_GROUP",
     "_TENSOR_AND_DATA_PARALLEL_GROUP", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
@@ -271,7 +275,16 @@ _GLOBALS = (
     "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE", "_MPU_EXPERT_TENSOR_PARALLEL_RANK",
     "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK", "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
     "_GLOBAL_MEMORY_BUFFER",
-)
+) + {
+    "0.16": ("_DATA_PARALLEL_GROUP_WITH_CP_AG",),
+    # Generalized-TP weight rematerialisation: with its size 1 its groups are this rank alone and
+    # its "with GTP remat" data-parallel groups alias the plain ones, which the default DP getters read.
+    "0.19": ("_GTP_WEIGHT_REMAT_GROUP", "_GTP_WEIGHT_REMAT_GLOBAL_RANKS", "_EXPERT_GTP_WEIGHT_REMAT_GROUP",
+             "_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS", "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+             "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
+             "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+             "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP"),
+}[MCORE_SERIES]
 for _name in _GLOBALS:
     assert hasattr(ps, _name), f"megatron.core.parallel_state has no {_name}; update parallel_state_patch"
 
@@ -283,7 +296,23 @@ def _values(g: ParallelGroups) -> dict[str, object]:
     if not g.member:
         return {name: None for name in _GLOBALS}
     dp, dp_gloo, tp, mp = g.dp_group, g.dp_group_gloo, g.tp_group, g.mp_group
+    by_series = {
+        "0.16": {"_DATA_PARALLEL_GROUP_WITH_CP_AG": None},
+        "0.19": {
+            "_GTP_WEIGHT_REMAT_GROUP": g.cp_group,
+            "_GTP_WEIGHT_REMAT_GLOBAL_RANKS": [g.rank],
+            "_EXPERT_GTP_WEIGHT_REMAT_GROUP": g.cp_group,
+            "_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS": [g.rank],
+            "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": dp,
+            "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": dp,
+            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": dp,
+            "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": dp,
+            "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": dp,
+            "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP": mp,
+        },
+    }
     return {
+        **by_series[MCORE_SERIES],
         "_TENSOR_MODEL_PARALLEL_GROUP": tp,
         "_PIPELINE_MODEL_PARALLEL_GROUP": g.pp_group,
         "_MODEL_PARALLEL_GROUP": mp,
@@ -293,7 +322,6 @@ def _values(g: ParallelGroups) -> dict[str, object]:
         "_DATA_PARALLEL_GROUP_GLOO": dp_gloo,
         # CP = 1: "with CP" groups are the DP groups themselves.
         "_DATA_PARALLEL_GROUP_WITH_CP": dp,
-        "_DATA_PARALLEL_GROUP_WITH_CP_AG": None,
         "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": dp_gloo,
         "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": dp,
         "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": dp_gloo,

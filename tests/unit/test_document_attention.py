@@ -254,6 +254,13 @@ def test_gpt_model_forward_with_packed_seq_params(one_rank):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def _mlp_submodules(layer_spec):
+    # megatron-core 0.16 describes the MLP as a ModuleSpec; 0.19 as a partial of
+    # MLP.as_mlp_submodule holding the same submodules.
+    mlp = layer_spec.submodules.mlp
+    return mlp.submodules if hasattr(mlp, "submodules") else mlp.keywords["submodules"]
+
+
 def test_document_attention_replaces_only_the_core_attention_of_a_spec():
     """The swap a CUDA job with Transformer Engine also gets: projections and MLP stay the spec's."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -265,7 +272,7 @@ def test_document_attention_replaces_only_the_core_attention_of_a_spec():
     for name in ("linear_qkv", "linear_proj"):
         assert getattr(swapped.submodules.self_attention.submodules, name) is getattr(
             plain.submodules.self_attention.submodules, name)
-    assert swapped.submodules.mlp.submodules.linear_fc1 is plain.submodules.mlp.submodules.linear_fc1
+    assert _mlp_submodules(swapped).linear_fc1 is _mlp_submodules(plain).linear_fc1
     with pytest.raises(ValueError, match="SelfAttention layers only"):
         with_document_attention(get_gpt_layer_local_spec(multi_latent_attention=True))
 
