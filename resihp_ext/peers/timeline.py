@@ -10,7 +10,8 @@ Accounting, identical for every policy:
 - At each change of health the policy answers for the health now, from the running layout as it
   was before any failure (a policy that already adapted is assumed to reach the same answer by
   its own path). A new answer's one-time cost is paid before work resumes; an unchanged answer
-  costs nothing and keeps its clock (Greyhound's ski-rental keeps counting).
+  costs nothing and keeps its clock (Greyhound's ski-rental keeps counting), the new health
+  setting its pace.
 - When an episode ends (a node repaired, a slowdown gone) the change back is planned: a restart
   writes a checkpoint first and loses no work, and an answer that would cost nothing (back to the
   original layout) costs a regroup plus one rank's state over a link for in-place policies, or a
@@ -209,6 +210,11 @@ def run(policy: Callable[..., Response], name: str, layout: Layout, episodes: tu
                 answer = dataclasses.replace(answer, first=dataclasses.replace(answer.first, one_time_cost_s=rejoin_s))
             sig, began = _signature(answer), a
             current = answer
+        else:
+            # the same layout and quotas: nothing is paid again, but the new health sets the pace
+            current = dataclasses.replace(answer, first=dataclasses.replace(
+                answer.first, one_time_cost_s=current.first.one_time_cost_s), then=current.then and answer.then and
+                dataclasses.replace(answer.then, one_time_cost_s=current.then.one_time_cost_s))
         now, before = current.final, health
         done = current.iterations_in(b - began) - current.iterations_in(a - began)
         pieces.append((a, b, done * work_share if math.isfinite(done) else 0.0))
