@@ -69,7 +69,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S (less 
 step gpu_tests 240 python3 -m pytest -q -rs --tb=short -p no:warnings tests/gpu
 step thd_attention 90 python3 scripts/bench/thd_attention.py --rounds 9
 # Three pairs of runs: on one H200 two pairs of the same job read 4.1% and -0.9%, each with an
-# interval that excluded the other (docs/benchmarks.md section 37), so the pooled interval counts
+# interval that excluded the other (docs/notes/benchmarks.md section 37), so the pooled interval counts
 # how far the pairs disagree. 100 iterations a run: probe baseline rounds (after detections 1, 2,
 # 4, ..., 32) leave a few detections out of each run's estimate.
 step detection_overhead 300 python3 scripts/bench/live_detection.py --device cuda --shape tp1pp1dp1 \

@@ -2,10 +2,10 @@
 
 In CPU mode a rank stands for a device, and its core is that device. Left to the scheduler, a
 rank moves between cores, and on a virtual machine each vCPU drifts in speed on its own (some %
-for tens of seconds; ``docs/benchmarks.md`` section 20), so the rank's op times mix the drifts of
+for tens of seconds; ``docs/notes/benchmarks.md`` section 20), so the rank's op times mix the drifts of
 two cores and the detector's per-group speed level (``resihp_ext/detection/speed_level.py``) follows neither.
 Pinned, a rank sees one core's drift. Measured on this project's 2-core host (TP1 x PP2, hidden
-256, 100 iterations, two runs each, ``docs/benchmarks.md`` section 21): micro-batch predictor
+256, 100 iterations, two runs each, ``docs/notes/benchmarks.md`` section 21): micro-batch predictor
 error 1.92% and 2.06% pinned, 2.08% and 2.33% not.
 
 When ranks outnumber cores (8 ranks on 2 in CI) nothing is pinned: the scheduler balances ranks

@@ -347,7 +347,7 @@ class FailSlowDetector:
         """Consecutive suspect iterations a suspicion needs. Ranks that share cores see the host's
         slow spells in their busy time too, and such a spell can single out one group for two
         iterations: replayed over 3,450 healthy iterations of 8 ranks on 2 cores, 2 in a row made
-        4 suspicions and 3 in a row none (``docs/benchmarks.md`` section 26)."""
+        4 suspicions and 3 in a row none (``docs/notes/benchmarks.md`` section 26)."""
         need = self.config.persistence_iters
         return max(need, self.config.shared_host_persistence_iters) if self._shared else need
 

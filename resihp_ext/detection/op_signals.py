@@ -137,7 +137,7 @@ class Streak:
     A slowdown close to the threshold reads below it now and then: live, a whole TP group 1.4x
     slow read 1.07-1.23x beyond the others in an iteration where they ran 1.1-1.2x slow, and a
     strict run restarted there, so the suspicion came 3 or more iterations late, or never
-    (``docs/benchmarks.md`` section 28). Up to ``gap`` quiet iterations in a row keep the run
+    (``docs/notes/benchmarks.md`` section 28). Up to ``gap`` quiet iterations in a row keep the run
     going (they add nothing to its count); one more ends it.
 
     Args:
@@ -285,7 +285,7 @@ def beyond_common(ratios: dict, floor: float = 1.0) -> tuple[dict, dict]:
 
     ``floor`` 1 judges only a common slowdown; 0 also a common speed-up. Stage groups use 0: their
     fits follow a host that runs faster only slowly, and meanwhile the others read 0.8-0.9x
-    predicted and a device 1.4x slow only 1.1-1.27x (live, ``docs/benchmarks.md`` section 28);
+    predicted and a device 1.4x slow only 1.1-1.27x (live, ``docs/notes/benchmarks.md`` section 28);
     against its peers it is still 1.4x. Links keep 1: a link's ratio is to its own recent
     transfers, whose quantiles sit under 1 by noise alone.
 

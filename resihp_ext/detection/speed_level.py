@@ -3,7 +3,7 @@
 Responsible for one multiplier per stage group (the TP ranks of one stage of one replica) that
 says how much slower or faster than the fitted micro-batch model the group has run over its
 recent healthy iterations. The prediction for the group's next iteration is the model times this
-level. It exists for two reasons measured on live runs (``docs/benchmarks.md`` section 21):
+level. It exists for two reasons measured on live runs (``docs/notes/benchmarks.md`` section 21):
 
 * a device's speed drifts: on a shared host each vCPU runs a few % slower or faster for tens of
   seconds at a time, each on its own, and GPUs do the same as their clocks follow temperature and

@@ -59,7 +59,7 @@ SHAPES = {"tp2pp2dp2": (2, 2, 2), "tp1pp2dp2": (1, 2, 2), "tp1pp2dp1": (1, 2, 1)
 # (hidden size, attention heads, sequence length). "tiny" is the tests' model, whose ops last a few
 # ms, so that the interpreter's and the host's jitter are a large part of each; "medium" ops last
 # tens of ms on CPU. On a GPU both are bound by kernel launches; "large" has GEMMs of ~100 GFLOP
-# per layer (on an H100 its ops were still host-bound: docs/benchmarks.md section 31).
+# per layer (on an H100 its ops were still host-bound: docs/notes/benchmarks.md section 31).
 MODELS = {"tiny": (64, 4, 64), "medium": (256, 8, 256), "large": (1024, 16, 2048)}
 SLOW_RANK, FACTOR, ONSET = 3, 1.5, 10
 MICRO_BATCH, GLOBAL_BATCH = 2, 16
@@ -254,7 +254,7 @@ def pooled_overhead(pairs: list[dict]) -> dict:
 
     One pair's interval counts only the spread of its detections. Between pairs, taken minutes
     apart, the host and the device change as well: on one H200, two pairs of the same job read
-    4.14% (1.49% to 6.86%) and -0.93% (-3.45% to 1.66%) (``docs/benchmarks.md`` section 37). The
+    4.14% (1.49% to 6.86%) and -0.93% (-3.45% to 1.66%) (``docs/notes/benchmarks.md`` section 37). The
     pooled estimate weighs each pair by its detections; its interval is the wider of the pooled
     within-pair one and a t-interval over the pairs' estimates (with 2 pairs, one degree of freedom,
     so it is wide unless they agree).

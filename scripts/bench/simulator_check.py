@@ -61,8 +61,17 @@ class Comparison:
     def error_after(self) -> float | None:
         return _error(self.predicted_after_s, self.measured_after_s)
 
+    @property
+    def unpredicted_s(self) -> tuple[float | None, float | None]:
+        """Measured minus predicted seconds, before and after: what the simulator does not model
+        (work outside the timed ops) shows as a similar amount on both sides."""
+        return (_gap(self.predicted_before_s, self.measured_before_s),
+                _gap(self.predicted_after_s, self.measured_after_s))
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "error_before": _round(self.error_before), "error_after": _round(self.error_after)}
+        before, after = self.unpredicted_s
+        return {**asdict(self), "error_before": _round(self.error_before), "error_after": _round(self.error_after),
+                "unpredicted_before_s": _round(before), "unpredicted_after_s": _round(after)}
 
 
 def _error(predicted: float | None, measured: float | None) -> float | None:
@@ -70,6 +79,10 @@ def _error(predicted: float | None, measured: float | None) -> float | None:
     if predicted is None or measured is None or measured <= 0:
         return None
     return predicted / measured - 1.0
+
+
+def _gap(predicted: float | None, measured: float | None) -> float | None:
+    return None if predicted is None or measured is None else measured - predicted
 
 
 def _round(value: float | None) -> float | None:
@@ -172,6 +185,9 @@ def report(rows: list[Comparison]) -> None:
               f"{_fmt(row.measured_before_s):>8} {_fmt(row.error_before, '{:+.1%}'):>7} "
               f"{_fmt_window(row.before_window):>6}  {_fmt(row.predicted_after_s):>9} "
               f"{_fmt(row.measured_after_s):>8} {_fmt(row.error_after, '{:+.1%}'):>7} {_fmt_window(row.after_window):>6}")
+    gaps = [g for row in rows for g in row.unpredicted_s if g is not None]
+    if gaps:
+        print(f"measured - predicted: {', '.join(f'{g:+.3f}' for g in gaps)} s per iteration")
     errors = [abs(e) for row in rows for e in (row.error_before, row.error_after) if e is not None]
     if errors:
         print(f"largest |error| {max(errors):.1%}; goal {GOAL:.0%}: "
@@ -213,11 +229,13 @@ def main() -> None:
     if not rows:
         raise SystemExit(_refuse(f"{log}: no plan event with a predicted iteration time; "
                                  f"the job re-planned nothing (give a run with --resihp-enable and a fault)"))
+    # The host's load says how busy the shared cores were, which only means something right after a run.
+    load = None if args.events else os.getloadavg()
     if args.json:
-        print(json.dumps({"events": str(log), "loadavg": os.getloadavg(), "goal": GOAL,
+        print(json.dumps({"events": str(log), "loadavg_after_run": load, "goal": GOAL,
                           "plans": [row.to_dict() for row in rows]}))
         return
-    print(f"event log {log}; load average {os.getloadavg()}")
+    print(f"event log {log}" + ("" if load is None else f"; load average after the run {load}"))
     report(rows)
 
 

@@ -20,7 +20,7 @@ from scripts.child_env import job_env
 REPO = Path(__file__).resolve().parents[2]
 
 # How far apart this host's cores ran one fixed GEMM, seconds apart, with nothing else running
-# (fastest of 5 in one process: 2.46 and 4.24 ms; docs/benchmarks.md section 33). A one-rank job
+# (fastest of 5 in one process: 2.46 and 4.24 ms; docs/notes/benchmarks.md section 33). A one-rank job
 # compares its probe with its own baseline taken seconds before, so its factors carry this.
 CORE_SPEED_SPREAD = 4.24 / 2.46
 

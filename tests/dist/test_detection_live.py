@@ -204,7 +204,7 @@ def test_a_slow_rank_with_one_peer_to_probe_beside_it_is_named_under_1_5x(tmp_pa
     compared with its peer.
 
     The job runs 38 iterations past the onset (about 10 s here). Each of this host's cores changes
-    speed on its own, up to 1.5x, for seconds at a time (``docs/benchmarks.md`` section 33): with
+    speed on its own, up to 1.5x, for seconds at a time (``docs/notes/benchmarks.md`` section 33): with
     rank 3 on a fast core and the others on a slow one, its 1.4x reads as healthy. Nothing was
     suspected in the 14 iterations an earlier version ran after the onset (once in CI)."""
     factor = 1.4

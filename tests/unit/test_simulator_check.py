@@ -55,6 +55,7 @@ def test_predictions_are_set_beside_the_medians_measured_since_the_last_change_a
     assert second.after_window == (17, 19) and second.measured_after_s == pytest.approx(2.0)
     assert second.error_after == pytest.approx(1.92 / 2.0 - 1)
     assert first.to_dict()["error_after"] == pytest.approx(-0.1)
+    assert first.unpredicted_s == pytest.approx((4.1 - 4.2, 2.5 - 2.25))
 
 
 def test_a_fail_stop_plan_is_read_from_executed_and_a_stalled_before_has_no_error():
