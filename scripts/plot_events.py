@@ -206,7 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.output.parent.is_dir():
             raise BadInput(f"-o {args.output}: folder {args.output.parent} does not exist; create it first")
         records = read_events(args.events)
-        iteration_times(records)  # refuse a log without iterations before anything is imported or drawn
+        try:  # refuse a log without iterations, or with fields of the wrong type, before drawing
+            iteration_times(records)
+            markers(records)
+        except (KeyError, TypeError, ValueError) as error:
+            raise BadInput(f"{args.events} has an event with a missing or malformed field ({error!r}); give the "
+                           f"file a run wrote with --resihp-event-log") from None
         try:
             import matplotlib  # noqa: F401, PLC0415
         except ImportError:

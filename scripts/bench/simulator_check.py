@@ -225,7 +225,11 @@ def main() -> None:
     else:
         log = args.events
     records = read_log(log)
-    rows = compare(records)
+    try:
+        rows = compare(records)
+    except (KeyError, TypeError, ValueError) as error:
+        raise SystemExit(_refuse(f"{log}: an event has a missing or malformed field ({error!r}); "
+                                 f"give a run's --resihp-event-log")) from None
     if not rows:
         raise SystemExit(_refuse(f"{log}: no plan event with a predicted iteration time; "
                                  f"the job re-planned nothing (give a run with --resihp-enable and a fault)"))

@@ -90,6 +90,8 @@ def test_every_event_kind_is_marked_once_in_a_png_of_sensible_size(tmp_path):
     ("{\"event\": \"iteration\"\nnot json\n", "not a JSONL event log"),
     ("[1, 2]\n", "not an event"),
     (json.dumps({"event": "start", "iteration": 0, "time": 1.0, "rank": 0}) + "\n", "no iteration event"),
+    (json.dumps({"event": "iteration", "iteration": "one", "time": 1.0, "rank": 0, "elapsed_s": 1.0}) + "\n",
+     "malformed field"),
 ])
 def test_bad_logs_are_refused_with_one_message_and_nothing_written(tmp_path, content, expected):
     log = tmp_path / "events.jsonl"

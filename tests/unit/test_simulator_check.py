@@ -93,7 +93,8 @@ def test_the_script_reports_a_log_and_refuses_logs_it_cannot_use(tmp_path):
     assert "largest |error| 10.0%; goal 5%: not met (3 of 4 within)" in text, text
     for content, expected in ((None, "cannot read"), ("not json\n", "not JSONL"),
                               (json.dumps({"event": "iteration", "iteration": 1, "time": 1.0, "rank": 0,
-                                           "elapsed_s": 1.0}) + "\n", "no plan event")):
+                                           "elapsed_s": 1.0}) + "\n", "no plan event"),
+                              (json.dumps({"event": "iteration", "iteration": 1}) + "\n", "malformed field")):
         bad = tmp_path / "bad.jsonl"
         bad.unlink(missing_ok=True)
         if content is not None:
