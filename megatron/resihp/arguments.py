@@ -1,8 +1,8 @@
 """Megatron-compatible command line for ``pretrain_gpt_resilient.py``.
 
 Responsible for turning argv into one validated ``argparse.Namespace``: the Megatron-LM flags we
-implement, the Megatron flags we recognise but ignore (one warning line, so existing launch
-scripts run), ``--device``, and the ``--resihp-*`` group generated from ``ResiHPConfig``. Every
+implement, the Megatron flags whose request it already meets (accepted), the ones it does not
+implement (refused, never dropped), ``--device``, and the ``--resihp-*`` group generated from ``ResiHPConfig``. Every
 error names the flag and the fix and exits with code 2 before anything is written. It must never
 touch torch.distributed: the world size comes from the launcher's environment.
 """
@@ -14,36 +14,48 @@ import ast
 import dataclasses
 import inspect
 import os
-import sys
 import typing
 
 from resihp_ext.config import ResiHPConfig
 
-# Megatron-LM flags accepted for compatibility but not implemented here: (name, takes_value).
-_IGNORED_FLAGS: tuple[tuple[str, bool], ...] = (
-    ("--use-mcore-models", False), ("--use-flash-attn", False), ("--sequence-parallel", False),
-    ("--use-distributed-optimizer", False), ("--overlap-grad-reduce", False),
-    ("--overlap-param-gather", False), ("--no-gradient-accumulation-fusion", False),
-    ("--no-masked-softmax-fusion", False), ("--no-bias-gelu-fusion", False),
-    ("--no-bias-dropout-fusion", False), ("--no-rope-fusion", False),
+# Megatron-LM flags whose request this front end already meets, so a launch script may keep them:
+# (name, takes_value). It always builds megatron-core models, never fuses kernels on these paths,
+# keeps softmax and (in half precision) gradient reduction in fp32, and builds no attention mask.
+_FULFILLED_FLAGS: tuple[tuple[str, bool], ...] = (
+    ("--use-mcore-models", False), ("--no-gradient-accumulation-fusion", False),
+    ("--no-masked-softmax-fusion", False), ("--no-bias-gelu-fusion", False), ("--no-bias-swiglu-fusion", False),
+    ("--no-bias-dropout-fusion", False), ("--no-rope-fusion", False), ("--no-persist-layer-norm", False),
     ("--attention-softmax-in-fp32", False), ("--accumulate-allreduce-grads-in-fp32", False),
+    ("--no-async-tensor-model-parallel-allreduce", False), ("--no-create-attention-mask-in-dataloader", False),
+    ("--distributed-backend", True), ("--transformer-impl", True),
+)
+
+# Megatron-LM flags the resilient front end does not implement. Each is refused (exit 2) rather
+# than dropped: a job would otherwise run with another shape, memory footprint or output than its
+# script asks for. Without --resihp-* flags, pretrain_gpt_resilient.py runs Megatron-LM's own loop,
+# which implements every one of them.
+_UNSUPPORTED_FLAGS: tuple[tuple[str, bool], ...] = (
+    ("--use-flash-attn", False), ("--sequence-parallel", False),
+    ("--use-distributed-optimizer", False), ("--overlap-grad-reduce", False),
+    ("--overlap-param-gather", False),
     ("--log-throughput", False), ("--log-timers-to-tensorboard", False),
     ("--log-validation-ppl-to-tensorboard", False), ("--log-memory-to-tensorboard", False),
-    ("--log-num-zeros-in-grad", False), ("--log-params-norm", False),
-    ("--no-async-tensor-model-parallel-allreduce", False), ("--use-checkpoint-args", False),
-    ("--no-save-optim", False), ("--no-save-rng", False), ("--no-create-attention-mask-in-dataloader", False),
-    ("--transformer-impl", True), ("--attention-backend", True), ("--distributed-backend", True),
-    ("--timing-log-level", True), ("--timing-log-option", True), ("--tensorboard-log-interval", True),
-    ("--tensorboard-queue-size", True), ("--wandb-project", True), ("--wandb-exp-name", True),
-    ("--wandb-save-dir", True), ("--ckpt-format", True), ("--num-workers", True),
+    ("--log-num-zeros-in-grad", False), ("--log-params-norm", False), ("--use-checkpoint-args", False),
+    ("--no-save-optim", False), ("--no-save-rng", False),
+    ("--attention-backend", True), ("--timing-log-level", True), ("--timing-log-option", True),
+    ("--tensorboard-log-interval", True), ("--tensorboard-queue-size", True), ("--wandb-project", True),
+    ("--wandb-exp-name", True), ("--wandb-save-dir", True), ("--ckpt-format", True), ("--num-workers", True),
     ("--recompute-activations", False), ("--recompute-granularity", True),
     ("--recompute-method", True), ("--recompute-num-layers", True),
-("--exit-duration-in-mins", True),
-    ("--exit-interval", True),
+    ("--exit-duration-in-mins", True), ("--exit-interval", True),
     ("--context-parallel-size", True), ("--expert-model-parallel-size", True),
     ("--virtual-pipeline-model-parallel-size", True), ("--num-layers-per-virtual-pipeline-stage", True),
     ("--data-cache-path", True),
 )
+
+
+def _compat_dest(flag: str) -> str:
+    return "compat_" + flag[2:].replace("-", "_")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -202,14 +214,39 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(parser)
     _add_logging_args(parser)
     _add_resihp_args(parser)
-    ignored = parser.add_argument_group("accepted for Megatron-LM compatibility, ignored")
-    for flag, takes_value in _IGNORED_FLAGS:
-        dest = "ignored_" + flag[2:].replace("-", "_")
+    compat = parser.add_argument_group("Megatron-LM flags this front end meets or refuses")
+    for flag, takes_value in (*_FULFILLED_FLAGS, *_UNSUPPORTED_FLAGS):
         if takes_value:
-            ignored.add_argument(flag, dest=dest, default=None, help=argparse.SUPPRESS)
+            compat.add_argument(flag, dest=_compat_dest(flag), default=None, help=argparse.SUPPRESS)
         else:
-            ignored.add_argument(flag, dest=dest, action="store_true", default=None, help=argparse.SUPPRESS)
+            compat.add_argument(flag, dest=_compat_dest(flag), action="store_true", default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def _check_compat_flags(args: argparse.Namespace) -> None:
+    """Refuse the Megatron-LM flags this front end would otherwise have to drop."""
+    used = [flag for flag, _ in _UNSUPPORTED_FLAGS if getattr(args, _compat_dest(flag)) is not None]
+    if used:
+        raise ValueError(
+            f"{' '.join(used)}: not supported together with --resihp-* flags yet; remove "
+            f"{'it' if len(used) == 1 else 'them'}, or drop the --resihp-* flags to run Megatron-LM's own training loop"
+        )
+    from megatron.resihp.initialize import world_backend
+    from megatron.resihp.model_builder import uses_te_layers
+
+    backend = args.compat_distributed_backend
+    if backend is not None and backend not in world_backend(args.device):
+        raise ValueError(
+            f"--distributed-backend {backend} does not match --device {args.device}, which runs on "
+            f"{world_backend(args.device)}; drop --distributed-backend"
+        )
+    impl = args.compat_transformer_impl
+    wanted = "transformer_engine" if uses_te_layers(args) else "local"
+    if impl is not None and impl != wanted:
+        raise ValueError(
+            f"--transformer-impl {impl}: with --device {args.device} this front end builds the {wanted} "
+            f"layers; pass --transformer-impl {wanted} or drop the flag"
+        )
 
 
 def parse_layers_per_stage(layout: str, num_stages: int) -> tuple[int, ...]:
@@ -375,12 +412,10 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     """Parse and validate; on bad input print the reason and exit with code 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    used = sorted(f for f, _ in _IGNORED_FLAGS if getattr(args, "ignored_" + f[2:].replace("-", "_")) is not None)
-    if used:
-        print(f"WARNING: ignoring Megatron-LM flags not implemented here: {' '.join(used)}", file=sys.stderr)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        _check_compat_flags(args)
         validate_args(args, world_size)
     except ValueError as exc:
         parser.error(str(exc))

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.dist.launch import REPO, TINY_GPT, check, iteration_losses, run_job
+from tests.dist.launch import REPO, TINY_GPT, check, iteration_losses, read_events, run_job
 
 ISSUE_LAUNCH = (
     "--device cpu --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 "
@@ -73,13 +73,23 @@ def test_bad_input_exits_2_naming_the_flag(tmp_path, extra, flag):
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ev.jsonl").exists()
 
 
-def test_recognised_megatron_flags_warn_once_and_run(tmp_path):
+@pytest.mark.parametrize("extra", [["--sequence-parallel"], ["--use-distributed-optimizer", "--ckpt-format", "torch"],
+                                   ["--context-parallel-size", "2"], ["--distributed-backend", "nccl"],
+                                   ["--transformer-impl", "transformer_engine"]],
+                         ids=["sequence-parallel", "distributed-optimizer", "context-parallel", "backend", "te"])
+def test_megatron_flags_the_resilient_front_end_lacks_are_refused_not_dropped(tmp_path, extra):
+    proc = _parse_only([*TINY_GPT, "--train-iters", "1", *extra], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert extra[0] in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "ev.jsonl").exists()
+
+
+def test_megatron_flags_whose_request_is_met_are_accepted(tmp_path):
     log = tmp_path / "ev.jsonl"
-    proc = run_job(1, [*TINY_GPT, "--train-iters", "1", "--use-flash-attn", "--transformer-impl", "local",
-                       "--sequence-parallel", "--resihp-event-log", str(log)])
+    proc = run_job(1, [*TINY_GPT, "--train-iters", "1", "--use-mcore-models", "--transformer-impl", "local",
+                       "--distributed-backend", "gloo", "--no-bias-gelu-fusion", "--resihp-event-log", str(log)])
     check(proc)
-    warnings = [line for line in proc.stderr.splitlines() if "ignoring Megatron-LM flags" in line]
-    assert len(warnings) == 1 and "--use-flash-attn" in warnings[0] and "--transformer-impl" in warnings[0]
+    assert [e["iteration"] for e in read_events(log, "iteration")] == [1]
 
 
 def test_tensorboard_scalars_are_written(tmp_path):
