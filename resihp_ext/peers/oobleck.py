@@ -18,7 +18,8 @@ Simplified, and why:
 - The unit of failure is a node (Oobleck's), so a node with one dead GPU leaves whole.
 - Instantiations are limited to pipelines of as-even-as-possible sizes (``x`` pipelines over
   ``N`` nodes, sizes ``N // x`` and ``N // x + 1``) instead of Oobleck's full search over size
-  mixes; even sizes are what that search picks when nodes are alike.
+  mixes; even sizes are what that search picks when nodes are alike. Counts are ranked by the
+  continuous batch split and the best ``NUM_EXACT`` split exactly, so 4,096 GPUs take ~0.1 s.
 - Re-instantiation cost: one regroup plus the state a rank must receive, its new stage's shard in
   full when its layers or TP group changed (no credit for state it happens to hold already).
 """
@@ -41,6 +42,7 @@ from resihp_ext.planner.restart import GPUS_PER_NODE
 from resihp_ext.planner.tp import group_time_factor
 
 NAME = "oobleck"
+NUM_EXACT = 4  # pipeline counts whose batch split is computed exactly
 
 
 def template(num_nodes: int, tp_degree: int, model, hw: HardwareModel, num_microbatches: int,
@@ -121,18 +123,27 @@ def oobleck(layout: Layout, health: Health, hw: HardwareModel | None = None, *,
     nodes = sorted({r // gpus_per_node for r in layout.world_ranks} - bad)
     sizes = [k for k in range(1, 2 * running_nodes + 1)
              if template(k, tp_degree, model, hw, num_mb, gpus_per_node) is not None]
-    best = None
+    # rank every pipeline count by the continuous split (each pipeline finishing at the same T:
+    # sum_i (T - fill_i) / per_i = M), then split the best few exactly
+    shapes = []
     for count in range(1, len(nodes) // min(sizes, default=len(nodes) + 1) + 1):
         base, extra = divmod(len(nodes), count)
         shape = [base + 1] * extra + [base] * (count - extra)
         if count > num_mb or any(k not in sizes for k in shape):
             continue
+        kinds = [(n, template(k, tp_degree, model, hw, num_mb, gpus_per_node)[1])
+                 for n, k in ((extra, base + 1), (count - extra, base)) if n]
+        rate = sum(n / t.per_microbatch_s for n, t in kinds)
+        relaxed_s = (num_mb + sum(n * t.fill_s / t.per_microbatch_s for n, t in kinds)) / rate
+        params = hw.layer_params(model) * max(max(template(k, tp_degree, model, hw, num_mb, gpus_per_node)[0])
+                                              for k in set(shape)) / tp_degree
+        shapes.append((relaxed_s + allreduce_time_s(count, params, hw), shape, params))
+    best = None
+    for _, shape, params in sorted(shapes)[:NUM_EXACT]:
         timings = [template(k, tp_degree, model, hw, num_mb, gpus_per_node)[1] for k in shape]
         q = assign_quotas([t.fill_s for t in timings], [t.per_microbatch_s for t in timings], num_mb)
-        params = max(hw.layer_params(model) * max(template(k, tp_degree, model, hw, num_mb, gpus_per_node)[0])
-                     / tp_degree for k in shape)
         est_s = makespan_s([t.fill_s for t in timings], [t.per_microbatch_s for t in timings], q) + \
-            allreduce_time_s(count, params, hw)
+            allreduce_time_s(len(shape), params, hw)
         if best is None or est_s < best[0]:
             best = (est_s, shape, q)
     if best is None:

@@ -254,7 +254,8 @@ def render(rows, table, results, command: str, runtime_s: float, horizon: int, f
     lines = [
         "## Evaluation against peer systems (cost model)",
         "",
-        f"Produced by `{command}` in {runtime_s:.0f} s on the 2-core development machine. Every number is a",
+        f"Produced by `{command}` in {runtime_s:.0f} s (CPU host, {time.strftime('%Y-%m-%d', time.gmtime())}).",
+        "Every number is a",
         "prediction of the project's cost model (`resihp_ext/planner/cost.py`, default `HardwareModel`: A100-class",
         f"devices, {hw.link_bandwidth_Bps / 1e9:.0f} GB/s links, regroup {hw.regroup_s:.0f} s, restart {hw.restart_s:.0f} s),",
         "applied alike to our policy (`planner.joint.plan_adaptation`) and to the peer models in `resihp_ext/peers/`",
