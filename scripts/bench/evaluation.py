@@ -187,22 +187,27 @@ def plot_ratios(table: list[dict], path: Path) -> None:
 
 
 def plot_timeline(result: dict, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(12, 4.2))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 6.5), sharex=True, height_ratios=[3, 2])
     for name, tl in result["runs"].items():
-        xs, ys = [], []
+        xs, lost, inst, done = [0.0], [0.0], [], 0.0
         for a, b, its in tl.pieces:
-            xs += [a / DAY_S, b / DAY_S]
-            rate = its * tl.healthy_iteration_s / (b - a)
-            ys += [rate, rate]
-        ax.plot(xs, ys, lw=1.0, label=f"{name} (ETTR {tl.ettr:.3f})")
+            done += its
+            xs.append(b / DAY_S)
+            # hours a failure-free run would have needed beyond the work done so far
+            lost.append((b - done * tl.healthy_iteration_s) / 3600.0)
+            inst.append(its * tl.healthy_iteration_s / (b - a))
+        top.plot(xs, lost, lw=1.2, label=f"{name} (ETTR {tl.ettr:.3f})")
+        bottom.step(xs[:-1], inst, where="post", lw=0.8, alpha=0.7)
     for e in result["episodes"]:
-        ax.axvline(e.start_s / DAY_S, color="red" if e.kind == "fail-stop" else "orange", lw=0.4, alpha=0.5)
-    ax.set_xlabel("day (red: fail-stop, orange: fail-slow onset)")
-    ax.set_ylabel("throughput / failure-free")
-    ax.set_ylim(0, 1.05)
-    ax.set_title(f"{result['size']} on {result['num_gpus']} GPUs, {result['days']} days: {result['fail_stops']} "
-                 f"fail-stops, {result['fail_slows']} fail-slows")
-    ax.legend(ncol=3, fontsize=8, loc="lower left")
+        for ax in (top, bottom):
+            ax.axvline(e.start_s / DAY_S, color="red" if e.kind == "fail-stop" else "orange", lw=0.4, alpha=0.4)
+    top.set_ylabel("hours lost against failure-free")
+    top.set_title(f"{result['size']} on {result['num_gpus']:,} GPUs, {result['days']} days: {result['fail_stops']} "
+                  f"fail-stops (red), {result['fail_slows']} fail-slows (orange)")
+    top.legend(ncol=3, fontsize=8, loc="upper left")
+    bottom.set_ylabel("throughput / failure-free")
+    bottom.set_ylim(0, 1.05)
+    bottom.set_xlabel("day")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -255,12 +260,13 @@ def render(rows, table, results, command: str, runtime_s: float, horizon: int, f
         "## Evaluation against peer systems (cost model)",
         "",
         f"Produced by `{command}` in {runtime_s:.0f} s (CPU host, {time.strftime('%Y-%m-%d', time.gmtime())}).",
-        "Every number is a",
-        "prediction of the project's cost model (`resihp_ext/planner/cost.py`, default `HardwareModel`: A100-class",
-        f"devices, {hw.link_bandwidth_Bps / 1e9:.0f} GB/s links, regroup {hw.regroup_s:.0f} s, restart {hw.restart_s:.0f} s),",
-        "applied alike to our policy (`planner.joint.plan_adaptation`) and to the peer models in `resihp_ext/peers/`",
-        "(each module states its paper, its rule and what it simplifies). Nothing here was measured on GPUs; the",
-        "papers' ratios are their own measurements, shown beside ours for orientation.",
+        "Every number is a prediction of the project's cost model (`resihp_ext/planner/cost.py`, default",
+        f"`HardwareModel`: A100-class devices, {hw.link_bandwidth_Bps / 1e9:.0f} GB/s links, regroup {hw.regroup_s:.0f} s, "
+        f"restart {hw.restart_s:.0f} s), applied alike to our policy",
+        "(`resihp`: `planner.joint.plan_adaptation`; `resihp-in-place`: what the live executor runs after a fail-stop",
+        "today, `planner.survivors.plan_survivors`) and to the peer models in `resihp_ext/peers/` (each module states",
+        "its paper, its rule and what it simplifies). Nothing here was measured on GPUs; the papers' ratios are their",
+        "own measurements, shown beside ours for orientation.",
         "",
         "Snapshots: one failure drawn per trial (fail-slow: 1-8 GPUs at 0.2-0.8 speed; slow-link: 1-4 links at",
         "0.1-0.5 bandwidth; fail-stop: 1-16 dead GPUs; mixed: 1-4 slow, 1-8 dead, 0-2 slow links); effective",
@@ -280,7 +286,8 @@ def render(rows, table, results, command: str, runtime_s: float, horizon: int, f
         "The capacity bound assumes no pipeline bubble beyond the failure-free run's; ReCycle fills bubbles, so it can",
         "exceed 1.0 in this model.",
         "",
-        "Ours over each peer, per family (all sizes and scales; a ratio below 1 means the peer is ahead):",
+        "`resihp` over each peer, per family (all sizes and scales; a ratio below 1 means the peer is ahead).",
+        "ReCycle, Oobleck and NTP do not handle fail-slow or slow links, so there they keep running slowed:",
         "",
     ]
     lines += _ratio_table(table)
