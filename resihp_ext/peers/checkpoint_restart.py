@@ -99,13 +99,14 @@ def checkpoint_s(layout: Layout, hw: HardwareModel, storage_Bps_per_rank: float 
 
 
 def charge_lost_work(response: Response, lost_s: float) -> Response:
-    """``response`` with ``lost_s`` seconds of lost work added to each restart it performs."""
-    def charged(plan: Plan | None) -> Plan | None:
-        if plan is None or plan.action != "checkpoint-restart":
-            return plan
-        return dataclasses.replace(plan, one_time_cost_s=plan.one_time_cost_s + lost_s)
+    """``response`` with ``lost_s`` seconds of lost work added to the restart it performs at once.
 
-    return dataclasses.replace(response, first=charged(response.first), then=charged(response.then))
+    A restart adopted later (Greyhound's S4) is planned: nothing is lost then.
+    """
+    if response.first.action != "checkpoint-restart":
+        return response
+    return dataclasses.replace(response, first=dataclasses.replace(
+        response.first, one_time_cost_s=response.first.one_time_cost_s + lost_s))
 
 
 def checkpoint_restart(layout: Layout, health: Health, hw: HardwareModel | None = None, *,

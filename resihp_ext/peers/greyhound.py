@@ -1,22 +1,30 @@
-"""Greyhound: fail-slow mitigation by micro-batch redistribution, then topology adjustment.
+"""Greyhound: fail-slow mitigation by micro-batch redistribution, then topology adjustment, then restart.
 
-Model of the multi-level mitigation of "Greyhound: Hunting Fail-Slows in Hybrid-Parallel
-Training at Scale" (USENIX ATC 2025; the journal of its preprint is Falcon, Wu et al. 2024).
-Rule: on a fail-slow, apply S1 at once, redistributing micro-batches across data-parallel
-replicas by their measured speed (free: only the data split changes). S2 adjusts the parallel
-topology: slow devices swap places with healthy ones so that they gather in as few pipelines
-(and, inside them, as few TP groups) as possible, those pipelines' layers are repartitioned by
-stage speed, and S1's redistribution runs on top. S2 costs a regroup plus the state the swapped
-and repartitioned ranks receive, so it is chosen by the ski-rental rule: keep "renting" S1 until
-the time S1 has lost against S2 equals S2's one-time cost, then "buy" S2 (deterministic
+Model of the multi-level mitigation of T. Wu, W. Wang et al., "Greyhound: Hunting Fail-Slows in
+Hybrid-Parallel Training at Scale" (USENIX ATC 2025; preprint "FALCON", arXiv:2410.12588).
+Greyhound escalates through four levels: S1 does nothing; S2 redistributes micro-batches across
+data-parallel replicas by their measured speed (free: only the data split changes); S3 adjusts
+the parallel topology; S4 is a checkpoint-restart without the slow nodes. Each costly level is
+bought by the ski-rental rule: keep "renting" the level in force until the time it has lost
+against the costlier one equals that one's one-time cost, then "buy" it (deterministic
 ski-rental, never worse than twice the offline optimum, without knowing how long the slowdown
 lasts).
 
+Modelled here: S2 at once (S1 loses time and S2 costs nothing, so ski-rental leaves S1 at once).
+S3: slow devices swap places with healthy ones so that they gather in as few pipelines (and,
+inside them, as few TP groups) as possible, those pipelines' layers are repartitioned by stage
+speed, and S2's split runs on top; it costs a regroup plus the state the moved ranks receive.
+S4: ``peers.checkpoint_restart`` excluding the slow nodes (restart time plus a checkpoint
+written first). Of S3 and S4, the one whose break-even comes first is the one bought.
+
 Simplified, and why:
-- Greyhound mitigates fail-slow only. A fail-stop is handed to checkpoint-restart
-  (``peers.checkpoint_restart``); slowdowns on the restarted nodes then get S1 and S2 as usual.
-- Slow links are handled by S1 only (swapping devices does not move a link).
-- The slowdown is known exactly when it starts (detection delay is not charged to anyone).
+- Greyhound mitigates fail-slow only. A fail-stop is handed to checkpoint-restart; slowdowns on
+  the restarted nodes then get S2 and S3 as usual.
+- S3's communication-aware part (moving traffic off a slow link) is not modelled: slow links get
+  S2 only, which can only disfavour Greyhound on slow-link scenarios.
+- After buying one level Greyhound does not escalate further within the same slowdown (two
+  levels of the ladder, not three).
+- The slowdown is known exactly when it starts (detection delay is charged to nobody).
 """
 
 from __future__ import annotations
@@ -85,7 +93,7 @@ def _repartitioned(rep: ReplicaSpec, layout: Layout, health: Health, hw: Hardwar
 def greyhound(layout: Layout, health: Health, hw: HardwareModel | None = None, *,
               num_microbatches: int | None = None, horizon_iters: int = 500,
               current_quotas: tuple[int, ...] | None = None) -> Response:
-    """Greyhound's response to ``health``: S1 now, S2 when the ski-rental rule says so.
+    """Greyhound's response to ``health``: S2 now, S3 or S4 when the ski-rental rule says so.
 
     Args:
         layout: the layout running now.
@@ -96,7 +104,8 @@ def greyhound(layout: Layout, health: Health, hw: HardwareModel | None = None, *
         current_quotas: micro-batches per replica now (default: equal).
 
     Returns:
-        A Response whose ``first`` is S1 (or a restart) and whose ``then`` is S2 when S2 is faster.
+        A Response whose ``first`` is S2 (after a restart when a device is dead) and whose ``then`` is
+        S3 or S4 when one of them is faster.
     """
     hw = hw or HardwareModel()
     num_mb = layout.model.num_microbatches if num_microbatches is None else num_microbatches
@@ -111,18 +120,29 @@ def greyhound(layout: Layout, health: Health, hw: HardwareModel | None = None, *
         before_s = iteration_s(layout, current_quotas or equal_quotas(layout.num_replicas, num_mb), health, hw)
     quotas, s1_s = speed_quotas(base, health, hw, num_mb)
     s1 = Plan("checkpoint-restart" if health.dead else "adapt", base, quotas, (), before_s, s1_s, cost_s,
-              f"{NAME} S1: micro-batches by replica speed {list(quotas)}; {s1_s:.3f} s/iter", policy=NAME)
+              f"{NAME} S2: micro-batches by replica speed {list(quotas)}; {s1_s:.3f} s/iter", policy=NAME)
     swapped, changed = gather_slow(base, health)
     new = swapped.with_replicas(_repartitioned(rep, swapped, health, hw) if i in changed else rep
                                 for i, rep in enumerate(swapped.replicas))
-    if not changed:
+    options = []
+    if changed:
+        q2, s2_s = speed_quotas(new, health, hw, num_mb)
+        moves = state_moves(base, [new.replicas[i] for i in changed], health, hw)
+        options.append(Plan("adapt", new, q2, moves, s1_s, s2_s, hw.regroup_s + move_time_s(moves, hw),
+                            f"{NAME} S3: slow devices gathered into pipelines {list(changed)}, layers repartitioned; "
+                            f"{s2_s:.3f} s/iter", policy=NAME))
+    if not health.dead:
+        # S4: a planned restart without the slow nodes (a checkpoint is written first)
+        restart = checkpoint_restart(layout, Health(dead=frozenset(health.affected_ranks)), hw,
+                                     num_microbatches=num_mb, lost_work_s=0.0).first
+        if restart.layout is not None:
+            q4, s4_s = speed_quotas(restart.layout, health, hw, num_mb)
+            options.append(dataclasses.replace(restart, quotas=q4, iteration_s_before=s1_s, iteration_s_after=s4_s,
+                                               reason=f"{NAME} S4: {restart.reason}", policy=NAME))
+    # ski-rental: rent S2 until its accumulated loss against a level equals that level's price;
+    # the level that breaks even first is bought
+    faster = [(p.one_time_cost_s / (s1_s - p.iteration_s_after), p) for p in options if p.iteration_s_after < s1_s]
+    if not faster:
         return Response(NAME, s1)
-    q2, s2_s = speed_quotas(new, health, hw, num_mb)
-    moves = state_moves(base, [new.replicas[i] for i in changed], health, hw)
-    s2 = Plan("adapt", new, q2, moves, s1_s, s2_s, hw.regroup_s + move_time_s(moves, hw),
-              f"{NAME} S2: slow devices gathered into pipelines {list(changed)}, layers repartitioned; "
-              f"{s2_s:.3f} s/iter", policy=NAME)
-    if not s2_s < s1_s:
-        return Response(NAME, s1)
-    # ski-rental: rent S1 until its accumulated loss against S2 equals S2's price
-    return Response(NAME, s1, s2, s2.one_time_cost_s / (s1_s - s2_s))
+    switch, then = min(faster, key=lambda item: item[0])
+    return Response(NAME, s1, then, switch)

@@ -49,7 +49,7 @@ PAPER_RANGES = {
     "recycle": ("fail-stop", 1.22, 1.82, "ResiHP paper: 1.22-1.82x over ReCycle under fail-stop"),
     "oobleck": ("fail-stop", 1.07, 1.51, "ResiHP paper: 1.07-1.51x over Oobleck under fail-stop"),
     "greyhound": ("fail-slow", 1.04, 4.39, "ResiHP paper: 1.04-4.39x over resilient baselines on 256 GPUs "
-                                           "(Greyhound's own paper: 1.58x end to end under fail-slow, against its baselines)"),
+                                           "(Greyhound's own paper: 1.58x end-to-end throughput with injected stragglers on 256 H800 GPUs)"),
     "ntp": ("fail-stop", 1.04, 4.39, "ResiHP paper: 1.04-4.39x over resilient baselines on 256 GPUs (NTP not compared there)"),
     "checkpoint-restart": ("mixed", 1.04, 4.39, "ResiHP paper: 1.04-4.39x over resilient baselines on 256 GPUs"),
 }
@@ -59,11 +59,12 @@ WHY_PEER_WINS = {
     ("ntp", "fail-stop"): "NTP keeps a TP group that lost one GPU at k-1 GPUs (e.g. 7 of 8); our TP degree stays a "
                           "power of two, so we run that group at half its width, rebuild or drop the replica",
     ("ntp", "mixed"): "as under fail-stop: nonuniform TP keeps k-1 of k GPUs of a broken group working",
-    ("greyhound", "fail-slow"): "Greyhound's S2 swaps slow GPUs into the same pipelines and TP groups, so fewer "
+    ("greyhound", "fail-slow"): "Greyhound's S3 swaps slow GPUs into the same pipelines and TP groups, so fewer "
                                 "replicas are slowed; our planner reshapes only the replicas that hold slow GPUs "
                                 "and never swaps devices between replicas",
-    ("greyhound", "slow-link"): "both only re-split micro-batches around a slow link here; differences are quota "
-                                "rounding",
+    ("greyhound", "slow-link"): "Greyhound only re-splits micro-batches around a slow link here (its "
+                                "communication-aware S3 is not modelled); ahead only where that split beats our "
+                                "re-plan",
     ("greyhound", "mixed"): "after its restart Greyhound gathers slow GPUs (see fail-slow)",
     ("recycle", "fail-stop"): "ReCycle runs the failed stage's work in the peers' pipeline bubbles, which our plans "
                               "never fill; the model counts every bubble second after the first forward as usable "
