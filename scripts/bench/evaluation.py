@@ -147,7 +147,7 @@ def timelines(quick: bool, seed: int, hw: HardwareModel, horizon: int) -> list[d
 
 # ----------------------------------------------------------------------------------------- figures
 def plot_fractions(rows: list[dict], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(10, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.8))
     names = list(POLICIES)
     width = 0.8 / len(names)
     for i, name in enumerate(names):
@@ -157,7 +157,7 @@ def plot_fractions(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("effective throughput / capacity bound")
     ax.set_title("Throughput as a fraction of the capacity bound (mean over sizes, scales and draws)")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax.legend(ncol=3, fontsize=8, loc="lower right")
+    ax.legend(ncol=len(names), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -285,7 +285,8 @@ def render(rows, table, results, command: str, runtime_s: float, horizon: int, f
                                  f"The same at {num_gpus:,} GPUs (gpt-13b):")
     lines += [
         "The capacity bound assumes no pipeline bubble beyond the failure-free run's; ReCycle fills bubbles, so it can",
-        "exceed 1.0 in this model.",
+        "exceed 1.0 in this model. A restart's 600 s and lost work weigh heavily over a snapshot's horizon; the",
+        "timelines below show what restarts cost over a long run, failures and repairs included.",
         "",
         "`resihp` over each peer, per family (all sizes and scales; a ratio below 1 means the peer is ahead).",
         "ReCycle, Oobleck and NTP do not handle fail-slow or slow links, so there they keep running slowed:",
