@@ -4,8 +4,9 @@ Responsible for the registry ``POLICIES``: name -> function ``(layout, health, h
 num_microbatches, horizon_iters) -> Response``. Each peer lives in its own module whose
 docstring names its paper, the rule it implements and what is simplified; every one is scored
 by ``resihp_ext.planner.cost`` (the model our own planner uses), and none is built from our
-planner's search. Our own two policies are in ``ours``. ``scenarios`` draws the failures of the evaluation and ``timeline`` runs a
-policy through failures arriving over a long run. Pure: no torch, no megatron, no I/O.
+planner's search. Our own two policies are in ``ours``. ``scenarios`` draws the failures of the
+evaluation and ``timeline`` runs a policy through failures arriving over a long run. Pure: no
+torch, no megatron, no I/O.
 """
 
 from __future__ import annotations

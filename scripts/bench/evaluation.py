@@ -37,7 +37,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from resihp_ext.peers import OURS, PEERS, POLICIES  # noqa: E402
-from resihp_ext.peers.checkpoint_restart import charge_lost_work, checkpoint_s, daly_interval_s, expected_lost_s  # noqa: E402
+from resihp_ext.peers.checkpoint_restart import (  # noqa: E402
+    charge_lost_work, checkpoint_s, daly_interval_s, expected_lost_s,
+)
 from resihp_ext.peers.scenarios import FAMILIES, GPT_SIZES, draw  # noqa: E402
 from resihp_ext.peers.timeline import DAY_S, LLAMA3_FAIL_STOP_PER_GPU_S, Rates, generate, run  # noqa: E402
 from resihp_ext.planner.cost import capacity_bound_s  # noqa: E402
@@ -49,8 +51,10 @@ PAPER_RANGES = {
     "recycle": ("fail-stop", 1.22, 1.82, "ResiHP paper: 1.22-1.82x over ReCycle under fail-stop"),
     "oobleck": ("fail-stop", 1.07, 1.51, "ResiHP paper: 1.07-1.51x over Oobleck under fail-stop"),
     "greyhound": ("fail-slow", 1.04, 4.39, "ResiHP paper: 1.04-4.39x over resilient baselines on 256 GPUs "
-                                           "(Greyhound's own paper: 1.58x end-to-end throughput with injected stragglers on 256 H800 GPUs)"),
-    "ntp": ("fail-stop", 1.04, 4.39, "ResiHP paper: 1.04-4.39x over resilient baselines on 256 GPUs (NTP not compared there)"),
+                                           "(Greyhound's own paper: 1.58x end-to-end throughput with injected "
+                                           "stragglers on 256 H800 GPUs)"),
+    "ntp": ("fail-stop", 1.04, 4.39,
+            "ResiHP paper: 1.04-4.39x over resilient baselines on 256 GPUs (NTP not compared there)"),
     "checkpoint-restart": ("mixed", 1.04, 4.39, "ResiHP paper: 1.04-4.39x over resilient baselines on 256 GPUs"),
 }
 # Why a peer can come out ahead, by family: the mechanism it has and our planner lacks, or a
@@ -71,7 +75,8 @@ WHY_PEER_WINS = {
                               "and ignores the memory of extra activations, which favours ReCycle",
     ("oobleck", "fail-stop"): "Oobleck re-forms pipelines from every surviving node, deeper ones included, where we "
                               "keep the pipeline depth",
-    ("checkpoint-restart", "fail-stop"): "a restart on fewer nodes can beat a slower in-place layout over a long horizon",
+    ("checkpoint-restart", "fail-stop"): "a restart on fewer nodes can beat a slower in-place layout over a long "
+                                         "horizon",
 }
 
 
@@ -118,7 +123,8 @@ def ratios(rows: list[dict]) -> list[dict]:
             finite = [a / b for a, b in pairs if b > 0]
             stalled = sum(1 for _, b in pairs if b <= 0)
             wins = sum(1 for a, b in pairs if b > a * (1 + 1e-9))
-            out.append({"peer": peer, "family": family, "n": len(pairs), "geomean": _geomean(finite) if finite else math.inf,
+            out.append({"peer": peer, "family": family, "n": len(pairs),
+                        "geomean": _geomean(finite) if finite else math.inf,
                         "low": min(finite, default=math.inf), "high": max(finite, default=math.inf),
                         "peer_stalled": stalled, "peer_wins": wins})
     return out
@@ -227,7 +233,8 @@ def _fraction_table(rows: list[dict], title: str) -> list[str]:
 
 
 def _ratio_table(table: list[dict]) -> list[str]:
-    out = ["| ours over | family | draws | geomean | min-max | peer ahead in | paper's claim | where the peer beats us, and why |",
+    out = ["| ours over | family | draws | geomean | min-max | peer ahead in | paper's claim "
+           "| where the peer beats us, and why |",
            "|---|---|---:|---:|---|---:|---|---|"]
     for r in table:
         family, low, high, claim = PAPER_RANGES[r["peer"]]
@@ -250,7 +257,8 @@ def _timeline_table(results: list[dict]) -> list[str]:
         runs = t["runs"]
         ettr = " | ".join(f"{runs[n].ettr:.4f}" for n in names)
         rel = " | ".join(f"{runs[OURS].goodput / runs[p].goodput:.3f}" if runs[p].goodput > 0 else "inf" for p in PEERS)
-        out.append(f"| {t['num_gpus']} | {t['days']} | {t['slow_factor']:.0f}x | {t['fail_stops']} | {t['fail_slows']} | "
+        out.append(f"| {t['num_gpus']} | {t['days']} | {t['slow_factor']:.0f}x | {t['fail_stops']} | "
+                   f"{t['fail_slows']} | "
                    f"{t['checkpoint_s']:.1f} | {t['interval_s']:.0f} | {ettr} | {rel} |")
     return out + [""]
 
@@ -262,7 +270,8 @@ def render(rows, table, results, command: str, runtime_s: float, horizon: int, f
         "",
         f"Produced by `{command}` in {runtime_s:.0f} s (CPU host, {time.strftime('%Y-%m-%d', time.gmtime())}).",
         "Every number is a prediction of the project's cost model (`resihp_ext/planner/cost.py`, default",
-        f"`HardwareModel`: A100-class devices, {hw.link_bandwidth_Bps / 1e9:.0f} GB/s links, regroup {hw.regroup_s:.0f} s, "
+        f"`HardwareModel`: A100-class devices, {hw.link_bandwidth_Bps / 1e9:.0f} GB/s links, "
+        f"regroup {hw.regroup_s:.0f} s, "
         f"restart {hw.restart_s:.0f} s), applied alike to our policy",
         "(`resihp`: `planner.joint.plan_adaptation`; `resihp-in-place`: what the live executor runs after a fail-stop",
         "today, `planner.survivors.plan_survivors`) and to the peer models in `resihp_ext/peers/` (each module states",
@@ -321,7 +330,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer draws and shorter timelines (about a minute)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--horizon-iters", type=int, default=1000, help="iterations a one-time cost is spread over")
-    parser.add_argument("--results", default="docs/results.md", help="markdown file whose evaluation section is rewritten")
+    parser.add_argument("--results", default="docs/results.md",
+                        help="markdown file whose evaluation section is rewritten")
     parser.add_argument("--figures", default="docs/figures", help="folder for the PNG figures")
     args = parser.parse_args()
     if args.horizon_iters < 1:
