@@ -18,7 +18,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${1:-${OUT:-gpu_ci_logs}}
-mkdir -p "$logs"
 num_gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
 if [ "$num_gpus" -lt 1 ]; then
     echo "error: scripts/gpu_ci.sh needs a CUDA GPU that python3's torch can use; on CPU run scripts/test.sh" >&2
@@ -29,6 +28,7 @@ fi
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-2}
 export TORCH_NCCL_ENABLE_MONITORING=${TORCH_NCCL_ENABLE_MONITORING:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
+mkdir -p "$logs"
 start=$(date +%s)
 echo "== gpu_ci on $(hostname): $num_gpus GPU(s)" | tee "$logs/summary.txt"
 
