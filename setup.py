@@ -11,12 +11,13 @@ setup(
     name="resihp-megatron",
     version="0.1.0",
     description="Resilient Megatron-LM: in-place TP/PP/DP re-planning on fail-slow and fail-stop",
-    python_requires=">=3.10",
+    python_requires=">=3.12",
     packages=find_namespace_packages(include=["resihp_ext", "resihp_ext.*", "megatron.resihp", "megatron.resihp.*"]),
     py_modules=["pretrain_gpt_resilient"],
     install_requires=[
-        # 0.16.1 is the newest megatron-core release that installs on Python 3.11.
-        "megatron-core==0.16.1",
+        # 0.19 ships Megatron-LM's training package (megatron.training) beside megatron.core.
+        "megatron-core==0.19.2",
+        "psutil",
         "torch>=2.6",
         "numpy",
         "scipy",

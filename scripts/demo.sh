@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_cpu.sh
+source scripts/python_env.sh
 mkdir -p data/generated runs
 [ -f data/generated/corpus.jsonl ] || python tools/make_corpus.py --output data/generated/corpus.jsonl
 [ -f data/generated/pydocs_text_document.idx ] || python tools/preprocess_data.py \
