@@ -42,7 +42,8 @@ from resihp_ext.peers.checkpoint_restart import (  # noqa: E402
 )
 from resihp_ext.peers.scenarios import FAMILIES, GPT_SIZES, draw  # noqa: E402
 from resihp_ext.peers.timeline import DAY_S, LLAMA3_FAIL_STOP_PER_GPU_S, Rates, generate, run  # noqa: E402
-from resihp_ext.planner.cost import capacity_bound_s  # noqa: E402
+from resihp_ext.planner.cost import capacity_bound_s, equal_quotas, iteration_s  # noqa: E402
+from resihp_ext.planner.health import Health  # noqa: E402
 from resihp_ext.planner.hardware import HardwareModel  # noqa: E402
 
 BEGIN, END = "<!-- evaluation:begin -->", "<!-- evaluation:end -->"
@@ -90,7 +91,8 @@ def _snapshot(size: str, num_gpus: int, family: str, rng: random.Random, hw: Har
     # slowdown is planned, writing a checkpoint first
     lost_s = expected_lost_s(daly_interval_s(delta, mtbf), delta) if health.dead else delta
     bound_s = capacity_bound_s(layout, health, hw, num_mb)
-    row = {"size": size, "num_gpus": num_gpus, "family": family}
+    healthy_s = iteration_s(layout, equal_quotas(layout.num_replicas, num_mb), Health(), hw)
+    row = {"size": size, "num_gpus": num_gpus, "family": family, "healthy_s": healthy_s}
     for name, policy in POLICIES.items():
         answer = charge_lost_work(policy(layout, health, hw, num_microbatches=num_mb, horizon_iters=horizon), lost_s)
         row[name] = bound_s / answer.average_iteration_s(horizon)
@@ -265,6 +267,8 @@ def _timeline_table(results: list[dict]) -> list[str]:
 
 def render(rows, table, results, command: str, runtime_s: float, horizon: int, figures: list[str]) -> str:
     hw = HardwareModel()
+    spans = [r["healthy_s"] * horizon / 60.0 for r in rows]
+    minutes = f"{min(spans):.0f}-{max(spans):.0f} min of failure-free training here"
     lines = [
         "## Evaluation against peer systems (cost model)",
         "",
@@ -280,7 +284,8 @@ def render(rows, table, results, command: str, runtime_s: float, horizon: int, f
         "",
         "Snapshots: one failure drawn per trial (fail-slow: 1-8 GPUs at 0.2-0.8 speed; slow-link: 1-4 links at",
         "0.1-0.5 bandwidth; fail-stop: 1-16 dead GPUs; mixed: 1-4 slow, 1-8 dead, 0-2 slow links); effective",
-        f"throughput spreads each policy's one-time cost over {horizon} iterations; a restart forced by a fail-stop",
+        f"throughput spreads each policy's one-time cost over {horizon} iterations ({minutes}); a restart forced by",
+        "a fail-stop",
         "also loses the expected work since the last checkpoint (Daly's interval at Llama 3's failure rate for that",
         "cluster size), and one chosen for a slowdown writes a checkpoint first.",
         "Layouts: gpt-7b TP4 x PP2, gpt-13b TP8 x PP4, gpt-70b TP8 x PP8, DP filling the cluster, 16 micro-batches",
