@@ -135,7 +135,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 def timelines(quick: bool, seed: int, hw: HardwareModel, horizon: int) -> list[dict]:
     runs = []
     cases = [("gpt-13b", 1024, 14, 1.0), ("gpt-13b", 1024, 14, 4.0)] if quick else \
-        [("gpt-13b", n, 54, k) for n in (256, 1024, 4096) for k in (1.0, 4.0)]
+        [("gpt-13b", n, days, k) for n, days in ((256, 54), (1024, 54), (4096, 14)) for k in (1.0, 4.0)]
     for size, num_gpus, days, slow_factor in cases:
         layout = GPT_SIZES[size].layout(num_gpus)
         rates = Rates(fail_slow_per_gpu_s=slow_factor * LLAMA3_FAIL_STOP_PER_GPU_S)
