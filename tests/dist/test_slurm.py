@@ -1,0 +1,176 @@
+"""Under a real Slurm: ``sbatch scripts/slurm/pretrain_resilient.sbatch`` trains, and survives in
+place a rank killed from outside and a whole node lost, with the same losses, parameters and
+consumed samples as a failure-free run.
+
+The clusters are those ``scripts/slurm/local_cluster.sh`` starts on this machine: one controller
+and one CPU node that declares more CPUs than it has (4 ranks share 2 cores), and two slurmd's in
+network namespaces of their own as two nodes. Each test skips with the reason when Slurm is not
+installed or cannot start here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.dist import slurm_cluster
+from tests.dist.launch import iteration_losses, read_events
+
+MODEL = [
+    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--lr", "1e-3",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "1",
+    "--hidden-dropout", "0", "--attention-dropout", "0",
+]
+ITERS = 12
+GLOBAL_BATCH = 16
+# PP 2 x DP 2 on 4 ranks: ranks 0, 1 hold stage 0 (replicas 0, 1), ranks 2, 3 stage 1.
+SHAPE = ["--pipeline-model-parallel-size", "2", "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(ITERS)]
+RESILIENT = ["--resihp-enable", "--resihp-collective-timeout-s", "5"]
+VICTIM = 1  # stage 0 of replica 1: replica 0 survives whole
+JOB_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    found, reason = slurm_cluster.find_or_start()
+    if found is None:
+        pytest.skip(reason)
+    yield found
+    found.stop()
+
+
+def _submit(cluster, tmp, extra):
+    log = tmp / "events.jsonl"
+    job = slurm_cluster.submit(cluster, tmp, 4, [*MODEL, *SHAPE, "--save", str(tmp / "ckpt"),
+                                                 "--resihp-event-log", str(log), *extra])
+    return job, log
+
+
+def _checkpoint(path):
+    shards = {}
+    for file in sorted((path / f"iter_{ITERS:07d}").glob("mp_rank_*/model_optim_rng.pt")):
+        shards[file.parent.name] = torch.load(file, weights_only=False)
+    return shards
+
+
+def _assert_same_training(log, ckpt, ref_losses, ref_ckpt):
+    """Iterations 1..ITERS logged once each with the reference's losses; after ITERS, the
+    reference's parameters and exactly ITERS global batches of consumed samples."""
+    losses = iteration_losses(log)
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    assert [losses[i] for i in losses] == pytest.approx([ref_losses[i] for i in losses], rel=1e-5)
+    ours, ref = _checkpoint(ckpt), _checkpoint(ref_ckpt)
+    assert ours.keys() == ref.keys() and ours
+    for shard in ours:
+        assert ours[shard]["consumed_samples"] == ref[shard]["consumed_samples"] == ITERS * GLOBAL_BATCH
+        for name, value in ref[shard]["model"].items():
+            if torch.is_tensor(value) and value.is_floating_point():
+                torch.testing.assert_close(ours[shard]["model"][name], value, rtol=0, atol=1e-5, msg=f"{shard} {name}")
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    """The failure-free job under sbatch: its fields, output, losses and checkpoint folder."""
+    tmp = tmp_path_factory.mktemp("slurm_reference")
+    job, log = _submit(cluster, tmp, [])
+    fields = slurm_cluster.wait(cluster, job, JOB_TIMEOUT_S)
+    return fields, job.text(), iteration_losses(log), tmp / "ckpt"
+
+
+def test_sbatch_job_trains_to_the_end(reference):
+    fields, output, losses, ckpt = reference
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{output[-3000:]}"
+    assert sorted(losses) == list(range(1, ITERS + 1)), output[-3000:]
+    assert losses[ITERS] < losses[1]
+    assert "4 ranks on 1 node(s), store at" in output
+    assert {s["consumed_samples"] for s in _checkpoint(ckpt).values()} == {ITERS * GLOBAL_BATCH}
+
+
+def test_rank_sigkilled_by_pid_is_survived_in_place(cluster, reference, tmp_path):
+    _, _, ref_losses, ref_ckpt = reference
+    job, log = _submit(cluster, tmp_path, RESILIENT)
+    # Mid-run: once iteration 2 is logged, SIGKILL the victim's process, found as an operator
+    # would, through Slurm (scontrol listpids), from outside the job.
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not any(r["iteration"] >= 2 for r in read_events(log, "iteration")):
+        assert time.monotonic() < deadline, f"no iteration 2 logged:\n{job.text()[-3000:]}"
+        time.sleep(0.05)
+    pids = slurm_cluster.task_pids(cluster, job)
+    assert sorted(pids) == [0, 1, 2, 3], f"scontrol listpids gave {pids}"
+    os.kill(pids[VICTIM], signal.SIGKILL)
+    killed_at_iteration = max(r["iteration"] for r in read_events(log, "iteration"))
+    fields = slurm_cluster.wait(cluster, job, JOB_TIMEOUT_S)
+    output = job.text()
+    assert killed_at_iteration < ITERS, "the job had finished before the kill"
+    # srun kept the step (--kill-on-bad-exit=0) and reports the task's end. Its exit code is the
+    # worst task's (128 + SIGKILL), so Slurm marks the job failed although its survivors finished.
+    assert f"task {VICTIM}: Killed" in output, output[-3000:]
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "137:0"), fields
+    # Replica 0 goes on whole with the whole global batch; rank 3, whose replica lost its stage 0,
+    # is left a spare and leaves.
+    adapted = read_events(log, "adapted")
+    assert len(adapted) == 1 and adapted[0]["world_size"] == 2, output[-3000:]
+    assert "rank 3 is a spare" in output
+    assert {r["rank"] for r in read_events(log, "finish")} == {0, 2}, output[-3000:]
+    # Same iterations, same losses, same parameters, exact consumed samples.
+    _assert_same_training(log, tmp_path / "ckpt", ref_losses, ref_ckpt)
+
+
+@pytest.mark.skip(reason="Slurm cannot signal one task of a step: `scancel --signal=KILL JOB.STEP` signals every "
+                         "task of the step (Slurm 22.05, Debian 12; scancel has no task selector), which kills all "
+                         "ranks at once; one task is killed by pid instead (test above)")
+def test_scancel_of_one_step_task_is_survived_in_place():
+    pass
+
+
+# TP 2 x DP 2 over two nodes: each node holds one whole replica (TP within a node, DP across).
+TWO_NODE_SHAPE = ["--tensor-model-parallel-size", "2", "--global-batch-size", str(GLOBAL_BATCH),
+                  "--train-iters", str(ITERS)]
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    found, reason = slurm_cluster.find_or_start(nodes=2)
+    if found is None:
+        pytest.skip(reason)
+    yield found
+    found.stop()
+
+
+def _submit_two_nodes(cluster, tmp, extra):
+    log = tmp / "events.jsonl"
+    job = slurm_cluster.submit(cluster, tmp, 2, [*MODEL, *TWO_NODE_SHAPE, "--save", str(tmp / "ckpt"),
+                                                 "--resihp-event-log", str(log), *extra], nodes=2)
+    return job, log
+
+
+def test_whole_node_lost_is_survived_in_place(two_nodes, tmp_path):
+    """Two slurmd's, each in a network namespace of its own, as two nodes. The failure-free job
+    trains over both; then, in the same job mid-run, node n2 is lost (its link down, every process
+    on it killed, its slurmd included) and replica 0 on n1 goes on in place, exactly."""
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    job, ref_log = _submit_two_nodes(two_nodes, ref, [])
+    fields = slurm_cluster.wait(two_nodes, job, JOB_TIMEOUT_S)
+    assert fields["JobState"] == "COMPLETED", f"{fields}\n{job.text()[-3000:]}"
+    assert "4 ranks on 2 node(s)" in job.text()
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    job, log = _submit_two_nodes(two_nodes, ours, RESILIENT)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not any(r["iteration"] >= 2 for r in read_events(log, "iteration")):
+        assert time.monotonic() < deadline, f"no iteration 2 logged:\n{job.text()[-3000:]}"
+        time.sleep(0.05)
+    slurm_cluster.lose_node("n2")
+    fields = slurm_cluster.wait(two_nodes, job, JOB_TIMEOUT_S)
+    output = job.text()
+    assert "Node failure on n2" in output, output[-3000:]
+    adapted = read_events(log, "adapted")
+    assert len(adapted) == 1 and adapted[0]["world_size"] == 2, output[-3000:]
+    assert {r["rank"] for r in read_events(log, "finish")} == {0, 1}, output[-3000:]
+    _assert_same_training(log, ours / "ckpt", iteration_losses(ref_log), ref / "ckpt")
