@@ -8,6 +8,7 @@ the datasets and the forward step with its per-token loss.
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 from functools import partial
 
@@ -82,8 +83,15 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict | None:
     global ARGS
+    # Migration step: a job without --resihp-* flags runs Megatron-LM's own training loop (shipped in
+    # megatron-core >= 0.19, every Megatron flag stock); --resihp-* flags select the resilient front end
+    # below, with its own flag list, until the resilience layer runs inside Megatron's loop.
+    from megatron.resihp.gpt_pretrain import main as megatron_loop_main, selects_megatron_loop
+
+    if selects_megatron_loop(sys.argv[1:] if argv is None else argv):
+        return megatron_loop_main(argv)
     ARGS = parse_args(argv)
     from megatron.resihp.resilience import build_resilience
 

@@ -7,6 +7,9 @@ process, and ``disable()`` undoes every change. It is a supported mode for devel
 fp32, bf16 or fp16, with Transformer Engine installed or not; its limits: no TE layers, no sequence
 parallelism, no distributed optimizer.
 
+Megatron-LM's own training loop (megatron-core 0.19's ``megatron.training``) needs more than this:
+``cpu_training.enable()`` enables this module and adds the rest, and its ``disable()`` undoes both.
+
 This module must never change numerics: every replacement computes what the CUDA original does.
 """
 
@@ -128,7 +131,8 @@ def _with_cuda_type_names(init: Callable) -> Callable:
 
     def cuda_named(tensor, dtype=None, non_blocking=False, **kwargs):
         if dtype is None and not kwargs and tensor.device.type == "cpu":
-            return original(tensor).replace("torch.", "torch.cuda.", 1)
+            name = original(tensor)  # already CUDA-named under cpu_training's function mode
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         return original(tensor, dtype, non_blocking, **kwargs)
 
     def wrapped(self, *args, **kwargs):

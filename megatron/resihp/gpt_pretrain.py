@@ -1,0 +1,250 @@
+"""GPT pretraining on Megatron-LM's own training loop (``megatron.training.pretrain``, megatron-core 0.19.2).
+
+Responsible for what Megatron-LM's ``pretrain_gpt.py`` supplies to ``pretrain()`` and the wheel does
+not ship: the model provider (the Transformer Engine layer spec when TE is installed and asked for,
+megatron-core's local spec otherwise), the forward step with its per-token loss, and the
+train/valid/test datasets provider (megatron-core's ``GPTDataset`` builder over ``--data-path`` or
+``--mock-data``, with the tokenizer Megatron builds from ``--tokenizer-*``). It adds one flag,
+``--device {cuda,cpu}``; ``--device cpu`` puts the process in CPU mode (``cpu_training``) and implies
+the flags a CPU job needs (``cpu_training.implied_flags``). Every other flag is Megatron's own,
+parsed and validated by Megatron.
+
+It must never parse, drop or reinterpret a Megatron flag, with one exception that is refused
+rather than dropped: ``--rampup-batch-size``, which megatron-core 0.19.2 accepts and ignores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+
+import torch
+
+REFUSED_FLAGS = {
+    "--rampup-batch-size": (
+        "megatron-core 0.19.2 accepts --rampup-batch-size and ignores it (the job would train at the full "
+        "--global-batch-size from its first step); express the ramp as --step-batch-size-schedule "
+        "'THRESHOLD:BATCH_SIZE ...' (and drop --global-batch-size), or remove the flag"
+    ),
+}
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's ``extra_args_provider``: the ``--device`` flag."""
+    group = parser.add_argument_group(title="device")
+    group.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                       help="where the job runs; cpu runs every rank on the host over gloo and implies "
+                            + " ".join(_cpu_flags()))
+    return parser
+
+
+def _cpu_flags() -> list[str]:
+    from megatron.resihp.cpu_training import implied_flags
+
+    return implied_flags()
+
+
+def has_transformer_engine() -> bool:
+    from megatron.core.extensions import transformer_engine
+
+    return bool(getattr(transformer_engine, "HAVE_TE", False))
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                   config=None, pg_collection=None):
+    """One GPT model chunk, as ``get_model`` asks for it.
+
+    Args:
+        pre_process: whether this chunk holds the embedding.
+        post_process: whether this chunk holds the output layer and computes the loss.
+        vp_stage: the virtual pipeline stage of the chunk (interleaved schedule), else None.
+        config: a ``TransformerConfig``; built from the flags when None.
+        pg_collection: the process groups the chunk talks over.
+
+    Returns:
+        A ``megatron.core.models.gpt.GPTModel``.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.training import get_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args = get_args()
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    use_te = args.transformer_impl == "transformer_engine" and has_transformer_engine()
+    block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                            qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+
+
+def _dataset_built_on_this_rank(vp_stage: int | None = None) -> bool:
+    # Only the stages that read tokens or labels need the data, and only TP rank 0 of them reads it.
+    from megatron.core import parallel_state as mpu
+
+    first = mpu.is_pipeline_first_stage(ignore_virtual=True)
+    last = mpu.is_pipeline_last_stage(ignore_virtual=True)
+    return (first or last) and mpu.get_tensor_model_parallel_rank() == 0
+
+
+def datasets_provider(num_samples: list[int], vp_stage: int | None = None):
+    """Train, validation and test ``GPTDataset``s (``MockGPTDataset``s with ``--mock-data``).
+
+    Args:
+        num_samples: how many samples each split must yield at least.
+        vp_stage: unused; the datasets are the same for every chunk.
+
+    Returns:
+        ``(train, valid, test)``, each None where the split is empty or not built on this rank.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        multiple_validation_sets=args.multiple_validation_sets,
+        full_validation=args.full_validation,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        context_parallel_size=args.context_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
+    )
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(dataset_type, num_samples, _dataset_built_on_this_rank, config).build()
+
+
+# Every rank calls the provider; the builder itself decides which ranks build (``is_built_on_rank``).
+datasets_provider.is_distributed = True
+
+
+def _batch(data_iterator, vp_stage: int | None):
+    """This rank's part of the next micro-batch: TP rank 0 reads it, the others receive it."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+    from megatron.training import get_args
+
+    args = get_args()
+    first = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    last = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if not (first or last):
+        return None, None, None, None, None
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        batch = {k: (v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in next(data_iterator).items()}
+        batch.setdefault("attention_mask", None)
+    batch = get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
+        tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+    )
+    batch.setdefault("cu_seqlens", None)
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of masked token losses, the token count, and ``[sum, count]`` to report.
+
+    Megatron divides by the count (per micro-batch, or over the global batch with
+    ``--calculate-per-token-loss``) and logs ``sum / count`` over the batch as ``lm loss``.
+    """
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss_sum.detach().clone().view(1), num_tokens.detach().float().view(1)])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """One micro-batch through ``model``: the output and the loss function the schedule applies to it."""
+    vp_stage = getattr(model, "vp_stage", None)
+    tokens, labels, loss_mask, attention_mask, position_ids = _batch(data_iterator, vp_stage)
+    output = model(tokens, position_ids, attention_mask, labels=labels)
+    return output, partial(loss_func, loss_mask)
+
+
+def selects_megatron_loop(argv: list[str]) -> bool:
+    """Whether a command line runs on Megatron-LM's loop: no ``--resihp-*`` flag, and a megatron-core that
+    ships the training package (0.19 on; 0.16 has none, and there the resilient front end runs every job)."""
+    from megatron.core import package_info
+
+    major, minor = (int(x) for x in package_info.__version__.split(".")[:2])
+    return (major, minor) >= (0, 19) and not any(a.startswith("--resihp-") for a in argv)
+
+
+def refuse_ignored_flags(argv: list[str]) -> None:
+    """Exit 2 on a flag that megatron-core accepts but ignores (``REFUSED_FLAGS``), before anything starts."""
+    for flag, fix in REFUSED_FLAGS.items():
+        if any(a == flag or a.startswith(flag + "=") for a in argv):
+            print(f"pretrain_gpt_resilient.py: error: {flag}: {fix}", file=sys.stderr)
+            sys.exit(2)
+
+
+def device_of(argv: list[str]) -> str:
+    """The ``--device`` the command line asks for (``cuda`` when absent); argparse reports bad values later."""
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe.add_argument("--device", default="cuda")
+    known, _ = probe.parse_known_args(argv)
+    return known.device
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run Megatron-LM's ``pretrain()`` for GPT with the command line ``argv`` (``sys.argv[1:]`` if None)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    refuse_ignored_flags(argv)
+    if device_of(argv) == "cpu":
+        from megatron.resihp import cpu_training
+
+        cpu_training.enable()
+        # First, so that a flag the user passes again takes precedence (argparse keeps the last).
+        argv = cpu_training.implied_flags() + argv
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    sys.argv = [sys.argv[0], *argv]  # Megatron's parser reads sys.argv
+    args = parse_and_validate_args(extra_args_provider=add_device_args,
+                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    cfg = pretrain_cfg_container_from_args(args)
+    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
