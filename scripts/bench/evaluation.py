@@ -136,10 +136,11 @@ def timelines(quick: bool, seed: int, hw: HardwareModel, horizon: int) -> list[d
     runs = []
     cases = [("gpt-13b", 1024, 14, 1.0), ("gpt-13b", 1024, 14, 4.0)] if quick else \
         [("gpt-13b", n, days, k) for n, days in ((256, 54), (1024, 54), (4096, 14)) for k in (1.0, 4.0)]
-    for size, num_gpus, days, slow_factor in cases:
+    for index, (size, num_gpus, days, slow_factor) in enumerate(cases):
         layout = GPT_SIZES[size].layout(num_gpus)
         rates = Rates(fail_slow_per_gpu_s=slow_factor * LLAMA3_FAIL_STOP_PER_GPU_S)
-        episodes = generate(layout.world_ranks, days * DAY_S, rates, seed)
+        # a seed per case: one seed would draw time-scaled copies of one sequence wherever GPUs x days agree
+        episodes = generate(layout.world_ranks, days * DAY_S, rates, seed * 1000 + index)
         delta = checkpoint_s(layout, hw)
         tau = daly_interval_s(delta, 1.0 / (rates.fail_stop_per_gpu_s * num_gpus))
         result = {"size": size, "num_gpus": num_gpus, "days": days, "slow_factor": slow_factor,
