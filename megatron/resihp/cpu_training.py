@@ -16,6 +16,8 @@ Megatron-LM's training loop needs on a host without a GPU:
   profiler) as no-ops: a CPU has no CUDA profiler to start;
 - ``initialize_megatron(allow_no_cuda=True)`` with ``torch.cuda.device_count()`` answering 1 while
   it runs (otherwise it skips ``initialize_model_parallel`` and the tensor-parallel RNG tracker);
+- data iterators made without moving the default generator (``_keeping_rng_state``), so that a
+  resumed run's dropout masks are the uninterrupted run's, as on a GPU;
 - no JIT fusion warm-up (``set_jit_fusion_options``: 13.7 s per rank on a CPU, and nothing is
   fused there) and no dataset-helper build (``compile_helpers`` runs ``make`` where the wheel ships
   the compiled helper but no Makefile).
@@ -160,11 +162,32 @@ def _patch_torch_cuda() -> None:
     _set(cuda, "check_error", lambda result: None)
 
 
+def _keeping_rng_state(build: Callable) -> Callable:
+    """``build`` run without moving the default generator.
+
+    Why: a DataLoader draws its workers' base seed from the default generator when its iterator is
+    made. On a GPU that generator is not the one dropout draws from; on a CPU it is. A resumed run
+    restores the RNG state first and makes its iterators after, so without this its dropout masks
+    would be shifted against the uninterrupted run's.
+    """
+
+    def wrapped(*args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            return build(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    return wrapped
+
+
 def _patch_training_package() -> None:
     from megatron.core.datasets import utils as dataset_utils
     from megatron.training import initialize, training
 
     _set(training, "initialize_megatron", _initialize_on_cpu(initialize.initialize_megatron))
+    _set(training, "build_train_valid_test_data_iterators",
+         _keeping_rng_state(training.build_train_valid_test_data_iterators))
     _set(training, "set_jit_fusion_options", lambda *args, **kwargs: None)
     _set(dataset_utils, "compile_helpers", lambda: None)
 

@@ -234,7 +234,8 @@ def test_checkpoints_move_between_our_script_and_a_plain_megatron_script(tmp_pat
     assert sorted(reference) == list(range(1, 9))
     # The plain script resumes our iteration-3 checkpoint and stops at 6, saving there.
     to_six = run_script(8, plain, [*SHAPE, *CPU_FLAGS, "--load", str(ours_ckpt), "--ckpt-step", "3",
-                                   "--save", str(plain_ckpt), "--exit-interval", "6"], timeout_s=420)
+                                   "--save", str(plain_ckpt), "--save-interval", "3", "--exit-interval", "6"],
+                        timeout_s=420)
     check(to_six)
     assert_resumed(logged_losses(to_six.stdout), reference, 3, 6)
     # Ours resumes the plain script's iteration-6 checkpoint and finishes.
