@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     """Run Megatron-LM's ``pretrain()`` for GPT with the command line ``argv`` (``sys.argv[1:]`` if None)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     refuse_ignored_flags(argv)
+    from megatron.resihp import training_compat
+
+    training_compat.install()  # a GPU job without Transformer Engine or apex needs these fixes too
     if device_of(argv) == "cpu":
         from megatron.resihp import cpu_training
 
