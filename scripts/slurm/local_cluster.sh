@@ -7,9 +7,10 @@
 #   bash scripts/slurm/local_cluster.sh stop      # stop what start started
 #   bash scripts/slurm/local_cluster.sh env       # print the SLURM_CONF export clients need
 #
-# Everything lives under RESIHP_SLURM_DIR (default /tmp/resihp-slurm): the generated slurm.conf,
-# state, spool, logs and pid files. Nothing under /etc is written, so a machine's own Slurm is
-# untouched; clients find this cluster through SLURM_CONF=$RESIHP_SLURM_DIR/slurm.conf.
+# Everything lives under RESIHP_SLURM_DIR (default /tmp/resihp-slurm, /tmp/resihp-slurm2 for two
+# nodes): the generated slurm.conf, state, spool, logs and pid files. A machine's own Slurm
+# configuration is untouched (the only files under /etc are the two nodes' /etc/netns/*/hosts,
+# removed by stop); clients find this cluster through SLURM_CONF=$RESIHP_SLURM_DIR/slurm.conf.
 #
 # Why this configuration: containers and small VMs rarely give slurmd a delegated cgroup tree or a
 # systemd to talk to, so processes are tracked by parent chain (proctrack/linuxproc), tasks are not
