@@ -38,7 +38,7 @@ def datasets_provider(args: argparse.Namespace, num_samples: tuple[int, int, int
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,
-        path_to_cache=None,
+        path_to_cache=args.data_cache_path,
         mock_doc_lengths=args.mock_doc_lengths,
     )
 

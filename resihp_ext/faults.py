@@ -167,3 +167,16 @@ def parse_fault(spec: str) -> Fault:
                          "factor= a number") from None
     return Fault(kind=kind, rank=rank, at_iteration=at, factor=factor, dst=dst, during=fields.get("during"),
                  until_iteration=until, on_iters=on, off_iters=off)
+
+
+def check_ranks_exist(faults: tuple[Fault, ...], world_size: int) -> None:
+    """Raise ``ValueError`` naming ``--resihp-inject`` for a fault on a rank the job does not have.
+
+    Such a fault would be accepted and never fire, and a test or drill built on it would pass
+    without the failure it meant to cause.
+    """
+    for fault in faults:
+        for rank in (fault.rank, fault.dst):
+            if rank is not None and rank >= world_size:
+                raise ValueError(f"{FLAG} {fault.spec()!r}: rank {rank} does not exist in a job of {world_size} "
+                                 f"ranks (0..{world_size - 1}); name a launched rank")

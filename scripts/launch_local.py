@@ -19,8 +19,9 @@ Ranks are forked from a server that has imported the script's top-level modules 
 (``rank_fork_server.py``); ``--preload none`` starts each from a bare interpreter instead.
 
 Exit code: 0 when every rank that was not killed by a signal exited 0 and at least one rank
-finished that way (a job that survived its failed ranks succeeds); otherwise the first non-zero
-code a rank returned, or 128 + signal number when every rank was killed.
+finished that way (a job that survived its failed ranks succeeds); otherwise 3 when any rank exited
+3 (survivors wrote a fallback checkpoint: resume it), else the first non-zero code a rank returned,
+or 128 + signal number when every rank was killed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ from rank_fork_server import Preload, RankForkServer, script_preload
 LAUNCHER_ENV = "RESIHP_LAUNCHER"
 # How often the launcher looks at its workers; a rank's end is reported within this.
 _POLL_S = 0.05
+# A rank's exit codes that the launcher reads (megatron.resihp.resilience.EXIT_NEEDS_RESTART and
+# the argument parsers' code for refused input).
+FALLBACK_EXIT = 3
+INPUT_ERROR_EXIT = 2
 # After forwarding SIGINT/SIGTERM, workers get this long to exit before SIGKILL (torchrun waits
 # a similar grace period before escalating).
 _GRACE_S = 15.0
@@ -140,6 +145,10 @@ def exit_code(codes: dict[int, int], order: list[int]) -> int:
     failed = [r for r in finished if codes[r] != 0]
     if finished and not failed:
         return 0
+    if any(codes[r] == FALLBACK_EXIT for r in failed):
+        # Survivors wrote a fallback checkpoint and printed its resume command: say so, whatever
+        # the ranks that died first returned, so a supervisor knows to resume rather than debug.
+        return FALLBACK_EXIT
     if failed:
         return codes[failed[0]]
     first = codes[order[0]] if order else 1
@@ -183,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
             for rank, code in server.ended(_POLL_S):
                 job.codes[rank] = code
                 job.order.append(rank)
-                if code != 0:
+                # A rank exiting 2 refused its input and said why (once, on rank 0).
+                if code not in (0, INPUT_ERROR_EXIT):
                     print(f"launch_local: rank {rank} exited with {_describe(code)}; "
                           f"{len(job.running())} ranks still running", file=sys.stderr, flush=True)
             if server.gone and job.running():

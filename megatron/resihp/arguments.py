@@ -17,6 +17,7 @@ import os
 import typing
 
 from resihp_ext.config import ResiHPConfig
+from resihp_ext.faults import check_ranks_exist
 
 # Megatron-LM flags whose request this front end already meets, so a launch script may keep them:
 # (name, takes_value). It always builds megatron-core models, never fuses kernels on these paths,
@@ -50,7 +51,6 @@ _UNSUPPORTED_FLAGS: tuple[tuple[str, bool], ...] = (
     ("--exit-duration-in-mins", True), ("--exit-interval", True),
     ("--context-parallel-size", True), ("--expert-model-parallel-size", True),
     ("--virtual-pipeline-model-parallel-size", True), ("--num-layers-per-virtual-pipeline-stage", True),
-    ("--data-cache-path", True),
 )
 
 
@@ -132,6 +132,9 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--data-cache-path", type=str, default=None,
+                   help="folder for the datasets' index caches (default: ~/.cache/resihp-megatron/data-cache, or "
+                        "under $XDG_CACHE_HOME; never beside the data, which may be read-only or shared)")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--mock-doc-lengths", type=str, default=None,
                    help="mock documents of variable length, e.g. lognormal:median=48,sigma=1.0,min=8,max=1024")
@@ -198,7 +201,10 @@ def _add_resihp_args(parser: argparse.ArgumentParser) -> None:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
-        # One line a person can act on; the full usage is a --help away.
+        # One line a person can act on; the full usage is a --help away. Every rank parses the
+        # same flags and finds the same error, so only the first rank says it.
+        if int(os.environ.get("RANK", "0")) != 0:
+            self.exit(2)
         self.exit(2, f"{self.prog}: error: {message}\n(run with --help to list every flag)\n")
 
 
@@ -406,6 +412,22 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     # changes TP never changes a parameter, and runs of different shapes are comparable exactly.
     args.padded_vocab_size = padded_vocab_size(args.tokenizer, args.make_vocab_size_divisible_by, max(tp, 8))
     args.resihp = ResiHPConfig(**{f.name: getattr(args, "resihp_" + f.name) for f in dataclasses.fields(ResiHPConfig)})
+    check_ranks_exist(args.resihp.faults, world_size)
+    _check_inputs(args)
+
+
+def _check_inputs(args: argparse.Namespace) -> None:
+    """The files the job reads are whole: every rank checks them before any group or file exists."""
+    from megatron.resihp.checkpoint_files import check_checkpoint
+    from megatron.resihp.data.datasets import parse_data_path
+
+    if args.data_path:
+        parse_data_path(args.data_path)
+        if args.data_cache_path is None:
+            cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+            args.data_cache_path = os.path.join(cache_home, "resihp-megatron", "data-cache")
+    if args.load:
+        check_checkpoint(args.load)
 
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -143,3 +144,21 @@ def test_preprocess_bad_input_exits_2_and_leaves_nothing(tmp_path, capsys):
     assert rc == 2 and "'text'" in capsys.readouterr().err
     assert os.listdir(tmp_path / "out") == []
 
+
+
+def test_an_index_and_data_file_that_disagree_are_named(real_prefix, tmp_path):
+    from megatron.resihp.data.indexed_files import check_indexed_dataset
+
+    prefix, _ = real_prefix
+    check_indexed_dataset(prefix)
+    for suffix, cut, message in ((".bin", 1, "do not belong together or one is truncated"),
+                                 (".idx", 8, "is truncated or corrupt"),
+                                 (".idx", 10**9, "not a Megatron index")):
+        copy = tmp_path / suffix[1:] / "copy"
+        copy.parent.mkdir(exist_ok=True)
+        for s in (".idx", ".bin"):
+            shutil.copy(prefix + s, f"{copy}{s}")
+        path = f"{copy}{suffix}"
+        os.truncate(path, max(0, os.path.getsize(path) - cut))
+        with pytest.raises(ValueError, match=rf"--data-path: .*copy\{suffix}.*{message}"):
+            check_indexed_dataset(str(copy))

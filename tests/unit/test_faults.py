@@ -79,3 +79,13 @@ def test_bursts_need_on_and_off_counts_of_at_least_one(spec):
 def test_bursts_are_for_slow_faults_only():
     with pytest.raises(ValueError, match="link takes keys"):
         parse_fault("link:src=1,dst=3,factor=4,at=20,on=2,off=2")
+
+
+def test_an_injection_on_a_rank_outside_the_world_is_refused():
+    from resihp_ext.faults import check_ranks_exist
+
+    check_ranks_exist((parse_fault("kill:rank=7,at=2"), parse_fault("link:src=0,dst=7,factor=2,at=1")), 8)
+    with pytest.raises(ValueError, match=r"--resihp-inject 'kill:rank=99,at=2': rank 99 does not exist in a job of 8"):
+        check_ranks_exist((parse_fault("kill:rank=99,at=2"),), 8)
+    with pytest.raises(ValueError, match="rank 8 does not exist"):
+        check_ranks_exist((parse_fault("link:src=0,dst=8,factor=2,at=1"),), 8)

@@ -31,6 +31,7 @@ from megatron.core.datasets.gpt_dataset import (
     MockGPTLowLevelDataset,
 )
 from megatron.core.datasets.utils import get_blend_from_list
+from megatron.resihp.data.indexed_files import check_indexed_dataset
 from resihp_ext.workload import LengthDistribution, sample_document_lengths
 
 
@@ -96,7 +97,7 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], Optional[list[floa
         ``(prefixes, weights)``, weights None when not given.
 
     Raises:
-        ValueError: Bad weights or a prefix without its ``.bin``/``.idx`` files.
+        ValueError: Bad weights, or a prefix whose ``.bin``/``.idx`` files are missing or disagree.
     """
     words = [w for item in data_path for w in str(item).split()]
     if not words:
@@ -112,13 +113,7 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], Optional[list[floa
         raise ValueError(f"--data-path {' '.join(words)!r} is malformed: {err}") from None
     prefixes, weights = blend
     for prefix in prefixes:
-        missing = [s for s in (".bin", ".idx") if not os.path.isfile(prefix + s)]
-        if missing:
-            raise ValueError(
-                f"--data-path: {prefix}{'/'.join(missing)} not found; give the prefix without "
-                "suffix (e.g. data/generated/corpus_text_document) as written by "
-                "tools/preprocess_data.py"
-            )
+        check_indexed_dataset(prefix)
     return list(prefixes), (list(weights) if weights is not None else None)
 
 
