@@ -167,6 +167,9 @@ PLAIN_GPT = textwrap.dedent('''
         return BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples, built_here, config).build()
 
 
+    datasets.is_distributed = True  # the builder synchronises every rank: all of them call it
+
+
     def loss(loss_mask, output):
         mask = loss_mask.float().view(-1)
         total = torch.sum(output.float().view(-1) * mask)
