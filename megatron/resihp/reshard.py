@@ -146,11 +146,12 @@ def _unit_views(slots, optimizer, holding, t, template) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank) -> dict:
+def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank, ran: list | None = None) -> dict:
     """Phase 1 of a move that changes the world: send what others need, receive into flat buffers.
 
     Runs in a world holding every source and destination (spares included); ``peer_rank`` maps a
     layout rank to its rank in that world. Sizes travel first, so receivers need no model yet.
+    ``ran``, when given, collects every transfer between two ranks this rank sent or received.
 
     Returns:
         ``{transfer index: flat tensor}`` for what this rank received (local copies excluded).
@@ -164,6 +165,8 @@ def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank) ->
     template = _adam_template(old_objects, old_slots)
     payloads, sizes, incoming = {}, [], {}
     for i, t in enumerate(transfers):
+        if ran is not None and t.src != t.dst and rank in (t.src, t.dst):
+            ran.append(t)
         if t.src == rank and t.dst != rank:
             holding = next(h for h in old_holders[t.item] if h.rank == rank)
             views = _unit_views(old_slots, old_objects.optimizer, holding, t, template)
@@ -251,16 +254,17 @@ def adam_template_of(objects) -> dict:
 
 @torch.no_grad()
 def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, new_objects,
-                    adam_template: dict | None = None) -> int:
+                    adam_template: dict | None = None, ran: list | None = None) -> int:
     """Fill the rebuilt model and optimizer of this rank from wherever each unit lives now.
 
-    Every rank passes the same ``transfers`` (``resihp_ext.shard_map.transfers``); each unit of
-    every tensor of an item (weights, Adam moments) is copied locally when this rank already held
-    it, or sent point-to-point over the default group otherwise. All sends and receives are posted
+    Every rank passes the same ``transfers`` (the plan's: ``resihp_ext.shard_map.transfers``); each
+    unit of every tensor of an item (weights, Adam moments) is copied locally when this rank already
+    held it, or sent point-to-point over the default group otherwise. All sends and receives are posted
     at once, so no ordering between pairs can deadlock.
 
     A rank that joins the world holds nothing (``old_objects`` None); ``adam_template``
     (``adam_template_of`` on a working rank) then shapes its Adam states and gives their step.
+    ``ran``, when given, collects every transfer between two ranks this rank sent or received.
 
     Returns:
         Bytes this rank sent or received.
@@ -282,6 +286,8 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
     for t in transfers:
         if rank not in (t.src, t.dst):
             continue
+        if ran is not None and t.src != t.dst:
+            ran.append(t)
         if t.src == rank:
             payload = _unit_views(old_slots, old_objects.optimizer,
                                   next(h for h in old_holders[t.item] if h.rank == rank), t, template)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from resihp_ext.layout import Layout
-from tests.dist.test_parallel_state_patch import TINY, run_ranks
+from tests.dist.ranks import TINY, run_ranks
 
 
 def _reshard_rank(rank, world_size, store):
