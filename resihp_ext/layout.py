@@ -15,8 +15,6 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import Any, Iterable, Mapping
 
-# (layer, finest shard index, finest TP degree of that layer)
-ShardKey = tuple[int, int, int]
 
 
 def is_power_of_two(value: int) -> bool:
@@ -148,6 +146,11 @@ class ModelSpec:
             if getattr(self, name) % tp_degree:
                 return f"TP degree {tp_degree} does not divide {name}={getattr(self, name)}"
         return None
+
+
+def replica_shape(replica: ReplicaSpec) -> tuple:
+    """Layers and TP degree of each stage: what two replicas must share to train alike."""
+    return replica.layers_per_stage, tuple(s.tp_degree for s in replica.stages)
 
 
 @dataclass(frozen=True)
@@ -306,39 +309,10 @@ class Layout:
         """Sorted indices of the replicas that use any of ``ranks``."""
         return tuple(sorted({self._places[r][0] for r in ranks if r in self._places}))
 
-    # ------------------------------------------------------------------ gradient sync
-    def finest_tp_degree(self, layer: int) -> int:
-        """Max TP degree over replicas for ``layer``: the shard unit of its gradient sync."""
-        return max(rep.stage_holding(layer).tp_degree for rep in self.replicas)
-
-    def shard_holders(self) -> dict[ShardKey, tuple[int, ...]]:
-        """For each (layer, finest shard, finest degree) the sorted ranks, across replicas, holding it.
-
-        A rank at TP degree ``k`` with TP rank ``i`` holds finest shards ``[i*f/k, (i+1)*f/k)`` of a
-        layer whose finest degree is ``f``; so a TP=2 shard joins two TP=4 shards' groups.
-        """
-        holders: dict[ShardKey, list[int]] = {}
-        for layer in range(self.model.num_layers):
-            stages = [rep.stage_holding(layer) for rep in self.replicas]
-            finest = max(st.tp_degree for st in stages)
-            for shard in range(finest):
-                holders[(layer, shard, finest)] = sorted(
-                    st.ranks[shard // (finest // st.tp_degree)] for st in stages
-                )
-        return {key: tuple(ranks) for key, ranks in holders.items()}
-
-    def sync_groups(self) -> dict[tuple[int, ...], tuple[ShardKey, ...]]:
-        """Distinct gradient sync rank sets, each mapped to the shard keys it synchronises.
-
-        The executor creates one process group per key of the result (many layers share a set).
-
-        Returns:
-            ``{sorted rank tuple: ((layer, shard, finest_degree), ...)}``, keys in first-seen order.
-        """
-        groups: dict[tuple[int, ...], list[ShardKey]] = {}
-        for key, ranks in self.shard_holders().items():
-            groups.setdefault(ranks, []).append(key)
-        return {ranks: tuple(keys) for ranks, keys in groups.items()}
+    # ------------------------------------------------------------------ shape
+    def replicas_alike(self) -> bool:
+        """Whether every replica has one shape (megatron-core's DDP can then sync their gradients)."""
+        return len({replica_shape(r) for r in self.replicas}) == 1
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -355,4 +329,4 @@ class Layout:
         return cls(replicas, model)
 
 
-__all__ = ["ModelSpec", "StageSpec", "ReplicaSpec", "Layout", "ShardKey", "is_power_of_two"]
+__all__ = ["ModelSpec", "StageSpec", "ReplicaSpec", "Layout", "is_power_of_two", "replica_shape"]

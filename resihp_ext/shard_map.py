@@ -1,6 +1,11 @@
 """Who holds which slice of which parameter group, and which slices must move between layouts.
 
-Responsible for the pure geometry behind gradient sync and resharding in heterogeneous layouts.
+Responsible for the one description of shard ownership, as ``schedule.py`` is for schedules: for
+a Layout, who holds each item's units (``holders``) and which rank sets sum each gradient
+(``sync_sets``, ``sync_rank_sets``); for two Layouts, the transfers that turn one's placement into
+the other's (``transfers``). The planner prices exactly these transfers, a Plan carries them, the
+executor runs exactly them, and the executor's gradient-sync groups are ``sync_rank_sets``.
+
 An *item* is a group of parameters that always lives together: ``("layer", g)`` for transformer
 layer ``g``, ``("first",)`` for what the first stage adds (embeddings), ``("last",)`` for what the
 last stage adds (final norm, output layer). A TP-partitioned tensor of an item is cut into
@@ -12,11 +17,17 @@ Nothing here touches tensors or processes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from resihp_ext.layout import Layout
 
 Item = tuple
+
+
+class NoLiveHolder(ValueError):
+    """A unit that no live rank holds: only a checkpoint can restore it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +85,20 @@ def replicated_sync_set(layout: Layout, item: Item) -> tuple[int, ...]:
     return tuple(sorted(h.rank for h in holders(layout)[item]))
 
 
+def sync_rank_sets(layout: Layout) -> tuple[tuple[int, ...], ...]:
+    """Every rank set some gradient is summed over (TP units and replicated tensors), sorted; the
+    executor builds one process group per set (a set of one rank needs none)."""
+    sets = set(sync_sets(layout).values()) | {replicated_sync_set(layout, item) for item in holders(layout)}
+    return tuple(sorted(s for s in sets if len(s) > 1))
+
+
 @dataclass(frozen=True, slots=True)
 class Transfer:
     """Unit ``unit`` (of ``grid``) of every tensor of ``item`` goes from old rank ``src`` to ``dst``.
 
-    ``replicated`` transfers carry the item's replicated tensors (one per destination)."""
+    ``replicated`` transfers carry the item's replicated tensors (one per destination). A transfer
+    with ``src == dst`` is a local copy into the rebuilt model. ``num_bytes``: the state it
+    carries, as the planner priced it (0 until priced; ``resihp_ext.planner.moves.priced``)."""
 
     item: Item
     unit: int
@@ -86,6 +106,26 @@ class Transfer:
     src: int
     dst: int
     replicated: bool = False
+    num_bytes: int = 0
+
+    @property
+    def crosses(self) -> bool:
+        """Whether it goes between two ranks (a local copy costs no link time)."""
+        return self.src != self.dst
+
+    @property
+    def what(self) -> tuple:
+        """What moves where, without its price: the executor's record of a transfer it ran."""
+        return self.item, self.unit, self.grid, self.src, self.dst, self.replicated
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"item": list(self.item), "unit": self.unit, "grid": self.grid, "src": self.src, "dst": self.dst,
+                "replicated": self.replicated, "num_bytes": self.num_bytes}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Transfer":
+        return cls(tuple(d["item"]), int(d["unit"]), int(d["grid"]), int(d["src"]), int(d["dst"]),
+                   bool(d["replicated"]), int(d.get("num_bytes", 0)))
 
 
 def transfers(old: Layout, new: Layout, dead: frozenset[int] = frozenset()) -> tuple[Transfer, ...]:
@@ -96,7 +136,7 @@ def transfers(old: Layout, new: Layout, dead: frozenset[int] = frozenset()) -> t
     preferring one in the destination's own old replica.
 
     Raises:
-        ValueError: a needed slice has no live holder in ``old`` (no in-place plan).
+        NoLiveHolder: a needed slice has no live holder in ``old`` (no in-place plan).
     """
     old_h, new_h = holders(old), holders(new)
     out: list[Transfer] = []
@@ -107,7 +147,7 @@ def transfers(old: Layout, new: Layout, dead: frozenset[int] = frozenset()) -> t
             for unit in unit_range(h, grid):
                 have = [s for s in sources if unit in unit_range(s, grid)]
                 if not have:
-                    raise ValueError(f"no live rank holds unit {unit}/{grid} of {item}")
+                    raise NoLiveHolder(f"no live rank holds unit {unit}/{grid} of {item}")
                 out.append(Transfer(item, unit, grid, _pick(have, h, old).rank, h.rank))
             whole = [s for s in sources]
             out.append(Transfer(item, 0, 1, _pick(whole, h, old).rank, h.rank, replicated=True))

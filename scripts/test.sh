@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up and run the whole test suite (unit: pure, one process; dist: real gloo processes, and
-# jobs under a real Slurm on this machine; gpu: skipped without CUDA).
+# Set up and run the whole test suite (unit: pure, one process; executor: one process with torch
+# and megatron-core; dist: real gloo processes, and jobs under a real Slurm on this machine; gpu:
+# skipped without CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_cpu.sh

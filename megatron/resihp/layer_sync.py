@@ -4,8 +4,8 @@ Responsible for replacing megatron-core's per-replica DP all-reduce when replica
 (different layer splits or TP degrees): every parameter is addressed by its item and TP units
 (``resihp_ext.shard_map``), and its gradient is summed over exactly the ranks that hold the same
 units, whichever stage or TP degree they run it at. It also owns the parameter addressing the
-resharder uses. Groups are created here, on every rank, in one canonical order; this module never
-decides a layout.
+resharder uses. Its groups come from the group builder (``parallel_state_patch.build_groups``, over
+``shard_map.sync_rank_sets``); this module never creates a group and never decides a layout.
 
 Per-token loss stays exact: the token count is summed once per replica over the whole job and
 every gradient is divided by it, as megatron-core's own finalize does within one DP group.
@@ -13,7 +13,7 @@ every gradient is divided by it, as megatron-core's own finalize does within one
 
 from __future__ import annotations
 
-import datetime
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +22,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import _allreduce_word_embedding_grads
 
 from resihp_ext.layout import Layout
-from resihp_ext.shard_map import finest_degree, holders, replicated_sync_set, sync_sets, unit_range
+from resihp_ext.shard_map import finest_degree, holders, replicated_sync_set, unit_range
 
 
 @dataclass(frozen=True)
@@ -67,27 +67,23 @@ def unit_view(tensor: torch.Tensor, partition_dim: int, first_unit: int, unit: i
 
 
 class LayoutGradSync:
-    """The ``finalize_model_grads_func`` for a Layout; build it on every rank after install."""
+    """The ``finalize_model_grads_func`` for a Layout; build it on every rank after install.
 
-    def __init__(self, layout: Layout, rank: int, timeout):
+    Args:
+        layout: the installed layout.
+        rank: this rank.
+        groups: ``ParallelGroups.sync_groups`` of the installed groups: one group per rank set of
+            ``resihp_ext.shard_map.sync_rank_sets`` this rank belongs to (the group builder creates
+            them; this class never creates or destroys a group).
+    """
+
+    def __init__(self, layout: Layout, rank: int, groups: Mapping[tuple[int, ...], dist.ProcessGroup]):
         self.layout = layout
         self.rank = rank
         self.holders = holders(layout)
-        rank_sets = set(sync_sets(layout).values())
-        rank_sets |= {replicated_sync_set(layout, item) for item in self.holders}
-        self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        for ranks in sorted(s for s in rank_sets if len(s) > 1):
-            # every rank creates every group, in this order
-            group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout))
-            self.groups[ranks] = group if rank in ranks else None
+        self.groups = dict(groups)
         mine = [h for hs in self.holders.values() for h in hs if h.rank == rank]
         self.me = mine[0] if mine else None
-
-    def destroy(self) -> None:
-        for group in self.groups.values():
-            if group is not None:
-                dist.destroy_process_group(group)
-        self.groups.clear()
 
     def _buckets(self, slots: list[ParamSlot]) -> dict[tuple[int, ...], list[tuple[torch.Tensor, float]]]:
         """Gradient views to sum per rank set, each with the factor this rank contributes it at."""

@@ -43,7 +43,9 @@ Context parallelism and expert parallelism are 1: their groups are this rank alo
 TP / DP groups, exactly as ``initialize_model_parallel(tp, pp)`` lays them out. For a uniform
 Layout the memberships equal megatron-core's (tested). For a heterogeneous Layout the DP group is
 the set of ranks holding the same (stage index, layer range, TP degree, TP rank) position; the
-layer-wise gradient sync sets of ``Layout.sync_groups()`` are built as well, in ``sync_groups``.
+layer-wise gradient sync sets of ``resihp_ext.shard_map.sync_rank_sets`` are built as well, in
+``sync_groups``, for ``layer_sync.LayoutGradSync`` (only when replicas differ: alike ones sync
+through megatron-core's DDP).
 
 How it is undone: ``uninstall()`` restores every global it wrote to the value it had before the
 first ``install`` (None after a fresh start); ``teardown(groups)`` also destroys the groups.
@@ -68,6 +70,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from resihp_ext.layout import Layout
+from resihp_ext.shard_map import sync_rank_sets
 
 SUPPORTED_MCORE = ("0.16", "0.19")
 MCORE_SERIES = ".".join(package_info.__version__.split(".")[:2])
@@ -172,7 +175,8 @@ def _group_specs(layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
             specs.append(("pos_embd", tuple(ps.default_position_embedding_ranks(list(pp)))))
     specs += [("tp_dp", tuple(sorted(ranks))) for ranks in tp_dp_classes.values()]
     specs.append(("layout", layout.world_ranks))
-    specs += [("sync", ranks) for ranks in layout.sync_groups() if len(ranks) > 1]
+    if not layout.replicas_alike():  # alike replicas sync through megatron-core's DDP on the dp groups
+        specs += [("sync", ranks) for ranks in sync_rank_sets(layout)]
     return specs
 
 

@@ -32,8 +32,7 @@ from megatron.resihp.reshard import stage_transfers
 from resihp_ext.layout import Layout
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
-from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout, moved_groups, plan_survivors
-from resihp_ext.shard_map import Transfer, transfers
+from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors
 
 
 def await_failed_ranks(monitor, wait_s: float, settle_s: float = 0.0, poll_s: float = 0.05) -> frozenset[int]:
@@ -129,13 +128,6 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
     return SurvivorPlan.from_dict(published["plan"]), frozenset(published["failed"]), published["preferred"]
 
 
-def state_moves(layout: Layout, plan: SurvivorPlan, failed: frozenset[int]) -> tuple[Transfer, ...]:
-    """What the plan's moved stage groups must receive (in old ranks); empty when nothing moves."""
-    if plan.action != "adapt" or not moved_groups(layout, plan):
-        return ()
-    return transfers(layout, continuing_layout(layout, plan), failed)
-
-
 def meet_and_reform(store, label: str, new_rank: int, world_size: int, backend: str, timeout_s: float,
                     stop: Callable[[], str | None] = lambda: None, met: Callable[[], None] = lambda: None) -> None:
     """Every member writes ``resihp/gen<label>/joining/<new_rank>`` and polls for all of them before
@@ -162,7 +154,7 @@ def meet_and_reform(store, label: str, new_rank: int, world_size: int, backend: 
 
 def stage_moves(store, generation: int, rank: int, survivors: list[int], moves, layout: Layout, objects,
                 backend: str, timeout_s: float, stop: Callable[[], str | None] = lambda: None,
-                joined: Callable[[], None] = lambda: None) -> dict:
+                joined: Callable[[], None] = lambda: None, ran: list | None = None) -> dict:
     """Every survivor (spares too: they may hold what a moved group needs) joins one world and
     sends or receives the plan's moves into flat buffers (``reshard.stage_transfers``).
 
@@ -171,7 +163,7 @@ def stage_moves(store, generation: int, rank: int, survivors: list[int], moves, 
     """
     meet_and_reform(store, f"{generation}moves", survivors.index(rank), len(survivors), backend, timeout_s, stop)
     joined()
-    return stage_transfers(moves, layout, rank, objects, peer_rank=survivors.index)
+    return stage_transfers(moves, layout, rank, objects, peer_rank=survivors.index, ran=ran)
 
 
 def reform_for_plan(store, generation: int, new_rank: int, new_world_size: int, backend: str,

@@ -24,11 +24,8 @@ from megatron.resihp.model_builder import TrainingObjects, build_training_object
 from megatron.resihp.parallel_state_patch import build_groups, install, teardown
 from megatron.resihp.reshard import apply_transfers, carry_schedule, stage_transfers, unstage_transfers
 from resihp_ext.layout import Layout
-from resihp_ext.planner.bursts import weigh_bursts
+from resihp_ext.planner.fail_slow import decide_fail_slow, live_hardware
 from resihp_ext.planner.hardware import HardwareModel
-from resihp_ext.planner.health import Health
-from resihp_ext.planner.joint import plan_adaptation
-from resihp_ext.shard_map import transfers as plan_transfers
 from resihp_ext.detection.validation import Verdict
 
 
@@ -38,15 +35,6 @@ class StopTraining(Exception):
     def __init__(self, exit_code: int, message: str):
         super().__init__(message)
         self.exit_code = exit_code
-
-
-def replica_shape(replica) -> tuple:
-    """Layers and TP degree of each stage: what two replicas must share to train alike."""
-    return replica.layers_per_stage, tuple(s.tp_degree for s in replica.stages)
-
-
-def replicas_alike(layout: Layout) -> bool:
-    return len({replica_shape(r) for r in layout.replicas}) == 1
 
 
 class LayoutChanges:
@@ -78,7 +66,7 @@ class LayoutChanges:
         self.replica_index = args.replica_index = replica
         args.data_parallel_size = layout.num_replicas
         args.world_size = dist.get_world_size()
-        self.sync = None if replicas_alike(layout) else LayoutGradSync(layout, self.rank, self.cfg.collective_timeout_s)
+        self.sync = None if layout.replicas_alike() else LayoutGradSync(layout, self.rank, groups.sync_groups)
         if self.live is not None and world_changed:
             costs = self.live.costs  # per layer: they outlive the world, and plan its survivors
             self.live = LiveDetector(self.cfg, self.rank, replica, stage, layout.tp_rank_of(self.rank),
@@ -93,85 +81,42 @@ class LayoutChanges:
 
     # ------------------------------------------------------------------ fail-slow
     def _calibrated_hardware(self) -> HardwareModel:
-        """The planner's cost model fitted to this job: the compute costs the decider fitted to a
-        measured iteration (``resihp_ext.planner.calibration``; every rank holds the same), in the
-        parameters' dtype across pipeline boundaries. A link verdict's probe round gives the
-        bandwidth of the links not known to be slow (``known_health``; without such a round, the
-        default bandwidth stands: every candidate then crosses the same healthy links)."""
-        hw = {}
-        half = self.args.bf16 or self.args.fp16
-        hw["activation_bytes_per_value"] = 2.0 if half else 4.0
+        """The planner's cost model fitted to this job (``resihp_ext.planner.fail_slow.live_hardware``):
+        the compute costs the decider fitted to a measured iteration (every rank holds the same),
+        and, after a link verdict's probe round, the bandwidth of the links not known to be slow."""
+        bandwidth = None
         link_rounds = [probes for probes in self.live.probe_rounds if probes.link_s]
         if link_rounds:
             bandwidth = healthy_link_bandwidth_Bps(link_rounds[-1], set(self.known_health.slow_links),
                                                    self.live.link_probe_bytes)
-            if bandwidth is not None:
-                hw["link_bandwidth_Bps"] = bandwidth
-        if self.costs is None:  # no iteration measured yet
-            return HardwareModel(regroup_s=0.5, **hw)
-        return self.costs.hardware(regroup_s=0.5, **hw)
-
-    @staticmethod
-    def _verdict_health(verdict: Verdict) -> Health:
-        """The planner's view of a fail-slow verdict: each slow rank's speed, or the slow link's; for a
-        ``recovered`` verdict, the rank's speed now (1.0 when healthy again)."""
-        if verdict.kind == "link":
-            src, dst = verdict.ranks
-            return Health(slow_links={(src, dst): 1.0 / max(verdict.factor or 1.0, 1.0)})
-        factors = verdict.evidence.get("probe_factors", {})
-        return Health(speed={r: 1.0 / max(float(factors.get(str(r), verdict.factor or 1.0)), 1.0)
-                             for r in verdict.ranks},
-                      bursts=frozenset(verdict.ranks) if verdict.evidence.get("intermittent") else frozenset())
+        return live_hardware(self.costs, bool(self.args.bf16 or self.args.fp16), bandwidth)
 
     def _replan(self, iteration: int, verdicts: list[Verdict], objects, quotas):
-        """Fail-slow (compute, link or recovered verdicts): plan with the calibrated cost model, apply
-        it in place.
+        """Fail-slow (compute, link or recovered verdicts): apply what
+        ``resihp_ext.planner.fail_slow.decide_fail_slow`` decides, in place.
 
-        The plan sees every slowdown found so far in this world (``known_health``), not only these
-        verdicts', so quotas moved away from an earlier slow rank stay away when another one slows.
-        Every rank computes the same plan from the same gathered observations and verdicts (pure,
-        deterministic), so no agreement round is needed.
+        Every rank computes the same decision from the same gathered observations and verdicts
+        (pure, deterministic), so no agreement round is needed.
         """
         start = time.perf_counter()
-        calm = self.known_health  # between the bursts of a rank slow in bursts
-        for verdict in verdicts:
-            health = self._verdict_health(verdict)
-            self.known_health = self.known_health.updated(health)
-            if not verdict.evidence.get("intermittent"):
-                calm = calm.updated(health)
-        horizon = max(self.args.train_iters - iteration, 1)
-        hw = self._calibrated_hardware()
-        plan = plan_adaptation(self.layout, self.known_health, hw,
-                               current_quotas=tuple(quotas), horizon_iters=horizon, uniform_tp_per_replica=True,
-                               reshaped=[r for r, rep in enumerate(self.layout.replicas)
-                                         if replica_shape(rep) != self.launch_shape])
-        # What the detector takes as the norm from now on: every verdict so far, bursts included.
-        expected = self.known_health
-        shares = [v.evidence.get("slow_share") for v in verdicts if v.evidence.get("intermittent")]
-        if shares:
-            # Unknown shares count as always slow; of several, the largest.
-            share = max(1.0 if s is None else float(s) for s in shares)
-            plan = weigh_bursts(plan, self.layout, quotas, calm, self.known_health, share, hw, horizon)
-            if plan.action != "adapt":
-                self.known_health = calm  # bursts not worth planning around: later plans do not see them
-        self.live.detector.expect(expected.slow_factors, expected.bursts)  # kept across the reset below
+        decision = decide_fail_slow(self.layout, self.known_health, verdicts, self._calibrated_hardware(), quotas,
+                                    max(self.args.train_iters - iteration, 1), self.launch_shape)
+        plan, self.known_health = decision.plan, decision.known
+        # Kept across the detector's reset below.
+        self.live.detector.expect(decision.expected.slow_factors, decision.expected.bursts)
         if self.rank == 0:
             slow_factors = {str(r): round(f, 4) for r, f in sorted(self.known_health.slow_factors.items())}
             self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
                              quotas=list(plan.quotas), slow_rank_factors=slow_factors,
                              predicted_iteration_s_before=plan.iteration_s_before,
                              predicted_iteration_s_after=plan.iteration_s_after,
-                             compute_costs=self.costs_record())
+                             compute_costs=self.costs_record(), moves=[t.to_dict() for t in plan.moves])
             log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
         if plan.action != "adapt":
-            # The layout stays and these slowdowns are expected now: their groups are judged again,
-            # so that a rank that slows further (or recovers) is seen, and a slow link against its
-            # slow speed, so that it is seen if it slows further.
-            self.live.detector.watch_again([r for v in verdicts if v.kind != "link" for r in v.ranks],
-                                           links=[tuple(v.ranks) for v in verdicts if v.kind == "link"])
+            self.live.detector.watch_again(list(decision.watch_ranks), links=list(decision.watch_links))
             return objects, quotas
         if plan.layout != self.layout:
-            objects, _ = self._apply_layout(plan.layout, objects, iteration)
+            objects, _ = self._apply_layout(plan.layout, plan.transfers, objects, iteration)
         quotas = list(plan.quotas)
         duration = time.perf_counter() - start
         # Refit: the known slow device is the new normal; only a further change should alarm.
@@ -187,8 +132,11 @@ class LayoutChanges:
         return objects, quotas
 
     # ------------------------------------------------------------------ executing a new layout
-    def _apply_layout(self, new_layout: Layout, objects, iteration: int = 0):
+    def _apply_layout(self, new_layout: Layout, transfers, objects, iteration: int = 0):
         """New layout over the same processes; returns (new objects, bytes this rank moved).
+
+        ``transfers``: exactly what the plan priced (``Plan.transfers``: ``resihp_ext.shard_map``'s
+        transfers from the running layout to ``new_layout``); every one is run, and no other.
 
         Same world: new groups, rebuilt objects, state moved point-to-point, old groups torn down.
         A layout that leaves ranks out (they become spares) goes through ``_apply_shrinking_layout``.
@@ -203,40 +151,43 @@ class LayoutChanges:
             RuntimeError: a rank failed before all moves were done (this rank is back on the old layout).
         """
         if set(new_layout.world_ranks) != set(self.layout.world_ranks):
-            return self._apply_shrinking_layout(new_layout, objects)
+            return self._apply_shrinking_layout(new_layout, transfers, objects, iteration)
         args = self.args
         old_layout, old_groups, old_sync = self.layout, args.groups, self.sync
         old_replica, old_dp = self.replica_index, args.data_parallel_size
-        failure = None
+        failure = groups = None
+        ran: list = []
         try:
             groups = build_groups(new_layout, self.rank, timeout=self.cfg.collective_timeout_s)
             install(groups)
             self._adopt(new_layout, groups, world_changed=False)
             new_objects = self._rebuild(new_layout)
             self._apply_recovery_faults(iteration, "replan")
-            moved = apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank,
-                                    objects, new_objects)
+            moved = apply_transfers(transfers, old_layout, new_layout, self.rank, objects, new_objects, ran=ran)
             carry_schedule(objects, new_objects)
         except RuntimeError as error:
             failure = error
         # A rank that failed never counts as finished, so it always goes back with the others.
         if not self._all_done(f"replan{iteration}", old_layout.world_size, finished=failure is None):
-            new_sync = self.sync
             self.layout, args.groups, self.sync = old_layout, old_groups, old_sync
             self.replica_index = args.replica_index = old_replica
             args.data_parallel_size = old_dp
             install(old_groups)
-            if new_sync is not None and new_sync is not old_sync:
-                new_sync.destroy()
+            if groups is not None:
+                teardown(groups)
             why = str(failure).splitlines()[0][:120] if failure is not None else "another rank failed"
             log_line(f" resihp: rank {self.rank}: the re-plan at iteration {iteration} failed before every "
                      f"rank had moved its state ({why}); back on the old layout")
             raise failure or RuntimeError(f"a rank failed before every rank had moved its state for the re-plan "
                                           f"at iteration {iteration}")
         teardown(old_groups)
-        if old_sync is not None:
-            old_sync.destroy()
+        self._record_moved(iteration, self.rank, ran)
         return new_objects, moved
+
+    def _record_moved(self, iteration: int, old_rank: int, ran) -> None:
+        """Say which transfers this rank sent (``ran`` by ``reshard``; ranks of the world the moves
+        ran in, ``old_rank`` this rank's there): over every rank, the plan's moves are exactly these."""
+        self.events.emit("moved", iteration, sent=[t.to_dict() for t in ran if t.src == old_rank and t.crosses])
 
     def _all_done(self, step: str, members: int, finished: bool) -> bool:
         """Whether every one of ``members`` ranks of this world finished ``step`` of a layout change:
@@ -255,15 +206,17 @@ class LayoutChanges:
         return recovery.agree_on_commit(self.store, f"resihp/gen{self.generation}/{step}/", members, finished,
                                         stop=failed, wait_s=3 * self.cfg.collective_timeout_s)
 
-    def _apply_shrinking_layout(self, new_layout: Layout, objects):
-        """Spares leave: move state while they are still members, then re-form without them.
+    def _apply_shrinking_layout(self, new_layout: Layout, moves, objects, iteration: int):
+        """Spares leave: run ``moves`` (the plan's transfers) while they are still members, then
+        re-form without them.
 
         Raises:
             StopTraining: on a spare, after it has sent what the kept ranks need from it.
         """
         old_layout, old_rank = self.layout, self.rank
-        moves = plan_transfers(old_layout, new_layout)
-        received = stage_transfers(moves, old_layout, old_rank, objects, peer_rank=lambda r: r)
+        ran: list = []
+        received = stage_transfers(moves, old_layout, old_rank, objects, peer_rank=lambda r: r, ran=ran)
+        self._record_moved(iteration, old_rank, ran)
         moved = sum(flat.numel() * flat.element_size() for flat in received.values())
         kept = sorted(new_layout.world_ranks)
         self.generation += 1

@@ -1,72 +1,20 @@
-"""Moves one stage's state onto ranks rebuilt into that stage, from a surviving replica.
+"""Runs a plan's state transfers: units of weights, fp32 main copies and Adam moments between ranks.
 
-Responsible for the "move state" step of a reconfiguration after a fail-stop: a rank rebuilt into
-(stage, TP shard) receives the parameters (and optimizer-state tensors) of the surviving rank
-that holds the same (stage, TP shard) in another replica, by broadcast over a group containing
-the source and the destinations. Source and destinations must have built the same modules (same
-names, shapes, dtypes) on the new groups before calling.
+Responsible for the "move state" step of a reconfiguration: every rank passes the same list of
+``resihp_ext.shard_map.Transfer`` (the Plan's ``transfers``), and each copies locally what it
+already held and sends or receives the rest point-to-point, in the same world
+(``apply_transfers``) or staged before a re-form while leavers are still members
+(``stage_transfers`` then ``unstage_transfers``). Source and destination address a parameter by
+its unsharded name (``layer_sync.param_slots``), so stages of different layer splits or TP
+degrees meet.
 
-It must never create or destroy process groups (the caller passes one, usually built by
-``parallel_state_patch.build_groups``) and never decides who sends or receives.
+It must never create or destroy process groups and never decides who sends or receives.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 import torch.distributed as dist
-
-
-def _state_tensors(module: torch.nn.Module, optimizer_states: Iterable[dict] = ()) -> list[torch.Tensor]:
-    # Named order, then each optimizer state's keys sorted: identical on every rank of the group.
-    tensors = [t for _, t in sorted(module.state_dict(keep_vars=True).items()) if isinstance(t, torch.Tensor)]
-    for state in optimizer_states:
-        tensors += [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
-    return tensors
-
-
-@torch.no_grad()
-def copy_stage_state_from_replica(
-    module: torch.nn.Module,
-    src: int,
-    group: dist.ProcessGroup,
-    optimizer_states: Iterable[dict] = (),
-) -> int:
-    """Overwrite ``module``'s parameters and buffers (and optimizer-state tensors) with ``src``'s.
-
-    Every rank of ``group`` calls this; on ``src`` the tensors are sent, elsewhere overwritten.
-
-    Args:
-        module: this rank's stage module, built alike on every rank of ``group``.
-        src: global rank of the surviving holder of the same (stage, TP shard).
-        group: a group containing ``src`` and every destination.
-        optimizer_states: per-parameter optimizer state dicts (e.g. ``exp_avg``, ``exp_avg_sq``),
-            in parameter order, already allocated with the right shapes on destinations.
-
-    Returns:
-        Number of bytes this rank sent or received.
-    """
-    tensors = _state_tensors(module, list(optimizer_states))
-    # One flat buffer per dtype: a broadcast per tensor costs a round trip each.
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    total = 0
-    for dtype in sorted(by_dtype, key=str):
-        group_tensors = by_dtype[dtype]
-        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
-        dist.broadcast(flat, src=src, group=group)
-        total += flat.numel() * flat.element_size()
-        if dist.get_rank() != src:
-            offset = 0
-            for t in group_tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-    return total
-
-
-__all__ = ["copy_stage_state_from_replica"]
 
 
 def _megatron_optimizers(optimizer) -> list:
@@ -146,11 +94,12 @@ def _unit_views(slots, optimizer, holding, t, template) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank) -> dict:
+def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank, ran: list | None = None) -> dict:
     """Phase 1 of a move that changes the world: send what others need, receive into flat buffers.
 
     Runs in a world holding every source and destination (spares included); ``peer_rank`` maps a
     layout rank to its rank in that world. Sizes travel first, so receivers need no model yet.
+    ``ran``, when given, collects every transfer between two ranks this rank sent or received.
 
     Returns:
         ``{transfer index: flat tensor}`` for what this rank received (local copies excluded).
@@ -164,6 +113,8 @@ def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank) ->
     template = _adam_template(old_objects, old_slots)
     payloads, sizes, incoming = {}, [], {}
     for i, t in enumerate(transfers):
+        if ran is not None and t.src != t.dst and rank in (t.src, t.dst):
+            ran.append(t)
         if t.src == rank and t.dst != rank:
             holding = next(h for h in old_holders[t.item] if h.rank == rank)
             views = _unit_views(old_slots, old_objects.optimizer, holding, t, template)
@@ -251,16 +202,17 @@ def adam_template_of(objects) -> dict:
 
 @torch.no_grad()
 def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, new_objects,
-                    adam_template: dict | None = None) -> int:
+                    adam_template: dict | None = None, ran: list | None = None) -> int:
     """Fill the rebuilt model and optimizer of this rank from wherever each unit lives now.
 
-    Every rank passes the same ``transfers`` (``resihp_ext.shard_map.transfers``); each unit of
-    every tensor of an item (weights, Adam moments) is copied locally when this rank already held
-    it, or sent point-to-point over the default group otherwise. All sends and receives are posted
+    Every rank passes the same ``transfers`` (the plan's: ``resihp_ext.shard_map.transfers``); each
+    unit of every tensor of an item (weights, Adam moments) is copied locally when this rank already
+    held it, or sent point-to-point over the default group otherwise. All sends and receives are posted
     at once, so no ordering between pairs can deadlock.
 
     A rank that joins the world holds nothing (``old_objects`` None); ``adam_template``
     (``adam_template_of`` on a working rank) then shapes its Adam states and gives their step.
+    ``ran``, when given, collects every transfer between two ranks this rank sent or received.
 
     Returns:
         Bytes this rank sent or received.
@@ -282,6 +234,8 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
     for t in transfers:
         if rank not in (t.src, t.dst):
             continue
+        if ran is not None and t.src != t.dst:
+            ran.append(t)
         if t.src == rank:
             payload = _unit_views(old_slots, old_objects.optimizer,
                                   next(h for h in old_holders[t.item] if h.rank == rank), t, template)

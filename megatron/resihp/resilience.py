@@ -28,13 +28,12 @@ from megatron.resihp.detection import LiveDetector, describe, link_probe_bytes, 
 from megatron.resihp.heartbeat import HeartbeatMonitor, connect_store
 from megatron.resihp.link_faults import LINKS
 from megatron.resihp.logging_utils import EventLog, log_line
-from megatron.resihp.relayout import LayoutChanges, StopTraining, replica_shape
+from megatron.resihp.relayout import LayoutChanges, StopTraining
 from megatron.resihp.reshard import carry_schedule, unstage_transfers
 from megatron.resihp.schedules import RECORDER
 from megatron.resihp.standby import Readmissions, mark_job_done
-from resihp_ext.detection.confirmation import FAIL_SLOW_KINDS
 from resihp_ext.faults import FaultKind
-from resihp_ext.layout import Layout
+from resihp_ext.layout import Layout, replica_shape
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
@@ -283,7 +282,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
                 self.monitor.stop()
                 self._fallback_checkpoint(old_rank, iteration, plan, objects, consumed_samples, failed, self.backend)
             left = frozenset(plan.spares)
-            moves = recovery.state_moves(self.layout, plan, failed)
+            moves = plan.transfers  # what the plan priced, in old ranks: exactly what runs
             if old_rank not in plan.new_rank and (not moves or old_rank in failed):
                 self._leave_as_spare(old_rank)
             self._apply_recovery_faults(iteration, "reform")
@@ -292,10 +291,12 @@ class ResilienceHooks(LayoutChanges, Readmissions):
                 if moves:
                     # Spares stay for this step: they may hold what a moved stage group needs.
                     survivors = sorted(set(self.layout.world_ranks) - failed)
+                    ran: list = []
                     received = recovery.stage_moves(
                         self.store, self.generation, old_rank, survivors, moves, self.layout, objects, self.backend,
                         self.cfg.collective_timeout_s, stop=self._failure_among(survivors),
-                        joined=lambda: self._apply_recovery_faults(iteration, "moves"))
+                        joined=lambda: self._apply_recovery_faults(iteration, "moves"), ran=ran)
+                    self._record_moved(iteration, old_rank, ran)
                     if old_rank not in plan.new_rank:
                         self._leave_as_spare(old_rank)
                 groups = recovery.reform_for_plan(self.store, self.generation, plan.new_rank[old_rank],
@@ -458,7 +459,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
                 log_line(f" resihp: suspicion at iteration {suspicion.iteration}: {suspicion.reason}")
                 log_line(f" resihp: {describe(outcome)}")
         verdicts = [outcome for _, outcome in settled
-                    if isinstance(outcome, Verdict) and outcome.kind in FAIL_SLOW_KINDS]
+                    if isinstance(outcome, Verdict) and outcome.kind.fail_slow]
         if verdicts and self.cfg.enable:
             objects, quotas = self._replan(iteration, verdicts, objects, quotas)
         return objects, quotas
@@ -491,9 +492,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             mark_job_done(self.store)
         if self.monitor is not None:
             self.monitor.stop()
-        if self.sync is not None:
-            self.sync.destroy()
-            self.sync = None
+        self.sync = None  # its groups are the installed ones, destroyed with the world
         if self.trace is not None:
             self.trace.close()
         if self.live is not None and self.live.deciding:

@@ -39,7 +39,7 @@ from megatron.resihp.reshard import adam_template_of, apply_transfers, load_loss
 from resihp_ext.layout import Layout
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.readmission import plan_readmission
-from resihp_ext.shard_map import transfers as plan_transfers
+from resihp_ext.shard_map import Transfer
 
 _PREFIX = "resihp/standby/"
 _DONE = _PREFIX + "done"
@@ -179,7 +179,8 @@ class Readmissions:
                                    slow_links={(a, b): v for a, b, v in call["slow_links"]})
         self.standbys = {int(r) for r in call["standbys"]}
         try:
-            new_objects = self._grow(call["iteration"], call["identity"], old_layout, new_layout, None,
+            new_objects = self._grow(call["iteration"], call["identity"], old_layout, new_layout,
+                                     tuple(Transfer.from_dict(t) for t in call["transfers"]), None,
                                      call["scheduler"], adam_template=call["adam"],
                                      loss_scale=call.get("loss_scale", []))
         except RuntimeError as error:
@@ -242,7 +243,8 @@ class Readmissions:
             self.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
                              quotas=list(plan.quotas), ready={str(k): v for k, v in sorted(ready.items())},
                              predicted_iteration_s_before=plan.iteration_s_before,
-                             predicted_iteration_s_after=plan.iteration_s_after, compute_costs=self.costs_record())
+                             predicted_iteration_s_after=plan.iteration_s_after, compute_costs=self.costs_record(),
+                             moves=[t.to_dict() for t in plan.moves])
             log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
         if plan.action != "adapt":
             return objects, quotas
@@ -258,6 +260,7 @@ class Readmissions:
             shared = {"generation": generation, "world_size": size, "iteration": iteration,
                       "consumed_samples": consumed_samples, "quotas": list(plan.quotas),
                       "old_layout": self.layout.to_dict(), "new_layout": plan.layout.to_dict(),
+                      "transfers": [t.to_dict() for t in plan.transfers],
                       "identity": identity, "speed": {str(r): v for r, v in self.known_health.speed.items()},
                       "slow_links": [[a, b, v] for (a, b), v in self.known_health.slow_links.items()],
                       "standbys": sorted(self.standbys - set(decision.joiners)),
@@ -294,7 +297,7 @@ class Readmissions:
                          f"({str(error).splitlines()[0][:120]}); re-forming the working ranks")
             raise RuntimeError(f"world {generation} did not form: {error}") from error
         try:
-            new_objects = self._grow(iteration, identity, old_layout, plan.layout, objects,
+            new_objects = self._grow(iteration, identity, old_layout, plan.layout, plan.transfers, objects,
                                      objects.scheduler.state_dict())
         except RuntimeError as error:
             # The old layout is still whole on every working rank. The joiners leave; the fail-stop
@@ -333,10 +336,11 @@ class Readmissions:
         if self.store is not None:
             self._start_monitor()
 
-    def _grow(self, iteration: int, identity: list[int], old_layout: Layout, new_layout: Layout, objects,
-              scheduler_state: dict, adam_template: dict | None = None, loss_scale: list | None = None):
-        """In the grown world: install its groups, rebuild, fill the joiners' state (a joiner passes
-        no ``objects`` and the working ranks' ``adam_template``), then agree that every member did.
+    def _grow(self, iteration: int, identity: list[int], old_layout: Layout, new_layout: Layout, transfers,
+              objects, scheduler_state: dict, adam_template: dict | None = None, loss_scale: list | None = None):
+        """In the grown world: install its groups, rebuild, run the plan's ``transfers`` (a joiner
+        passes no ``objects`` and the working ranks' ``adam_template``), then agree that every
+        member did.
 
         Raises:
             RuntimeError: a member failed before every member had its state (``_all_done``). Moves
@@ -347,14 +351,15 @@ class Readmissions:
         self.identity = list(identity)
         self.sync = None  # its groups belonged to the old world
         failure = new_objects = None
+        ran: list = []
         try:
             groups = build_groups(new_layout, dist.get_rank(), timeout=self.cfg.collective_timeout_s)
             install(groups)
             self._adopt(new_layout, groups, world_changed=True, start_monitor=False)
             new_objects = self._rebuild(new_layout)
             self._apply_recovery_faults(iteration, "readmission")
-            apply_transfers(plan_transfers(old_layout, new_layout), old_layout, new_layout, self.rank, objects,
-                            new_objects, adam_template=adam_template)
+            apply_transfers(transfers, old_layout, new_layout, self.rank, objects, new_objects,
+                            adam_template=adam_template, ran=ran)
             new_objects.scheduler.load_state_dict(scheduler_state)
             load_loss_scale_state(new_objects.optimizer,
                                   loss_scale_state(objects.optimizer) if objects is not None else loss_scale or [])
@@ -363,4 +368,5 @@ class Readmissions:
         if not self._all_done("grown", dist.get_world_size(), finished=failure is None):
             raise failure or RuntimeError(f"a member of world {self.generation} failed before every member had "
                                           f"its state")
+        self._record_moved(iteration, self.rank, ran)
         return new_objects

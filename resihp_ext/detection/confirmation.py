@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from resihp_ext.config import ResiHPConfig
 from resihp_ext.detection.observations import Suspicion
 from resihp_ext.detection.recurrence import Recurrences
-from resihp_ext.detection.validation import Cleared, ProbeResults, Verdict
+from resihp_ext.detection.validation import Cleared, ProbeResults, Verdict, VerdictKind
 
 
 # Verdicts a re-plan acts on: what slowed down, and what is fast again.
-FAIL_SLOW_KINDS = ("compute", "link", "recovered")
+FAIL_SLOW_KINDS = tuple(kind for kind in VerdictKind if kind.fail_slow)
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class PendingVerdicts:
         evidence = {**first.evidence, "confirm_probe_iteration": iteration,
                     "confirm_probe_factors": again.evidence.get("probe_factors", {})}
         named_again = isinstance(again, Verdict) and again.kind == first.kind
-        if first.kind == "link":
+        if first.kind is VerdictKind.LINK:
             kept = tuple(first.ranks) if named_again and set(first.ranks) <= set(again.ranks) else ()
         else:
             kept = tuple(sorted(set(first.ranks) & set(again.ranks))) if named_again else ()
@@ -126,13 +126,17 @@ class PendingVerdicts:
             return Cleared(iteration, waiting.suspicion.ranks, evidence,
                            f"the probes at iteration {iteration} did not confirm {first.kind} ranks "
                            f"{list(first.ranks)} named at iteration {first.evidence.get('probe_iteration')}; dropped")
-        rounds = (first.evidence.get("probe_factors", {}), again.evidence.get("probe_factors", {}))
+        if first.kind is VerdictKind.LINK:  # link factors are only in the record, keyed "src->dst"
+            rounds = (first.evidence.get("probe_factors", {}), again.evidence.get("probe_factors", {}))
+            named = [f"{kept[0]}->{kept[1]}"]
+        else:
+            rounds = (first.probe_factors, again.probe_factors)
+            named = list(kept)
         both = {k: min(rounds[0][k], rounds[1][k]) for k in rounds[0] if k in rounds[1]}
-        named = [f"{kept[0]}->{kept[1]}"] if first.kind == "link" else [str(r) for r in kept]
         factor = first.factor
         if all(k in both for k in named):
             slowest = max(both[k] for k in named)
-            factor = max(slowest, 1.0) if first.kind == "recovered" else slowest
+            factor = max(slowest, 1.0) if first.kind is VerdictKind.RECOVERED else slowest
         elif first.factor is not None and again.factor is not None:
             factor = math.sqrt(first.factor * again.factor)
         reason = f"{first.reason}; confirmed by probes at iteration {iteration}"
@@ -144,9 +148,12 @@ class PendingVerdicts:
         dropped = sorted(set(first.ranks) - set(kept))
         if dropped:
             reason += f" for ranks {list(kept)} only (ranks {dropped} not named again)"
+        factors = both or rounds[0]
         return dataclasses.replace(first, ranks=kept, factor=factor, reason=reason, iteration=onset,
-                                   evidence={**evidence, "onset_iteration": onset, "probe_factors": both or rounds[0],
-                                             "first_probe_factors": rounds[0]})
+                                   probe_factors={} if first.kind is VerdictKind.LINK else factors,
+                                   evidence={**evidence, "onset_iteration": onset,
+                                             "probe_factors": {str(k): f for k, f in factors.items()},
+                                             "first_probe_factors": {str(k): f for k, f in rounds[0].items()}})
 
     def plan_probes(self, iteration: int, suspicion: Suspicion | None) -> ProbePlan:
         """What the probe step at ``iteration`` must probe: the verdicts due by then (taken out of
@@ -177,7 +184,7 @@ class PendingVerdicts:
                 detector.release(waiting.suspicion, iteration)  # slow, but not the same ones
             if isinstance(outcome, Cleared) and self.recurrences is not None:
                 group = (waiting.suspicion.replica, waiting.suspicion.stage)
-                bursts = self.recurrences.note(waiting.verdict, again.evidence.get("probe_factors", {}), iteration,
+                bursts = self.recurrences.note(waiting.verdict, again.probe_factors, iteration,
                                                functools.partial(detector.slow_share, group))
                 if bursts is not None:
                     detector.mute(waiting.suspicion)  # as a first round's verdict does, until a re-plan

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from resihp_ext.detection.observations import Suspicion
-from resihp_ext.detection.validation import Cleared, Localisation, ProbeResults, Verdict, localise, peer_reference_s
+from resihp_ext.detection.validation import (Cleared, Localisation, ProbeResults, Verdict, VerdictKind, localise,
+                                             peer_reference_s)
 
 
 def read_round(suspicion: Suspicion, probes: ProbeResults, onset: int, threshold: float,
@@ -45,7 +46,7 @@ def read_round(suspicion: Suspicion, probes: ProbeResults, onset: int, threshold
     }
     silent = sorted(set(loc.unresponsive) & set(suspicion.ranks))
     if silent:
-        return Verdict("hang", tuple(silent), None, probes.iteration, evidence,
+        return Verdict(VerdictKind.HANG, tuple(silent), None, probes.iteration, evidence,
                        f"ranks {silent} did not answer validation probes after: {suspicion.reason}")
     known = known_factors(suspicion.ranks, expected, in_bursts)
     if suspicion.kind == "link":
@@ -62,6 +63,11 @@ def read_round(suspicion: Suspicion, probes: ProbeResults, onset: int, threshold
 def known_factors(ranks, expected: Mapping[int, float], in_bursts: Mapping[int, float]) -> dict[int, float]:
     """Each of ``ranks``' known slowdown: steady (``expected``) or in bursts; 1.0 when none."""
     return {r: expected.get(r, in_bursts.get(r, 1.0)) for r in ranks}
+
+
+def suspect_factors(suspicion: Suspicion, loc: Localisation) -> dict[int, float]:
+    """The suspects' probe factors, rounded as the evidence records them (what a plan reads)."""
+    return {r: round(loc.rank_factors[r], 4) for r in suspicion.ranks if r in loc.rank_factors}
 
 
 def rank_evidence(suspicion: Suspicion, probes: ProbeResults, loc: Localisation) -> dict:
@@ -96,8 +102,9 @@ def compute_verdict(suspicion: Suspicion, loc: Localisation, known: Mapping[int,
     slow = [r for r in loc.slow_ranks if r in suspicion.ranks and loc.rank_factors[r] >= threshold * known[r]]
     if not slow:
         return None
-    return Verdict("compute", tuple(sorted(slow)), loc.rank_factors[slow[0]], onset, evidence,
-                   f"{loc.reason}; group ran {suspicion.ratio:.2f}x predicted since iteration {onset}")
+    return Verdict(VerdictKind.COMPUTE, tuple(sorted(slow)), loc.rank_factors[slow[0]], onset, evidence,
+                   f"{loc.reason}; group ran {suspicion.ratio:.2f}x predicted since iteration {onset}",
+                   probe_factors=suspect_factors(suspicion, loc))
 
 
 def recovered_verdict(suspicion: Suspicion, loc: Localisation, known: Mapping[int, float],
@@ -115,8 +122,8 @@ def recovered_verdict(suspicion: Suspicion, loc: Localisation, known: Mapping[in
     else:
         seen = (f"group ran {suspicion.ratio:.2f}x faster than its known slowdown since iteration "
                 f"{suspicion.onset_iteration}")
-    return Verdict("recovered", tuple(sorted(now)), max(now.values()), suspicion.onset_iteration, evidence,
-                   f"faster again: ranks {named}; {seen}")
+    return Verdict(VerdictKind.RECOVERED, tuple(sorted(now)), max(now.values()), suspicion.onset_iteration,
+                   evidence, f"faster again: ranks {named}; {seen}", probe_factors=suspect_factors(suspicion, loc))
 
 
 def link_verdict(suspicion: Suspicion, loc: Localisation, onset: int, evidence: dict) -> Verdict | None:
@@ -124,7 +131,7 @@ def link_verdict(suspicion: Suspicion, loc: Localisation, onset: int, evidence: 
     slow = [link for link in loc.slow_links if link in suspicion.links]
     if not slow:
         return None
-    return Verdict("link", tuple(slow[0]), loc.link_factors[slow[0]], onset, evidence,
+    return Verdict(VerdictKind.LINK, tuple(slow[0]), loc.link_factors[slow[0]], onset, evidence,
                    f"{loc.reason}; transfers ran {suspicion.ratio:.2f}x baseline since iteration {onset}")
 
 
@@ -133,4 +140,5 @@ def cleared(suspicion: Suspicion, loc: Localisation, iteration: int, evidence: d
     found = {"compute": "no rank slower than its known slowdown" if "known_factors" in evidence else "no slow rank",
              "link": "no slow link", "recovery": "no rank faster than its known slowdown"}[suspicion.kind]
     return Cleared(iteration, suspicion.ranks, evidence,
-                   f"probes found {found} ({loc.reason}); suspicion at iteration {suspicion.iteration} dropped")
+                   f"probes found {found} ({loc.reason}); suspicion at iteration {suspicion.iteration} dropped",
+                   probe_factors={} if suspicion.kind == "link" else suspect_factors(suspicion, loc))

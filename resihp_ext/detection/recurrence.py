@@ -24,7 +24,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from resihp_ext.detection.validation import Verdict
+from resihp_ext.detection.validation import Verdict, VerdictKind
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Recurrences:
 
         Args:
             dropped: the first round's verdict.
-            again_factors: the second round's probe factors (rank as a string -> factor).
+            again_factors: the second round's probe factors (rank -> factor).
             iteration: the iteration of the second round.
             slow_share: the share of its group's iterations ``first..last`` that ran slow
                 (``FailSlowDetector.slow_share``), for the verdict's evidence. It is asked for
@@ -84,9 +84,8 @@ class Recurrences:
             A compute verdict for the ranks now dropped ``episodes`` times within the window
             (whose episodes are then forgotten), or None.
         """
-        if self.episodes == 0 or dropped.kind != "compute":
+        if self.episodes == 0 or dropped.kind is not VerdictKind.COMPUTE:
             return None
-        first = dropped.evidence.get("probe_factors", {})
         for rank in dropped.ranks:
             seen = self._seen[rank]
             seen.append(Episode(
@@ -94,8 +93,8 @@ class Recurrences:
                 suspicion_iteration=int(dropped.evidence.get("suspicion_iteration", dropped.iteration)),
                 probe_iteration=int(dropped.evidence.get("probe_iteration", dropped.iteration)),
                 dropped_iteration=iteration,
-                factor=float(first.get(str(rank), dropped.factor or 1.0)),
-                factor_after=again_factors.get(str(rank)),
+                factor=dropped.factor_of(rank),
+                factor_after=again_factors.get(rank),
             ))
             while seen and seen[0].probe_iteration <= iteration - self.window_iters:
                 seen.popleft()
@@ -131,4 +130,6 @@ def _intermittent_verdict(bursts: dict[int, list[Episode]], window_iters: int, o
     share_text = "" if share is None else f", its group slow in {share:.0%} of iterations {onset}-{share_until}"
     reason = (f"slow in bursts: probed slow in {count} suspicions within {window_iters} iterations ({named}), "
               f"fast again by each second round{share_text}; judged at the median burst slowdown")
-    return Verdict("compute", tuple(sorted(bursts)), max(factors.values()), onset, evidence, reason)
+    return Verdict(VerdictKind.COMPUTE, tuple(sorted(bursts)), max(factors.values()), onset, evidence, reason,
+                   probe_factors={r: round(f, 4) for r, f in factors.items()}, intermittent=True,
+                   slow_share=None if share is None else round(share, 4))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
@@ -197,36 +198,75 @@ def localise(
     )
 
 
+class VerdictKind(str, Enum):
+    """What a verdict says failed. A ``str`` enum: events and traces write its value."""
+
+    COMPUTE = "compute"  # a rank computes persistently slower
+    LINK = "link"  # transfers from one rank to another run persistently slower
+    DEAD = "dead"  # a rank stopped sending heartbeats
+    HANG = "hang"  # a rank beats but makes no progress
+    RECOVERED = "recovered"  # a known slow rank is faster again
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def fail_slow(self) -> bool:
+        """Whether a re-plan acts on it: what slowed down, and what is fast again."""
+        return self in (VerdictKind.COMPUTE, VerdictKind.LINK, VerdictKind.RECOVERED)
+
+
 @dataclass(frozen=True)
 class Verdict:
     """A confirmed failure.
 
+    The typed fields are what code acts on; ``evidence`` is the record for people and traces.
+
     Attributes:
-        kind: ``"compute"`` | ``"link"`` | ``"dead"`` | ``"hang"`` | ``"recovered"`` (a known slow
-            rank is faster again; ``factor`` is its slowdown now, 1.0 when healthy).
+        kind: a ``VerdictKind`` (a plain string naming one is converted); ``recovered``: a known
+            slow rank is faster again, ``factor`` is its slowdown now, 1.0 when healthy.
         ranks: afflicted ranks (for a link: sender and receiver).
         factor: estimated slowdown (probe time / healthy median), None for dead/hang.
         iteration: iteration the verdict applies from.
         evidence: numbers behind it (ratios, probe factors), JSON-ready.
         reason: one readable line.
+        probe_factors: each named rank's probed slowdown (compute and recovered verdicts); a rank
+            missing from it runs at ``factor``.
+        intermittent: the ranks are slow in bursts, at full speed between them; their factors are
+            the burst slowdown.
+        slow_share: for an intermittent verdict, the share of its group's iterations that ran slow
+            (None: not measured, or not intermittent).
     """
 
-    kind: str
+    kind: VerdictKind
     ranks: tuple[int, ...]
     factor: float | None
     iteration: int
     evidence: Mapping = field(default_factory=dict)
     reason: str = ""
+    probe_factors: Mapping[int, float] = field(default_factory=dict)
+    intermittent: bool = False
+    slow_share: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("compute", "link", "dead", "hang", "recovered"):
-            raise ValueError(f"verdict kind must be compute|link|dead|hang|recovered, got {self.kind!r}")
+        try:
+            object.__setattr__(self, "kind", VerdictKind(self.kind))
+        except ValueError:
+            raise ValueError(f"verdict kind must be compute|link|dead|hang|recovered, got {self.kind!r}") from None
+        # A plain dict, not a read-only view: verdicts travel pickled from the decider to every rank.
+        object.__setattr__(self, "probe_factors", {int(r): float(f) for r, f in self.probe_factors.items()})
+        if self.slow_share is not None and not 0.0 <= self.slow_share <= 1.0:
+            raise ValueError(f"slow_share must be in [0, 1], got {self.slow_share}")
+
+    def factor_of(self, rank: int) -> float:
+        """``rank``'s slowdown: its probe factor, else the verdict's (1.0 when it has none)."""
+        return self.probe_factors.get(rank, self.factor if self.factor is not None else 1.0)
 
     def to_event(self) -> dict:
         """JSON-ready event (the caller adds ``"time"``)."""
         return {
             "event": "verdict",
-            "kind": self.kind,
+            "kind": self.kind.value,
             "ranks": list(self.ranks),
             "factor": None if self.factor is None else round(self.factor, 4),
             "iteration": self.iteration,
@@ -243,6 +283,10 @@ class Cleared:
     ranks: tuple[int, ...]
     evidence: Mapping = field(default_factory=dict)
     reason: str = ""
+    probe_factors: Mapping[int, float] = field(default_factory=dict)  # as a Verdict's: the suspects' probes
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "probe_factors", {int(r): float(f) for r, f in self.probe_factors.items()})
 
     def to_event(self) -> dict:
         """JSON-ready event (the caller adds ``"time"``)."""
@@ -273,7 +317,7 @@ def judge_heartbeats(now: float, last_beat: Mapping[int, float], timeout_s: floa
 
 def fail_stop_verdict(kind: str, ranks: Sequence[int], iteration: int, detail: str = "") -> Verdict:
     """A ``dead`` (no heartbeat) or ``hang`` (heartbeat but no progress) verdict."""
-    if kind not in ("dead", "hang"):
+    if kind not in (VerdictKind.DEAD, VerdictKind.HANG):
         raise ValueError(f"fail-stop verdicts are dead|hang, got {kind!r}")
     what = "stopped sending heartbeats" if kind == "dead" else "stopped making progress"
     ranks = tuple(sorted(ranks))

@@ -8,6 +8,6 @@ data: no process groups, clocks or files.
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
-from resihp_ext.planner.plan import Move, Plan
+from resihp_ext.planner.plan import Plan
 
-__all__ = ["HardwareModel", "Health", "Move", "Plan", "plan_adaptation"]
+__all__ = ["HardwareModel", "Health", "Plan", "plan_adaptation"]

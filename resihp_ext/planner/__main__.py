@@ -104,8 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  replica {r} quota {plan.quotas[r]}: {stages}")
     print(f"moves: {len(plan.moves)} ({plan.num_bytes_moved / 1e9:.2f} GB)")
     for m in plan.moves[:20]:
-        print(f"  {m.kind} layer {m.layer} shard {m.shard}/{m.shard_degree}: {m.src_rank} -> {m.dst_rank}"
-              f" ({m.num_bytes / 1e6:.1f} MB)")
+        what = "replicated tensors" if m.replicated else f"unit {m.unit}/{m.grid}"
+        print(f"  {' '.join(map(str, m.item))} {what}: {m.src} -> {m.dst} ({m.num_bytes / 1e6:.1f} MB)")
     if len(plan.moves) > 20:
         print(f"  ... {len(plan.moves) - 20} more")
     bound = result.capacity_bound

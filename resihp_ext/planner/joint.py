@@ -26,10 +26,11 @@ from resihp_ext.planner.dp import assign_quotas, makespan_s
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.moves import NoSurvivingHolder, move_time_s, state_moves
-from resihp_ext.planner.plan import Move, Plan
+from resihp_ext.planner.plan import Plan
 from resihp_ext.planner.pp import partition_layers
 from resihp_ext.planner.restart import restart_layout
 from resihp_ext.planner.tp import TpChoice, tp_candidates
+from resihp_ext.shard_map import Transfer
 
 NUM_EXACT_CANDIDATES = 4
 MAX_COMBINATIONS = 64
@@ -42,7 +43,7 @@ class _Candidate:
     label: str
     replica: ReplicaSpec | None
     timing: ReplicaTiming | None
-    moves: tuple[Move, ...]
+    moves: tuple[Transfer, ...]  # what building this replica takes (priced shard_map transfers)
     changed: bool
 
 
@@ -95,7 +96,7 @@ def _replica_candidates(
             continue
         seen.add(new)
         try:
-            moves = state_moves(layout, [new], health, hw)
+            moves = state_moves(layout, Layout((new,), model), health.dead, hw)
         except NoSurvivingHolder:
             continue
         timing = timing_from_factors(part.layers_per_stage, [c.s_per_tp1_s for c in choice],
@@ -255,10 +256,17 @@ def plan_adaptation(
         total = horizon_iters * after_s + cost_s
         if best is None or total < best[0]:
             best = (total, combo, chosen, kept, quotas, moves, cost_s, after_s)
-    total, combo, chosen, kept, quotas, moves, cost_s, after_s = best
+    total, combo, chosen, kept, quotas, _, cost_s, after_s = best
     if not affected and tuple(quotas) == tuple(quotas_now):
         return Plan("keep", layout, quotas_now, (), before_s, before_s, 0.0, "keep: no affected replica")
     new_layout = layout if not any(c.changed for c in chosen) else layout.with_replicas(c.replica for c in kept)
+    # The Plan carries, and its cost prices, the transfers to the whole new layout: exactly what
+    # the executor runs (the candidates' own transfers ranked them).
+    transfers = state_moves(layout, new_layout, health.dead, hw) if new_layout != layout else ()
+    if any(c.changed for c in chosen):
+        cost_s = hw.regroup_s + move_time_s(transfers, hw)
+        total = horizon_iters * after_s + cost_s
+    moves = tuple(t for t in transfers if t.crosses)
 
     if horizon_iters * before_s <= total:
         return Plan("keep", layout, quotas_now, (), before_s, before_s, 0.0,
@@ -273,7 +281,7 @@ def plan_adaptation(
         f"; pays back in {cost_s / max(before_s - after_s, 1e-12):.0f} iterations"
     reason = (f"adapt: {'; '.join(notes)}; quotas {list(quotas)}; {before_txt} -> {after_s:.3f} s/iter; "
               f"{len(moves)} moves, {sum(m.num_bytes for m in moves) / 1e9:.2f} GB, {cost_s:.1f} s{gain}")
-    return Plan("adapt", new_layout, quotas, moves, before_s, after_s, cost_s, reason, spares)
+    return Plan("adapt", new_layout, quotas, transfers, before_s, after_s, cost_s, reason, spares)
 
 
 __all__ = ["plan_adaptation"]

@@ -1,11 +1,11 @@
-"""The planner's output: a frozen Plan with its Layout, quotas, state moves and reason.
+"""The planner's output: a frozen Plan with its Layout, quotas, state transfers and reason.
 
-Responsible for the value the executor consumes and the log prints. A Move names one piece of
-model state (one finest TP shard of one layer, weights plus optimizer state) to copy from a rank
-that holds it to a rank that needs it; after a fail-stop the source is always a surviving rank,
-possibly in another replica. Sources send what they held under the old layout, so the executor
-performs every move before any rank drops or overwrites state. Layer index -1 is the word/position
-embedding (first stage) and ``num_layers`` the output layer (last stage).
+Responsible for the value the executor consumes and the log prints. A Plan carries the transfers
+(``resihp_ext.shard_map.Transfer``, priced) that turn the running layout's state placement into
+its layout's: one unit of one item (weights plus optimizer state) from a rank that holds it to a
+rank that needs it, local copies included; after a fail-stop the source is always a surviving
+rank, possibly in another replica. The executor runs exactly these, every one before any rank
+drops or overwrites state.
 """
 
 from __future__ import annotations
@@ -15,30 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from resihp_ext.layout import Layout
+from resihp_ext.shard_map import Transfer
 
 Action = Literal["keep", "adapt", "checkpoint-restart"]
 ACTIONS = ("keep", "adapt", "checkpoint-restart")
-
-
-@dataclass(frozen=True)
-class Move:
-    """Copy finest shard ``shard`` (of ``shard_degree``) of ``layer`` from ``src_rank`` to ``dst_rank``.
-
-    ``kind`` is "layer" when the destination held no part of the layer before (repartition) and
-    "tp_shard" when it held another shard of it (TP regrouping).
-    """
-
-    kind: Literal["layer", "tp_shard"]
-    layer: int
-    shard: int
-    shard_degree: int
-    src_rank: int
-    dst_rank: int
-    num_bytes: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "layer": self.layer, "shard": self.shard, "shard_degree": self.shard_degree,
-                "src_rank": self.src_rank, "dst_rank": self.dst_rank, "num_bytes": self.num_bytes}
 
 
 def _finite(value: float) -> float | None:
@@ -55,7 +35,9 @@ class Plan:
             "checkpoint-restart" (no in-place plan exists or pays off).
         layout: the layout to run next (for checkpoint-restart, the one to restart with, or None).
         quotas: micro-batches per replica of ``layout``, summing to the global batch's count.
-        moves: state copies to perform before resuming.
+        transfers: the state transfers to run before resuming (``shard_map.transfers`` from the
+            running layout to ``layout``, priced; local copies included), empty when the layout
+            stays.
         iteration_s_before: predicted iteration seconds if nothing changes (inf: the job stalls).
         iteration_s_after: predicted iteration seconds under this plan.
         one_time_cost_s: seconds the change itself costs (regroup + transfers, or a restart).
@@ -67,7 +49,7 @@ class Plan:
     action: Action
     layout: Layout | None
     quotas: tuple[int, ...]
-    moves: tuple[Move, ...]
+    transfers: tuple[Transfer, ...]
     iteration_s_before: float
     iteration_s_after: float
     one_time_cost_s: float
@@ -80,6 +62,11 @@ class Plan:
             raise ValueError(f"plan action must be one of {ACTIONS}, got {self.action!r}")
         if self.layout is not None and len(self.quotas) != self.layout.num_replicas:
             raise ValueError(f"{len(self.quotas)} quotas for {self.layout.num_replicas} replicas; give one per replica")
+
+    @property
+    def moves(self) -> tuple[Transfer, ...]:
+        """The transfers between two ranks (what costs link time)."""
+        return tuple(t for t in self.transfers if t.crosses)
 
     @property
     def num_bytes_moved(self) -> int:
@@ -96,7 +83,7 @@ class Plan:
             "action": self.action,
             "layout": self.layout.to_dict() if self.layout is not None else None,
             "quotas": list(self.quotas),
-            "moves": [m.to_dict() for m in self.moves],
+            "transfers": [t.to_dict() for t in self.transfers],
             "num_bytes_moved": self.num_bytes_moved,
             "iteration_s_before": _finite(self.iteration_s_before),
             "iteration_s_after": _finite(self.iteration_s_after),

@@ -127,8 +127,9 @@ def plan_readmission(
     grown = Layout(tuple(rep.relabel(to_new) for rep in replicas), layout.model)
     grown_health = health.updated(Health(speed={to_new[r]: 1.0 / ready[r] for r in joiners}))
     quotas, after_s = speed_quotas(grown, grown_health, hw, num_mb)
-    moves = state_moves(layout, grown.replicas, grown_health, hw)
-    cost_s = hw.regroup_s + move_time_s(moves, hw)
+    transfers = state_moves(layout, grown, grown_health.dead, hw)
+    cost_s = hw.regroup_s + move_time_s(transfers, hw)
+    moves = [t for t in transfers if t.crosses]
     names = ", ".join(f"{r} ({ready[r]:.2f}x)" for r in joiners)
     what = (f"standbys {names} rejoin, restoring launch replicas of ranks "
             f"{[list(r.ranks) for r in restored]} (launch ranks)")
@@ -137,7 +138,7 @@ def plan_readmission(
                     f"now; does not pay off within {horizon_iters} iterations")
     gain = "" if not math.isfinite(before_s) else \
         f"; pays back in {cost_s / max(before_s - after_s, 1e-12):.0f} iterations"
-    return Readmission(Plan("adapt", grown, quotas, moves, before_s, after_s, cost_s,
+    return Readmission(Plan("adapt", grown, quotas, transfers, before_s, after_s, cost_s,
                             f"adapt: {what}; world {len(identity)} -> {grown.world_size}; quotas {list(quotas)}; "
                             f"{before_s:.3f} -> {after_s:.3f} s/iter; {len(moves)} moves, {cost_s:.1f} s{gain}",
                             policy=POLICY), joiners)

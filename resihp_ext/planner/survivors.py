@@ -21,6 +21,7 @@ No TP group is ever formed from ranks of different old groups, so TP traffic sta
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -29,7 +30,8 @@ from resihp_ext.planner.cost import speed_quotas
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.memory import stage_memory_bytes
-from resihp_ext.shard_map import transfers
+from resihp_ext.planner.moves import state_moves
+from resihp_ext.shard_map import Transfer, transfers
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,9 @@ class SurvivorPlan:
         quotas: micro-batches per continuing replica, in DP order, when replicas differ in speed;
             empty means Megatron's even split.
         reason: one readable sentence.
+        transfers: the state the moved stage groups receive (``shard_map.transfers`` from the old
+            layout to ``continuing_layout``, in old ranks, priced), empty when no group takes
+            another stage; the executor runs exactly these.
     """
 
     action: str
@@ -58,6 +63,7 @@ class SurvivorPlan:
     missing_shards: tuple[tuple[int, int], ...] = ()
     quotas: tuple[int, ...] = ()
     reason: str = ""
+    transfers: tuple[Transfer, ...] = ()
 
     @property
     def new_world_size(self) -> int:
@@ -74,6 +80,7 @@ class SurvivorPlan:
             "missing_shards": [list(p) for p in self.missing_shards],
             "quotas": list(self.quotas),
             "reason": self.reason,
+            "transfers": [t.to_dict() for t in self.transfers],
         }
 
     @classmethod
@@ -88,6 +95,7 @@ class SurvivorPlan:
             missing_shards=tuple(tuple(p) for p in d["missing_shards"]),
             quotas=tuple(d.get("quotas", ())),
             reason=d["reason"],
+            transfers=tuple(Transfer.from_dict(t) for t in d.get("transfers", [])),
         )
 
 
@@ -377,5 +385,8 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
         reason = (f"dead ranks {sorted(dead)} broke replicas {lost}; {how} (DP {layout.num_replicas} -> "
                   f"{len(kept) + len(rebuilt)}, {'/'.join(map(str, sorted(num_stages)))} stages unchanged), global "
                   f"batch kept by re-spreading micro-batches; {len(spares)} surviving ranks become spares")
-    return SurvivorPlan(action="adapt", kept_replicas=kept, rebuilt_replicas=rebuilt, new_rank=new_rank,
+    plan = SurvivorPlan(action="adapt", kept_replicas=kept, rebuilt_replicas=rebuilt, new_rank=new_rank,
                         spares=spares, checkpoint_writers=writers, quotas=quotas, reason=reason)
+    if moved_groups(layout, plan):
+        plan = dataclasses.replace(plan, transfers=state_moves(layout, continuing_layout(layout, plan), dead, hw))
+    return plan

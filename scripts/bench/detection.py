@@ -195,7 +195,7 @@ def sensitivity(args) -> dict:
             before[n][1] += t.healthy_iters
         verdict = (stats.get("verdicts") or [None])[0]
         row["resihp"]["factor"] = None if verdict is None else round(verdict.factor, 3)
-        row["resihp"]["in_bursts"] = bool(verdict is not None and verdict.evidence.get("intermittent"))
+        row["resihp"]["in_bursts"] = bool(verdict is not None and verdict.intermittent)
         rows[name] = row
     return {"cases": rows, "false_alarms_per_1000_before_onset":
             {n: round(1000.0 * fa / max(healthy, 1), 2) for n, (fa, healthy) in before.items()}}

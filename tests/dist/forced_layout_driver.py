@@ -21,6 +21,7 @@ from megatron.resihp.arguments import parse_args  # noqa: E402
 from megatron.resihp.resilience import ResilienceHooks  # noqa: E402
 from megatron.resihp.training import pretrain  # noqa: E402
 from resihp_ext.layout import Layout, ReplicaSpec, StageSpec  # noqa: E402
+from resihp_ext.shard_map import transfers  # noqa: E402
 
 
 def _pop(argv: list[str], flag: str) -> str:
@@ -51,8 +52,11 @@ def main() -> None:
                     stages.append(StageSpec(first, n, stage.ranks[:degree]))
                     first += n
                 replicas.append(ReplicaSpec(tuple(stages)))
-            objects, moved = self._apply_layout(Layout(tuple(replicas), self.layout.model), objects, iteration)
-            self.events.emit("forced_layout", iteration, layers=layers, quotas=quotas, bytes_moved=moved)
+            new_layout = Layout(tuple(replicas), self.layout.model)
+            planned = transfers(self.layout, new_layout)  # what a plan for this layout carries
+            objects, moved = self._apply_layout(new_layout, planned, objects, iteration)
+            self.events.emit("forced_layout", iteration, layers=layers, quotas=quotas, bytes_moved=moved,
+                             moves=[t.to_dict() for t in planned if t.crosses])
             return objects, quotas
 
     pretrain(args, entry.datasets_provider, entry.forward_step,

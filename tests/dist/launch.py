@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,10 @@ TINY_GPT = [
 ]
 
 
+# TINY_GPT without dropout, so that a job's losses equal a failure-free run's exactly.
+EXACT_GPT = [*TINY_GPT, "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
 def run_job(nproc: int, args: list[str], timeout_s: float = 300, launcher: str = "local",
             env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = job_env(env_extra)
@@ -48,6 +53,36 @@ def read_events(path: Path, event: str | None = None) -> list[dict]:
         return []
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in records if event is None or r["event"] == event]
+
+
+def _what(transfer: dict) -> tuple:
+    return tuple(transfer["item"]), transfer["unit"], transfer["grid"], transfer["src"], transfer["dst"], \
+        transfer["replicated"]
+
+
+def moves_against_plans(path: Path) -> list[tuple[int, list, list]]:
+    """For each change that moved state: (iteration, the moves its plan priced, the transfers its
+    ranks reported sending), both sorted. A fail-slow or readmission plan lists its ``moves``; a
+    fail-stop plan its ``executed`` transfers; a forced layout the transfers it handed over. The
+    last plan of an iteration is the one that ran."""
+    sent: dict[int, list] = defaultdict(list)
+    for event in read_events(path, "moved"):
+        sent[event["iteration"]] += [_what(t) for t in event["sent"]]
+    priced: dict[int, list] = {}
+    for event in read_events(path):
+        if event["event"] == "forced_layout" or (event["event"] == "plan" and event.get("action") == "adapt"):
+            moves = event["moves"] if "moves" in event else event.get("executed", {}).get("transfers", [])
+            priced[event["iteration"]] = [_what(t) for t in moves if t["src"] != t["dst"]]
+    return [(it, sorted(priced.get(it, [])), sorted(sent.get(it, []))) for it in sorted(set(priced) | set(sent))
+            if priced.get(it) or sent.get(it)]
+
+
+def assert_moved_as_planned(path: Path, at_least: int = 1) -> None:
+    """At least ``at_least`` changes moved state, and each moved exactly what its plan priced."""
+    pairs = moves_against_plans(path)
+    assert len(pairs) >= at_least, f"{len(pairs)} changes moved state: {pairs}"
+    for iteration, planned, moved in pairs:
+        assert moved == planned, f"iteration {iteration}: planned {planned}\nmoved {moved}"
 
 
 def decisions(path: Path) -> str:

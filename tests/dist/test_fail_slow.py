@@ -7,15 +7,10 @@ the verdict names the rank slowed after the detector's warm-up, a plan is applie
 
 import pytest
 
-from tests.dist.launch import (CORE_SPEED_SPREAD, assert_same_losses, check, decisions, iteration_losses,
-                               read_events, run_job)
+from tests.dist.launch import (CORE_SPEED_SPREAD, EXACT_GPT, assert_same_losses, check, decisions, iteration_losses,
+                               moves_against_plans, read_events, run_job)
 
-MODEL = [
-    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--lr", "1e-3",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "1",
-    "--hidden-dropout", "0", "--attention-dropout", "0", "--global-batch-size", "16", "--train-iters", "34",
-]
+MODEL = [*EXACT_GPT, "--train-iters", "34"]
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +45,8 @@ def test_slow_ranks_are_adapted_in_place_one_after_another_and_training_stays_ex
     last = [p for p in plans if "0" in p["slow_rank_factors"]]
     assert last and last[0]["slow_rank_factors"].get("3") == pytest.approx(3.0, rel=0.2), decisions(log)
     assert len([a for a in read_events(log, "adapted") if a["iteration"] >= first[0]["iteration"]]) >= 2, decisions(log)
+    # Whatever the plans chose (quotas alone move nothing), each ran exactly the transfers it priced.
+    assert all(planned == moved for _, planned, moved in moves_against_plans(log)), moves_against_plans(log)
     assert_same_losses(log, reference_losses, 34)
 
 

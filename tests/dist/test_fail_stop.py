@@ -11,7 +11,8 @@ import subprocess
 import pytest
 import torch
 
-from tests.dist.launch import REPO, check, iteration_losses, main_copies, read_events, run_job
+from tests.dist.launch import (REPO, assert_moved_as_planned, check, iteration_losses, main_copies, read_events,
+                               run_job)
 from scripts.child_env import job_env
 
 MODEL = [
@@ -175,6 +176,7 @@ def test_intact_stage_group_takes_a_lost_stage_and_receives_its_state(tmp_path, 
     executed = read_events(log, "plan")[-1]["executed"]
     assert executed["kept_replicas"] == [0]
     assert [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[[4], [5]]]
+    assert_moved_as_planned(log)  # rank 0 sent rank 4 exactly the transfers the plan carried
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["data_parallel_size"]) for a in adapted] == [(4, 4, 2)], adapted
     _assert_same_training(log, tmp_path / "ckpt", pp2_reference, 12)

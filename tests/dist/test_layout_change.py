@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.dist.launch import REPO, check, iteration_losses, main_copies, read_events
+from tests.dist.launch import REPO, assert_moved_as_planned, check, iteration_losses, main_copies, read_events
 from scripts.child_env import job_env
 
 MODEL = [
@@ -60,6 +60,7 @@ def test_heterogeneous_replan_matches_reference(tmp_path, layers, quotas, tp, fa
                 *(["--forced-tp", json.dumps(tp)] if tp else [])], tmp_path))
     forced = read_events(log, "forced_layout")
     assert forced and max(e["bytes_moved"] for e in forced) > 0  # layers really moved between ranks
+    assert_moved_as_planned(log)  # the executor ran the transfers it was handed, and no others
     ours, (ref, ref_checkpoint) = iteration_losses(log), failure_free
     assert [ours[i] for i in range(1, 7)] == pytest.approx([ref[i] for i in range(1, 7)], rel=1e-5)
     a, b = _model_state(ref_checkpoint), _model_state(tmp_path / "ours")

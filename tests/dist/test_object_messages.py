@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 
 from megatron.resihp.object_messages import CAPACITY, Outbox, recv_object
-from tests.dist.test_parallel_state_patch import run_ranks
+from tests.dist.ranks import run_ranks
 
 SMALL = {"rank": 1, "ops": [("F", 0, 0.0, 0.25)]}
 LARGE = list(range(CAPACITY))  # pickles to several times the first message

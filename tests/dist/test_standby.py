@@ -16,11 +16,11 @@ stands by again.
 
 import pytest
 
-from tests.dist.launch import assert_same_losses, check, decisions, iteration_losses, read_events, run_job
-from tests.dist.test_fail_slow import MODEL
+from tests.dist.launch import (EXACT_GPT, assert_moved_as_planned, assert_same_losses, check, decisions,
+                               iteration_losses, read_events, run_job)
 
 ITERS = 80  # short iterations: the rejoin must pay back its regrouping (about 40 of them here) in what is left
-RUN = [*[a if a != "34" else str(ITERS) for a in MODEL], "--resihp-collective-timeout-s", "10",
+RUN = [*EXACT_GPT, "--train-iters", str(ITERS), "--resihp-collective-timeout-s", "10",
        "--resihp-standby-probe-interval-s", "0.3"]
 SHAPE = [*RUN, "--tensor-model-parallel-size", "2"]
 SLOW = "slow:rank=3,factor=8,at=7,until=16"
@@ -77,6 +77,8 @@ def test_a_rank_left_out_for_a_slowdown_stands_by_through_a_failure_and_rejoins_
     after = [e for e in read_events(log, "iteration") if e["iteration"] > grown[0]["iteration"]]
     assert after and {e["rank"] for e in after} == {3}
     assert not read_events(log, "exit"), decisions(log)  # every live process finished the job
+    # The TP shrink that left rank 3 out and its readmission each moved exactly what their plans priced.
+    assert_moved_as_planned(log, at_least=2)
     assert_same_losses(log, reference, ITERS, rel=1e-3 if precision else 1e-5)
 
 

@@ -7,7 +7,7 @@ from resihp_ext.detection.detector import Cleared, FailSlowDetector, Verdict
 from resihp_ext.faults import parse_fault
 from resihp_ext.detection.traces import synthetic_probes, synthetic_trace
 from resihp_ext.detection.validation import ProbeResults, localise
-from tests.unit.test_detector import SPEC, _busy
+from tests.unit.detector_runs import SPEC, busy_ops
 
 # Rank 5 (replica 0, stage 1) slows at iteration 60; link 2 -> 6 slows at 59, but only the first
 # probe round sees it (a busy neighbour), so its verdict waits and is then dropped.
@@ -113,11 +113,13 @@ def test_a_round_slowed_by_a_busy_neighbour_does_not_inflate_the_confirmed_facto
     def probed(rank_s: dict, reference_s: float) -> Verdict:
         return Verdict("compute", tuple(rank_s), max(rank_s.values()) / reference_s, 10,
                        {"probe_iteration": 11, "probe_factors": {str(r): t / reference_s for r, t in rank_s.items()},
-                        "probe_s": {str(r): t for r, t in rank_s.items()}, "probe_reference_s": reference_s})
+                        "probe_s": {str(r): t for r, t in rank_s.items()}, "probe_reference_s": reference_s},
+                       probe_factors={r: t / reference_s for r, t in rank_s.items()})
 
     first, again = probed({3: 1.59e-3}, 1.0e-3), probed({3: 2.30e-3}, 1.03e-3)
     outcome = PendingVerdicts.settle(Waiting(None, first, 13), again, 13)
     assert isinstance(outcome, Verdict) and outcome.factor == pytest.approx(1.59)
+    assert outcome.probe_factors == {3: pytest.approx(1.59)}
     assert outcome.evidence["probe_factors"] == {"3": pytest.approx(1.59)}
     assert outcome.evidence["first_probe_factors"] == {"3": pytest.approx(1.59)}
 
@@ -128,7 +130,8 @@ def test_a_round_taken_while_the_host_ran_slower_does_not_inflate_the_confirmed_
     def probed(seconds: float, reference_s: float) -> Verdict:
         return Verdict("compute", (7,), seconds / reference_s, 10,
                        {"probe_iteration": 11, "probe_factors": {"7": seconds / reference_s},
-                        "probe_s": {"7": seconds}, "probe_reference_s": reference_s})
+                        "probe_s": {"7": seconds}, "probe_reference_s": reference_s},
+                       probe_factors={7: seconds / reference_s})
 
     first, again = probed(2.8163e-3, 1.0e-3), probed(1.977 * 1.38e-3, 1.38e-3)
     assert min(2.8163e-3, 1.977 * 1.38e-3) / 1.0e-3 == pytest.approx(2.73, abs=0.01)
@@ -147,7 +150,8 @@ def test_ranks_probed_against_their_own_baselines_are_confirmed_at_their_own_fac
         assert loc.slow_ranks == (1,) and loc.rank_reference_s == pytest.approx(0.011)
         return Verdict("compute", (1,), loc.rank_factors[1], 10,
                        {"probe_iteration": iteration, "probe_factors": {"1": round(loc.rank_factors[1], 4)},
-                        "probe_s": {"1": 0.018}, "probe_reference_s": loc.rank_reference_s})
+                        "probe_s": {"1": 0.018}, "probe_reference_s": loc.rank_reference_s},
+                       probe_factors={1: round(loc.rank_factors[1], 4)})
 
     outcome = PendingVerdicts.settle(Waiting(None, probed(11), 13), probed(13), 13)
     assert isinstance(outcome, Verdict) and outcome.factor == pytest.approx(1.5)
@@ -233,7 +237,7 @@ def test_a_verdict_dates_from_where_its_readings_stepped_up_not_from_milder_nois
     fault_at = SLOW_RANK.at_iteration
     for i, (iteration, observations) in enumerate(trace):
         if iteration >= fault_at - 2:
-            trace[i] = (iteration, _busy(observations, {4: 1.4, 5: 1.4}))
+            trace[i] = (iteration, busy_ops(observations, {4: 1.4, 5: 1.4}))
     detector, pending = FailSlowDetector(), PendingVerdicts(2)
     settled, raised, plan = [], [], None
     for iteration, observations in trace:

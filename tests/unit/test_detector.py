@@ -1,7 +1,6 @@
 """Detector: silent on healthy variable-length runs, fast and precise on persistent slowdowns."""
 
 import dataclasses
-import functools
 import json
 
 import numpy as np
@@ -11,45 +10,15 @@ from resihp_ext.config import ResiHPConfig
 from resihp_ext.detection.detector import Cleared, FailSlowDetector, RankObservation, Verdict, judge_heartbeats
 from resihp_ext.faults import parse_fault
 from resihp_ext.detection.op_signals import Streak, beyond_common
-from resihp_ext.detection.traces import SyntheticSpec, load_trace, save_trace, synthetic_probes, synthetic_trace
+from resihp_ext.detection.traces import load_trace, save_trace, synthetic_probes
 from resihp_ext.detection.validation import ProbeResults, fail_stop_verdict
-
-# TP2 x PP2 x DP2: rank = tp + 2 * (replica + 2 * stage); rank 5 is replica 0, stage 1, TP rank 1.
-SPEC = SyntheticSpec(tp_degree=2, pp_degree=2, dp_degree=2, num_microbatches=4, seq_length=4096)
-
-
-@functools.lru_cache(maxsize=None)
-def _trace(num_iterations, faults=(), seed=5):
-    return tuple(synthetic_trace(SPEC, num_iterations, [parse_fault(f) for f in faults], seed=seed))
-
-
-def _run(trace, faults=(), detector=None):
-    det = detector or FailSlowDetector()
-    events = []
-    for iteration, obs in trace:
-        suspicion = det.observe(iteration, obs)
-        if suspicion is not None:
-            probes = synthetic_probes(SPEC, [parse_fault(f) for f in faults], iteration,
-                                      suspicion.probe_ranks, suspicion.probe_links)
-            events.append((suspicion, det.conclude(suspicion, probes)))
-    return det, events
-
-
-def _stretch(obs, ranks, factor):
-    """The group's ops take ``factor`` longer (starts kept, ends pushed)."""
-    out = []
-    for o in obs:
-        if o.rank in ranks:
-            o = dataclasses.replace(o, ops=tuple((k, m, a, a + factor * (b - a)) for k, m, a, b in o.ops))
-        out.append(o)
-    return tuple(out)
-
+from tests.unit.detector_runs import SPEC, busy_ops, cached_trace, run_detector, stretch_ops
 
 def test_no_suspicion_on_healthy_variable_length_run():
-    trace = _trace(1000)
+    trace = cached_trace(1000)
     times = np.array([obs[0].iteration_s for _, obs in trace[1:]])
     assert times.max() / times.min() > 1.2  # the data really does swing iteration time
-    det, events = _run(trace)
+    det, events = run_detector(trace)
     assert events == []
     assert det.predictor.mape() < 4.0
 
@@ -57,7 +26,7 @@ def test_no_suspicion_on_healthy_variable_length_run():
 @pytest.mark.parametrize("rank", [5, 2])
 def test_detects_one_point_five_x_slow_rank_within_three_iterations(rank):
     fault = f"slow:rank={rank},factor=1.5,at=60"
-    det, events = _run(_trace(80, (fault,)), (fault,))
+    det, events = run_detector(cached_trace(80, (fault,)), (fault,))
     assert len(events) == 1
     suspicion, outcome = events[0]
     assert suspicion.kind == "compute" and rank in suspicion.ranks
@@ -73,18 +42,13 @@ def test_detects_one_point_five_x_slow_rank_within_three_iterations(rank):
     json.dumps(event)
 
 
-def _busy(obs, factors):
-    """Each rank's ops took ``factors[rank]`` times the device time (wall times unchanged)."""
-    return tuple(dataclasses.replace(o, busy=tuple(factors.get(o.rank, 1.0) * t for t in o.op_busy())) for o in obs)
-
-
 def _host_speed_from_40(host, slower=None):
     """The 60-iteration trace with every rank's device time ``host`` times the learnt one from
     index 40, and ``slower`` ranks (rank -> factor) that much slower again."""
-    trace = list(_trace(60))
+    trace = list(cached_trace(60))
     factors = {r: host * (slower or {}).get(r, 1.0) for r in range(8)}
     for i in range(40, 60):
-        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
+        trace[i] = (trace[i][0], busy_ops(trace[i][1], factors))
     return trace
 
 
@@ -111,7 +75,7 @@ def test_a_slow_group_is_judged_against_its_peers_when_the_host_runs_faster_than
     # ranks 4, 5 1.4x slower than that: 1.12x predicted, under the threshold, and no TP sibling
     # to compare with. Against the other groups (0.8x) it is 1.4x.
     trace = _host_speed_from_40(0.8, {4: 1.4, 5: 1.4})
-    det, events = _run(trace)  # healthy probes: each suspicion is cleared
+    det, events = run_detector(trace)  # healthy probes: each suspicion is cleared
     raised = [suspicion for suspicion, _ in events]
     assert det.last_report.stage_ratio[(0, 1)] < 1.25
     assert raised and raised[0].ranks == (4, 5) and raised[0].iteration <= trace[41][0]
@@ -131,7 +95,7 @@ def test_a_slowdown_every_group_shares_is_the_hosts_and_raises_nothing():
     # From iteration 40 every rank computes 1.5x its learnt speed (a busy host, as a CI run saw:
     # every replica 1.45x predicted). No device is slower than the others, and no re-plan helps.
     trace = _host_speed_from_40(1.5)
-    det, events = _run(trace)
+    det, events = run_detector(trace)
     assert det.last_report.stage_ratio[(0, 1)] == pytest.approx(1.5, rel=0.1)  # each one is 1.5x predicted
     assert events == []
 
@@ -153,10 +117,10 @@ def test_a_host_slow_spell_that_stretches_groups_unevenly_raises_nothing():
     # 1.10x and 1.01x predicted in one iteration). The group it spared must not set the common
     # slowdown: rank 5's group at 1.35x is judged beyond the lower median of the others (1.15x).
     # The spell lasts 8 iterations, as the ones seen live did (3 to 8).
-    trace = list(_trace(60))
+    trace = list(cached_trace(60))
     factors = {0: 1.2, 1: 1.2, 2: 1.15, 3: 1.15, 4: 1.35, 5: 1.35, 6: 1.0, 7: 1.0}
     for i in range(40, 48):
-        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
+        trace[i] = (trace[i][0], busy_ops(trace[i][1], factors))
     det = FailSlowDetector()
     raised = []
     for iteration, obs in trace:
@@ -171,12 +135,12 @@ def _spell(shared: bool, start: int, length: int):
     """Rank 5's group computes 1.4x its learnt speed for ``length`` iterations from ``start``;
     on a ``shared`` host every op's wall time is twice its busy time (ranks share cores)."""
     scale = 0.5 if shared else 1.0
-    trace = list(_trace(60))
+    trace = list(cached_trace(60))
     for i in range(len(trace)):
         factors = {r: scale for r in range(8)}
         if start <= i < start + length:
             factors[4] = factors[5] = 1.4 * scale
-        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
+        trace[i] = (trace[i][0], busy_ops(trace[i][1], factors))
     det = FailSlowDetector()
     return [s for s in (det.observe(i, obs) for i, obs in trace) if s is not None], trace[start][0]
 
@@ -192,7 +156,7 @@ def test_a_two_iteration_spell_is_suspected_on_dedicated_devices_but_not_where_r
 
 def test_two_slow_groups_among_four_are_both_named():
     faults = ("slow:rank=5,factor=1.5,at=60", "slow:rank=2,factor=1.5,at=60")
-    det, events = _run(_trace(80, faults), faults)
+    det, events = run_detector(cached_trace(80, faults), faults)
     verdicts = [outcome for _, outcome in events if isinstance(outcome, Verdict)]
     assert sorted(v.ranks for v in verdicts) == [(2,), (5,)]
     assert all(60 <= s.iteration <= 62 for s, _ in events)
@@ -228,11 +192,11 @@ def test_a_run_survives_as_many_quiet_iterations_as_its_gap():
 def _group_slow_with_one_noisy_iteration(noisy_factor=1.2):
     """Ranks 4, 5 (replica 0, stage 1) 1.4x slow from trace index 40; at index 41 every other rank
     runs ``noisy_factor`` slow too, so the group reads only 1.4 / 1.2 = 1.17x beyond them there."""
-    trace = list(_trace(60))
+    trace = list(cached_trace(60))
     for i in range(40, 60):
         factors = {r: noisy_factor for r in range(8)} if i == 41 else {}
         factors[4] = factors[5] = 1.4
-        trace[i] = (trace[i][0], _busy(trace[i][1], factors))
+        trace[i] = (trace[i][0], busy_ops(trace[i][1], factors))
     return trace
 
 
@@ -260,9 +224,9 @@ def test_a_group_is_not_learnt_from_while_its_run_is_open(gap, learnt_groups):
     # is still open at 41, so neither the stage's cost model nor the group's speed level learns
     # from that reading (a slowdown near the threshold would otherwise drift into the norm); the
     # stage's other group (replica 1) is learnt from either way.
-    trace = list(_trace(42))
-    trace[40] = (trace[40][0], _busy(trace[40][1], {4: 1.4, 5: 1.4}))
-    trace[41] = (trace[41][0], _busy(trace[41][1], {4: 1.15, 5: 1.15}))
+    trace = list(cached_trace(42))
+    trace[40] = (trace[40][0], busy_ops(trace[40][1], {4: 1.4, 5: 1.4}))
+    trace[41] = (trace[41][0], busy_ops(trace[41][1], {4: 1.15, 5: 1.15}))
     det = FailSlowDetector(ResiHPConfig(persistence_gap_iters=gap))
     forward = det.keys_for(0, 1, 2)[0]
     for iteration, obs in trace[:41]:
@@ -275,16 +239,16 @@ def test_a_group_is_not_learnt_from_while_its_run_is_open(gap, learnt_groups):
 
 
 def test_single_noisy_iteration_raises_nothing():
-    trace = list(_trace(60))
-    trace[40] = (trace[40][0], _stretch(trace[40][1], {4, 5}, 1.6))
-    assert _run(trace)[1] == []
+    trace = list(cached_trace(60))
+    trace[40] = (trace[40][0], stretch_ops(trace[40][1], {4, 5}, 1.6))
+    assert run_detector(trace)[1] == []
 
 
 def test_transient_blip_is_cleared_by_probes():
-    trace = list(_trace(80))
+    trace = list(cached_trace(80))
     for i in (40, 41, 42):
-        trace[i] = (trace[i][0], _stretch(trace[i][1], {4, 5}, 1.6))
-    det, events = _run(trace)  # probes run on healthy hardware: the blip is gone
+        trace[i] = (trace[i][0], stretch_ops(trace[i][1], {4, 5}, 1.6))
+    det, events = run_detector(trace)  # probes run on healthy hardware: the blip is gone
     assert len(events) == 1
     suspicion, outcome = events[0]
     assert suspicion.ranks == (4, 5)
@@ -294,7 +258,7 @@ def test_transient_blip_is_cleared_by_probes():
 
 def test_detects_and_localises_slow_link():
     fault = "link:src=1,dst=5,factor=4,at=50"
-    det, events = _run(_trace(70, (fault,)), (fault,))
+    det, events = run_detector(cached_trace(70, (fault,)), (fault,))
     assert events, "slow link not suspected"
     suspicion, outcome = events[0]
     assert suspicion.kind == "link" and suspicion.iteration <= 52
@@ -309,18 +273,18 @@ def test_gaps_a_link_has_shown_while_healthy_are_not_a_slowdown_when_two_come_in
     above the 1% = 6 ms bar) in five scattered iterations, then in two consecutive ones. The
     excess counts above the link's slowest recent healthy gap, so the pair is no suspicion; a
     slowdown past that is still found (``test_detects_and_localises_slow_link``)."""
-    trace = list(_trace(60))
+    trace = list(cached_trace(60))
     for i in (12, 17, 23, 29, 34, 40, 41):
         iteration, obs = trace[i]
         trace[i] = (iteration, tuple(
             dataclasses.replace(o, ops=tuple((k, m, a + 0.003, b + 0.003) for k, m, a, b in o.ops)) if o.rank == 4
             else o for o in obs))
-    assert [s.reason for s, _ in _run(trace)[1]] == []
+    assert [s.reason for s, _ in run_detector(trace)[1]] == []
 
 
 def test_no_repeat_suspicion_after_verdict_until_reset():
     fault = "slow:rank=5,factor=2.0,at=30"
-    det, events = _run(_trace(60, (fault,)), (fault,))
+    det, events = run_detector(cached_trace(60, (fault,)), (fault,))
     assert len(events) == 1  # 30 more slow iterations after the verdict, no second suspicion
     assert det.predictor.fitted(((1, 2), "F"))
     det.reset()  # after a re-plan: forget fits, warm up again
@@ -331,7 +295,7 @@ def test_released_verdict_unmutes_its_group_so_a_later_fault_is_caught():
     # A verdict whose second probe round did not confirm it is released: the group may be
     # suspected again once its cooldown ends (without release it stays muted for good).
     fault = "slow:rank=5,factor=2.0,at=30"
-    trace = _trace(60, (fault,))
+    trace = cached_trace(60, (fault,))
     det = FailSlowDetector()
     first = None
     for iteration, obs in trace:
@@ -371,7 +335,7 @@ def test_observation_validation():
 
 
 def test_trace_round_trip_and_tolerant_loader(tmp_path):
-    trace = _trace(8)
+    trace = cached_trace(8)
     path = tmp_path / "t.jsonl"
     rounds = [ProbeResults(3, {1: 0.01}, {(1, 5): 0.004}), ProbeResults(3, {2: 0.02})]  # one step, two rounds
     save_trace(str(path), SPEC.header(), trace, rounds)
@@ -409,4 +373,4 @@ def test_a_trace_keeps_the_last_probe_baselines_row(tmp_path):
 def test_config_thresholds_are_used():
     fault = "slow:rank=5,factor=1.5,at=30"
     strict = FailSlowDetector(ResiHPConfig(slowdown_threshold=1.6))
-    assert _run(_trace(45, (fault,)), (fault,), strict)[1] == []
+    assert run_detector(cached_trace(45, (fault,)), (fault,), strict)[1] == []

@@ -6,7 +6,7 @@ import pytest
 from resihp_ext.detection.detector import Cleared, FailSlowDetector, Verdict
 from resihp_ext.faults import parse_fault
 from resihp_ext.detection.traces import synthetic_probes, synthetic_trace
-from tests.unit.test_detector import SPEC, _run, _trace
+from tests.unit.detector_runs import SPEC, cached_trace, run_detector
 
 
 def test_a_known_slowdown_is_the_norm_and_only_a_further_one_alarms():
@@ -14,13 +14,13 @@ def test_a_known_slowdown_is_the_norm_and_only_a_further_one_alarms():
     known, worse = "slow:rank=5,factor=2.0,at=1", "slow:rank=5,factor=4.0,at=60"
     det = FailSlowDetector()
     det.expect({5: 2.0})
-    _, events = _run(_trace(58, (known,)), (known,), detector=det)
+    _, events = run_detector(cached_trace(58, (known,)), (known,), detector=det)
     assert events == []  # without expect(), rank 5's group is suspected (below)
-    _, unaware = _run(_trace(58, (known,)), (known,))
+    _, unaware = run_detector(cached_trace(58, (known,)), (known,))
     assert unaware and unaware[0][0].ranks == (4, 5)
     det = FailSlowDetector()
     det.expect({5: 2.0})
-    _, events = _run(_trace(70, (known, worse)), (known, worse), detector=det)
+    _, events = run_detector(cached_trace(70, (known, worse)), (known, worse), detector=det)
     assert len(events) == 1
     suspicion, verdict = events[0]
     assert 60 <= suspicion.iteration <= 63 and suspicion.ratio == pytest.approx(2.0, rel=0.25)
@@ -34,7 +34,7 @@ def test_a_known_slow_rank_is_named_again_only_when_its_probe_shows_it_slower_st
     known, worse = "slow:rank=5,factor=2.0,at=1", "slow:rank=5,factor=3.0,at=60"
     det = FailSlowDetector()
     det.expect({5: 2.0})
-    suspicion = next(s for i, obs in _trace(70, (known, worse)) if (s := det.observe(i, obs)) is not None)
+    suspicion = next(s for i, obs in cached_trace(70, (known, worse)) if (s := det.observe(i, obs)) is not None)
     assert 5 in suspicion.ranks and suspicion.iteration >= 60
     probed = (known, worse) if named else (known,)
     outcome = det.conclude(suspicion, synthetic_probes(SPEC, [parse_fault(f) for f in probed], suspicion.iteration,
@@ -53,7 +53,7 @@ def test_a_known_slow_rank_that_recovers_is_named_faster_again():
     gone = "slow:rank=5,factor=2.0,at=1,until=60"
     det = FailSlowDetector()
     det.expect({5: 2.0})
-    _, events = _run(_trace(70, (gone,)), (gone,), detector=det)
+    _, events = run_detector(cached_trace(70, (gone,)), (gone,), detector=det)
     assert len(events) == 1, events
     suspicion, verdict = events[0]
     assert suspicion.kind == "recovery" and suspicion.ranks == (5,) and 60 <= suspicion.iteration <= 63
@@ -64,7 +64,7 @@ def test_a_known_slow_rank_that_recovers_is_named_faster_again():
     still = "slow:rank=5,factor=2.0,at=1"
     det = FailSlowDetector()
     det.expect({5: 4.0})
-    _, events = _run(_trace(30, (still,)), (still,), detector=det)
+    _, events = run_detector(cached_trace(30, (still,)), (still,), detector=det)
     # The shared stage-1 fit starts from both replicas, one of them 2x faster than its known
     # slowdown says, so the healthy replica may look slow for an iteration; its probes clear it.
     named = [v for _, v in events if isinstance(v, Verdict)]
@@ -73,7 +73,7 @@ def test_a_known_slow_rank_that_recovers_is_named_faster_again():
     # Faster ops but probes that still find the old slowdown: dropped.
     det = FailSlowDetector()
     det.expect({5: 2.0})
-    _, events = _run(_trace(70, (gone,)), (still,), detector=det)
+    _, events = run_detector(cached_trace(70, (gone,)), (still,), detector=det)
     assert events and isinstance(events[0][1], Cleared), events
     assert "no rank faster than its known slowdown" in events[0][1].reason
 

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
+from resihp_ext.shard_map import holders, sync_rank_sets, sync_sets
 
 MODEL = ModelSpec(num_layers=8, hidden_size=64, num_attention_heads=8, ffn_hidden_size=256,
                   vocab_size=1024, seq_length=128, micro_batch_size=1, global_batch_size=16)
@@ -69,24 +70,6 @@ def test_replica_round_trip_and_a_bad_layout_dict_is_named():
         Layout.from_dict({"model": MODEL.__dict__, "replicas": [{"stage": []}]})
 
 
-def test_sync_groups_of_heterogeneous_replicas():
-    # replica 0 runs layers at TP=2, replica 1 at TP=4: a TP=2 shard joins two TP=4 shards' groups
-    rep0 = ReplicaSpec((StageSpec(0, 8, (0, 1)),))
-    rep1 = ReplicaSpec((StageSpec(0, 8, (2, 3, 4, 5)),))
-    layout = Layout((rep0, rep1), MODEL)
-    holders = layout.shard_holders()
-    assert holders[(0, 0, 4)] == (0, 2) and holders[(0, 1, 4)] == (0, 3)
-    assert holders[(3, 2, 4)] == (1, 4) and holders[(3, 3, 4)] == (1, 5)
-    groups = layout.sync_groups()
-    assert set(groups) == {(0, 2), (0, 3), (1, 4), (1, 5)}
-    assert groups[(0, 2)] == tuple((layer, 0, 4) for layer in range(8))
-
-
-def test_sync_groups_of_uniform_layout_are_dp_groups():
-    layout = Layout.uniform(MODEL, 2, 2, 2)
-    assert set(layout.sync_groups()) == {(0, 2), (1, 3), (4, 6), (5, 7)}
-
-
 @st.composite
 def layouts(draw):
     num_layers = draw(st.integers(2, 8))
@@ -108,15 +91,15 @@ def layouts(draw):
 
 @settings(max_examples=40, deadline=None)
 @given(layouts())
-def test_random_layouts_round_trip_and_sync_every_shard(layout):
+def test_random_layouts_round_trip_and_sync_every_shard_once_per_replica(layout):
     assert Layout.from_dict(layout.to_dict()) == layout
-    groups = layout.sync_groups()
-    keys = [k for ks in groups.values() for k in ks]
-    assert len(keys) == len(set(keys))
-    for layer in range(layout.model.num_layers):
-        finest = layout.finest_tp_degree(layer)
-        assert {k[1] for k in keys if k[0] == layer} == set(range(finest))
-    for ranks in groups:
-        # one holder per replica in every sync group
-        assert len(ranks) == layout.num_replicas
-        assert len({layout.replica_of(r) for r in ranks}) == layout.num_replicas
+    sets = sync_sets(layout)
+    for item, hs in holders(layout).items():
+        finest = max(h.tp_degree for h in hs)
+        assert {unit for (i, unit) in sets if i == item} == set(range(finest))
+        for unit in range(finest):
+            # one holder per replica in every sync set
+            ranks = sets[(item, unit)]
+            assert len(ranks) == layout.num_replicas == len({layout.replica_of(r) for r in ranks})
+    assert set(sync_rank_sets(layout)) <= set(sets.values()) | {tuple(sorted(h.rank for h in hs))
+                                                                 for hs in holders(layout).values()}

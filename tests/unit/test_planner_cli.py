@@ -20,7 +20,7 @@ def test_json_output_has_plan_and_comparison():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert {"plan", "reason", "planning_time_s", "capacity_bound", "predicted_throughput", "baselines"} <= set(out)
-    assert {"layout", "quotas", "moves"} <= set(out["plan"])
+    assert {"layout", "quotas", "transfers"} <= set(out["plan"])
     assert sum(out["plan"]["quotas"]) == 8
     assert set(out["baselines"]) == {"no-adaptation", "dp-only", "drop-replica", "checkpoint-restart"}
     assert out["baselines"]["no-adaptation"] == 0.0  # a dead rank stalls the unadapted job

@@ -78,19 +78,13 @@ def test_fail_stop_moves_come_from_surviving_holders_of_the_same_shard():
     assert dead not in plan.layout.world_ranks
     assert plan.moves
     for move in plan.moves:
-        assert move.src_rank != dead and move.src_rank in LAYOUT.world_ranks
-        # the source held that layer and that finest shard in the old layout
-        st_ = LAYOUT.stage_spec_of(move.src_rank)
-        layer = min(max(move.layer, 0), MODEL.num_layers - 1)
-        assert st_.first_layer <= layer < st_.end_layer
-        k = st_.tp_degree
-        i = LAYOUT.tp_rank_of(move.src_rank)
-        per = move.shard_degree // k
-        assert i * per <= move.shard < (i + 1) * per
-        assert move.dst_rank in plan.layout.world_ranks
+        assert move.src != dead and move.src in LAYOUT.world_ranks and move.dst in plan.layout.world_ranks
+        # the source held that item and that unit in the old layout
+        held = _owned(LAYOUT, move.src, _index(move.item), 16 if move.replicated else move.grid)
+        assert held and (move.replicated or move.unit in held)
     # the dead rank's own shard is fetched from another replica
-    lost = [m for m in plan.moves if m.shard_degree == 4 and m.shard == 1 and m.layer in range(4, 8)]
-    assert lost and all(LAYOUT.replica_of(m.src_rank) != 0 for m in lost)
+    lost = [m for m in plan.moves if m.grid == 4 and m.unit == 1 and not m.replicated and _index(m.item) in range(4, 8)]
+    assert lost and all(LAYOUT.replica_of(m.src) != 0 for m in lost)
 
 
 def test_slow_pipeline_link_shifts_micro_batches_when_transfers_block():
@@ -140,7 +134,8 @@ def test_plan_to_dict_is_json_ready():
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["action"] == "adapt" and data["iteration_s_before"] is None
     assert Layout.from_dict(data["layout"]) == plan.layout
-    assert {"kind", "layer", "shard", "src_rank", "dst_rank", "num_bytes"} <= set(data["moves"][0])
+    assert {"item", "unit", "grid", "src", "dst", "replicated", "num_bytes"} <= set(data["transfers"][0])
+    assert sum(t["num_bytes"] for t in data["transfers"] if t["src"] != t["dst"]) == plan.num_bytes_moved > 0
 
 
 def test_baselines_behave_as_described():
@@ -179,6 +174,11 @@ def test_plans_validate_sum_quotas_and_never_lose_to_a_baseline(health):
         assert result.predicted_throughput >= value * (1 - 1e-9), name
 
 
+def _index(item) -> int:
+    """An item as ``_owned`` numbers it: -1 the embeddings, ``num_layers`` the output layer."""
+    return {"first": -1, "last": MODEL.num_layers}.get(item[0], item[-1])
+
+
 def _owned(layout, rank, item, degree):
     """Finest shards (of ``degree``) of ``item`` that ``rank`` holds in ``layout``."""
     st_ = layout.stage_spec_of(rank)
@@ -200,11 +200,11 @@ def test_moves_give_every_rank_what_it_serves_and_times_are_consistent(health):
     assert plan.iteration_s_after == pytest.approx(iteration_s(plan.layout, plan.quotas, health, HardwareModel()))
     degree = 16  # a multiple of every TP degree in play, so shards of all degrees compare
     received = {}
-    for m in plan.moves:
-        assert m.src_rank not in health.dead
-        scale = degree // m.shard_degree
-        assert _owned(LAYOUT, m.src_rank, m.layer, m.shard_degree) >= {m.shard}
-        received.setdefault((m.dst_rank, m.layer), set()).update(range(m.shard * scale, (m.shard + 1) * scale))
+    for m in (m for m in plan.moves if not m.replicated):
+        assert m.src not in health.dead
+        scale = degree // m.grid
+        assert _owned(LAYOUT, m.src, _index(m.item), m.grid) >= {m.unit}
+        received.setdefault((m.dst, _index(m.item)), set()).update(range(m.unit * scale, (m.unit + 1) * scale))
     num_layers = MODEL.num_layers
     for rank in plan.layout.world_ranks:
         for item in range(-1, num_layers + 1):

@@ -79,3 +79,27 @@ def test_rejects_inconsistent_reports(identity, ready, match):
     layout, _, quotas = _after_exclusion(launch, slow=3, factor=3.0)
     with pytest.raises(ValueError, match=match):
         plan_readmission(layout, identity, launch, ready, Health(), HW, quotas, 40)
+
+
+def test_every_plan_carries_and_prices_exactly_the_shard_maps_transfers():
+    """One description of who sends which unit: the fail-slow plan (a TP shrink), the readmission
+    after it and a fail-stop takeover each carry ``shard_map.transfers`` between their layouts,
+    and charge exactly those transfers' busiest link."""
+    from resihp_ext.planner.moves import move_time_s
+    from resihp_ext.planner.survivors import continuing_layout, plan_survivors
+    from resihp_ext.shard_map import transfers
+
+    launch = Layout.uniform(MODEL, 2, 1, 2)
+    shrink = plan_adaptation(launch, Health(speed={1: 1 / 3.0}), HW, horizon_iters=40, uniform_tp_per_replica=True)
+    layout, identity, quotas = _after_exclusion(launch, slow=1, factor=3.0)
+    back = plan_readmission(layout, identity, launch, {1: 1.0}, Health(), HW, quotas, horizon_iters=40).plan
+    for old, plan in ((launch, shrink), (layout, back)):
+        assert [t.what for t in plan.transfers] == [t.what for t in transfers(old, plan.layout)]
+        assert plan.moves and all(t.num_bytes > 0 for t in plan.moves if not t.replicated)
+        assert plan.one_time_cost_s == pytest.approx(HW.regroup_s + move_time_s(plan.transfers, HW))
+    pp2 = Layout.uniform(MODEL, 1, 2, 3)  # rank = replica + 3 * stage
+    takeover = plan_survivors(pp2, frozenset({1, 2}), hw=HW)
+    assert takeover.transfers and [t.what for t in takeover.transfers] == [
+        t.what for t in transfers(pp2, continuing_layout(pp2, takeover), frozenset({1, 2}))]
+    crossing = [t for t in takeover.transfers if t.crosses]  # replica 0's stage 0 to rank 4, which takes it
+    assert {t.src for t in crossing} == {0} and {t.dst for t in crossing} == {4}

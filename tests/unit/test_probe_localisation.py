@@ -7,13 +7,13 @@ from resihp_ext.detection.detector import Cleared, FailSlowDetector, Verdict
 from resihp_ext.faults import parse_fault
 from resihp_ext.detection.traces import SyntheticSpec, synthetic_probes, synthetic_trace
 from resihp_ext.detection.validation import ProbeResults, localise, pass_normalised_times, peer_reference_s, undecided
-from tests.unit.test_detector import SPEC, _trace
+from tests.unit.detector_runs import SPEC, cached_trace
 
 
 def test_unresponsive_rank_in_probes_is_a_hang():
     fault = "slow:rank=5,factor=1.5,at=30"
     det = FailSlowDetector()
-    for iteration, obs in _trace(40, (fault,)):
+    for iteration, obs in cached_trace(40, (fault,)):
         suspicion = det.observe(iteration, obs)
         if suspicion:
             break

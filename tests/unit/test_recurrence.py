@@ -8,7 +8,7 @@ from resihp_ext.detection.detector import Cleared, FailSlowDetector, Verdict
 from resihp_ext.faults import parse_fault
 from resihp_ext.detection.recurrence import Recurrences
 from resihp_ext.detection.traces import synthetic_probes, synthetic_trace
-from tests.unit.test_detector import SPEC
+from tests.unit.detector_runs import SPEC
 
 # Rank 5 (replica 0, stage 1): 1.5x for 3 iterations, healthy for 3, from iteration 40.
 BURSTS = parse_fault("slow:rank=5,factor=1.5,at=40,on=3,off=3")
@@ -17,25 +17,26 @@ BURSTS = parse_fault("slow:rank=5,factor=1.5,at=40,on=3,off=3")
 def _dropped(rank: int, probe_iteration: int, factor: float = 1.5, kind: str = "compute") -> Verdict:
     evidence = {"probe_factors": {str(rank): factor}, "suspicion_iteration": probe_iteration - 1,
                 "probe_iteration": probe_iteration}
-    return Verdict(kind, (rank,), factor, probe_iteration - 2, evidence, "first round")
+    return Verdict(kind, (rank,), factor, probe_iteration - 2, evidence, "first round", probe_factors={rank: factor})
 
 
 def test_the_third_dropped_verdict_of_a_rank_within_the_window_names_it_at_its_median_burst_factor():
     seen = Recurrences(episodes=3, window_iters=30)
-    assert seen.note(_dropped(5, 41, 1.45), {"5": 1.01}, 43) is None
-    assert seen.note(_dropped(4, 44, 1.9), {"4": 1.0}, 46) is None  # another rank counts on its own
-    assert seen.note(_dropped(5, 47, 1.60), {"5": 0.99}, 49) is None
+    assert seen.note(_dropped(5, 41, 1.45), {5: 1.01}, 43) is None
+    assert seen.note(_dropped(4, 44, 1.9), {4: 1.0}, 46) is None  # another rank counts on its own
+    assert seen.note(_dropped(5, 47, 1.60), {5: 0.99}, 49) is None
     asked = []
-    verdict = seen.note(_dropped(5, 53, 1.50), {"5": 1.02}, 55, lambda first, last: asked.append((first, last)) or 0.5)
+    verdict = seen.note(_dropped(5, 53, 1.50), {5: 1.02}, 55, lambda first, last: asked.append((first, last)) or 0.5)
     assert asked == [(39, 50)]  # the first burst's onset up to the last one's: whole periods
-    assert verdict.evidence["slow_share"] == 0.5
+    assert verdict.slow_share == 0.5 and verdict.evidence["slow_share"] == 0.5
     assert isinstance(verdict, Verdict) and verdict.kind == "compute" and verdict.ranks == (5,)
     assert verdict.factor == pytest.approx(1.50)
     assert verdict.iteration == 39  # the first burst's onset
-    assert verdict.evidence["intermittent"] is True
+    assert verdict.intermittent is True and verdict.evidence["intermittent"] is True
     assert [e["probe"] for e in verdict.evidence["episodes"]["5"]] == [41, 47, 53]
     assert [e["factor_after"] for e in verdict.evidence["episodes"]["5"]] == [1.01, 0.99, 1.02]
-    assert verdict.evidence["probe_factors"] == {"5": 1.5}  # what a plan reads the rank's speed from
+    assert verdict.probe_factors == {5: 1.5}  # what a plan reads the rank's speed from
+    assert verdict.evidence["probe_factors"] == {"5": 1.5}
     assert "slow in bursts" in verdict.reason
     # Its episodes are spent: the next burst starts a new count.
     assert seen.note(_dropped(5, 59), {}, 61) is None
@@ -83,9 +84,9 @@ def test_a_rank_slow_in_bursts_is_named_after_three_dropped_verdicts():
     acted_at, verdict = verdicts[0]
     dropped = [i for i, o in settled if isinstance(o, Cleared) and i < acted_at]
     assert len(dropped) == 2  # the first two bursts, each dropped by its second round
-    assert verdict.kind == "compute" and verdict.ranks == (5,) and verdict.evidence["intermittent"]
+    assert verdict.kind == "compute" and verdict.ranks == (5,) and verdict.intermittent
     assert verdict.factor == pytest.approx(1.5, rel=0.2)
-    assert verdict.evidence["slow_share"] == pytest.approx(0.5, abs=0.1)  # 3 iterations in 6
+    assert verdict.slow_share == pytest.approx(0.5, abs=0.1)  # 3 iterations in 6
     assert acted_at < 40 + 6 * 5, acted_at  # within five bursts
     assert len(verdicts) == 1  # the group is muted, as after any verdict, until a re-plan
 
@@ -99,7 +100,7 @@ def test_without_recurrence_every_burst_is_dropped_and_nothing_is_named():
 def test_a_steady_slowdown_is_confirmed_as_before_not_as_bursts():
     settled = _run(ResiHPConfig(), [parse_fault("slow:rank=5,factor=1.5,at=40")], iterations=60)
     verdicts = [o for _, o in settled if isinstance(o, Verdict)]
-    assert verdicts and verdicts[0].ranks == (5,) and "intermittent" not in verdicts[0].evidence
+    assert verdicts and verdicts[0].ranks == (5,) and not verdicts[0].intermittent
 
 
 def _suspicions(expect_bursts: bool, faults, iterations: int = 100):

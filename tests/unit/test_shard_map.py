@@ -8,7 +8,7 @@ from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.memory import stage_memory_bytes
 from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout, moved_groups, plan_survivors, surviving_layout
-from resihp_ext.shard_map import sync_sets, transfers
+from resihp_ext.shard_map import Transfer, sync_rank_sets, sync_sets, transfers
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=1024,
                   seq_length=64, micro_batch_size=2, global_batch_size=16)
@@ -32,6 +32,30 @@ def test_uniform_layout_moves_nothing_and_syncs_like_megatron_dp():
     sets = sync_sets(UNIFORM)
     assert sets[(("layer", 0), 0)] == (0, 2) and sets[(("layer", 3), 1)] == (5, 7)
     assert sets[(("first",), 1)] == (1, 3) and sets[(("last",), 0)] == (4, 6)
+
+
+def test_replicas_at_different_tp_sync_each_finest_unit_and_their_replicated_tensors():
+    # replica 0 runs layers at TP=2, replica 1 at TP=4: a TP=2 shard joins two TP=4 shards' sets
+    model = ModelSpec(num_layers=8, hidden_size=64, num_attention_heads=8, ffn_hidden_size=256, vocab_size=1024,
+                      seq_length=64, micro_batch_size=2, global_batch_size=16)
+    layout = Layout((ReplicaSpec((StageSpec(0, 8, (0, 1)),)), ReplicaSpec((StageSpec(0, 8, (2, 3, 4, 5)),))), model)
+    sets = sync_sets(layout)
+    assert sets[(("layer", 0), 0)] == (0, 2) and sets[(("layer", 0), 1)] == (0, 3)
+    assert sets[(("layer", 3), 2)] == (1, 4) and sets[(("layer", 3), 3)] == (1, 5)
+    assert set(sync_rank_sets(layout)) == {(0, 2), (0, 3), (1, 4), (1, 5), (0, 1, 2, 3, 4, 5)}
+
+
+def test_uniform_sync_rank_sets_are_the_dp_groups_and_each_stage_for_its_replicated_tensors():
+    assert set(sync_rank_sets(UNIFORM)) == {(0, 2), (1, 3), (4, 6), (5, 7), (0, 1, 2, 3), (4, 5, 6, 7)}
+
+
+def test_a_transfer_round_trips_through_json_and_says_whether_it_crosses():
+    import json
+
+    t = Transfer(("layer", 3), 1, 4, 2, 6, num_bytes=128)
+    assert Transfer.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+    assert t.crosses and not Transfer(("first",), 0, 1, 5, 5, replicated=True).crosses
+    assert t.what == (("layer", 3), 1, 4, 2, 6, False)
 
 
 def test_repartition_moves_exactly_the_layer_that_changes_stage():

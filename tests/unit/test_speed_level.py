@@ -10,7 +10,7 @@ from resihp_ext.config import ResiHPConfig
 from resihp_ext.detection.detector import FailSlowDetector
 from resihp_ext.detection.predictor import MicrobatchPredictor
 from resihp_ext.detection.speed_level import SpeedLevels
-from tests.unit.test_detector import SPEC, _run, _stretch, _trace
+from tests.unit.detector_runs import SPEC, cached_trace, run_detector, stretch_ops
 
 
 def _feed(levels, group, speed, num_ops=16):
@@ -78,12 +78,12 @@ def _drifting(trace, amplitude=0.04, period=40):
 
 
 def test_detector_predicts_a_drifting_host_better_with_levels_and_stays_silent():
-    trace = _drifting(_trace(200))
+    trace = _drifting(cached_trace(200))
     mape = {}
     for halflife in (0.0, 2.0):
         det = FailSlowDetector(ResiHPConfig(speed_level_halflife_iters=halflife),
                                MicrobatchPredictor(error_window=10**7))
-        det, events = _run(trace, detector=det)
+        det, events = run_detector(trace, detector=det)
         assert events == []
         mape[halflife] = det.predictor.mape()
     # The synthetic trace's own noise stays; what levels remove is the drift on top of it.
@@ -92,11 +92,11 @@ def test_detector_predicts_a_drifting_host_better_with_levels_and_stays_silent()
 
 def test_a_slowdown_is_found_even_when_the_level_sits_at_its_bound():
     # The group ran 5% slow (the most a level follows) for 60 iterations, then 1.5x slow.
-    trace = list(_trace(80))
+    trace = list(cached_trace(80))
     slow_ranks = {SPEC.rank(0, 1, 0), SPEC.rank(0, 1, 1)}
     for i in range(len(trace)):
         factor = 1.05 * (1.5 if trace[i][0] >= 60 else 1.0)
-        trace[i] = (trace[i][0], _stretch(trace[i][1], slow_ranks, factor))
+        trace[i] = (trace[i][0], stretch_ops(trace[i][1], slow_ranks, factor))
     det = FailSlowDetector()
     suspicions = []
     for iteration, obs in trace:
