@@ -127,7 +127,7 @@ def greyhound(layout: Layout, health: Health, hw: HardwareModel | None = None, *
     options = []
     if changed:
         q2, s2_s = speed_quotas(new, health, hw, num_mb)
-        moves = state_moves(base, [new.replicas[i] for i in changed], health, hw)
+        moves = state_moves(base, new.with_replicas(new.replicas[i] for i in changed), health.dead, hw)
         options.append(Plan("adapt", new, q2, moves, s1_s, s2_s, hw.regroup_s + move_time_s(moves, hw),
                             f"{NAME} S3: slow devices gathered into pipelines {list(changed)}, layers repartitioned; "
                             f"{s2_s:.3f} s/iter", policy=NAME))

@@ -17,7 +17,7 @@ from resihp_ext.planner.cost import equal_quotas, iteration_s
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
-from resihp_ext.planner.moves import move_time_s, state_moves
+from resihp_ext.planner.moves import move_time_s
 from resihp_ext.planner.plan import Plan
 from resihp_ext.planner.survivors import continuing_layout, plan_survivors
 
@@ -61,6 +61,6 @@ def resihp_in_place(layout: Layout, health: Health, hw: HardwareModel | None = N
     quotas = plan.quotas or equal_quotas(new.num_replicas, num_mb)
     before_s = iteration_s(layout, equal_quotas(layout.num_replicas, num_mb), health, hw)
     after_s = iteration_s(new, quotas, health, hw)
-    moves = state_moves(layout, plan.rebuilt_replicas, health, hw) if plan.rebuilt_replicas else ()
+    moves = plan.transfers  # exactly what the executor runs: shard_map's transfers, priced
     return Response(IN_PLACE, Plan("adapt", new, tuple(quotas), moves, before_s, after_s,
                                    hw.regroup_s + move_time_s(moves, hw), plan.reason, policy=IN_PLACE))
