@@ -334,5 +334,6 @@ def test_alternate_detection_times_each_iteration_with_detection_on_or_off(tmp_p
     assert {e["iteration"]: e["probe_rounds"] for e in read_events(alone, "iteration")} == {
         i: int(i in (4, 8)) for i in range(1, 9)}
 
-    bad = run_job(2, [*shape, "--train-iters", "2"], timeout_s=240, env_extra={"RESIHP_ALTERNATE_DETECTION": "4:4"})
+    bad = run_job(2, [*shape, "--train-iters", "2", "--resihp-detect-only"], timeout_s=240,
+                  env_extra={"RESIHP_ALTERNATE_DETECTION": "4:4"})
     assert bad.returncode == 2 and "RESIHP_ALTERNATE_DETECTION must be PERIOD:PHASE" in bad.stderr, bad.stderr[-2000:]

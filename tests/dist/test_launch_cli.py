@@ -97,7 +97,9 @@ def test_tensorboard_scalars_are_written(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = tmp_path / "tb"
-    check(run_job(1, [*TINY_GPT, "--train-iters", "3", "--tensorboard-dir", str(board)]))
+    # The resilient front end's own writer (a job with no --resihp-* flag runs Megatron-LM's loop).
+    check(run_job(1, [*TINY_GPT, "--train-iters", "3", "--tensorboard-dir", str(board),
+                      "--resihp-event-log", str(tmp_path / "ev.jsonl")]))
     events = EventAccumulator(str(board))
     events.Reload()
     assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3]
