@@ -27,10 +27,8 @@ import math
 
 from resihp_ext.layout import Layout, StageSpec
 from resihp_ext.peers.checkpoint_restart import checkpoint_restart
-from resihp_ext.peers.response import Response
-from resihp_ext.planner.cost import (
-    allreduce_time_s, boundary_transfers_s, equal_quotas, iteration_s, replica_timing, timing_from_factors,
-)
+from resihp_ext.peers.response import Response, fail_slow_unhandled, start
+from resihp_ext.planner.cost import allreduce_time_s, boundary_transfers_s, replica_timing, timing_from_factors
 from resihp_ext.planner.dp import assign_quotas
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
@@ -80,14 +78,11 @@ def ntp(layout: Layout, health: Health, hw: HardwareModel | None = None, *,
     Returns:
         A Response: keep (nothing dead), continue at lower TP, or checkpoint-restart.
     """
-    hw = hw or HardwareModel()
-    model = layout.model
-    num_mb = model.num_microbatches if num_microbatches is None else num_microbatches
-    quotas = current_quotas or equal_quotas(layout.num_replicas, num_mb)
-    before_s = iteration_s(layout, quotas, health, hw)
+    at = start(layout, health, hw, num_microbatches, current_quotas)
     if not health.dead:
-        return Response(NAME, Plan("keep", layout, quotas, (), before_s, before_s, 0.0,
-                                   f"{NAME}: no fail-stop; fail-slow is not handled", policy=NAME))
+        return fail_slow_unhandled(NAME, layout, at)
+    hw, num_mb, before_s = at.hw, at.num_microbatches, at.before_s
+    model = layout.model
     timings, params, move_bytes, notes = [], [], 0.0, []
     for r, rep in enumerate(layout.replicas):
         factors, worst, ok = [], 0.0, True

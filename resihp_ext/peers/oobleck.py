@@ -30,8 +30,8 @@ from functools import lru_cache
 
 from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
 from resihp_ext.peers.checkpoint_restart import checkpoint_restart
-from resihp_ext.peers.response import Response
-from resihp_ext.planner.cost import allreduce_time_s, equal_quotas, iteration_s, layer_costs, timing_from_factors
+from resihp_ext.peers.response import Response, fail_slow_unhandled, start
+from resihp_ext.planner.cost import allreduce_time_s, iteration_s, layer_costs, timing_from_factors
 from resihp_ext.planner.dp import assign_quotas, makespan_s
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
@@ -105,14 +105,11 @@ def oobleck(layout: Layout, health: Health, hw: HardwareModel | None = None, *,
     Returns:
         A Response: keep (nothing dead), re-instantiate, or checkpoint-restart (no template fits).
     """
-    hw = hw or HardwareModel()
-    model = layout.model
-    num_mb = model.num_microbatches if num_microbatches is None else num_microbatches
-    quotas = current_quotas or equal_quotas(layout.num_replicas, num_mb)
-    before_s = iteration_s(layout, quotas, health, hw)
+    at = start(layout, health, hw, num_microbatches, current_quotas)
     if not health.dead:
-        return Response(NAME, Plan("keep", layout, quotas, (), before_s, before_s, 0.0,
-                                   f"{NAME}: no fail-stop; fail-slow is not handled", policy=NAME))
+        return fail_slow_unhandled(NAME, layout, at)
+    hw, num_mb, before_s = at.hw, at.num_microbatches, at.before_s
+    model = layout.model
     tp_degree = layout.replicas[0].stages[0].tp_degree
     ranks_per_pipeline = len(layout.replicas[0].ranks)
     if ranks_per_pipeline % gpus_per_node:

@@ -32,8 +32,8 @@ import math
 
 from resihp_ext.layout import Layout
 from resihp_ext.peers.checkpoint_restart import checkpoint_restart
-from resihp_ext.peers.response import Response
-from resihp_ext.planner.cost import allreduce_s, equal_quotas, iteration_s, replica_timing
+from resihp_ext.peers.response import Response, fail_slow_unhandled, start
+from resihp_ext.planner.cost import allreduce_s, replica_timing
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.plan import Plan
@@ -62,13 +62,10 @@ def recycle(layout: Layout, health: Health, hw: HardwareModel | None = None, *,
     Returns:
         A Response: keep (nothing dead), reroute, or checkpoint-restart.
     """
-    hw = hw or HardwareModel()
-    num_mb = layout.model.num_microbatches if num_microbatches is None else num_microbatches
-    quotas = current_quotas or equal_quotas(layout.num_replicas, num_mb)
-    before_s = iteration_s(layout, quotas, health, hw)
+    at = start(layout, health, hw, num_microbatches, current_quotas)
     if not health.dead:
-        return Response(NAME, Plan("keep", layout, quotas, (), before_s, before_s, 0.0,
-                                   f"{NAME}: no fail-stop; fail-slow is not handled", policy=NAME))
+        return fail_slow_unhandled(NAME, layout, at)
+    hw, num_mb, quotas, before_s = at.hw, at.num_microbatches, at.quotas, at.before_s
     if not _same_stages(layout):
         raise ValueError("ReCycle reroutes between identical pipelines; the layout's replicas differ")
     num_stages = layout.replicas[0].num_stages

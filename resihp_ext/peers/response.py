@@ -11,6 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from resihp_ext.layout import Layout
+from resihp_ext.planner.cost import equal_quotas, iteration_s
+from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.health import Health
 from resihp_ext.planner.plan import Plan
 
 
@@ -74,3 +78,29 @@ class Response:
 def from_plan(plan: Plan, policy: str | None = None) -> Response:
     """A Response that runs ``plan`` and nothing else."""
     return Response(policy or plan.policy, plan)
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a policy's answer starts from: the cost constants, micro-batches per global batch,
+    the quotas running now and the iteration seconds if nothing changes."""
+
+    hw: HardwareModel
+    num_microbatches: int
+    quotas: tuple[int, ...]
+    before_s: float
+
+
+def start(layout: Layout, health: Health, hw: HardwareModel | None, num_microbatches: int | None,
+          current_quotas: tuple[int, ...] | None) -> Start:
+    """The shared defaults of every policy's signature, resolved once."""
+    hw = hw or HardwareModel()
+    num_mb = layout.model.num_microbatches if num_microbatches is None else num_microbatches
+    quotas = tuple(current_quotas or equal_quotas(layout.num_replicas, num_mb))
+    return Start(hw, num_mb, quotas, iteration_s(layout, quotas, health, hw))
+
+
+def fail_slow_unhandled(policy: str, layout: Layout, at: Start) -> Response:
+    """The answer of a policy that acts on fail-stops only: keep running, slowed."""
+    return Response(policy, Plan("keep", layout, at.quotas, (), at.before_s, at.before_s, 0.0,
+                                 f"{policy}: no fail-stop; fail-slow is not handled", policy=policy))
