@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron.resihp import checkpointing, heartbeat_beacon, recovery
+from megatron.resihp import checkpointing, heartbeat_beacon, recovery, world_abort
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.detection import LiveDetector, describe, link_probe_bytes, link_seconds_per_byte
 from megatron.resihp.heartbeat import HeartbeatMonitor, connect_store
@@ -163,6 +163,13 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             event = verdict.to_event()
             self.events.emit("verdict", self.iteration, **{k: v for k, v in event.items() if k not in ("event", "iteration")})
             log_line(f" resihp: rank {self.rank} sees {describe(verdict)}")
+            if self.can_recover and dist.is_initialized():
+                # The training thread sits in a collective with the failed rank, or soon will:
+                # make it fail now rather than at the collective timeout.
+                start = time.perf_counter()
+                shut = world_abort.abort_world(self.backend)
+                log_line(f" resihp: rank {self.rank} abandons world {self.generation}'s collectives "
+                         f"({shut} connections shut in {(time.perf_counter() - start) * 1e3:.1f} ms)")
         return callback
 
     def _apply_recovery_faults(self, iteration: int, phase: str) -> None:
@@ -232,7 +239,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
     def can_recover(self) -> bool:
         return self.cfg.enable and self.monitor is not None
 
-    def recover(self, iteration: int, error: Exception, objects, consumed_samples: int, quotas=None):
+    def recover(self, iteration: int, error: Exception, objects, consumed_samples: int, quotas=None,
+                completed: int | None = None):
         """A collective failed: find who died, agree on a plan, continue in place or leave.
 
         Ranks of this world outside the layout are leaving it (the joiners of a readmission that
@@ -240,8 +248,12 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         no world at all (a readmission whose rendezvous failed), the layout's ranks re-form.
         ``quotas``: the running split of the batch, kept when no rank of the layout failed.
 
+        ``completed``: the iterations finished when the failure surfaced, which a fallback checkpoint
+        saves with ``consumed_samples``: ``iteration - 1`` (the default) when ``iteration`` is
+        redone, ``iteration`` when it had stepped (a failure during detection or a checkpoint save).
+
         Returns:
-            (objects, quotas) rebuilt on the new groups, to redo ``iteration``.
+            (objects, quotas) rebuilt on the new groups, to redo ``iteration`` (or go on after it).
 
         Raises:
             StopTraining: this process is a spare, or no in-place plan exists (after saving).
@@ -280,7 +292,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             log_line(f" resihp: plan ({plan.action}): {plan.reason}")
             if plan.action != "adapt":
                 self.monitor.stop()
-                self._fallback_checkpoint(old_rank, iteration, plan, objects, consumed_samples, failed, self.backend)
+                self._fallback_checkpoint(old_rank, iteration, plan, objects, consumed_samples, failed, self.backend,
+                                          iteration - 1 if completed is None else completed)
             left = frozenset(plan.spares)
             moves = plan.transfers  # what the plan priced, in old ranks: exactly what runs
             if old_rank not in plan.new_rank and (not moves or old_rank in failed):
@@ -343,7 +356,8 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             self.events.emit("adapted", iteration, world_size=dist.get_world_size(), duration_s=duration,
                              data_parallel_size=args.data_parallel_size, quotas=quotas, failed_ranks=sorted(failed))
         log_line(f" resihp: rank {old_rank} -> {self.rank}: adapted in place, world {dist.get_world_size()}, "
-                 f"DP {args.data_parallel_size}, redoing iteration {iteration} ({duration:.2f} s since the failure surfaced)")
+                 f"DP {args.data_parallel_size}, {'redoing' if completed is None else 'going on after'} iteration "
+                 f"{iteration} ({duration:.2f} s since the failure surfaced)")
         return objects, quotas
 
     @property
@@ -400,7 +414,7 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         plan = plan_adaptation(self.layout, self.known_health.updated(Health(dead=frozenset(failed))))
         return {"action": plan.action, "policy": plan.policy, "reason": plan.reason}
 
-    def _fallback_checkpoint(self, old_rank, iteration, plan, objects, consumed_samples, failed, backend):
+    def _fallback_checkpoint(self, old_rank, iteration, plan, objects, consumed_samples, failed, backend, completed):
         """No replica can go on: survivors assemble a checkpoint if every shard survived, then stop.
 
         If some shard died with every holder, the last periodic checkpoint under ``--save`` (if
@@ -408,7 +422,6 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         """
         survivors = sorted(set(self.layout.world_ranks) - failed)
         root = self.args.save or os.path.abspath("resihp_fallback_checkpoint")
-        completed = iteration - 1
         saved = None
         if not plan.missing_shards and completed > 0:
             position = (self.layout.stage_of(old_rank)[1], self.layout.tp_rank_of(old_rank))
