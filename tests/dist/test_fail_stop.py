@@ -74,10 +74,10 @@ def _assert_same_training(log, checkpoint, reference, global_batch, param_tol=1e
     _assert_same_params(_params(ref_ckpt, 8), ours, tol=param_tol)
 
 
-def _run_tp2pp2dp2(tmp_path, fault: str):
+def _run_tp2pp2dp2(tmp_path, fault: str, resilient=tuple(RESILIENT)):
     """The reference's job on 8 ranks (DP2) with one fault injected, under the local launcher."""
     log = tmp_path / "events.jsonl"
-    proc = run_job(8, [*MODEL, *RESILIENT, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+    proc = run_job(8, [*MODEL, *resilient, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                        "--global-batch-size", "16", "--train-iters", "8", "--save", str(tmp_path / "ckpt"),
                        "--resihp-event-log", str(log), "--resihp-inject", fault], launcher="local")
     check(proc)
@@ -85,8 +85,12 @@ def _run_tp2pp2dp2(tmp_path, fault: str):
 
 
 def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference):
-    proc, log = _run_tp2pp2dp2(tmp_path, "kill:rank=5,at=4")
+    # A collective timeout far beyond the test's own (300 s): survivors blocked with the dead rank
+    # must leave their collectives when it is named, not when they time out.
+    proc, log = _run_tp2pp2dp2(tmp_path, "kill:rank=5,at=4", ("--resihp-enable", "--resihp-collective-timeout-s", "900"))
     assert "rank 5 exited with signal SIGKILL" in proc.stdout + proc.stderr
+    abandoned = {r for r in range(8) if f"resihp: rank {r} abandons world 0's collectives" in proc.stdout + proc.stderr}
+    assert abandoned == {0, 1, 2, 3, 4, 6, 7}
     # Every survivor names the dead rank within 2 s of the kill.
     killed_at = read_events(log, "inject")[0]["time"]
     first_seen = {}
