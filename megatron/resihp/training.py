@@ -135,7 +135,8 @@ def pretrain(
     pauses = garbage_collection.PauseClock() if alternate is not None else None
     if args.resihp.detection_on:
         # Forked before anything starts a thread (process groups do): see heartbeat_beacon.
-        heartbeat_beacon.start_beacon(args.resihp.heartbeat_interval_s)
+        heartbeat_beacon.start_beacon(args.resihp.heartbeat_interval_s,
+                                      stopped_after_s=args.resihp.heartbeat_timeout_s)
     initialize_distributed(args)
     events = EventLog(args.resihp.event_log, args.rank)
     set_random_seed(args.seed)
