@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -325,9 +326,47 @@ def fail_stop(args, work: Path) -> dict:
                         args.restart_save_interval)
     done = inplace["kill_to_first_iteration_after_s"]
     return {"kill_at": k, "killed_ranks": list(args.kill), "in_place": inplace,
+            "stopped_in_place": _stopped_in_place(work, k, iters, args.kill[0]),
             "checkpoint_restart": every, "checkpoint_restart_interval": interval,
             "restart_over_in_place": round(every["kill_to_killed_iteration_done_s"] / done, 3),
             "restart_interval_over_in_place": round(interval["kill_to_killed_iteration_done_s"] / done, 3)}
+
+
+def _stopped_in_place(work: Path, k: int, iters: int, rank: int) -> dict:
+    """SIGSTOP sent from outside to ``rank``'s process once iteration ``k - 1`` is done, default
+    flags: time from the signal to the first iteration finished after the re-plan."""
+    log = work / "stopped.events.jsonl"
+    log.unlink(missing_ok=True)
+    cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), f"--nproc-per-node={NPROC}",
+           str(REPO / "pretrain_gpt_resilient.py"), *MODEL, "--global-batch-size", str(GLOBAL_BATCH),
+           "--train-iters", str(iters), "--resihp-event-log", str(log), "--resihp-enable"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not any(e["iteration"] >= k - 1 for e in events(log, "iteration")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"SIGSTOP run ended before iteration {k - 1}: {proc.stdout.read()[-3000:]}")
+            time.sleep(0.02)
+        pid = next(e["pid"] for e in events(log, "start") if e["rank"] == rank)
+        stopped_at = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    adapted = events(log, "adapted")
+    if proc.returncode or not adapted:
+        raise SystemExit(f"SIGSTOP run failed ({proc.returncode}): {output[-3000:]}")
+    after = [e for e in events(log, "iteration") if e["time"] > adapted[0]["time"]]
+    hung = [v["time"] for v in events(log, "verdict") if v["kind"] == "hang"]
+    return {
+        "stop_to_first_hang_verdict_s": round(min(hung) - stopped_at, 3) if hung else None,
+        "stop_to_adapted_s": round(adapted[0]["time"] - stopped_at, 3),
+        "stop_to_first_iteration_after_s": round(after[0]["time"] - stopped_at, 3),
+        "first_iteration_after": after[0]["iteration"],
+        "world_size_after": adapted[0]["world_size"],
+    }
 
 
 def _restart(work: Path, name: str, kills: list[str], k: int, iters: int, save_interval: int) -> dict:
@@ -492,6 +531,7 @@ def main() -> None:
         f = out["fail_stop"]
         print(f"fail-stop (ranks {f['killed_ranks']} SIGKILLed at iteration {f['kill_at']}):")
         print(f"  in place:           {f['in_place']}")
+        print(f"  SIGSTOP of rank {f['killed_ranks'][0]} from outside, in place: {f['stopped_in_place']}")
         print(f"  checkpoint-restart, saving every iteration: {f['checkpoint_restart']}")
         interval = f["checkpoint_restart_interval"]
         print(f"  checkpoint-restart, saving every {interval['save_interval']}: {interval}")
