@@ -163,14 +163,25 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             event = verdict.to_event()
             self.events.emit("verdict", self.iteration, **{k: v for k, v in event.items() if k not in ("event", "iteration")})
             log_line(f" resihp: rank {self.rank} sees {describe(verdict)}")
-            if self.can_recover and dist.is_initialized():
-                # The training thread sits in a collective with the failed rank, or soon will:
-                # make it fail now rather than at the collective timeout.
-                start = time.perf_counter()
-                shut = world_abort.abort_world(self.backend)
-                log_line(f" resihp: rank {self.rank} abandons world {self.generation}'s collectives "
-                         f"({shut} connections shut in {(time.perf_counter() - start) * 1e3:.1f} ms)")
+            if not self.can_recover:
+                return
+            # Survivors leave their collectives when a connection to a failed rank breaks, and each
+            # then breaks its own (``_abandon_world``). A process that died broke its connections
+            # itself; a hung one is fenced now, which does; a lost node breaks none, so the world
+            # is abandoned from here, even at the cost of interrupting collectives among live ranks.
+            if kind == "hang":
+                self.monitor.evict(ranks)
+            elif set(ranks) & self.monitor.silent_ranks and dist.is_initialized():
+                self._abandon_world()
         return callback
+
+    def _abandon_world(self) -> None:
+        """Make every collective of this world fail now, on this rank and (through its broken
+        connections) on its peers, rather than at the collective timeout."""
+        start = time.perf_counter()
+        shut = world_abort.abort_world(self.backend)
+        log_line(f" resihp: rank {self.rank} abandons world {self.generation}'s collectives "
+                 f"({shut} connections shut in {(time.perf_counter() - start) * 1e3:.1f} ms)")
 
     def _apply_recovery_faults(self, iteration: int, phase: str) -> None:
         """Injected kills aimed at a phase of a recovery (a second failure during an adaptation)."""
@@ -263,6 +274,11 @@ class ResilienceHooks(LayoutChanges, Readmissions):
         old_rank = self.rank  # also when a grown world's rendezvous failed and no world is left
         log_line(f" resihp: rank {old_rank}: iteration {iteration} failed: {str(error).splitlines()[0][:160]}")
         self.monitor.mark_recovering()
+        if dist.is_initialized():
+            # This rank has left its collective; peers still blocked on it must leave theirs too.
+            # Shutting its connections ends only collectives this rank belongs to, which cannot
+            # finish without it; what it sent before still arrives first.
+            self._abandon_world()
         failed = left = frozenset()  # left: spares of an earlier attempt's plan, gone or about to go
         has_world = dist.is_initialized()
         outside = frozenset(range(dist.get_world_size()) if has_world else ()) - frozenset(self.layout.world_ranks)
