@@ -169,9 +169,10 @@ class ResilienceHooks(LayoutChanges, Readmissions):
             # then breaks its own (``_abandon_world``). A process that died broke its connections
             # itself; a hung one is fenced now, which does; a lost node breaks none, so the world
             # is abandoned from here, even at the cost of interrupting collectives among live ranks.
+            # So is every NCCL world: a peer's death does not make NCCL calls fail, only time out.
             if kind == "hang":
                 self.monitor.evict(ranks)
-            elif set(ranks) & self.monitor.silent_ranks and dist.is_initialized():
+            elif (self.backend == "nccl" or set(ranks) & self.monitor.silent_ranks) and dist.is_initialized():
                 self._abandon_world()
         return callback
 
