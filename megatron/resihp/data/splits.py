@@ -76,11 +76,14 @@ def check_split_documents(split: str, documents: dict[str, int], split_flag: str
             continue
         name = SPLIT_NAMES[empty[0]]
         given = ", ".join(f"{SPLIT_NAMES[i]} {'no share' if n is None else n}" for i, n in enumerate(counts))
+        suggested = _without(split, empty)
         if empty[0] == 0:
             fix = "give the train split a larger share"
+        elif 0 in split_document_counts(suggested, num_documents):
+            fix = f"give the {name} split a share of 0 (megatron-core then does not build it) or a larger one"
         else:
             fix = (f"give the {name} split a share of 0 (megatron-core then does not build it; "
-                   f"--split {_without(split, empty)}) or a larger one")
+                   f"--split {suggested}) or a larger one")
         raise ValueError(
             f"{split_flag}: the {name} split gets none of the {num_documents} documents of {prefix} ({given}); "
             f"megatron-core builds every split with a share, whatever --eval-iters says, and never finishes "
