@@ -1,0 +1,177 @@
+"""Fault matrix: each kind of failure at each moment it can strike, and what the job made of it.
+
+Runs a TP2 x PP2 x DP2 job (8 gloo processes, tiny GPT, dropout off, 8 iterations of global batch
+16, a checkpoint every 2 iterations) once failure-free and once per case, under
+``scripts/launch_local.py`` with ``--resihp-enable`` and default flags, and prints one row per case:
+
+    case -> outcome -> recovery time
+
+* signals sent from outside to a rank's process (its pid is in the event log): SIGKILL, SIGTERM
+  and SIGSTOP, each at three moments of iteration 4 (early, middle and late in the iteration:
+  forward, backward, the gradient sync and the optimizer step, as this job's iteration spreads
+  them);
+* kills injected at named phases (``--resihp-inject kill:...,during=PHASE``): the checkpoint save's
+  four phases, the end of a finished job, and a second failure in each phase of a recovery;
+* a rank hung in Python (``hang:``), judged from progress after ``--resihp-hang-timeout-s``;
+* cascades: a second and a third kill after the first adaptation.
+
+Outcomes: ``in place, exact`` (exit 0, losses of every iteration equal the failure-free run's
+within 1e-5 and consumed samples exact), ``in place, differs``, ``fallback`` (exit 3 with a resume
+command), or ``failed (exit N)``. Recovery time: from the fault (the signal, or the ``inject``
+event) to the first iteration finished after the last adaptation.
+
+    python scripts/bench/fault_matrix.py [--json] [--cases NAME ...] [--list]
+
+Not covered (yet): an exception raised inside one rank's step, failures during evaluation and
+the data loader's first batch, and the store host's death.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from scripts.child_env import job_env  # noqa: E402
+
+NPROC, ITERS, GLOBAL_BATCH = 8, 8, 16
+MODEL = [
+    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--lr", "1e-3",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "1",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--tensor-model-parallel-size", "2",
+    "--pipeline-model-parallel-size", "2", "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(ITERS),
+    "--save-interval", "2",
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    inject: tuple[str, ...] = ()  # --resihp-inject specs
+    signal: int | None = None  # sent from outside to rank 5 during iteration 4
+    at_fraction: float = 0.5  # how far into iteration 4, as a fraction of a median iteration
+
+
+def cases() -> list[Case]:
+    out = []
+    for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP):
+        for label, fraction in (("early", 0.1), ("middle", 0.5), ("late", 0.9)):
+            out.append(Case(f"{sig.name} {label} in iteration 4", signal=sig, at_fraction=fraction))
+    for phase, rank in (("save", 3), ("save-write", 2), ("save-rename", 0), ("save-tracker", 0)):
+        out.append(Case(f"kill rank {rank} during {phase} at 4", (f"kill:rank={rank},at=4,during={phase}",)))
+    out.append(Case("kill rank 3 during shutdown", ("kill:rank=3,at=8,during=shutdown",)))
+    for phase, rank in (("reform", 0), ("rendezvous", 4), ("moves", 4)):
+        out.append(Case(f"kill 5 at 4, then rank {rank} during {phase}",
+                        ("kill:rank=5,at=4", f"kill:rank={rank},at=4,during={phase}")))
+    out.append(Case("hang rank 5 at 4", ("hang:rank=5,at=4",)))
+    out.append(Case("kill 5 at 4, then 2 at 6", ("kill:rank=5,at=4", "kill:rank=2,at=6")))
+    out.append(Case("kill 5 at 3, 2 at 5, 0 at 7", ("kill:rank=5,at=3", "kill:rank=2,at=5", "kill:rank=0,at=7")))
+    return out
+
+
+def events(path: Path, kind: str | None = None) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if kind is None or r["event"] == kind]
+
+
+def run(case: Case | None, work: Path, median_s: float) -> dict:
+    """One job; ``case`` None is the failure-free reference."""
+    name = "reference" if case is None else case.name.replace(" ", "_").replace(",", "")
+    log, ckpt = work / f"{name}.events.jsonl", work / f"{name}_ckpt"
+    extra = [arg for spec in (case.inject if case else ()) for arg in ("--resihp-inject", spec)]
+    cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), f"--nproc-per-node={NPROC}",
+           str(REPO / "pretrain_gpt_resilient.py"), *MODEL, "--save", str(ckpt), "--resihp-event-log", str(log),
+           "--resihp-enable", *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    fault_at = None
+    try:
+        if case is not None and case.signal is not None:
+            deadline = time.monotonic() + 600
+            while not any(e["iteration"] >= 3 for e in events(log, "iteration")):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            else:
+                time.sleep(case.at_fraction * median_s)
+                pid = next(e["pid"] for e in events(log, "start") if e["rank"] == 5)
+                fault_at = time.time()
+                os.kill(pid, case.signal)
+        output, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return {"log": log, "code": proc.returncode, "output": output, "fault_at": fault_at}
+
+
+def judge(result: dict, reference: dict[int, float]) -> dict:
+    log, code = result["log"], result["code"]
+    losses = {e["iteration"]: e["lm_loss"] for e in events(log, "iteration")}
+    adapted = events(log, "adapted")
+    injected = [e["time"] for e in events(log, "inject") if "slow" not in e.get("fault", "")]
+    fault_at = result["fault_at"] or (min(injected) if injected else None)
+    recovery_s = None
+    if adapted and fault_at is not None:
+        after = [e["time"] for e in events(log, "iteration") if e["time"] > adapted[-1]["time"]]
+        recovery_s = round(min(after) - fault_at, 3) if after else None
+    exact = (sorted(losses) == list(range(1, ITERS + 1))
+             and all(abs(losses[i] - reference[i]) <= 1e-5 * abs(reference[i]) for i in range(1, ITERS + 1)))
+    if code == 0:
+        outcome = "in place, exact" if exact else "in place, differs"
+    elif code == 3:
+        outcome = "fallback"
+    else:
+        outcome = f"failed (exit {code})"
+    return {"outcome": outcome, "exit_code": code, "adaptations": len(adapted), "recovery_s": recovery_s,
+            "world_size_after": adapted[-1]["world_size"] if adapted else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--cases", nargs="+", metavar="TEXT",
+                        help="run only the cases whose name contains one of these texts")
+    parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
+    args = parser.parse_args()
+    chosen = [c for c in cases() if not args.cases or any(t in c.name for t in args.cases)]
+    if args.list:
+        print("\n".join(c.name for c in cases()))
+        return
+    if not chosen:
+        parser.error(f"--cases matched none of: {', '.join(c.name for c in cases())}")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="fault_matrix_"))
+    work.mkdir(parents=True, exist_ok=True)
+    reference_run = run(None, work, 0.0)
+    if reference_run["code"] != 0:
+        raise SystemExit(f"failure-free run failed ({reference_run['code']}): {reference_run['output'][-3000:]}")
+    its = events(reference_run["log"], "iteration")
+    reference = {e["iteration"]: e["lm_loss"] for e in its}
+    median_s = sorted(e["elapsed_s"] for e in its if e["iteration"] > 1)[len(its) // 2 - 1]
+    rows = []
+    for case in chosen:
+        row = {"case": case.name, **judge(run(case, work, median_s), reference)}
+        rows.append(row)
+        if not args.json:
+            took = f"{row['recovery_s']:.2f} s" if row["recovery_s"] is not None else "-"
+            print(f"{case.name:<44} {row['outcome']:<18} {took:>8}  (adaptations {row['adaptations']}, "
+                  f"world {row['world_size_after']})", flush=True)
+    if args.json:
+        print(json.dumps({"median_iteration_s": median_s, "cases": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
