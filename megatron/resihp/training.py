@@ -47,11 +47,11 @@ def _reduce_loss(loss_sum: float, num_tokens: int) -> tuple[float, int]:
 def shutdown(args: argparse.Namespace) -> None:
     """Leave together and destroy every group explicitly: letting gloo tear groups down at
     interpreter exit can abort a process that finished its work."""
-    from megatron.resihp.parallel_state_patch import teardown
+    from megatron.resihp.parallel_state_patch import installed, teardown
 
     dist.barrier()
-    if getattr(args, "groups", None) is not None:
-        teardown(args.groups)
+    if installed() is not None:  # the run's groups: start-up's, or the last layout change's
+        teardown(installed())
     dist.destroy_process_group()
 
 
