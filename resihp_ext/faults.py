@@ -26,6 +26,21 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
                                       group is not formed yet): the world the survivors of a
                                       failure at iteration >= 1 re-form, or the world grown to
                                       readmit standbys at iteration >= 1
+    kill:rank=2,at=4,during=save      rank 2 is SIGKILLed as the first checkpoint save at iteration
+                                      >= 4 begins, before any of its files is written
+    kill:rank=2,at=4,during=save-write
+                                      ... once it has written its model shard (if it writes one) into
+                                      iter_X.tmp and before its RNG file: the save is half written
+    kill:rank=0,at=4,during=save-rename
+                                      ... once every file is in iter_X.tmp: the rank that renames
+                                      (rank 0 of the world) just before the rename, any other rank
+                                      while that rank renames
+    kill:rank=0,at=4,during=save-tracker
+                                      ... the renaming rank after the rename and before the tracker
+                                      file names the new checkpoint (other ranks: as save-rename)
+    kill:rank=3,at=8,during=shutdown  rank 3 is SIGKILLed as a job that trained to iteration >= 8
+                                      ends: after the last iteration and its checkpoint, before
+                                      the ranks leave together
     hang:rank=2,at=40                 rank 2 stops making progress at iteration 40
 
 Executing a fault (sleeping, killing) is the training front end's job, never this module's.
@@ -53,7 +68,11 @@ _KEYS = {
     FaultKind.HANG: {"rank", "at"},
 }
 # Phases of an in-place recovery a kill can be aimed at (a second failure during an adaptation).
-PHASES = ("reform", "moves", "replan", "readmission", "rendezvous")
+RECOVERY_PHASES = ("reform", "moves", "replan", "readmission", "rendezvous")
+# Phases of a checkpoint save, in the order a save passes them.
+SAVE_PHASES = ("save", "save-write", "save-rename", "save-tracker")
+# Every phase a kill can wait for: the end of a finished job is the last.
+PHASES = (*RECOVERY_PHASES, *SAVE_PHASES, "shutdown")
 _REQUIRED = {
     FaultKind.SLOW: {"rank", "factor", "at"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},
@@ -69,7 +88,8 @@ class Fault:
     ``rank`` is the afflicted rank (for ``link``, the sender ``src``); ``dst`` is set only for
     ``link``. ``factor`` is the slowdown (2.0 = twice as slow); 1.0 for kill/hang.
     ``at_iteration`` is the 1-based training iteration at whose start the fault begins; with
-    ``during`` (kill only), the fault waits instead for that phase of a recovery at or after it.
+    ``during`` (kill only), the fault waits instead for that phase (of a recovery, of a checkpoint
+    save, or the job's end) at or after it.
     ``until_iteration`` (slow only) is the iteration at whose start a slowdown ends (None: never).
     ``on_iters`` and ``off_iters`` (slow only, both or neither) make it intermittent: from
     ``at_iteration`` on, slow for ``on_iters`` iterations, then healthy for ``off_iters``, and so on.

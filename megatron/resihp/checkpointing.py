@@ -8,7 +8,9 @@ Layout on disk (Megatron's legacy layout):
 
 Atomicity: every file goes to ``iter_X.tmp/`` first; after a barrier, rank 0 renames the folder
 to ``iter_X`` and only then replaces the tracker file (write temp + ``os.replace``). A crash
-mid-save leaves at most a ``.tmp`` folder that no load ever reads.
+mid-save leaves at most a ``.tmp`` folder (or an ``iter_X`` the tracker does not name) that no
+load ever reads; the next complete save removes the ``.tmp`` folders of interrupted ones. What the
+survivors of a rank lost during a save do is ``resilient_save``'s.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -27,6 +30,10 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.resihp.parallel_state_patch import installed
 
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _no_fault(phase: str) -> None:
+    """Default of ``at_phase``: a save with no fault aimed at its phases."""
 
 
 def _iter_dir(root: str, iteration: int) -> str:
@@ -71,8 +78,16 @@ def _metadata(args: argparse.Namespace) -> dict:
     }
 
 
-def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: int, objects) -> str:
-    """Collective: every rank calls it. Returns the final checkpoint folder."""
+def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: int, objects,
+                    at_phase: Callable[[str], None] = _no_fault) -> str:
+    """Collective: every rank calls it. Returns the final checkpoint folder.
+
+    Args:
+        at_phase: called with each phase of the save this rank reaches (``save``, ``save-write``,
+            ``save-rename``, ``save-tracker``: ``resihp_ext.faults.SAVE_PHASES``), where a fault
+            injected into that phase strikes.
+    """
+    at_phase("save")
     final = _iter_dir(args.save, iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
@@ -94,27 +109,43 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: 
             },
             os.path.join(shard, "model_optim_rng.pt"),
         )
+    at_phase("save-write")  # this rank's shard is written, its RNG file not yet
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank():05d}.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
-        finalize_checkpoint(args, args.save, tmp, final, iteration, consumed_samples)
+        finalize_checkpoint(args, args.save, tmp, final, iteration, consumed_samples, at_phase)
+    else:  # the rename and the tracker happen on rank 0 alone, while the others wait below
+        at_phase("save-rename")
+        at_phase("save-tracker")
     dist.barrier()
     return final
 
 
 def finalize_checkpoint(args: argparse.Namespace, root: str, tmp: str, final: str, iteration: int,
-                        consumed_samples: int) -> None:
-    """One rank, after every shard is in ``tmp``: metadata, rename, then the tracker file."""
+                        consumed_samples: int, at_phase: Callable[[str], None] = _no_fault) -> None:
+    """One rank, after every shard is in ``tmp``: metadata, rename, then the tracker file; then the
+    ``.tmp`` folders of interrupted saves go."""
     with open(os.path.join(tmp, "metadata.json"), "w") as f:
         json.dump({"iteration": iteration, "consumed_samples": consumed_samples, **_metadata(args)}, f)
+    at_phase("save-rename")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    at_phase("save-tracker")  # renamed, but the tracker still names the previous checkpoint
     tracker_tmp = os.path.join(root, TRACKER + ".tmp")
     with open(tracker_tmp, "w") as f:
         f.write(str(iteration))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    _remove_interrupted(root)
+
+
+def _remove_interrupted(root: str) -> None:
+    """Delete the ``iter_N.tmp`` folders left by saves that never completed: one save runs at a
+    time in a job, so once this one is complete, no other is being written."""
+    for name in os.listdir(root):
+        if name.startswith("iter_") and name.endswith(".tmp"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def latest_iteration(root: str) -> int | None:

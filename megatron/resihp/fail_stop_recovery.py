@@ -62,7 +62,7 @@ class FailStopRecovery:
     def __init__(self, host):
         self.host = host
 
-    def recover(self, iteration: int, error: Exception, consumed_samples: int):
+    def recover(self, iteration: int, error: Exception, consumed_samples: int, completed: int | None = None):
         """A collective failed: find who died, agree on a plan, continue in place or leave.
 
         Ranks of this world outside the layout are leaving it (the joiners of a readmission that
@@ -70,8 +70,12 @@ class FailStopRecovery:
         no world at all (a readmission whose rendezvous failed), the layout's ranks re-form.
         The running quotas are kept when no rank of the layout failed.
 
+        ``completed``: the iterations finished when the failure surfaced, which a fallback checkpoint
+        saves with ``consumed_samples``: ``iteration - 1`` (the default) when ``iteration`` is
+        redone, ``iteration`` when it had stepped (a failure during detection or a checkpoint save).
+
         Returns:
-            The new ``RunState`` (committed on ``host``), to redo ``iteration`` on.
+            The new ``RunState`` (committed on ``host``), to redo ``iteration`` on (or go on after it).
 
         Raises:
             StopTraining: this process is a spare, or no in-place plan exists (after saving).
@@ -112,7 +116,8 @@ class FailStopRecovery:
             log_line(f" resihp: plan ({plan.action}): {plan.reason}")
             if plan.action != "adapt":
                 host.monitor.stop()
-                self._fallback_checkpoint(old_rank, iteration, plan, consumed_samples, failed)
+                self._fallback_checkpoint(old_rank, iteration, plan, consumed_samples, failed,
+                                          iteration - 1 if completed is None else completed)
             left = frozenset(plan.spares)
             change = LayoutChange(
                 kind="recovery", world=World.SHRINK, iteration=iteration, old_layout=run.layout,
@@ -150,8 +155,8 @@ class FailStopRecovery:
                              data_parallel_size=new.data_parallel_size, quotas=list(quotas),
                              failed_ranks=sorted(failed))
         log_line(f" resihp: rank {old_rank} -> {new.rank}: adapted in place, world {dist.get_world_size()}, "
-                 f"DP {new.data_parallel_size}, redoing iteration {iteration} "
-                 f"({duration:.2f} s since the failure surfaced)")
+                 f"DP {new.data_parallel_size}, {'redoing' if completed is None else 'going on after'} iteration "
+                 f"{iteration} ({duration:.2f} s since the failure surfaced)")
         return new
 
     def _survivor_hardware(self) -> HardwareModel:
@@ -184,7 +189,7 @@ class FailStopRecovery:
         plan = plan_adaptation(self.host.layout, self.host.known_health.updated(Health(dead=frozenset(failed))))
         return {"action": plan.action, "policy": plan.policy, "reason": plan.reason}
 
-    def _fallback_checkpoint(self, old_rank, iteration, plan, consumed_samples, failed):
+    def _fallback_checkpoint(self, old_rank, iteration, plan, consumed_samples, failed, completed):
         """No replica can go on: survivors assemble a checkpoint if every shard survived, then stop.
 
         If some shard died with every holder, the last periodic checkpoint under ``--save`` (if
@@ -193,7 +198,6 @@ class FailStopRecovery:
         host, args, run = self.host, self.host.args, self.host.run
         survivors = sorted(set(run.layout.world_ranks) - failed)
         root = args.save or os.path.abspath("resihp_fallback_checkpoint")
-        completed = iteration - 1
         saved = None
         if not plan.missing_shards and completed > 0:
             position = (run.layout.stage_of(old_rank)[1], run.layout.tp_rank_of(old_rank))

@@ -8,7 +8,9 @@ Responsible for: a daemon watchdog thread on every rank that reads every other r
 * **dead** at once: a rank whose beacon wrote the ``dead`` mark (its process is gone);
 * **hung** ranks: heartbeat alive but the training progress they publish (``beat(progress)``,
   called at each iteration boundary) stopped for ``hang_timeout_s`` while other ranks moved on,
-  judged by ``judge_progress`` below.
+  judged by ``judge_progress`` below;
+* **hung** at once: a rank whose beacon wrote the ``stopped`` mark (stopped by a signal; it cannot
+  progress until continued, and nobody waits for that).
 
 This rank's own heartbeat is published by its beacon (``heartbeat_beacon``), a child process
 that no lock of this one can delay; without a beacon the watchdog thread publishes it.
@@ -42,7 +44,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from megatron.resihp.heartbeat_beacon import DEAD_MARK, FENCED_MARK, MARK_EXIT, MARK_RECOVERING, MARK_TEXT, Beacon
+from megatron.resihp.heartbeat_beacon import (DEAD_MARK, FENCED_MARK, MARK_EXIT, MARK_RECOVERING, MARK_TEXT,
+                                              STOPPED_MARK, Beacon)
 from resihp_ext.detection.detector import judge_heartbeats
 
 logger = logging.getLogger(__name__)
@@ -348,7 +351,7 @@ class HeartbeatMonitor:
         # stall of this thread between the two can never make a live rank look late.
         now = self._clock()
         values = self._read(others)
-        exited, marked_dead, fenced = set(), set(), set()
+        exited, marked_dead, fenced, stopped = set(), set(), set(), set()
         for r, text in values.items():
             parts = text.split(":")
             beat_at, progress = float(parts[0]), int(parts[1])
@@ -362,6 +365,8 @@ class HeartbeatMonitor:
                 continue
             if len(parts) > 2 and parts[2] == _RECOVERING_MARK:
                 self._recovering_ranks.add(r)
+            if len(parts) > 2 and parts[2] == STOPPED_MARK:
+                stopped.add(r)
             self._last_beat[r] = beat_at
             if self._seen_progress.get(r, (None, 0.0))[0] != progress:
                 self._seen_progress[r] = (progress, now)
@@ -381,13 +386,13 @@ class HeartbeatMonitor:
                                 self.timeout_s) | frozenset(marked_dead)
         if dead and self._failure_seen_at is None:
             self._failure_seen_at = now
-        hung: frozenset[int] = frozenset()
+        hung = frozenset(stopped) - dead
         if self.hang_timeout_s is not None:
             gone = dead | self._dead | exited | self._exited
             watched = {r: p for r, p in self._seen_progress.items() if r not in gone}
             recovering = frozenset(self._recovering_ranks) | ({self.rank} if self._recovering else set())
-            hung = judge_progress(now, watched, self.hang_timeout_s, recovering, self._failure_seen_at,
-                                  self.failure_grace_s) - {self.rank}
+            hung |= judge_progress(now, watched, self.hang_timeout_s, recovering, self._failure_seen_at,
+                                   self.failure_grace_s) - {self.rank}
 
         with self._lock:
             self._exited = self._exited | exited
@@ -405,8 +410,10 @@ class HeartbeatMonitor:
                 ([f"{silent}: no heartbeat for {self.timeout_s:.1f} s"] if silent else [])))
             self._notify(self._on_dead, dead_now, now, "on_dead")
         if new_hung:
-            logger.warning("heartbeat: rank %d sees ranks %s hung (no progress for %.1f s)",
-                           self.rank, sorted(new_hung), self.hang_timeout_s)
+            logger.warning("heartbeat: rank %d sees ranks %s hung (%s)", self.rank, sorted(new_hung), "; ".join(
+                ([f"{sorted(new_hung & stopped)}: stopped by a signal"] if new_hung & stopped else []) +
+                ([f"{sorted(new_hung - stopped)}: no progress for {self.hang_timeout_s:.1f} s"]
+                 if new_hung - stopped else [])))
             self._notify(self._on_hang, hung_now, now, "on_hang")
 
     def _notify(self, callback: RankCallback | None, ranks: frozenset[int], now: float, name: str) -> None:

@@ -17,7 +17,11 @@ only a separate process can do:
   ``--resihp-heartbeat-timeout-s``; the timeout still covers a lost node, where the beacon dies too;
 * when the survivors ``evict`` the rank (judged hung), the beacon SIGKILLs it, even if the rank
   is stuck in C code holding the GIL, where a thread of its own could never run; the mark it
-  then leaves is ``fenced``, not ``dead``: the survivors made that decision already.
+  then leaves is ``fenced``, not ``dead``: the survivors made that decision already;
+* when the rank has been stopped by a signal (SIGSTOP, SIGTSTP: state ``T`` in ``/proc``) for
+  ``stopped_after_s``, the beacon writes a ``stopped`` mark, so survivors name the hang within a
+  poll instead of waiting for the others' collectives to time out. A rank merely paused by a
+  debugger or profiler (``t``, tracing stop) is not marked.
 
 A rank that is alive but stuck keeps beating through its beacon with progress standing still: that
 is a hang, for ``judge_progress``, never a death.
@@ -41,6 +45,8 @@ MARK_TEXT = {MARK_NONE: "", MARK_RECOVERING: "recovering", MARK_EXIT: "exit"}
 DEAD_MARK = "dead"
 # Dead after the survivors evicted it: their decision, already made, so no news to anyone.
 FENCED_MARK = "fenced"
+# Alive but stopped by a signal: it makes no progress until someone continues it.
+STOPPED_MARK = "stopped"
 
 # Shared page layout: version (seqlock: odd while the rank writes), progress, mark, key length,
 # evicted-key length, acknowledged version, then the two keys.
@@ -113,9 +119,16 @@ def current() -> Beacon | None:
     return _BEACON
 
 
-def start_beacon(interval_s: float, store_timeout_s: float = 60.0) -> Beacon | None:
+def start_beacon(interval_s: float, store_timeout_s: float = 60.0, stopped_after_s: float | None = None
+                 ) -> Beacon | None:
     """Fork this rank's beacon. Call before the rank starts any thread (forking a process with
     threads can leave the child holding a lock nobody will release).
+
+    Args:
+        interval_s: seconds between two heartbeats.
+        store_timeout_s: how long one store operation may block.
+        stopped_after_s: mark the rank ``stopped`` once it has been stopped by a signal this long
+            (None: never).
 
     Returns None where no job store is set (``MASTER_ADDR``/``MASTER_PORT``) or fork is missing.
     """
@@ -132,7 +145,7 @@ def start_beacon(interval_s: float, store_timeout_s: float = 60.0) -> Beacon | N
     if pid == 0:  # the beacon: never return into the rank's code
         code = 0
         try:
-            _beacon_main(page, parent, interval_s, store_timeout_s)
+            _beacon_main(page, parent, interval_s, store_timeout_s, stopped_after_s)
         except BaseException:  # noqa: BLE001 - report and leave; the rank's monitor notices
             logger.exception("heartbeat beacon of pid %d failed", parent)
             code = 1
@@ -153,7 +166,19 @@ def _read_state(page: mmap.mmap, previous: tuple | None) -> tuple[int, int, int,
     return previous
 
 
-def _beacon_main(page: mmap.mmap, parent: int, interval_s: float, store_timeout_s: float) -> None:
+def stopped_by_signal(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal now (``T`` in ``/proc/<pid>/stat``; not a tracing stop)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except OSError:  # gone, or no /proc here
+        return False
+    # The command name is in parentheses and may hold spaces: the state follows the last ')'.
+    return text[text.rindex(b")") + 2:][:1] == b"T"
+
+
+def _beacon_main(page: mmap.mmap, parent: int, interval_s: float, store_timeout_s: float,
+                 stopped_after_s: float | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the rank to handle
     parent_died = []
     signal.signal(signal.SIGTERM, lambda *_: parent_died.append(True))
@@ -168,9 +193,14 @@ def _beacon_main(page: mmap.mmap, parent: int, interval_s: float, store_timeout_
     store = connect_store(timeout_s=store_timeout_s)
     evicted_seen = False
     state = None
+    stopped_since = None
     next_at = time.monotonic()
     while True:
         gone = parent_died or os.getppid() != parent
+        if stopped_after_s is not None and not gone and stopped_by_signal(parent):
+            stopped_since = stopped_since or time.monotonic()
+        else:
+            stopped_since = None
         state = _read_state(page, state)
         if state is None:  # nothing consistent written yet
             if gone:
@@ -184,6 +214,8 @@ def _beacon_main(page: mmap.mmap, parent: int, interval_s: float, store_timeout_
                 if gone and mark != MARK_EXIT:
                     evicted_seen = evicted_seen or store.check([evicted_key.decode()])
                     text += f":{FENCED_MARK if evicted_seen else DEAD_MARK}"
+                elif stopped_since is not None and time.monotonic() - stopped_since >= stopped_after_s:
+                    text += f":{STOPPED_MARK}"
                 elif MARK_TEXT[mark]:
                     text += f":{MARK_TEXT[mark]}"
                 store.set(key.decode(), text)

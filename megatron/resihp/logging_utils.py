@@ -34,7 +34,9 @@ class EventLog:
     def emit(self, event: str, iteration: int, **fields: Any) -> None:
         if self._fd is None:
             return
-        record = {"event": event, "iteration": iteration, "time": time.time(), "rank": self.rank, **fields}
+        # The pid lets an operator (or a fault test) signal the process of a rank from outside.
+        record = {"event": event, "iteration": iteration, "time": time.time(), "rank": self.rank,
+                  "pid": os.getpid(), **fields}
         os.write(self._fd, (json.dumps(record, default=_jsonable) + "\n").encode())
 
     def close(self) -> None:

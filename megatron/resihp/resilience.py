@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megatron.resihp import heartbeat_beacon, recovery
+from megatron.resihp import heartbeat_beacon, recovery, world_abort
 from megatron.resihp.detection import (
     LiveDetector, describe, healthy_link_bandwidth_Bps, link_probe_bytes, link_seconds_per_byte,
 )
@@ -184,6 +184,13 @@ class ResilienceHooks:
             event = verdict.to_event()
             self.events.emit("verdict", self.iteration, **{k: v for k, v in event.items() if k not in ("event", "iteration")})
             log_line(f" resihp: rank {self.rank} sees {describe(verdict)}")
+            if self.can_recover and dist.is_initialized():
+                # The training thread sits in a collective with the failed rank, or soon will:
+                # make it fail now rather than at the collective timeout.
+                start = time.perf_counter()
+                shut = world_abort.abort_world(self.backend)
+                log_line(f" resihp: rank {self.rank} abandons world {self.generation}'s collectives "
+                         f"({shut} connections shut in {(time.perf_counter() - start) * 1e3:.1f} ms)")
         return callback
 
     def inject(self, iteration: int, phase: str) -> None:
@@ -253,11 +260,13 @@ class ResilienceHooks:
     def can_recover(self) -> bool:
         return self.cfg.enable and self.monitor is not None
 
-    def recover(self, iteration: int, error: Exception, objects, consumed_samples: int, quotas=None):
+    def recover(self, iteration: int, error: Exception, objects, consumed_samples: int, quotas=None,
+                completed: int | None = None):
         """A collective failed: ``FailStopRecovery.recover``. Returns (objects, quotas) rebuilt on
-        the new groups, to redo ``iteration``."""
+        the new groups, to redo ``iteration`` (or go on after it: ``completed``, the iterations
+        finished when the failure surfaced, is ``iteration`` when it had stepped)."""
         self._take(objects, quotas)
-        self.recovery.recover(iteration, error, consumed_samples)
+        self.recovery.recover(iteration, error, consumed_samples, completed)
         return self._give()
 
     def check_standbys(self, iteration: int, objects, quotas, consumed_samples: int):

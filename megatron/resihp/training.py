@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron.resihp import checkpointing, garbage_collection, heartbeat_beacon
+from megatron.resihp import checkpointing, garbage_collection, heartbeat_beacon, resilient_save
 from megatron.resihp.data_samplers import GlobalBatchSampler, even_quotas, microbatches
 from megatron.resihp.initialize import initialize_distributed, set_random_seed
 from megatron.resihp.logging_utils import EventLog, TensorBoard, exit_with_error, iteration_line, log_line
@@ -44,17 +44,6 @@ def _reduce_loss(loss_sum: float, num_tokens: int) -> tuple[float, int]:
     return float(totals[0]), int(totals[1])
 
 
-def shutdown(args: argparse.Namespace) -> None:
-    """Leave together and destroy every group explicitly: letting gloo tear groups down at
-    interpreter exit can abort a process that finished its work."""
-    from megatron.resihp.parallel_state_patch import installed, teardown
-
-    dist.barrier()
-    if installed() is not None:  # the run's groups: start-up's, or the last layout change's
-        teardown(installed())
-    dist.destroy_process_group()
-
-
 def _leave(stop: StopTraining, iteration: int, events: EventLog, board: TensorBoard) -> None:
     """This process leaves the job (spare, or saved for a restart) with the stop's exit code."""
     log_line(f" resihp: rank leaving at iteration {iteration}: {stop}")
@@ -62,6 +51,16 @@ def _leave(stop: StopTraining, iteration: int, events: EventLog, board: TensorBo
     events.close()
     board.close()
     raise SystemExit(stop.exit_code)
+
+
+def _save(args, iteration: int, consumed_samples: int, objects, quotas, resilience, events: EventLog,
+          board: TensorBoard) -> tuple:
+    """Save ``iteration`` through a rank's failure (``resilient_save``); this process leaves when
+    the recovery leaves it out or falls back. Returns (objects, quotas), rebuilt if it recovered."""
+    try:
+        return resilient_save.save(args, iteration, consumed_samples, objects, quotas, resilience, events)
+    except StopTraining as stop:
+        _leave(stop, iteration, events, board)
 
 
 def schedule_shape(args) -> tuple[int, int]:
@@ -136,7 +135,8 @@ def pretrain(
     pauses = garbage_collection.PauseClock() if alternate is not None else None
     if args.resihp.detection_on:
         # Forked before anything starts a thread (process groups do): see heartbeat_beacon.
-        heartbeat_beacon.start_beacon(args.resihp.heartbeat_interval_s)
+        heartbeat_beacon.start_beacon(args.resihp.heartbeat_interval_s,
+                                      stopped_after_s=args.resihp.heartbeat_timeout_s)
     initialize_distributed(args)
     events = EventLog(args.resihp.event_log, args.rank)
     set_random_seed(args.seed)
@@ -228,7 +228,8 @@ def pretrain(
                 sampler.advance()
                 advanced = True
             try:
-                objects, quotas = resilience.recover(iteration, error, objects, sampler.consumed_samples, quotas)
+                objects, quotas = resilience.recover(iteration, error, objects, sampler.consumed_samples, quotas,
+                                                     completed=iteration if stepped else None)
             except StopTraining as stop:
                 _leave(stop, iteration, events, board)
             dp_rank, num_replicas = resilience.replica_index, parallel_state.get_data_parallel_world_size()
@@ -279,11 +280,11 @@ def pretrain(
         if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
             evaluate(args, forward_step_func, valid_ds, objects, iteration, num_replicas, dp_rank)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            checkpointing.save_checkpoint(args, iteration, sampler.consumed_samples, objects)
-            events.emit("checkpoint", iteration, path=args.save)
+            objects, quotas = _save(args, iteration, sampler.consumed_samples, objects, quotas, resilience, events, board)
+            if resilience is not None:
+                dp_rank, num_replicas = resilience.replica_index, parallel_state.get_data_parallel_world_size()
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-        checkpointing.save_checkpoint(args, iteration, sampler.consumed_samples, objects)
-        events.emit("checkpoint", iteration, path=args.save)
+        objects, quotas = _save(args, iteration, sampler.consumed_samples, objects, quotas, resilience, events, board)
     garbage_collection.finish(args)
     if pauses is not None:
         pauses.stop()
@@ -291,6 +292,6 @@ def pretrain(
     if resilience is not None:
         resilience.close()
     board.close()
+    resilient_save.leave_together(args, resilient_save.phase_faults(resilience, iteration))
     events.close()
-    shutdown(args)
     return {"iteration": iteration, "lm_loss": last_loss, "consumed_samples": sampler.consumed_samples}

@@ -41,18 +41,18 @@ documents):
 (ii) fail-stop, ``--kill`` ranks (default 5) SIGKILLed at ``--kill-at``. ``--kill 2 --kill 5`` breaks both
     replicas (replica 1's stage 0 and replica 0's stage 1): in place, the survivors rebuild a replica
     from the two stage groups left whole; before that plan existed, this case needed a restart.
-    * in place: ``scripts/launch_local.py`` + ``--resihp-enable --resihp-collective-timeout-s 5``;
-      time from the ``inject`` event (written just before the kill) to the first ``iteration``
-      event after the ``adapted`` event;
-    * checkpoint-restart of the same job under torchrun, saving every iteration: time from the
-      kill until torchrun has torn the job down (torchrun notices the exit itself, so that
-      includes detection on one node), plus a relaunch with ``--load`` until its first iteration
-      completes. Assumes the relaunch starts at once (no scheduler queue) and, because it saves
-      every iteration, loses no completed iteration (the per-iteration saving cost is reported
-      separately, not added).
+    * in place: ``scripts/launch_local.py`` + ``--resihp-enable`` with default flags; time from the
+      ``inject`` event (written just before the kill) to the first ``iteration`` event after the
+      ``adapted`` event (the killed iteration, redone on the new layout);
+    * checkpoint-restart of the same job under torchrun, twice: saving every iteration (nothing
+      completed is lost) and every ``--restart-save-interval`` iterations (the iterations since
+      the last save are lost and redone). Each: time from the kill until torchrun has torn the job
+      down (torchrun notices the exit itself, so that includes detection on one node), plus a
+      relaunch with ``--load`` until the killed iteration is done again. Assumes the relaunch
+      starts at once (no scheduler queue); the per-iteration saving cost is reported, not added.
 
     python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0] [--slow-rank 7]
-        [--link 0:4] [--link-factor 600] [--recover-at 22] [--kill 5]...
+        [--link 0:4] [--link-factor 600] [--recover-at 22] [--kill 5]... [--restart-save-interval 4]
         [--standby-factor 8] [--bursts 4:4] [--burst-iters 80]
         [--skip throughput|slow|link|bursts|recover|standby|shrunk|fail_stop]...
 """
@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -299,8 +300,7 @@ def fail_stop(args, work: Path) -> dict:
     log = work / "inplace.events.jsonl"
     log.unlink(missing_ok=True)
     launch([*MODEL, "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters), "--resihp-event-log",
-            str(log), "--resihp-enable",
-            "--resihp-collective-timeout-s", "5", *kills], launcher="local")
+            str(log), "--resihp-enable", *kills], launcher="local")
     inject = events(log, "inject")[0]["time"]
     adapted = events(log, "adapted")
     if not adapted:
@@ -318,38 +318,91 @@ def fail_stop(args, work: Path) -> dict:
         "median_iteration_s_before": round(statistics.median(pre), 4) if pre else None,
         "loadavg_after": os.getloadavg(),
     }
-    # Checkpoint-restart of the same job: save every iteration, kill at the same point under torchrun.
-    ckpt = work / "ckpt"
-    log = work / "restart_killed.events.jsonl"
+    # Checkpoint-restart of the same job, killed at the same point under torchrun: saving every
+    # iteration (its best case: nothing lost) and at --restart-save-interval (work since the last
+    # save is lost and redone).
+    every = _restart(work, "restart_every_iteration", kills, k, iters, 1)
+    interval = _restart(work, f"restart_every_{args.restart_save_interval}", kills, k, iters,
+                        args.restart_save_interval)
+    done = inplace["kill_to_first_iteration_after_s"]
+    return {"kill_at": k, "killed_ranks": list(args.kill), "in_place": inplace,
+            "stopped_in_place": _stopped_in_place(work, k, iters, args.kill[0]),
+            "checkpoint_restart": every, "checkpoint_restart_interval": interval,
+            "restart_over_in_place": round(every["kill_to_killed_iteration_done_s"] / done, 3),
+            "restart_interval_over_in_place": round(interval["kill_to_killed_iteration_done_s"] / done, 3)}
+
+
+def _stopped_in_place(work: Path, k: int, iters: int, rank: int) -> dict:
+    """SIGSTOP sent from outside to ``rank``'s process once iteration ``k - 1`` is done, default
+    flags: time from the signal to the first iteration finished after the re-plan."""
+    log = work / "stopped.events.jsonl"
     log.unlink(missing_ok=True)
-    common = [*MODEL, "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters), "--save", str(ckpt), "--save-interval", "1"]
+    cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), f"--nproc-per-node={NPROC}",
+           str(REPO / "pretrain_gpt_resilient.py"), *MODEL, "--global-batch-size", str(GLOBAL_BATCH),
+           "--train-iters", str(iters), "--resihp-event-log", str(log), "--resihp-enable"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not any(e["iteration"] >= k - 1 for e in events(log, "iteration")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"SIGSTOP run ended before iteration {k - 1}: {proc.stdout.read()[-3000:]}")
+            time.sleep(0.02)
+        pid = next(e["pid"] for e in events(log, "start") if e["rank"] == rank)
+        stopped_at = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    adapted = events(log, "adapted")
+    if proc.returncode or not adapted:
+        raise SystemExit(f"SIGSTOP run failed ({proc.returncode}): {output[-3000:]}")
+    after = [e for e in events(log, "iteration") if e["time"] > adapted[0]["time"]]
+    hung = [v["time"] for v in events(log, "verdict") if v["kind"] == "hang"]
+    return {
+        "stop_to_first_hang_verdict_s": round(min(hung) - stopped_at, 3) if hung else None,
+        "stop_to_adapted_s": round(adapted[0]["time"] - stopped_at, 3),
+        "stop_to_first_iteration_after_s": round(after[0]["time"] - stopped_at, 3),
+        "first_iteration_after": after[0]["iteration"],
+        "world_size_after": adapted[0]["world_size"],
+    }
+
+
+def _restart(work: Path, name: str, kills: list[str], k: int, iters: int, save_interval: int) -> dict:
+    """Kill at iteration ``k`` under torchrun, relaunch with ``--load``: time from the kill until
+    iteration ``k`` is done again, the iterations redone, and the per-iteration cost of saving."""
+    ckpt = work / f"{name}_ckpt"
+    log = work / f"{name}_killed.events.jsonl"
+    log.unlink(missing_ok=True)
+    common = [*MODEL, "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters), "--save", str(ckpt),
+              "--save-interval", str(save_interval)]
     proc, _, killed_end = launch([*common, "--resihp-event-log", str(log), *kills], check=False)
     inject = events(log, "inject")[0]["time"]
     last_saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     save_pre = [e["time"] for e in events(log, "iteration") if e["rank"] == NPROC - 1 and 2 < e["iteration"] < k]
-    log2 = work / "restart_resumed.events.jsonl"
+    log2 = work / f"{name}_resumed.events.jsonl"
     log2.unlink(missing_ok=True)
     _, resume_start, _ = launch([*common, "--load", str(ckpt), "--resihp-event-log", str(log2)])
-    first = min(events(log2, "iteration"), key=lambda e: e["iteration"])
+    resumed = events(log2, "iteration")
+    first = min(resumed, key=lambda e: e["iteration"])
+    again = min(e["time"] for e in resumed if e["iteration"] == k)
     teardown = killed_end - inject
-    relaunch = first["time"] - resume_start
-    restart = {
+    return {
+        "save_interval": save_interval,
         "killed_job_exit_code": proc.returncode,
         "last_checkpoint": last_saved,
+        "completed_iterations_lost": k - 1 - last_saved,
         "kill_to_teardown_s": round(teardown, 3),
-        "relaunch_to_first_iteration_s": round(relaunch, 3),
+        "relaunch_to_first_iteration_s": round(first["time"] - resume_start, 3),
         "first_iteration_after": first["iteration"],
-        "kill_to_first_iteration_after_s": round(teardown + relaunch, 3),
-        "iteration_interval_with_save_every_iteration_s": round(statistics.median(
+        "kill_to_killed_iteration_done_s": round(teardown + again - resume_start, 3),
+        "median_iteration_interval_s": round(statistics.median(
             b - a for a, b in zip(save_pre, save_pre[1:])), 4) if len(save_pre) > 1 else None,
         "assumptions": "relaunch starts immediately after teardown (no scheduler queue); detection = torchrun "
-                       "noticing the worker's exit, included in teardown; no completed iteration lost "
-                       "(checkpoint every iteration)",
+                       "noticing the worker's exit, included in teardown",
         "loadavg_after": os.getloadavg(),
     }
-    ratio = restart["kill_to_first_iteration_after_s"] / inplace["kill_to_first_iteration_after_s"]
-    return {"kill_at": k, "killed_ranks": list(args.kill), "in_place": inplace, "checkpoint_restart": restart,
-            "restart_over_in_place": round(ratio, 3)}
 
 
 def _link_ends(text: str) -> tuple[int, int]:
@@ -399,6 +452,9 @@ def main() -> None:
                         help="ON:OFF iterations of --slow-rank's bursts in the burst runs")
     parser.add_argument("--burst-iters", type=int, default=80, help="iterations per burst run")
     parser.add_argument("--kill-at", type=int, default=6)
+    parser.add_argument("--restart-save-interval", type=int, default=4,
+                        help="checkpoint interval of the second checkpoint-restart run (iterations; the first "
+                             "saves every iteration)")
     parser.add_argument("--kill", type=int, action="append", default=None,
                         help="rank SIGKILLed in the fail-stop runs (repeatable; default 5)")
     parser.add_argument("--skip", choices=("throughput", "slow", "link", "bursts", "recover", "standby", "shrunk",
@@ -475,8 +531,13 @@ def main() -> None:
         f = out["fail_stop"]
         print(f"fail-stop (ranks {f['killed_ranks']} SIGKILLed at iteration {f['kill_at']}):")
         print(f"  in place:           {f['in_place']}")
-        print(f"  checkpoint-restart: {f['checkpoint_restart']}")
-        print(f"  restart / in place = {f['restart_over_in_place']}")
+        print(f"  SIGSTOP of rank {f['killed_ranks'][0]} from outside, in place: {f['stopped_in_place']}")
+        print(f"  checkpoint-restart, saving every iteration: {f['checkpoint_restart']}")
+        interval = f["checkpoint_restart_interval"]
+        print(f"  checkpoint-restart, saving every {interval['save_interval']}: {interval}")
+        print(f"  kill to the killed iteration done again, restart / in place = {f['restart_over_in_place']} "
+              f"(saving every iteration), {f['restart_interval_over_in_place']} (saving every "
+              f"{interval['save_interval']}, {interval['completed_iterations_lost']} completed iterations lost)")
     print(f"load average at end {out['loadavg_end']}")
 
 

@@ -5,8 +5,12 @@ makes the gradient independent of how micro-batches are spread over replicas, so
 after recovery must equal the reference's.
 """
 
+import os
 import shlex
+import signal
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -74,10 +78,10 @@ def _assert_same_training(log, checkpoint, reference, global_batch, param_tol=1e
     _assert_same_params(_params(ref_ckpt, 8), ours, tol=param_tol)
 
 
-def _run_tp2pp2dp2(tmp_path, fault: str):
+def _run_tp2pp2dp2(tmp_path, fault: str, resilient=tuple(RESILIENT)):
     """The reference's job on 8 ranks (DP2) with one fault injected, under the local launcher."""
     log = tmp_path / "events.jsonl"
-    proc = run_job(8, [*MODEL, *RESILIENT, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+    proc = run_job(8, [*MODEL, *resilient, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                        "--global-batch-size", "16", "--train-iters", "8", "--save", str(tmp_path / "ckpt"),
                        "--resihp-event-log", str(log), "--resihp-inject", fault], launcher="local")
     check(proc)
@@ -85,8 +89,12 @@ def _run_tp2pp2dp2(tmp_path, fault: str):
 
 
 def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference):
-    proc, log = _run_tp2pp2dp2(tmp_path, "kill:rank=5,at=4")
+    # A collective timeout far beyond the test's own (300 s): survivors blocked with the dead rank
+    # must leave their collectives when it is named, not when they time out.
+    proc, log = _run_tp2pp2dp2(tmp_path, "kill:rank=5,at=4", ("--resihp-enable", "--resihp-collective-timeout-s", "900"))
     assert "rank 5 exited with signal SIGKILL" in proc.stdout + proc.stderr
+    abandoned = {r for r in range(8) if f"resihp: rank {r} abandons world 0's collectives" in proc.stdout + proc.stderr}
+    assert abandoned == {0, 1, 2, 3, 4, 6, 7}
     # Every survivor names the dead rank within 2 s of the kill.
     killed_at = read_events(log, "inject")[0]["time"]
     first_seen = {}
@@ -370,3 +378,34 @@ def test_a_tp_group_that_lost_a_rank_is_split_over_two_smaller_replicas(tmp_path
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["data_parallel_size"]) for a in adapted] == [(4, 7, 3)], adapted
     _assert_same_training(log, tmp_path / "ckpt", (tmp_path / "ref", iteration_losses(ref_log)), 16)
+
+
+def test_a_rank_stopped_from_outside_is_named_hung_at_once_and_survived_in_place(tmp_path, reference):
+    # SIGSTOP sent from outside to rank 5's process once iteration 3 is done. Under a 900 s
+    # collective timeout only the beacon's view of the stopped process can name it in time.
+    log = tmp_path / "events.jsonl"
+    args = [*MODEL, "--resihp-enable", "--resihp-collective-timeout-s", "900", "--tensor-model-parallel-size", "2",
+            "--pipeline-model-parallel-size", "2", "--global-batch-size", "16", "--train-iters", "8",
+            "--save", str(tmp_path / "ckpt"), "--resihp-event-log", str(log)]
+    cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--nproc-per-node=8",
+           str(REPO / "pretrain_gpt_resilient.py"), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any(e["iteration"] >= 3 for e in read_events(log, "iteration")):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.05)
+        pid = next(e["pid"] for e in read_events(log, "start") if e["rank"] == 5)
+        os.kill(pid, signal.SIGSTOP)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, output[-3000:]
+    assert "sees ranks [5] hung ([5]: stopped by a signal)" in output, output[-3000:]
+    verdicts = read_events(log, "verdict")
+    assert verdicts and all(v["kind"] == "hang" and v["ranks"] == [5] for v in verdicts), verdicts
+    adapted = read_events(log, "adapted")
+    assert len(adapted) == 1 and adapted[0]["world_size"] == 6 and adapted[0]["failed_ranks"] == [5]
+    _assert_same_training(log, tmp_path / "ckpt", reference, 16)

@@ -13,6 +13,11 @@ from resihp_ext.faults import Fault, FaultKind, parse_fault
     "kill:rank=1,at=4,during=reform",
     "kill:rank=5,at=1,during=replan",
     "kill:rank=4,at=4,during=moves",
+    "kill:rank=2,at=4,during=save",
+    "kill:rank=2,at=4,during=save-write",
+    "kill:rank=0,at=4,during=save-rename",
+    "kill:rank=0,at=4,during=save-tracker",
+    "kill:rank=3,at=8,during=shutdown",
     "hang:rank=2,at=40",
 ])
 def test_round_trip(spec):
@@ -46,6 +51,13 @@ def test_bad_specs_name_the_flag_and_the_fix(spec, message):
     with pytest.raises(ValueError, match="--resihp-inject") as info:
         parse_fault(spec)
     assert message in str(info.value)
+
+
+def test_an_unknown_phase_lists_every_phase_a_kill_can_wait_for():
+    with pytest.raises(ValueError, match="--resihp-inject") as info:
+        parse_fault("kill:rank=1,at=2,during=saving")
+    for phase in ("reform", "rendezvous", "save", "save-write", "save-rename", "save-tracker", "shutdown"):
+        assert f"'{phase}'" in str(info.value)
 
 
 def test_during_only_for_kill():

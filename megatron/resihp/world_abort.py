@@ -1,0 +1,96 @@
+"""Abandoning a failed world's collectives at once instead of waiting out their timeout.
+
+Responsible for: making every collective of this process's current world (the default group and
+every subgroup) fail now, so the training thread, blocked in one with a dead or hung peer, leaves
+it within milliseconds and reaches recovery. Called from the heartbeat thread the moment a failed
+rank is named; the training thread is the one that notices.
+
+* **gloo** offers no way to interrupt a collective in flight (``ProcessGroupGloo.abort()`` returns
+  but leaves the blocked call waiting: measured with torch 2.13). What a dead peer does to its
+  direct neighbours, closing its sockets, is what makes a blocked gloo call raise ("Connection
+  closed by peer"). So this shuts down, from this side, every connected TCP socket of the process
+  except the job store's connections: the store carries the heartbeats and the rendezvous of the
+  next world. Listening sockets are left alone (gloo's listener treats a shut-down listener as a
+  fatal error and aborts the process). A survivor that shuts its sockets makes its own peers'
+  collectives raise too, so the news travels even to ranks whose monitor has not polled yet.
+* **NCCL**: ``torch.distributed``'s process-group abort, which ends the communicators' pending
+  work; the NCCL watchdog is kept from tearing the survivor down by the environment the launch
+  scripts set (``TORCH_NCCL_ASYNC_ERROR_HANDLING``; see docs/launching.md).
+
+Nothing here decides that a world has failed; the caller does.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.distributed as dist
+
+
+def _tcp_sockets() -> list[tuple[int, socket.socket]]:
+    """This process's open TCP sockets, wrapped without taking ownership of their descriptors."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:  # closed since the listing, or not a socket after all
+            continue
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+            found.append((fd, sock))
+        else:
+            sock.detach()
+    return found
+
+
+def shut_world_sockets(keep_ports: set[int]) -> int:
+    """Shut down every connected TCP socket whose local or remote port is not in ``keep_ports``.
+
+    Args:
+        keep_ports: ports of the connections that must survive (the job store's).
+
+    Returns:
+        How many sockets were shut down.
+    """
+    count = 0
+    for _, sock in _tcp_sockets():
+        try:
+            try:
+                peer = sock.getpeername()
+            except OSError:  # a listener, or a connection still being made
+                continue
+            if peer[1] in keep_ports or sock.getsockname()[1] in keep_ports:
+                continue
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass  # the peer closed it first: already what this is for
+        finally:
+            sock.detach()  # the descriptor stays gloo's to close
+    return count
+
+
+def store_ports() -> set[int]:
+    """The job store's port, from the launch environment (empty without one)."""
+    port = os.environ.get("MASTER_PORT")
+    return {int(port)} if port else set()
+
+
+def abort_world(backend: str) -> int:
+    """Make every collective of this process's current world fail now.
+
+    Args:
+        backend: the world's backend (``"gloo"`` or ``"nccl"``).
+
+    Returns:
+        Sockets shut down (gloo), or the number of worlds aborted (NCCL: 0 or 1).
+    """
+    if backend == "nccl":
+        if not dist.is_initialized():
+            return 0
+        dist.distributed_c10d._abort_process_group()
+        return 1
+    return shut_world_sockets(store_ports())
