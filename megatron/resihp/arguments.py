@@ -417,17 +417,22 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _check_inputs(args: argparse.Namespace) -> None:
-    """The files the job reads are whole: every rank checks them before any group or file exists."""
+    """The files the job reads are whole, and every split gets documents: every rank checks them before any
+    group or file exists."""
     from megatron.resihp.checkpoint_files import check_checkpoint
-    from megatron.resihp.data.datasets import parse_data_path
+    from megatron.resihp.data.datasets import default_data_cache_path, parse_data_path
+    from megatron.resihp.data.indexed_files import check_indexed_dataset
+    from megatron.resihp.data.splits import check_split_documents
 
+    prefixes: list[str] = []
     if args.data_path:
-        parse_data_path(args.data_path)
+        prefixes, _ = parse_data_path(args.data_path)
         if args.data_cache_path is None:
-            cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-            args.data_cache_path = os.path.join(cache_home, "resihp-megatron", "data-cache")
+            args.data_cache_path = default_data_cache_path()
     if args.load:
         check_checkpoint(args.load)
+    if prefixes:
+        check_split_documents(args.split, {p: check_indexed_dataset(p) for p in prefixes})
 
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:

@@ -8,7 +8,9 @@ that fails is named, with the fix, in a ``ValueError``. It opens each archive's 
 (a few KiB per file, not the tensors) and never writes.
 
 Both layouts are covered: this project's and Megatron-LM's (``iter_NNNNNNN/mp_rank_TT_PPP/
-model_optim_rng.pt``, or ``torch_dist``'s ``*.distcp`` files with their ``.metadata``).
+model_optim_rng.pt``, or ``torch_dist``'s ``*.distcp`` files with their ``.metadata``). A
+``torch_dist`` folder's ``.metadata`` must load, and each ``.distcp`` file it lists must reach the
+last byte it places there (a ``.distcp`` file is raw bytes: only those ranges show a cut).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import zipfile
 
 TRACKER = "latest_checkpointed_iteration.txt"
+_DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a torch_dist folder
 _FIX = "resume from an earlier checkpoint (edit latest_checkpointed_iteration.txt) or drop --load"
 
 
@@ -72,6 +75,27 @@ def _check_file(path: str) -> str | None:
     return None
 
 
+def _check_torch_dist(folder: str) -> tuple[str, str] | None:
+    """(file, why) for the first file of a ``torch_dist`` checkpoint that cannot be loaded, or None."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(folder).read_metadata()
+    except Exception as err:  # an unpickling error can be of any type
+        return os.path.join(folder, _DCP_METADATA), f"does not load as a torch_dist index ({type(err).__name__})"
+    ends: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return path, f"is missing ({_DCP_METADATA} lists it)"
+        size = os.path.getsize(path)
+        if size < end:
+            return path, f"is {size} bytes but {_DCP_METADATA} places data up to byte {end}: it is cut short"
+    return None
+
+
 def check_checkpoint(load_dir: str) -> None:
     """Raise ``ValueError`` naming ``--load`` and the file unless the latest checkpoint is whole.
 
@@ -90,5 +114,7 @@ def check_checkpoint(load_dir: str) -> None:
         raise ValueError(f"--load {load_dir}: {folder} is empty; {_FIX}")
     for path in files:
         problem = _check_file(path)
+        if problem is None and os.path.basename(path) == _DCP_METADATA:
+            path, problem = _check_torch_dist(os.path.dirname(path)) or (path, None)
         if problem is not None:
             raise ValueError(f"--load {load_dir}: {path} {problem}; {_FIX}")

@@ -87,6 +87,11 @@ class FailStopRecovery:
         old_rank = run.rank  # also when a grown world's rendezvous failed and no world is left
         log_line(f" resihp: rank {old_rank}: iteration {iteration} failed: {str(error).splitlines()[0][:160]}")
         host.monitor.mark_recovering()
+        if dist.is_initialized():
+            # This rank has left its collective; peers still blocked on it must leave theirs too.
+            # Shutting its connections ends only collectives this rank belongs to, which cannot
+            # finish without it; what it sent before still arrives first.
+            host._abandon_world()
         failed = left = frozenset()  # left: spares of an earlier attempt's plan, gone or about to go
         has_world = dist.is_initialized()
         outside = frozenset(range(dist.get_world_size()) if has_world else ()) - frozenset(run.layout.world_ranks)

@@ -7,7 +7,9 @@ train/valid/test datasets provider (megatron-core's ``GPTDataset`` builder over 
 ``--mock-data``, with the tokenizer Megatron builds from ``--tokenizer-*``). It adds one flag,
 ``--device {cuda,cpu}``; ``--device cpu`` puts the process in CPU mode (``cpu_training``) and implies
 the flags a CPU job needs (``cpu_training.implied_flags``). Every other flag is Megatron's own,
-parsed and validated by Megatron.
+parsed and validated by Megatron. Before Megatron validates them, the files they name are checked
+(``megatron_inputs``: a bad one exits 2 with one message), and a job on data files without
+``--data-cache-path`` keeps its dataset index caches in ``~/.cache/resihp-megatron/data-cache``.
 
 It must never parse, drop or reinterpret a Megatron flag, with one exception that is refused
 rather than dropped: ``--rampup-batch-size``, which megatron-core 0.19.2 accepts and ignores.
@@ -21,6 +23,8 @@ from functools import partial
 
 import torch
 
+# What this script sets where the command line says nothing (Megatron's args_defaults).
+ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 REFUSED_FLAGS = {
     "--rampup-batch-size": (
         "megatron-core 0.19.2 accepts --rampup-batch-size and ignores it (the job would train at the full "
@@ -244,10 +248,16 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.arguments import parse_and_validate_args, parse_args
+
+    from megatron.resihp.megatron_inputs import refuse_bad_inputs, with_data_cache_path
 
     sys.argv = [sys.argv[0], *argv]  # Megatron's parser reads sys.argv
-    args = parse_and_validate_args(extra_args_provider=add_device_args,
-                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    # The files the job reads are checked on the flags as parsed, before Megatron validates them:
+    # validation already reads a checkpoint (--use-checkpoint-args) and builds the tokenizer.
+    parsed = parse_args(extra_args_provider=add_device_args)
+    refuse_bad_inputs(parsed, ARGS_DEFAULTS)
+    sys.argv = [sys.argv[0], *with_data_cache_path(parsed, argv)]
+    args = parse_and_validate_args(extra_args_provider=add_device_args, args_defaults=ARGS_DEFAULTS)
     cfg = pretrain_cfg_container_from_args(args)
     pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)

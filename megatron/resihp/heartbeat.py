@@ -201,6 +201,7 @@ class HeartbeatMonitor:
         self._recovering_ranks: set[int] = set()
         self._lock = threading.Lock()
         self._dead: frozenset[int] = frozenset()
+        self._silent: frozenset[int] = frozenset()  # dead by the timeout: no beacon said so
         self._hung: frozenset[int] = frozenset()
         self._exited: frozenset[int] = frozenset()
         self._last_beat: dict[int, float] = {}
@@ -276,6 +277,12 @@ class HeartbeatMonitor:
         """Mark ranks as left behind by the survivors; their watchdogs call ``on_evicted``."""
         for r in ranks:
             self.store.set(self._evicted_key(r), "1")
+
+    @property
+    def silent_ranks(self) -> frozenset[int]:
+        """Dead ranks named by the heartbeat timeout alone (their beacon went too: a lost node)."""
+        with self._lock:
+            return self._silent
 
     @property
     def dead_ranks(self) -> frozenset[int]:
@@ -400,6 +407,7 @@ class HeartbeatMonitor:
             # the decision to leave it out was made already.
             new_dead = dead - self._dead - self._hung - fenced
             self._dead = self._dead | dead
+            self._silent = self._silent | (new_dead - marked_dead)
             new_hung = hung - self._hung - self._dead
             self._hung = (self._hung | hung) - self._dead
             dead_now, hung_now = self._dead, self._hung

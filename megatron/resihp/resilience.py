@@ -184,14 +184,26 @@ class ResilienceHooks:
             event = verdict.to_event()
             self.events.emit("verdict", self.iteration, **{k: v for k, v in event.items() if k not in ("event", "iteration")})
             log_line(f" resihp: rank {self.rank} sees {describe(verdict)}")
-            if self.can_recover and dist.is_initialized():
-                # The training thread sits in a collective with the failed rank, or soon will:
-                # make it fail now rather than at the collective timeout.
-                start = time.perf_counter()
-                shut = world_abort.abort_world(self.backend)
-                log_line(f" resihp: rank {self.rank} abandons world {self.generation}'s collectives "
-                         f"({shut} connections shut in {(time.perf_counter() - start) * 1e3:.1f} ms)")
+            if not self.can_recover:
+                return
+            # Survivors leave their collectives when a connection to a failed rank breaks, and each
+            # then breaks its own (``_abandon_world``). A process that died broke its connections
+            # itself; a hung one is fenced now, which does; a lost node breaks none, so the world
+            # is abandoned from here, even at the cost of interrupting collectives among live ranks.
+            # So is every NCCL world: a peer's death does not make NCCL calls fail, only time out.
+            if kind == "hang":
+                self.monitor.evict(ranks)
+            elif (self.backend == "nccl" or set(ranks) & self.monitor.silent_ranks) and dist.is_initialized():
+                self._abandon_world()
         return callback
+
+    def _abandon_world(self) -> None:
+        """Make every collective of this world fail now, on this rank and (through its broken
+        connections) on its peers, rather than at the collective timeout."""
+        start = time.perf_counter()
+        shut = world_abort.abort_world(self.backend)
+        log_line(f" resihp: rank {self.rank} abandons world {self.generation}'s collectives "
+                 f"({shut} connections shut in {(time.perf_counter() - start) * 1e3:.1f} ms)")
 
     def inject(self, iteration: int, phase: str) -> None:
         """Injected kills aimed at a phase of a recovery (a second failure during an adaptation)."""

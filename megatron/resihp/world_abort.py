@@ -1,9 +1,9 @@
 """Abandoning a failed world's collectives at once instead of waiting out their timeout.
 
 Responsible for: making every collective of this process's current world (the default group and
-every subgroup) fail now, so the training thread, blocked in one with a dead or hung peer, leaves
-it within milliseconds and reaches recovery. Called from the heartbeat thread the moment a failed
-rank is named; the training thread is the one that notices.
+every subgroup) fail now, so that ranks blocked in one with this rank leave it within
+milliseconds and reach recovery. Called as a rank's recovery starts (its own collective failed),
+and from the heartbeat thread for failures that break no connection by themselves.
 
 * **gloo** offers no way to interrupt a collective in flight (``ProcessGroupGloo.abort()`` returns
   but leaves the blocked call waiting: measured with torch 2.13). What a dead peer does to its
@@ -15,7 +15,8 @@ rank is named; the training thread is the one that notices.
   collectives raise too, so the news travels even to ranks whose monitor has not polled yet.
 * **NCCL**: ``torch.distributed``'s process-group abort, which ends the communicators' pending
   work; the NCCL watchdog is kept from tearing the survivor down by the environment the launch
-  scripts set (``TORCH_NCCL_ASYNC_ERROR_HANDLING``; see docs/launching.md).
+  scripts set (``TORCH_NCCL_ASYNC_ERROR_HANDLING``; see docs/launching.md). Written, not yet run
+  on GPUs.
 
 Nothing here decides that a world has failed; the caller does.
 """
@@ -91,6 +92,9 @@ def abort_world(backend: str) -> int:
     if backend == "nccl":
         if not dist.is_initialized():
             return 0
-        dist.distributed_c10d._abort_process_group()
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except ValueError:  # aborted already (the verdict came first, then the failed call)
+            return 0
         return 1
     return shut_world_sockets(store_ports())

@@ -53,3 +53,36 @@ def test_broken_metadata_and_a_missing_folder_are_refused(tmp_path):
         check_checkpoint(str(tmp_path))
     with pytest.raises(ValueError, match="is not a folder"):
         check_checkpoint(str(tmp_path / "nowhere"))
+
+
+def _torch_dist_checkpoint(root, iteration=3):
+    """A torch.distributed.checkpoint folder as Megatron's torch_dist format writes it (one process)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    folder = root / f"iter_{iteration:07d}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"w": torch.randn(64, 64), "b": torch.zeros(3)}, checkpoint_id=str(folder))
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return folder
+
+
+def test_a_torch_dist_checkpoint_cut_short_or_with_a_broken_index_is_named(tmp_path):
+    folder = _torch_dist_checkpoint(tmp_path)
+    check_checkpoint(str(tmp_path))
+    (data,) = folder.glob("*.distcp")
+    os.truncate(data, data.stat().st_size - 1)
+    with pytest.raises(ValueError, match=rf"{data.name} is {data.stat().st_size} bytes but .metadata places data "
+                                         rf"up to byte {data.stat().st_size + 1}: it is cut short"):
+        check_checkpoint(str(tmp_path))
+    data.unlink()
+    with pytest.raises(ValueError, match=rf"{data.name} is missing \(.metadata lists it\)"):
+        check_checkpoint(str(tmp_path))
+    index = _torch_dist_checkpoint(tmp_path / "other") / ".metadata"
+    os.truncate(index, index.stat().st_size // 2)
+    with pytest.raises(ValueError, match=r"\.metadata does not load as a torch_dist index"):
+        check_checkpoint(str(tmp_path / "other"))

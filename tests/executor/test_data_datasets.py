@@ -162,3 +162,17 @@ def test_an_index_and_data_file_that_disagree_are_named(real_prefix, tmp_path):
         os.truncate(path, max(0, os.path.getsize(path) - cut))
         with pytest.raises(ValueError, match=rf"--data-path: .*copy\{suffix}.*{message}"):
             check_indexed_dataset(str(copy))
+
+
+def test_the_resilient_front_end_refuses_a_split_without_a_document(real_prefix, capsys):
+    from megatron.resihp.arguments import parse_args
+
+    prefix, docs = real_prefix
+    argv = ["--data-path", prefix, "--tokenizer-type", "ByteLevelTokenizer", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "2"]
+    assert parse_args([*argv, "--split", "98,2,0"], world_size=1).split == "98,2,0"
+    with pytest.raises(SystemExit) as stop:
+        parse_args(argv, world_size=1)  # the default split, 969,30,1, gives 60 documents' test split none
+    assert stop.value.code == 2
+    assert f"the test split gets none of the {len(docs)} documents" in capsys.readouterr().err

@@ -87,6 +87,16 @@ class VariableLengthMockGPTDataset(MockGPTDataset):
         return MockGPTDataset._key_config_attributes() + ["mock_doc_lengths"]
 
 
+def default_data_cache_path() -> str:
+    """Where the datasets' index caches go when ``--data-cache-path`` names no folder.
+
+    A folder of the user's cache (``$XDG_CACHE_HOME``, else ``~/.cache``): megatron-core would
+    otherwise write its caches beside the data, which may be read-only, shared or someone else's.
+    """
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "resihp-megatron", "data-cache")
+
+
 def parse_data_path(data_path: list[str]) -> tuple[list[str], Optional[list[float]]]:
     """Parse ``--data-path`` ("PREFIX" ... or "W1 PREFIX1 W2 PREFIX2" ...).
 
