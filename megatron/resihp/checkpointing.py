@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron.resihp.parallel_state_patch import installed
+
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -65,7 +67,7 @@ def _set_rng_state(state: dict) -> None:
 
 def _metadata(args: argparse.Namespace) -> dict:
     # The shape of replica 0, which writes the shards (after a re-plan it may differ from the flags).
-    layout = getattr(args, "layout", None)
+    layout = installed().layout if installed() is not None else None
     replica = layout.replicas[0] if layout is not None else None
     return {
         "tensor_model_parallel_size": replica.stages[0].tp_degree if replica else args.tensor_model_parallel_size,
@@ -93,7 +95,8 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: 
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
     # Replica 0 writes the shards (after a heterogeneous re-plan DP groups no longer span replicas).
-    if getattr(args, "replica_index", parallel_state.get_data_parallel_rank()) == 0:
+    groups = installed()
+    if (groups.replica if groups is not None else parallel_state.get_data_parallel_rank()) == 0:
         shard = os.path.join(tmp, _shard_name())
         os.makedirs(shard, exist_ok=True)
         torch.save(

@@ -39,7 +39,6 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -233,20 +232,12 @@ class Command:
     costs: ComputeCosts | None
 
 
-def message_group(timeout_s: float):
-    """The group detection's messages travel on: the world group when it is gloo, else a gloo group
-    of the world (collective: every rank calls it at the same point)."""
-    if dist.get_backend() == "gloo":
-        return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-
 class LiveDetector:
     """One per rank; call ``observe`` on every rank after every iteration (``decider_rank`` decides; probe
     steps are collective over the world group)."""
 
     def __init__(self, config, rank: int, replica: int, stage: int, tp_rank: int, device: torch.device,
-                 layout_getter, link_probe_bytes: int = _MIN_LINK_PROBE_BYTES):
+                 layout_getter, link_probe_bytes: int = _MIN_LINK_PROBE_BYTES, group=None):
         self.config = config
         self.link_probe_bytes = link_probe_bytes
         self.rank, self.replica, self.stage, self.tp_rank = rank, replica, stage, tp_rank
@@ -272,7 +263,8 @@ class LiveDetector:
         self.world_size = dist.get_world_size()
         self.decider = decider_rank(layout_getter())
         self.judging_pad_s = judging_pad_s()
-        self.group = message_group(config.collective_timeout_s)
+        # The world's message group, made by the group builder (``parallel_state_patch.message_group``).
+        self.group = group
         self.outbox = Outbox()
         self.costs: ComputeCosts | None = None  # the latest command's: every rank holds the same
         self._fits: deque[ComputeCosts] = deque(maxlen=FIT_WINDOW)  # decider: the latest fits, pooled

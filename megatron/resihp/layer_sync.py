@@ -13,12 +13,10 @@ every gradient is divided by it, as megatron-core's own finalize does within one
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import _allreduce_word_embedding_grads
 
 from resihp_ext.layout import Layout
@@ -72,16 +70,21 @@ class LayoutGradSync:
     Args:
         layout: the installed layout.
         rank: this rank.
-        groups: ``ParallelGroups.sync_groups`` of the installed groups: one group per rank set of
-            ``resihp_ext.shard_map.sync_rank_sets`` this rank belongs to (the group builder creates
-            them; this class never creates or destroys a group).
+        groups: the installed ``ParallelGroups``: its ``sync_groups`` (one group per rank set of
+            ``resihp_ext.shard_map.sync_rank_sets`` this rank belongs to) and this rank's pipeline
+            and embedding groups (the group builder creates them all; this class never creates or
+            destroys a group, nor looks one up).
     """
 
-    def __init__(self, layout: Layout, rank: int, groups: Mapping[tuple[int, ...], dist.ProcessGroup]):
+    def __init__(self, layout: Layout, rank: int, groups):
         self.layout = layout
         self.rank = rank
         self.holders = holders(layout)
-        self.groups = dict(groups)
+        self.groups = dict(groups.sync_groups)
+        self.embedding_group, self.pp_group = groups.embedding_group, groups.pp_group
+        replica, stage = layout.stage_of(rank)
+        # Counts the replica's tokens once: its last stage, TP rank 0.
+        self.counts_tokens = (stage == len(layout.replicas[replica].stages) - 1 and layout.tp_rank_of(rank) == 0)
         mine = [h for hs in self.holders.values() for h in hs if h.rank == rank]
         self.me = mine[0] if mine else None
 
@@ -109,8 +112,7 @@ class LayoutGradSync:
         ddp = model[0]
         config = ddp.config
         # Tied word embedding: first and last stage of this replica share one gradient.
-        _allreduce_word_embedding_grads(model, config, parallel_state.get_embedding_group(),
-                                        parallel_state.get_pipeline_model_parallel_group())
+        _allreduce_word_embedding_grads(model, config, self.embedding_group, self.pp_group)
         slots = param_slots(ddp.module)
         buckets = self._buckets(slots)
         for ranks in sorted(buckets):  # one canonical order on every rank: no cross-group deadlock
@@ -125,15 +127,15 @@ class LayoutGradSync:
                 view.copy_(flat[offset:offset + view.numel()].view_as(view))
                 offset += view.numel()
         if num_tokens is not None:
-            total = total_tokens(num_tokens)
+            total = total_tokens(num_tokens, self.counts_tokens)
             for slot in slots:
                 slot.param.main_grad.div_(total)
 
 
-def total_tokens(num_tokens: torch.Tensor) -> torch.Tensor:
-    """Tokens of the whole global batch: each replica's last stage, TP rank 0, contributes once."""
+def total_tokens(num_tokens: torch.Tensor, counts: bool) -> torch.Tensor:
+    """Tokens of the whole global batch: each replica's last stage, TP rank 0 (``counts``), contributes once."""
     mine = num_tokens.to(torch.float64).clone()
-    if not (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0):
+    if not counts:
         mine.zero_()
     dist.all_reduce(mine)
     return mine.to(torch.float32).clamp(min=1.0)

@@ -8,6 +8,7 @@ Responsible for three steps of a reconfiguration, each a function:
   ``megatron.core.parallel_state`` (the only place in the project that does), and reset them.
 - ``teardown(groups)``: uninstall if installed, then ``destroy_process_group`` every group the
   record created, so repeated re-forms leak no groups, threads or file descriptors.
+- ``message_group(timeout)``: the world's gloo group for detection's messages (one per world).
 - ``reform_world(...)`` / ``dense_ranks(...)``: after a rank died, destroy the old default group
   and join a smaller world through a fresh store prefix, survivors taking dense new ranks.
 
@@ -52,7 +53,8 @@ first ``install`` (None after a fresh start); ``teardown(groups)`` also destroys
 Modules capture groups at construction, so a model, DDP wrapper and optimizer built on one record
 must be rebuilt after the next; nothing here moves weights.
 
-This module must never decide a layout, and must never create a group outside ``build_groups``
+This module must never decide a layout, and is the only one that creates groups (``build_groups``,
+``message_group``); their users are handed them
 (every rank has to create the same groups in the same order, or a later group hangs).
 Layout ranks are ranks of the *current* default group: after ``reform_world`` the Layout has to be
 expressed in the dense new ranks.
@@ -419,6 +421,16 @@ def teardown(groups: ParallelGroups) -> None:
     _destroy(groups.owned)
 
 
+def message_group(timeout: Timeout):
+    """The gloo group of the whole world that detection's messages travel on: None when the world
+    group is gloo itself, else a new gloo group of every rank. One per world (it outlives the
+    layouts of that world: posted receives wait on it across a re-plan), made when the world forms,
+    collective like ``build_groups``; ``reform_world`` destroys it with the world."""
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo", timeout=_timedelta(timeout), group_desc="RESIHP_MESSAGES")
+
+
 def dense_ranks(old_ranks_alive: Iterable[int]) -> dict[int, int]:
     """Survivors' new ranks: old ranks in ascending order get 0, 1, 2, ...
 
@@ -468,6 +480,6 @@ def reform_world(
 
 
 __all__ = [
-    "ParallelGroups", "build_groups", "install", "installed", "uninstall", "teardown",
+    "ParallelGroups", "build_groups", "message_group", "install", "installed", "uninstall", "teardown",
     "dense_ranks", "reform_world", "SUPPORTED_MCORE",
 ]

@@ -1,7 +1,8 @@
-"""In-place fail-stop recovery: the executor's life cycle, one function per step.
+"""The store protocols of in-place adaptation, one function per step.
 
-    await_failed_ranks -> agree_on_plan -> [stage_moves] -> reform_for_plan -> (rebuild, in relayout) -> resume
+    await_failed_ranks -> agree_on_plan -> [stage_moves] -> meet_and_reform -> (rebuild: reconfigure) -> resume
                                         or -> save_assembled_checkpoint (no in-place plan)
+    agree_on_commit: one answer for every member of a layout change (commit or go back)
 
 Responsible for carrying out a ``SurvivorPlan`` (``resihp_ext/planner/survivors.py``) in the
 surviving processes: the plan is decided once, by the lowest surviving rank, and published through
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from megatron.resihp import checkpointing
 from megatron.resihp.model_builder import TrainingObjects
-from megatron.resihp.parallel_state_patch import build_groups, install, reform_world
+from megatron.resihp.parallel_state_patch import reform_world
 from megatron.resihp.reshard import stage_transfers
 from resihp_ext.layout import Layout
 from resihp_ext.planner.hardware import HardwareModel
@@ -164,19 +165,6 @@ def stage_moves(store, generation: int, rank: int, survivors: list[int], moves, 
     meet_and_reform(store, f"{generation}moves", survivors.index(rank), len(survivors), backend, timeout_s, stop)
     joined()
     return stage_transfers(moves, layout, rank, objects, peer_rank=survivors.index, ran=ran)
-
-
-def reform_for_plan(store, generation: int, new_rank: int, new_world_size: int, backend: str,
-                    timeout_s: float, layout: Layout | None, stop: Callable[[], str | None] = lambda: None,
-                    met: Callable[[], None] = lambda: None):
-    """Join the new world and install its groups for megatron-core (kept ranks only). ``met`` runs
-    once every member has said it is there, just before the process group forms."""
-    meet_and_reform(store, str(generation), new_rank, new_world_size, backend, timeout_s, stop, met)
-    if layout is None:
-        return None
-    groups = build_groups(layout, new_rank, timeout=timeout_s)
-    install(groups)
-    return groups
 
 
 def save_assembled_checkpoint(args: argparse.Namespace, root: str, iteration: int, consumed_samples: int,

@@ -37,7 +37,7 @@ def phase_faults(resilience, iteration: int) -> Callable[[str], None]:
     injected with ``during=<phase>`` (``resihp_ext.faults.PHASES``), none without resilience."""
     if resilience is None:
         return lambda phase: None
-    return lambda phase: resilience._apply_recovery_faults(iteration, phase)
+    return lambda phase: resilience.inject(iteration, phase)
 
 
 def save(args: argparse.Namespace, iteration: int, consumed_samples: int, objects, quotas, resilience,
@@ -88,7 +88,7 @@ def leave_together(args: argparse.Namespace, at_phase: Callable[[str], None]) ->
     A rank lost here (the barrier fails) is logged and otherwise ignored: training finished and
     its last checkpoint, if any, is complete, so this rank exits as a finished one.
     """
-    from megatron.resihp.parallel_state_patch import teardown
+    from megatron.resihp.parallel_state_patch import installed, teardown
 
     at_phase("shutdown")
     try:
@@ -97,6 +97,6 @@ def leave_together(args: argparse.Namespace, at_phase: Callable[[str], None]) ->
         saved = f" and its checkpoint under {args.save} is complete" if args.save else ""
         log_line(f" resihp: rank {dist.get_rank()}: a rank failed as the job ended "
                  f"({str(error).splitlines()[0][:120]}); training had finished{saved}, so this rank exits normally")
-    if getattr(args, "groups", None) is not None:
-        teardown(args.groups)
+    if installed() is not None:  # the run's groups: start-up's, or the last layout change's
+        teardown(installed())
     dist.destroy_process_group()

@@ -54,13 +54,15 @@ def main() -> None:
                 replicas.append(ReplicaSpec(tuple(stages)))
             new_layout = Layout(tuple(replicas), self.layout.model)
             planned = transfers(self.layout, new_layout)  # what a plan for this layout carries
-            objects, moved = self._apply_layout(new_layout, planned, objects, iteration)
-            self.events.emit("forced_layout", iteration, layers=layers, quotas=quotas, bytes_moved=moved,
+            self._take(objects, current)
+            self.replan.change_layout(new_layout, planned, iteration)
+            objects = self.run.objects
+            self.events.emit("forced_layout", iteration, layers=layers, quotas=quotas, bytes_moved=self.moved_bytes,
                              moves=[t.to_dict() for t in planned if t.crosses])
             return objects, quotas
 
     pretrain(args, entry.datasets_provider, entry.forward_step,
-             resilience_factory=lambda a, events, objects: ForcedLayout(a, events))
+             resilience_factory=ForcedLayout)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,236 @@
+"""The fail-stop driver: after a collective failed, decide which layout change the survivors make.
+
+Responsible for the decision half of an in-place fail-stop recovery, at the iteration that
+failed: wait for the heartbeats to name who failed, agree on one ``SurvivorPlan``
+(``recovery.agree_on_plan``: the lowest survivor decides), and ask the life cycle
+(``reconfigure.apply``) for the SHRINK change it describes; when a member fails while the
+survivors re-form, plan again without it. With no in-place plan, survivors save a checkpoint
+assembled from whoever holds each shard (or point to the last periodic one) and leave. It never
+builds a group, a model or a world itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.resihp import checkpointing, recovery
+from megatron.resihp.data_samplers import even_quotas
+from megatron.resihp.link_faults import LINKS
+from megatron.resihp.logging_utils import log_line
+from megatron.resihp.reconfigure import ChangeFailed, LayoutChange, World, apply
+from megatron.resihp.run_state import StopTraining
+from megatron.resihp.standby import mark_job_done
+from resihp_ext.faults import FaultKind
+from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.health import Health
+from resihp_ext.planner.joint import plan_adaptation
+from resihp_ext.planner.survivors import continuing_layout
+
+# Exit code of a survivor that saved a checkpoint because no in-place plan existed.
+EXIT_NEEDS_RESTART = 3
+# Worlds a recovery tries to form before giving up: each failed attempt means another rank left
+# while the survivors were re-forming, and each retry plans without it.
+REFORM_ATTEMPTS = 3
+
+
+def resume_command(argv: list[str], nproc: int, checkpoint_root: str) -> str:
+    """The launch that resumes this job from ``checkpoint_root``: same flags, minus any earlier
+    ``--load`` and any injected faults (those were tests of this run, not part of the job)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--load", "--resihp-inject"):
+            skip = "=" not in arg
+            continue
+        kept.append(arg)
+    return " ".join(["python", "scripts/launch_local.py", f"--nproc-per-node {nproc}", *kept, "--load", checkpoint_root])
+
+
+class FailStopRecovery:
+    """Decides the survivors' change; ``host`` is the process's ``ResilienceHooks`` (its run state,
+    heartbeats, store and event log)."""
+
+    def __init__(self, host):
+        self.host = host
+
+    def recover(self, iteration: int, error: Exception, consumed_samples: int, completed: int | None = None):
+        """A collective failed: find who died, agree on a plan, continue in place or leave.
+
+        Ranks of this world outside the layout are leaving it (the joiners of a readmission that
+        failed before every member had its state): they are planned without, like the dead. With
+        no world at all (a readmission whose rendezvous failed), the layout's ranks re-form.
+        The running quotas are kept when no rank of the layout failed.
+
+        ``completed``: the iterations finished when the failure surfaced, which a fallback checkpoint
+        saves with ``consumed_samples``: ``iteration - 1`` (the default) when ``iteration`` is
+        redone, ``iteration`` when it had stepped (a failure during detection or a checkpoint save).
+
+        Returns:
+            The new ``RunState`` (committed on ``host``), to redo ``iteration`` on (or go on after it).
+
+        Raises:
+            StopTraining: this process is a spare, or no in-place plan exists (after saving).
+            The original error, when the heartbeats name no failed rank.
+        """
+        host, cfg = self.host, self.host.cfg
+        start = time.perf_counter()
+        run = host.run
+        old_rank = run.rank  # also when a grown world's rendezvous failed and no world is left
+        log_line(f" resihp: rank {old_rank}: iteration {iteration} failed: {str(error).splitlines()[0][:160]}")
+        host.monitor.mark_recovering()
+        if dist.is_initialized():
+            # This rank has left its collective; peers still blocked on it must leave theirs too.
+            # Shutting its connections ends only collectives this rank belongs to, which cannot
+            # finish without it; what it sent before still arrives first.
+            host._abandon_world()
+        failed = left = frozenset()  # left: spares of an earlier attempt's plan, gone or about to go
+        has_world = dist.is_initialized()
+        outside = frozenset(range(dist.get_world_size()) if has_world else ()) - frozenset(run.layout.world_ranks)
+        for attempt in range(1, REFORM_ATTEMPTS + 1):
+            # A hung peer is only named once its stall passes the hang timeout. With ranks leaving
+            # anyway, or no world left, a re-form is due whoever failed, and one that meets a hung
+            # rank fails and comes back here to wait for its name.
+            leaving = attempt == 1 and (bool(outside) or not has_world)
+            wait_s = (2 * cfg.heartbeat_timeout_s if leaving
+                      else cfg.effective_hang_timeout_s + 4 * cfg.heartbeat_timeout_s)
+            named = recovery.await_failed_ranks(host.monitor, wait_s=wait_s,
+                                                settle_s=2 * cfg.heartbeat_interval_s) - outside
+            if not named - failed and not leaving:
+                raise error
+            run = run.replace(generation=run.generation + 1)
+            host.run = run
+            plan, failed, preferred = recovery.agree_on_plan(
+                host.store, run.generation, old_rank, run.layout, named | failed | left, self._preferred_plan,
+                wait_s=3 * cfg.collective_timeout_s, hw=self._survivor_hardware(), health=host.known_health,
+            )
+            host._planned_out = set(run.layout.world_ranks) - set(plan.new_rank) | outside
+            leader = old_rank == min(set(run.layout.world_ranks) - failed)
+            if leader:
+                host.monitor.evict(failed)  # a hung rank among them fences itself
+                host.events.emit("plan", iteration, action=plan.action, reason=plan.reason, executed=plan.to_dict(),
+                                 preferred=preferred, attempt=attempt, compute_costs=host.costs_record())
+            log_line(f" resihp: plan ({plan.action}): {plan.reason}")
+            if plan.action != "adapt":
+                host.monitor.stop()
+                self._fallback_checkpoint(old_rank, iteration, plan, consumed_samples, failed,
+                                          iteration - 1 if completed is None else completed)
+            left = frozenset(plan.spares)
+            change = LayoutChange(
+                kind="recovery", world=World.SHRINK, iteration=iteration, old_layout=run.layout,
+                new_layout=continuing_layout(run.layout, plan),
+                transfers=plan.transfers,  # what the plan priced, in old ranks: exactly what runs
+                new_rank=dict(plan.new_rank), move_world=tuple(sorted(set(run.layout.world_ranks) - failed)),
+                failed=failed, watch_old_world=True, reload_own=True, leave=self._leave_as_spare)
+            try:
+                new = apply(change, run, host)
+                break
+            except ChangeFailed as exc:
+                # The old world's heartbeats are still watched, so a rank that died while the new
+                # world formed is named like the first; the next attempt plans without it.
+                if attempt == REFORM_ATTEMPTS:
+                    raise
+                run = exc.run
+                log_line(f" resihp: rank {old_rank}: re-forming world {run.generation} failed "
+                         f"({str(exc.__cause__ or exc).splitlines()[0][:120]}); planning again with the ranks "
+                         f"the heartbeats name")
+        host.known_health = host.known_health.relabel(plan.new_rank)
+        quotas = run.quotas
+        if failed or not quotas or len(quotas) != new.data_parallel_size:
+            args = host.args
+            quotas = plan.quotas or even_quotas(args.global_batch_size // args.micro_batch_size,
+                                                new.data_parallel_size)
+        new = new.replace(quotas=tuple(quotas))
+        host.commit(new, world_changed=True)
+        # Faults follow the process; a slowdown under way keeps its end.
+        host.faults = [f for f in host.faults if f.at_iteration > iteration or (f.until_iteration or 0) > iteration
+                       or (f.kind is FaultKind.SLOW and f.until_iteration is None)]
+        LINKS.clear()  # slowed links name old ranks
+        duration = time.perf_counter() - start
+        if new.rank == 0:
+            host.events.emit("adapted", iteration, world_size=dist.get_world_size(), duration_s=duration,
+                             data_parallel_size=new.data_parallel_size, quotas=list(quotas),
+                             failed_ranks=sorted(failed))
+        log_line(f" resihp: rank {old_rank} -> {new.rank}: adapted in place, world {dist.get_world_size()}, "
+                 f"DP {new.data_parallel_size}, {'redoing' if completed is None else 'going on after'} iteration "
+                 f"{iteration} ({duration:.2f} s since the failure surfaced)")
+        return new
+
+    def _survivor_hardware(self) -> HardwareModel:
+        """The survivor planner's model: memory facts (may a stage run on fewer ranks than its old
+        TP group?) and, once an iteration has been measured, the cost model fitted to this job, so
+        that whether a slower smaller-TP replica is worth adding, and the batch's split, follow
+        this job's own compute and sync times rather than a reference cluster's."""
+        host = self.host
+        gib = host.cfg.device_memory_gb
+        if gib is None and torch.cuda.is_available():
+            memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        else:
+            memory = gib * 2**30 if gib is not None else HardwareModel.device_memory_bytes
+        half = host.args.bf16 or host.args.fp16
+        # Megatron keeps fp32 weights, grads and Adam moments (16 bytes) or adds a half copy (18).
+        facts = dict(device_memory_bytes=memory, state_bytes_per_param=18.0 if half else 16.0,
+                     activation_bytes_per_value=2.0 if half else 4.0)
+        if host.costs is None:
+            return HardwareModel(**facts)
+        return dataclasses.replace(host.calibrated_hardware(), **facts)
+
+    def _leave_as_spare(self, old_rank: int) -> None:
+        self.host.monitor.stop()
+        if dist.is_initialized():  # not after a failed re-form
+            dist.destroy_process_group()
+        raise StopTraining(0, f"rank {old_rank} is a spare after the adaptation (the new layout does not use it)")
+
+    def _preferred_plan(self, failed) -> dict:
+        """What the joint planner would do with unrestricted execution (logged for comparison)."""
+        plan = plan_adaptation(self.host.layout, self.host.known_health.updated(Health(dead=frozenset(failed))))
+        return {"action": plan.action, "policy": plan.policy, "reason": plan.reason}
+
+    def _fallback_checkpoint(self, old_rank, iteration, plan, consumed_samples, failed, completed):
+        """No replica can go on: survivors assemble a checkpoint if every shard survived, then stop.
+
+        If some shard died with every holder, the last periodic checkpoint under ``--save`` (if
+        any) is the one to resume from; the iterations after it are trained again.
+        """
+        host, args, run = self.host, self.host.args, self.host.run
+        survivors = sorted(set(run.layout.world_ranks) - failed)
+        root = args.save or os.path.abspath("resihp_fallback_checkpoint")
+        saved = None
+        if not plan.missing_shards and completed > 0:
+            position = (run.layout.stage_of(old_rank)[1], run.layout.tp_rank_of(old_rank))
+            recovery.meet_and_reform(host.store, str(run.generation), survivors.index(old_rank), len(survivors),
+                                     host.backend, host.cfg.collective_timeout_s,
+                                     stop=host.failure_among(survivors))
+            writer = plan.checkpoint_writers.get(position) == old_rank
+            saved = recovery.save_assembled_checkpoint(args, root, completed, consumed_samples, run.objects,
+                                                       position, writer)
+            reason = plan.reason + f"; saved iteration {completed} to {saved}"
+        else:
+            last = checkpointing.latest_iteration(args.save) if args.save else None
+            if last is not None:
+                saved = os.path.join(root, f"iter_{last:07d}")
+                redo = (f"iteration {completed} is" if completed == last + 1
+                        else f"iterations {last + 1}-{completed} are") if completed > last else "no iteration is"
+                reason = (plan.reason + f"; nothing could be saved now, so resume from the last checkpoint, iteration "
+                          f"{last} ({saved}): {redo} trained again")
+            else:
+                reason = plan.reason + ("; nothing saved, and no earlier checkpoint exists: pass --save DIR "
+                                        "--save-interval N so that a failure of every holder of a shard can resume")
+        resume = resume_command(sys.argv, len(host.launch_layout.world_ranks), root) if saved else None
+        if old_rank == survivors[0]:
+            mark_job_done(host.store)
+            host.events.emit("fallback_checkpoint", iteration, reason=reason, resume_command=resume, path=saved)
+            log_line(f" resihp: no in-place plan: {reason}")
+            if resume:
+                log_line(f" resihp: resume with: {resume}")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise StopTraining(EXIT_NEEDS_RESTART, reason)

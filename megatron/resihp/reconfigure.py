@@ -1,0 +1,291 @@
+"""The one life cycle of a layout change: the only code that installs a layout after start-up.
+
+Responsible for carrying out a ``LayoutChange`` that a driver asked for (fail-slow re-plan:
+``fail_slow_replan.py``; fail-stop recovery: ``fail_stop_recovery.py``; standby readmission:
+``standby.py``), always in the same steps::
+
+    [world]  SAME: keep it | SHRINK: move state out, leavers leave, re-form | GROW: form the grown world
+    build groups -> install -> rebuild model, DDP, optimizer -> move state -> agree -> commit
+
+and for rolling one back, in one place: until the change commits, the state it started from
+(the ``RunState`` passed in) is whole on every member, because moves only read the old objects.
+A member that fails part-way makes every member raise ``ChangeFailed`` carrying the state they are
+all back on (the old layout, in whichever world they are now in), from which the fail-stop
+recovery starts. The agreement (``recovery.agree_on_commit``) gives every member one answer
+whoever dies when. A SHRINK change does not agree: its members have left the old world already,
+and a failure surfaces as ``ChangeFailed`` to the recovery, which plans again without the rank
+the heartbeats name.
+
+What to change to is never decided here; nothing here writes onto ``args``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron.resihp import recovery
+from megatron.resihp.layer_sync import LayoutGradSync
+from megatron.resihp.logging_utils import log_line
+from megatron.resihp.model_builder import TrainingObjects, build_training_objects
+from megatron.resihp.parallel_state_patch import build_groups, install, message_group, teardown
+from megatron.resihp.reshard import (
+    apply_transfers, carry_schedule, load_loss_scale_state, loss_scale_state, stage_transfers, unstage_transfers,
+)
+from megatron.resihp.run_state import RunState
+from resihp_ext.layout import Layout
+
+
+class World(enum.Enum):
+    """How the world (the processes and their ranks) changes with the layout."""
+
+    SAME = "same"  # the same processes keep their ranks
+    SHRINK = "shrink"  # fewer processes: state moves in a world of the old members, then the rest re-form
+    GROW = "grow"  # joiners come in: the grown world forms first (working ranks keep their numbers)
+
+
+class ChangeFailed(RuntimeError):
+    """A member failed before the change committed; every member is back on ``run``."""
+
+    def __init__(self, message: str, run: RunState):
+        super().__init__(message)
+        self.run = run
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutChange:
+    """What a driver asks for.
+
+    Attributes:
+        kind: "replan", "recovery" or "readmission": names the step in the store, the injected
+            faults' phase after the rebuild, and the log lines.
+        world: how the world changes.
+        iteration: the iteration the change happens at.
+        old_layout: the running layout, in ranks of the world the moves run in.
+        new_layout: the target, in the same ranks (GROW: the grown world's, joiners included).
+        transfers: exactly the plan's (``Plan.transfers`` / ``SurvivorPlan.transfers``), in those ranks.
+        new_rank: SHRINK: old rank -> rank in the re-formed world (ranks it lacks leave).
+        move_world: SHRINK: the old ranks that meet in a world of their own to move state (every
+            survivor of a fail-stop); None: state moves in the current world.
+        failed: SHRINK: ranks the change is made without; one of them that is still running sends
+            nothing and leaves first.
+        watch_old_world: SHRINK: keep watching the old world's heartbeats until the new world
+            commits (a recovery names whoever fails while it re-forms and plans again).
+        reload_own: SHRINK: a rank that receives nothing from another keeps its own state whole
+            (same stage, same shapes) instead of copying it unit by unit.
+        identity: GROW: launch rank of every rank of the grown world.
+        joining_rank: GROW, on a joiner: its rank in the grown world (working ranks keep theirs).
+        scheduler_state: GROW: the working ranks' LR schedule.
+        adam_template, loss_scale: GROW, on a joiner: what shapes its Adam states and its loss scaler.
+        leave: called on a rank the new world does not include, once it has sent what others need;
+            it must raise (``StopTraining``, or ``StandingBy``).
+    """
+
+    kind: str
+    world: World
+    iteration: int
+    old_layout: Layout
+    new_layout: Layout
+    transfers: tuple = ()
+    new_rank: Mapping[int, int] | None = None
+    move_world: tuple[int, ...] | None = None
+    failed: frozenset[int] = frozenset()
+    watch_old_world: bool = False
+    reload_own: bool = False
+    identity: tuple[int, ...] | None = None
+    joining_rank: int | None = None
+    scheduler_state: dict | None = None
+    adam_template: dict | None = None
+    loss_scale: list | None = None
+    leave: Callable[[int], None] | None = None
+
+
+class Executor(Protocol):
+    """What the life cycle uses of the process running it (``resilience.ResilienceHooks``)."""
+
+    args: object
+    cfg: object
+    store: object
+
+    @property
+    def backend(self) -> str: ...
+
+    def inject(self, iteration: int, phase: str) -> None:
+        """Apply an injected kill aimed at ``phase`` of an adaptation."""
+
+    def failure_among(self, members) -> Callable[[], str | None]:
+        """A reason to give up on a world of ``members``: the heartbeats name one failed."""
+
+    def all_done(self, step: str, members: int, finished: bool) -> bool:
+        """One answer for every member: did all of them finish ``step``."""
+
+    def watch(self, run: RunState) -> None:
+        """Watch the heartbeats of ``run``'s world (stopping any earlier watch)."""
+
+    def unwatch(self) -> None:
+        """Stop watching the current world's heartbeats."""
+
+    def record_moved(self, iteration: int, rank: int, ran: list, num_bytes: int) -> None:
+        """Say which transfers this rank ran (ranks of the world they ran in)."""
+
+
+def rebuild(args, layout: Layout, rank: int, sync: LayoutGradSync | None) -> TrainingObjects:
+    """Model, DDP, optimizer and LR schedule for ``rank``'s replica of the installed ``layout``."""
+    replica, _ = layout.stage_of(rank)
+    rng = torch.get_rng_state()  # building modules draws from the CPU generator; keep dropout streams
+    objects = build_training_objects(args, layout.replicas[replica].layers_per_stage)
+    torch.set_rng_state(rng)
+    if sync is not None:
+        objects.config.finalize_model_grads_func = sync
+    return objects
+
+
+def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
+    """Carry out ``change`` from ``run``; returns the state the job goes on from.
+
+    Raises:
+        ChangeFailed: a member failed before the change committed (``error.run``: the state every
+            member is back on).
+        StopTraining: this process leaves (``change.leave``).
+    """
+    timeout_s = env.cfg.collective_timeout_s
+    ran: list = []
+    received: dict = {}
+    moved = 0
+    messages = run.messages
+    if change.world is World.SHRINK:
+        received = _move_out_and_reform(change, run, env, ran)
+        rank, layout = change.new_rank[run.rank], change.new_layout.relabel(change.new_rank)
+        identity = run.renumbered(change.new_rank)
+    elif change.world is World.GROW:
+        _form_grown_world(change, run, env)
+        rank, layout, identity = dist.get_rank(), change.new_layout, change.identity
+    else:
+        rank, layout, identity = run.rank, change.new_layout, run.identity
+    # Where every member stands if the change is abandoned: the old layout, in the world they are in.
+    back = run if change.world is World.SAME else run.replace(sync=None, messages=None)
+    groups = new_objects = failure = sync = None
+    try:
+        groups = build_groups(layout, rank, timeout=timeout_s)
+        install(groups)
+        if change.world is not World.SAME:
+            messages = message_group(timeout_s)  # one per world, made as it forms
+            back = back.replace(messages=messages)
+        sync = None if layout.replicas_alike() else LayoutGradSync(layout, rank, groups)
+        new_objects = rebuild(env.args, layout, rank, sync)
+        if change.world is not World.SHRINK:
+            env.inject(change.iteration, change.kind)
+        moved += _move_state(change, run, rank, new_objects, received, ran)
+    except RuntimeError as error:
+        failure = error
+    if change.world is World.SHRINK:
+        committed = failure is None  # no agreement: the old world is gone (see the module docstring)
+    else:
+        # A rank that failed never counts as finished, so it always goes back with the others.
+        same = change.world is World.SAME
+        step = f"{change.kind}{change.iteration}" if same else "grown"
+        members = change.old_layout.world_size if same else dist.get_world_size()
+        committed = env.all_done(step, members, finished=failure is None)
+    if not committed:
+        if change.world is World.SAME:
+            install(run.groups)
+            if groups is not None:
+                teardown(groups)
+        why = str(failure).splitlines()[0][:120] if failure is not None else "another rank failed"
+        log_line(f" resihp: rank {run.rank}: the {change.kind} at iteration {change.iteration} failed before every "
+                 f"member had its state ({why}); back on the old layout")
+        raise ChangeFailed(f"a member failed before every member had its state for the {change.kind} at "
+                           f"iteration {change.iteration}: {why}", back) from failure
+    if change.world is World.SAME:
+        teardown(run.groups)
+    if change.world is not World.SHRINK:  # a SHRINK's moves were recorded as they ran, before the re-form
+        env.record_moved(change.iteration, rank, ran, moved)
+    new = RunState(layout=layout, groups=groups, rank=rank, launch_rank=run.launch_rank, identity=tuple(identity),
+                   generation=run.generation, objects=new_objects, quotas=run.quotas, messages=messages, sync=sync)
+    if change.world is World.SHRINK:
+        env.watch(new)  # the old world's watch ends here (a recovery kept it while re-forming)
+    return new
+
+
+def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran: list) -> dict:
+    """SHRINK: send what the kept ranks need while every holder is a member, let leavers go, and
+    form the smaller world. Returns what this rank received (``reshard.stage_transfers``)."""
+    old_rank, new_rank = run.rank, change.new_rank
+    if old_rank not in new_rank and (not change.transfers or old_rank in change.failed):
+        change.leave(old_rank)
+    if change.kind == "recovery":
+        env.inject(change.iteration, "reform")
+    try:
+        if change.move_world is not None:
+            received = {}
+            if change.transfers:
+                # Spares stay for this step: they may hold what a moved stage group needs.
+                received = recovery.stage_moves(
+                    env.store, run.generation, old_rank, list(change.move_world), change.transfers,
+                    change.old_layout, run.objects, env.backend, env.cfg.collective_timeout_s,
+                    stop=env.failure_among(change.move_world),
+                    joined=lambda: env.inject(change.iteration, "moves"), ran=ran)
+        else:
+            received = stage_transfers(change.transfers, change.old_layout, old_rank, run.objects,
+                                       peer_rank=lambda r: r, ran=ran)
+        env.record_moved(change.iteration, old_rank, ran, sum(f.numel() * f.element_size() for f in received.values()))
+        if not change.watch_old_world:
+            env.unwatch()
+        if old_rank not in new_rank:
+            change.leave(old_rank)
+        recovery.meet_and_reform(env.store, str(run.generation), new_rank[old_rank], len(new_rank), env.backend,
+                                 env.cfg.collective_timeout_s, stop=env.failure_among(new_rank),
+                                 met=lambda: env.inject(change.iteration, "rendezvous"))
+    except (RuntimeError, TimeoutError) as error:
+        raise ChangeFailed(f"world {run.generation} did not form: {error}", run) from error
+    return received
+
+
+def _form_grown_world(change: LayoutChange, run: RunState, env: Executor) -> None:
+    """GROW: form the grown world (the old one is left only once every member has arrived), and
+    watch its heartbeats from the start: a member that fails while it is set up must be named."""
+    new_rank = run.rank if change.joining_rank is None else change.joining_rank
+    try:
+        recovery.meet_and_reform(env.store, str(run.generation), new_rank, len(change.identity), env.backend,
+                                 env.cfg.collective_timeout_s, stop=env.failure_among(change.old_layout.world_ranks)
+                                 if change.joining_rank is None else lambda: None,
+                                 met=lambda: env.inject(change.iteration, "rendezvous"))
+    except (RuntimeError, TimeoutError) as error:
+        if change.joining_rank is None and not dist.is_initialized():
+            # The rendezvous itself failed (a member died after saying it was there): the old
+            # world is gone and the grown one never formed. The old world's heartbeats still
+            # run, so the recovery re-forms the working ranks, without whoever failed.
+            log_line(f" resihp: rank {run.rank}: world {run.generation} did not form "
+                     f"({str(error).splitlines()[0][:120]}); re-forming the working ranks")
+        raise ChangeFailed(f"world {run.generation} did not form: {error}", run) from error
+    env.watch(run.replace(identity=tuple(change.identity), rank=new_rank))
+
+
+def _move_state(change: LayoutChange, run: RunState, rank: int, new_objects, received: dict, ran: list) -> int:
+    """Fill the rebuilt objects: exactly ``change.transfers``, then what every optimizer keeps
+    besides its tensors (step counts, LR schedule, loss scale). Returns bytes this rank moved."""
+    old = run.objects
+    if change.world is World.SHRINK:
+        if change.reload_own and not any(t.dst == run.rank and t.src != run.rank for t in change.transfers):
+            # A rank at the stage it held before: its own state, same shapes, is all it needs.
+            new_objects.model.load_state_dict(old.model.state_dict())
+            new_objects.optimizer.load_state_dict(old.optimizer.state_dict())
+        else:
+            unstage_transfers(change.transfers, change.old_layout, change.new_layout, run.rank, old, new_objects,
+                              received)
+        carry_schedule(old, new_objects)
+        return 0
+    moved = apply_transfers(change.transfers, change.old_layout, change.new_layout, rank, old, new_objects,
+                            adam_template=change.adam_template, ran=ran)
+    if change.world is World.SAME:
+        carry_schedule(old, new_objects)
+    else:
+        new_objects.scheduler.load_state_dict(change.scheduler_state)
+        load_loss_scale_state(new_objects.optimizer,
+                              loss_scale_state(old.optimizer) if old is not None else change.loss_scale or [])
+    return moved
