@@ -42,7 +42,9 @@ from torch.overrides import TorchFunctionMode
 from megatron.resihp import cpu_mode
 
 CHECKED_MCORE = "0.19.2"
-if package_info.__version__ != CHECKED_MCORE:
+# A wheel installed inside a git checkout reports its version with that checkout's commit appended
+# ("0.19.2+abc1234"): the release is what the patches were checked against.
+if package_info.__version__.split("+")[0] != CHECKED_MCORE:
     raise ImportError(
         f"megatron.resihp.cpu_training patches megatron-core {CHECKED_MCORE}'s training package, but "
         f"megatron-core {package_info.__version__} is installed; install megatron-core=={CHECKED_MCORE}"

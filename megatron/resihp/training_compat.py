@@ -33,7 +33,9 @@ import torch
 from megatron.core import package_info
 
 CHECKED_MCORE = "0.19.2"
-if package_info.__version__ != CHECKED_MCORE:
+# A wheel installed inside a git checkout reports its version with that checkout's commit appended
+# ("0.19.2+abc1234"): the release is what the patches were checked against.
+if package_info.__version__.split("+")[0] != CHECKED_MCORE:
     raise ImportError(
         f"megatron.resihp.training_compat patches megatron-core {CHECKED_MCORE}, but megatron-core "
         f"{package_info.__version__} is installed; install megatron-core=={CHECKED_MCORE}"
