@@ -74,6 +74,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from scripts.child_env import job_env  # noqa: E402
+from scripts.signal_rank import run_and_signal  # noqa: E402
 NPROC, TP, PP = 8, 2, 2
 GLOBAL_BATCH = 16  # fail-stop runs; the throughput runs take --global-batch
 KILL_RANKS = (5,)
@@ -340,24 +341,10 @@ def _stopped_in_place(work: Path, k: int, iters: int, rank: int) -> dict:
     cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), f"--nproc-per-node={NPROC}",
            str(REPO / "pretrain_gpt_resilient.py"), *MODEL, "--global-batch-size", str(GLOBAL_BATCH),
            "--train-iters", str(iters), "--resihp-event-log", str(log), "--resihp-enable"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 600
-        while not any(e["iteration"] >= k - 1 for e in events(log, "iteration")):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"SIGSTOP run ended before iteration {k - 1}: {proc.stdout.read()[-3000:]}")
-            time.sleep(0.02)
-        pid = next(e["pid"] for e in events(log, "start") if e["rank"] == rank)
-        stopped_at = time.time()
-        os.kill(pid, signal.SIGSTOP)
-        output, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    code, output, stopped_at = run_and_signal(cmd, log, rank=rank, sig=signal.SIGSTOP, after_iteration=k - 1)
     adapted = events(log, "adapted")
-    if proc.returncode or not adapted:
-        raise SystemExit(f"SIGSTOP run failed ({proc.returncode}): {output[-3000:]}")
+    if code or not adapted or stopped_at is None:
+        raise SystemExit(f"SIGSTOP run failed ({code}): {output[-3000:]}")
     after = [e for e in events(log, "iteration") if e["time"] > adapted[0]["time"]]
     hung = [v["time"] for v in events(log, "verdict") if v["kind"] == "hang"]
     return {

@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from scripts.child_env import job_env  # noqa: E402
+from scripts.signal_rank import run_and_signal  # noqa: E402
 
 NPROC, ITERS, GLOBAL_BATCH = 8, 8, 16
 MODEL = [
@@ -95,26 +94,14 @@ def run(case: Case | None, work: Path, median_s: float) -> dict:
     cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), f"--nproc-per-node={NPROC}",
            str(REPO / "pretrain_gpt_resilient.py"), *MODEL, "--save", str(ckpt), "--resihp-event-log", str(log),
            "--resihp-enable", *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    fault_at = None
-    try:
-        if case is not None and case.signal is not None:
-            deadline = time.monotonic() + 600
-            while not any(e["iteration"] >= 3 for e in events(log, "iteration")):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    break
-                time.sleep(0.01)
-            else:
-                time.sleep(case.at_fraction * median_s)
-                pid = next(e["pid"] for e in events(log, "start") if e["rank"] == 5)
-                fault_at = time.time()
-                os.kill(pid, case.signal)
-        output, _ = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    return {"log": log, "code": proc.returncode, "output": output, "fault_at": fault_at}
+    if case is not None and case.signal is not None:
+        code, output, fault_at = run_and_signal(cmd, log, rank=5, sig=case.signal, after_iteration=3,
+                                                delay_s=case.at_fraction * median_s, timeout_s=900)
+    else:
+        proc = subprocess.run(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=900)
+        code, output, fault_at = proc.returncode, proc.stdout, None
+    return {"log": log, "code": code, "output": output, "fault_at": fault_at}
 
 
 def judge(result: dict, reference: dict[int, float]) -> dict:

@@ -5,12 +5,10 @@ makes the gradient independent of how micro-batches are spread over replicas, so
 after recovery must equal the reference's.
 """
 
-import os
 import shlex
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ import torch
 from tests.dist.launch import (REPO, assert_moved_as_planned, check, iteration_losses, main_copies, read_events,
                                run_job)
 from scripts.child_env import job_env
+from scripts.signal_rank import run_and_signal
 
 MODEL = [
     "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -389,20 +388,9 @@ def test_a_rank_stopped_from_outside_is_named_hung_at_once_and_survived_in_place
             "--save", str(tmp_path / "ckpt"), "--resihp-event-log", str(log)]
     cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--nproc-per-node=8",
            str(REPO / "pretrain_gpt_resilient.py"), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not any(e["iteration"] >= 3 for e in read_events(log, "iteration")):
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            time.sleep(0.05)
-        pid = next(e["pid"] for e in read_events(log, "start") if e["rank"] == 5)
-        os.kill(pid, signal.SIGSTOP)
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, output[-3000:]
+    code, output, sent_at = run_and_signal(cmd, log, rank=5, sig=signal.SIGSTOP, after_iteration=3, timeout_s=240)
+    assert sent_at is not None, output[-3000:]
+    assert code == 0, output[-3000:]
     assert "sees ranks [5] hung ([5]: stopped by a signal)" in output, output[-3000:]
     verdicts = read_events(log, "verdict")
     assert verdicts and all(v["kind"] == "hang" and v["ranks"] == [5] for v in verdicts), verdicts

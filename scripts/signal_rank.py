@@ -1,0 +1,53 @@
+"""Runs a job and sends a signal from outside to one rank's process once training got far enough.
+
+Responsible for: what a fault test or bench does to strike a running job the way an operator or
+the kernel would: launch, watch the job's event log until an ``iteration`` event reaches the
+chosen iteration, find the rank's pid in its ``start`` event, wait a further delay, signal it, and
+collect the job's end. Used by ``tests/dist`` and ``scripts/bench``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from scripts.child_env import REPO, job_env
+
+
+def _events(path: Path, kind: str) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["event"] == kind]
+
+
+def run_and_signal(cmd: list[str], log: Path, rank: int, sig: int, after_iteration: int, delay_s: float = 0.0,
+                   timeout_s: float = 600) -> tuple[int, str, float | None]:
+    """Run ``cmd`` (a launch that writes ``--resihp-event-log log``) and send ``sig`` to ``rank``'s
+    process ``delay_s`` after iteration ``after_iteration`` is logged.
+
+    Returns:
+        (exit code, combined output, wall-clock time of the signal; None if the job ended first).
+    """
+    proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sent_at = None
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not any(e["iteration"] >= after_iteration for e in _events(log, "iteration")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        else:
+            time.sleep(delay_s)
+            pid = next(e["pid"] for e in _events(log, "start") if e["rank"] == rank)
+            sent_at = time.time()
+            os.kill(pid, sig)
+        output, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, output, sent_at
