@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.dist.launch import REPO, TINY_GPT, run_job
+from tests.dist.input_files import listing, truncated_copy, write_corpus
+from tests.dist.launch import TINY_GPT, run_job
 
 NPROC = 4
 # The tiny model on real files, with the byte-level tokenizer the corpus is written with.
@@ -25,29 +23,9 @@ DATA_ARGS = [a for i, a in enumerate(TINY_GPT) if a not in _MOCK and TINY_GPT[i 
 DATA_ARGS += ["--tokenizer-type", "ByteLevelTokenizer"]
 
 
-def _listing(folder):
-    return sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*"))
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("corpus")
-    docs = [f"Document {i}: " + "a resilient job reads whole files. " * (i % 5 + 1) for i in range(40)]
-    (tmp / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(tmp / "corpus.jsonl"),
-         "--output-prefix", str(tmp / "good"), "--tokenizer-type", "ByteLevelTokenizer", "--append-eod",
-         "--workers", "1"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return tmp / "good_text_document"
-
-
-def _truncated_copy(prefix, folder, suffix):
-    for s in (".idx", ".bin"):
-        shutil.copy(f"{prefix}{s}", folder / f"data{s}")
-    path = folder / f"data{suffix}"
-    os.truncate(path, path.stat().st_size - 7)
-    return folder / "data"
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _checkpoint_with_a_truncated_file(folder):
@@ -64,9 +42,9 @@ def _checkpoint_with_a_truncated_file(folder):
 
 CASES = {
     "missing-data-path": lambda tmp, prefix: (["--data-path", str(tmp / "input" / "nothing_here")], "--data-path"),
-    "truncated-idx": lambda tmp, prefix: (["--data-path", str(_truncated_copy(prefix, tmp / "input", ".idx"))],
+    "truncated-idx": lambda tmp, prefix: (["--data-path", str(truncated_copy(prefix, tmp / "input", ".idx"))],
                                           "data.idx"),
-    "truncated-bin": lambda tmp, prefix: (["--data-path", str(_truncated_copy(prefix, tmp / "input", ".bin"))],
+    "truncated-bin": lambda tmp, prefix: (["--data-path", str(truncated_copy(prefix, tmp / "input", ".bin"))],
                                           "data.bin"),
     "truncated-checkpoint": lambda tmp, prefix: (
         ["--data-path", str(prefix), "--load", str(tmp / "input")], "model_optim_rng.pt"),
@@ -81,7 +59,7 @@ def test_bad_input_is_refused_once_before_anything_is_written(tmp_path, corpus, 
     if case == "truncated-checkpoint":
         _checkpoint_with_a_truncated_file(tmp_path / "input")
     extra, named = CASES[case](tmp_path, corpus)
-    corpus_before, input_before = _listing(corpus.parent), _listing(tmp_path / "input")
+    corpus_before, input_before = listing(corpus.parent), listing(tmp_path / "input")
     log, save = tmp_path / "events.jsonl", tmp_path / "save"
     proc = run_job(NPROC, [*DATA_ARGS, "--train-iters", "2", "--save", str(save), "--resihp-event-log", str(log),
                            *extra], timeout_s=240, env_extra={"XDG_CACHE_HOME": str(tmp_path / "cache")})
@@ -90,11 +68,11 @@ def test_bad_input_is_refused_once_before_anything_is_written(tmp_path, corpus, 
     assert len(errors) == 1 and named in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not log.exists() and not save.exists()
-    assert _listing(corpus.parent) == corpus_before and _listing(tmp_path / "input") == input_before
+    assert listing(corpus.parent) == corpus_before and listing(tmp_path / "input") == input_before
 
 
 def test_a_job_on_real_files_writes_nothing_beside_them(tmp_path, corpus):
-    before = _listing(corpus.parent)
+    before = listing(corpus.parent)
     cache = tmp_path / "cache"
     # All 40 documents train: the default split would leave the validation split of so small a
     # corpus without a document, where megatron-core's index building never ends.
@@ -102,5 +80,5 @@ def test_a_job_on_real_files_writes_nothing_beside_them(tmp_path, corpus):
                            "--data-path", str(corpus), "--resihp-event-log", str(tmp_path / "events.jsonl")],
                    timeout_s=240, env_extra={"XDG_CACHE_HOME": str(cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _listing(corpus.parent) == before
+    assert listing(corpus.parent) == before
     assert any(cache.rglob("*.npy")), "the index caches go to the cache folder"

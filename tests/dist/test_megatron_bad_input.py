@@ -9,15 +9,13 @@ default --data-cache-path); its torch-format checkpoint, cut short, is the bad -
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.dist.launch import REPO, run_job
+from tests.dist.input_files import listing, truncated_copy, write_corpus
+from tests.dist.launch import run_job
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -34,21 +32,9 @@ TINY_MEGATRON = [
 SPLIT = ["--split", "98,2,0"]
 
 
-def _listing(folder):
-    return sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*"))
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("corpus")
-    docs = [f"Document {i}: " + "a resilient job reads whole files. " * (i % 5 + 1) for i in range(40)]
-    (tmp / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(tmp / "corpus.jsonl"),
-         "--output-prefix", str(tmp / "good"), "--tokenizer-type", "ByteLevelTokenizer", "--append-eod",
-         "--workers", "1"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return tmp / "good_text_document"
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +42,7 @@ def trained(tmp_path_factory, corpus):
     """A job on the real files with the default cache folder: (the process, its save folder, the cache home,
     the data folder's listing before it ran)."""
     tmp = tmp_path_factory.mktemp("trained")
-    before = _listing(corpus.parent)
+    before = listing(corpus.parent)
     proc = run_job(NPROC, [*TINY_MEGATRON, *SPLIT, "--data-path", str(corpus), "--save", str(tmp / "save"),
                            "--ckpt-format", "torch", "--save-interval", "2"],
                    timeout_s=240, env_extra={"XDG_CACHE_HOME": str(tmp / "cache")})
@@ -67,17 +53,9 @@ def test_a_job_on_real_files_writes_nothing_beside_them(corpus, trained):
     proc, save, cache, before = trained
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "iteration        2/       2" in proc.stdout
-    assert _listing(corpus.parent) == before
+    assert listing(corpus.parent) == before
     assert any((cache / "resihp-megatron" / "data-cache").glob("*.npy")), "the index caches go to the cache folder"
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-
-
-def _truncated_copy(prefix, folder, suffix):
-    for s in (".idx", ".bin"):
-        shutil.copy(f"{prefix}{s}", folder / f"data{s}")
-    path = folder / f"data{suffix}"
-    os.truncate(path, path.stat().st_size - 7)
-    return folder / "data"
 
 
 def _truncated_checkpoint(save, folder):
@@ -92,9 +70,9 @@ CASES = {
     "missing-data-path": lambda tmp, prefix, save: (
         [*SPLIT, "--data-path", str(tmp / "input" / "nothing_here")], "nothing_here.idx not found"),
     "truncated-idx": lambda tmp, prefix, save: (
-        [*SPLIT, "--data-path", str(_truncated_copy(prefix, tmp / "input", ".idx"))], "data.idx"),
+        [*SPLIT, "--data-path", str(truncated_copy(prefix, tmp / "input", ".idx"))], "data.idx"),
     "truncated-bin": lambda tmp, prefix, save: (
-        [*SPLIT, "--data-path", str(_truncated_copy(prefix, tmp / "input", ".bin"))], "data.bin"),
+        [*SPLIT, "--data-path", str(truncated_copy(prefix, tmp / "input", ".bin"))], "data.bin"),
     "truncated-checkpoint": lambda tmp, prefix, save: (
         [*SPLIT, "--data-path", str(prefix), "--load", str(_truncated_checkpoint(save, tmp / "input"))],
         "model_optim_rng.pt is not a readable torch.save archive"),
@@ -111,7 +89,7 @@ CASES = {
 def test_bad_input_is_refused_once_before_anything_is_written(tmp_path, corpus, trained, case):
     (tmp_path / "input").mkdir()
     extra, named = CASES[case](tmp_path, corpus, trained[1])
-    corpus_before, input_before = _listing(corpus.parent), _listing(tmp_path / "input")
+    corpus_before, input_before = listing(corpus.parent), listing(tmp_path / "input")
     save, tensorboard, cache = tmp_path / "save", tmp_path / "tb", tmp_path / "cache"
     args = [*TINY_MEGATRON, "--save", str(save), "--tensorboard-dir", str(tensorboard), *extra]
     proc = run_job(NPROC, args, timeout_s=120, env_extra={"XDG_CACHE_HOME": str(cache)})
@@ -120,4 +98,4 @@ def test_bad_input_is_refused_once_before_anything_is_written(tmp_path, corpus, 
     assert len(errors) == 1 and named in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not save.exists() and not tensorboard.exists() and not cache.exists()
-    assert _listing(corpus.parent) == corpus_before and _listing(tmp_path / "input") == input_before
+    assert listing(corpus.parent) == corpus_before and listing(tmp_path / "input") == input_before

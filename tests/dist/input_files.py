@@ -1,0 +1,39 @@
+"""Input files for the bad-input tests of both front ends: a small real corpus, damaged copies of
+it, and a listing that shows whether a job wrote anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.dist.launch import REPO
+
+
+def listing(folder: Path) -> list[tuple[str, int]]:
+    """Every path under ``folder`` with its size: equal before and after when nothing was written."""
+    return sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*"))
+
+
+def write_corpus(folder: Path) -> Path:
+    """40 short documents preprocessed with the byte-level tokenizer; returns the dataset prefix."""
+    docs = [f"Document {i}: " + "a resilient job reads whole files. " * (i % 5 + 1) for i in range(40)]
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(folder / "corpus.jsonl"),
+         "--output-prefix", str(folder / "good"), "--tokenizer-type", "ByteLevelTokenizer", "--append-eod",
+         "--workers", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return folder / "good_text_document"
+
+
+def truncated_copy(prefix: Path, folder: Path, suffix: str) -> Path:
+    """A copy of the dataset ``prefix`` in ``folder`` whose ``suffix`` file (.idx or .bin) lost 7 bytes."""
+    for s in (".idx", ".bin"):
+        shutil.copy(f"{prefix}{s}", folder / f"data{s}")
+    path = folder / f"data{suffix}"
+    os.truncate(path, path.stat().st_size - 7)
+    return folder / "data"
