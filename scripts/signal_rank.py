@@ -3,7 +3,7 @@
 Responsible for: what a fault test or bench does to strike a running job the way an operator or
 the kernel would: launch, watch the job's event log until an ``iteration`` event reaches the
 chosen iteration, find the rank's pid in its ``start`` event, wait a further delay, signal it, and
-collect the job's end. Used by ``tests/dist`` and ``scripts/bench``.
+collect the job's end; and reading that event log. Used by ``tests/dist`` and ``scripts/bench``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from pathlib import Path
 from scripts.child_env import REPO, job_env
 
 
-def _events(path: Path, kind: str) -> list[dict]:
+def events(path: Path, kind: str | None = None) -> list[dict]:
+    """The records of a job's ``--resihp-event-log`` (of one ``kind`` if given); none before it exists."""
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r["event"] == kind]
+    return [r for r in rows if kind is None or r["event"] == kind]
 
 
 def run_and_signal(cmd: list[str], log: Path, rank: int, sig: int, after_iteration: int, delay_s: float = 0.0,
@@ -36,13 +37,13 @@ def run_and_signal(cmd: list[str], log: Path, rank: int, sig: int, after_iterati
     sent_at = None
     try:
         deadline = time.monotonic() + timeout_s
-        while not any(e["iteration"] >= after_iteration for e in _events(log, "iteration")):
+        while not any(e["iteration"] >= after_iteration for e in events(log, "iteration")):
             if proc.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
         else:
             time.sleep(delay_s)
-            pid = next(e["pid"] for e in _events(log, "start") if e["rank"] == rank)
+            pid = next(e["pid"] for e in events(log, "start") if e["rank"] == rank)
             sent_at = time.time()
             os.kill(pid, sig)
         output, _ = proc.communicate(timeout=timeout_s)

@@ -29,7 +29,7 @@ import socket
 import torch.distributed as dist
 
 
-def _tcp_sockets() -> list[tuple[int, socket.socket]]:
+def _tcp_sockets() -> list[socket.socket]:
     """This process's open TCP sockets, wrapped without taking ownership of their descriptors."""
     found = []
     for name in os.listdir("/proc/self/fd"):
@@ -41,7 +41,7 @@ def _tcp_sockets() -> list[tuple[int, socket.socket]]:
         except OSError:  # closed since the listing, or not a socket after all
             continue
         if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
-            found.append((fd, sock))
+            found.append(sock)
         else:
             sock.detach()
     return found
@@ -57,7 +57,7 @@ def shut_world_sockets(keep_ports: set[int]) -> int:
         How many sockets were shut down.
     """
     count = 0
-    for _, sock in _tcp_sockets():
+    for sock in _tcp_sockets():
         try:
             try:
                 peer = sock.getpeername()

@@ -74,7 +74,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from scripts.child_env import job_env  # noqa: E402
-from scripts.signal_rank import run_and_signal  # noqa: E402
+from scripts.signal_rank import events, run_and_signal  # noqa: E402
 NPROC, TP, PP = 8, 2, 2
 GLOBAL_BATCH = 16  # fail-stop runs; the throughput runs take --global-batch
 KILL_RANKS = (5,)
@@ -104,13 +104,6 @@ def launch(args: list[str], launcher: str = "torchrun", check: bool = True, time
     if check and proc.returncode:
         raise SystemExit(f"job failed ({proc.returncode}): {' '.join(args)}\n{proc.stderr[-3000:]}")
     return proc, start, end
-
-
-def events(path: Path, kind: str | None = None) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if kind is None or r["event"] == kind]
 
 
 def _distinct(rows: list[dict]) -> list[dict]:

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from scripts.child_env import job_env  # noqa: E402
-from scripts.signal_rank import run_and_signal  # noqa: E402
+from scripts.signal_rank import events, run_and_signal  # noqa: E402
 
 NPROC, ITERS, GLOBAL_BATCH = 8, 8, 16
 MODEL = [
@@ -77,13 +77,6 @@ def cases() -> list[Case]:
     out.append(Case("kill 5 at 4, then 2 at 6", ("kill:rank=5,at=4", "kill:rank=2,at=6")))
     out.append(Case("kill 5 at 3, 2 at 5, 0 at 7", ("kill:rank=5,at=3", "kill:rank=2,at=5", "kill:rank=0,at=7")))
     return out
-
-
-def events(path: Path, kind: str | None = None) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if kind is None or r["event"] == kind]
 
 
 def run(case: Case | None, work: Path, median_s: float) -> dict:
