@@ -12,11 +12,17 @@ from dataclasses import dataclass, field
 
 from resihp_ext.faults import Fault, parse_fault
 
+# The training loops a resilient job can run on (``--resihp-loop``).
+LOOPS = ("resihp", "megatron")
+
 
 @dataclass(kw_only=True)
 class ResiHPConfig:
     enable: bool = False
     """Turn on in-place adaptation: detected failures are re-planned and applied without restart."""
+
+    loop: str = "resihp"
+    """The training loop a resilient job runs: resihp (the project's own: every feature) or megatron (Megatron-LM's own loop, every Megatron flag stock: fail-stop recovery in place; fail-slow detection and re-plans run on the resihp loop only, for now)."""
 
     detect_only: bool = False
     """Run detection (and log verdicts) but never adapt, so an injected slowdown stays in place."""
@@ -103,6 +109,8 @@ class ResiHPConfig:
     """GiB of one device a stage may use; a fail-stop plan runs a stage at a smaller TP degree only if it fits (default: the CUDA device's total memory; 80e9 bytes without CUDA)."""
 
     def __post_init__(self) -> None:
+        if self.loop not in LOOPS:
+            raise ValueError(f"--resihp-loop must be one of {', '.join(LOOPS)}, got {self.loop!r}")
         if self.device_memory_gb is not None and not self.device_memory_gb > 0:
             raise ValueError(f"--resihp-device-memory-gb must be > 0 (GiB per device), got {self.device_memory_gb}")
         if self.slowdown_threshold <= 1.0:

@@ -180,7 +180,8 @@ def _field_help(cls: type) -> dict[str, str]:
     return docs
 
 
-def _add_resihp_args(parser: argparse.ArgumentParser) -> None:
+def add_resihp_args(parser: argparse.ArgumentParser) -> None:
+    """The ``--resihp-*`` group, one flag per ``ResiHPConfig`` field (dest ``resihp_<field>``)."""
     g = parser.add_argument_group("resihp", "resilience: detection, planning, in-place adaptation")
     helps = _field_help(ResiHPConfig)
     hints = typing.get_type_hints(ResiHPConfig)
@@ -219,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(parser)
     _add_data_args(parser)
     _add_logging_args(parser)
-    _add_resihp_args(parser)
+    add_resihp_args(parser)
     compat = parser.add_argument_group("Megatron-LM flags this front end meets or refuses")
     for flag, takes_value in (*_FULFILLED_FLAGS, *_UNSUPPORTED_FLAGS):
         if takes_value:

@@ -110,7 +110,8 @@ class FailStopRecovery:
             host.run = run
             plan, failed, preferred = recovery.agree_on_plan(
                 host.store, run.generation, old_rank, run.layout, named | failed | left, self._preferred_plan,
-                wait_s=3 * cfg.collective_timeout_s, hw=self._survivor_hardware(), health=host.known_health,
+                wait_s=3 * cfg.collective_timeout_s, move_state=host.moves_state, hw=self._survivor_hardware(),
+                health=host.known_health,
             )
             host._planned_out = set(run.layout.world_ranks) - set(plan.new_rank) | outside
             leader = old_rank == min(set(run.layout.world_ranks) - failed)
@@ -204,7 +205,7 @@ class FailStopRecovery:
         survivors = sorted(set(run.layout.world_ranks) - failed)
         root = args.save or os.path.abspath("resihp_fallback_checkpoint")
         saved = None
-        if not plan.missing_shards and completed > 0:
+        if not plan.missing_shards and completed > 0 and host.moves_state:
             position = (run.layout.stage_of(old_rank)[1], run.layout.tp_rank_of(old_rank))
             recovery.meet_and_reform(host.store, str(run.generation), survivors.index(old_rank), len(survivors),
                                      host.backend, host.cfg.collective_timeout_s,

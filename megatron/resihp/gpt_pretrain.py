@@ -208,12 +208,61 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 
 def selects_megatron_loop(argv: list[str]) -> bool:
-    """Whether a command line runs on Megatron-LM's loop: no ``--resihp-*`` flag, and a megatron-core that
-    ships the training package (0.19 on; 0.16 has none, and there the resilient front end runs every job)."""
+    """Whether a command line runs on Megatron-LM's loop: no ``--resihp-*`` flag, or
+    ``--resihp-loop megatron``; and a megatron-core that ships the training package (0.19 on; 0.16 has
+    none, and there the resilient front end runs every job)."""
     from megatron.core import package_info
 
     major, minor = (int(x) for x in package_info.__version__.split(".")[:2])
-    return (major, minor) >= (0, 19) and not any(a.startswith("--resihp-") for a in argv)
+    return (major, minor) >= (0, 19) and (not any(a.startswith("--resihp-") for a in argv)
+                                          or resilience_loop(argv) == "megatron")
+
+
+def resilience_loop(argv: list[str]) -> str | None:
+    """The ``--resihp-loop`` the command line names (None when absent); argparse checks its value later."""
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe.add_argument("--resihp-loop", default=None)
+    known, _ = probe.parse_known_args(argv)
+    return known.resihp_loop
+
+
+def add_resilient_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's ``extra_args_provider`` of a resilient job: ``--device`` and the ``--resihp-*`` flags."""
+    from megatron.resihp.arguments import add_resihp_args
+
+    add_resihp_args(add_device_args(parser))
+    return parser
+
+
+def resilience_config(args: argparse.Namespace):
+    """``args.resihp`` from the parsed ``--resihp-*`` flags; exits 2 with the flag and the fix on a bad
+    value, or on a Megatron feature the resilience layer cannot carry through a re-form yet."""
+    import dataclasses
+    import os
+
+    from megatron.resihp.megatron_loop_resilience import unsupported_flags
+    from resihp_ext.config import ResiHPConfig
+    from resihp_ext.faults import check_ranks_exist
+
+    try:
+        cfg = ResiHPConfig(**{f.name: getattr(args, "resihp_" + f.name) for f in dataclasses.fields(ResiHPConfig)})
+        check_ranks_exist(cfg.faults, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as error:
+        _refuse(str(error))
+    args.resihp = cfg
+    lacking = unsupported_flags(args)
+    if lacking:
+        _refuse("resilience on Megatron-LM's loop (--resihp-loop megatron) cannot carry yet: " + "; ".join(lacking)
+                + ". Remove these flags, or drop the --resihp-* flags to run Megatron-LM's loop without resilience")
+    return cfg
+
+
+def _refuse(message: str) -> None:
+    import os
+
+    if int(os.environ.get("RANK", "0")) == 0:  # every rank finds the same error; one says it
+        print(f"pretrain_gpt_resilient.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def refuse_ignored_flags(argv: list[str]) -> None:
@@ -252,12 +301,27 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron.resihp.megatron_inputs import refuse_bad_inputs, with_data_cache_path
 
+    resilient = any(a.startswith("--resihp-") for a in argv)
+    extra_args = add_resilient_args if resilient else add_device_args
     sys.argv = [sys.argv[0], *argv]  # Megatron's parser reads sys.argv
     # The files the job reads are checked on the flags as parsed, before Megatron validates them:
     # validation already reads a checkpoint (--use-checkpoint-args) and builds the tokenizer.
-    parsed = parse_args(extra_args_provider=add_device_args)
+    parsed = parse_args(extra_args_provider=extra_args)
     refuse_bad_inputs(parsed, ARGS_DEFAULTS)
     sys.argv = [sys.argv[0], *with_data_cache_path(parsed, argv)]
-    args = parse_and_validate_args(extra_args_provider=add_device_args, args_defaults=ARGS_DEFAULTS)
-    cfg = pretrain_cfg_container_from_args(args)
-    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    args = parse_and_validate_args(extra_args_provider=extra_args, args_defaults=ARGS_DEFAULTS)
+    loop = None
+    if resilient:
+        from megatron.resihp import heartbeat_beacon
+        from megatron.resihp.megatron_loop_resilience import ResilientMegatronLoop
+
+        cfg = resilience_config(args)
+        if cfg.detection_on:
+            # Forked before anything starts a thread (process groups do): see heartbeat_beacon.
+            heartbeat_beacon.start_beacon(cfg.heartbeat_interval_s, stopped_after_s=cfg.heartbeat_timeout_s)
+        loop = ResilientMegatronLoop(model_provider, ModelType.encoder_or_decoder)
+        loop.install()
+    pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder, forward_step,
+             model_provider=model_provider)
+    if loop is not None:
+        loop.close()

@@ -26,13 +26,12 @@ import enum
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-import torch
 import torch.distributed as dist
 
 from megatron.resihp import recovery
 from megatron.resihp.layer_sync import LayoutGradSync
 from megatron.resihp.logging_utils import log_line
-from megatron.resihp.model_builder import TrainingObjects, build_training_objects
+from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.parallel_state_patch import build_groups, install, message_group, teardown
 from megatron.resihp.reshard import (
     apply_transfers, carry_schedule, load_loss_scale_state, loss_scale_state, stage_transfers, unstage_transfers,
@@ -133,16 +132,9 @@ class Executor(Protocol):
     def record_moved(self, iteration: int, rank: int, ran: list, num_bytes: int) -> None:
         """Say which transfers this rank ran (ranks of the world they ran in)."""
 
-
-def rebuild(args, layout: Layout, rank: int, sync: LayoutGradSync | None) -> TrainingObjects:
-    """Model, DDP, optimizer and LR schedule for ``rank``'s replica of the installed ``layout``."""
-    replica, _ = layout.stage_of(rank)
-    rng = torch.get_rng_state()  # building modules draws from the CPU generator; keep dropout streams
-    objects = build_training_objects(args, layout.replicas[replica].layers_per_stage)
-    torch.set_rng_state(rng)
-    if sync is not None:
-        objects.config.finalize_model_grads_func = sync
-    return objects
+    def rebuild(self, layout: Layout, rank: int, sync: LayoutGradSync | None) -> TrainingObjects:
+        """Model chunks, DDP, optimizer and LR schedule for ``rank``'s replica of the installed
+        ``layout`` (the training loop decides how they are built; nothing is moved into them)."""
 
 
 def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
@@ -177,7 +169,7 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
             messages = message_group(timeout_s)  # one per world, made as it forms
             back = back.replace(messages=messages)
         sync = None if layout.replicas_alike() else LayoutGradSync(layout, rank, groups)
-        new_objects = rebuild(env.args, layout, rank, sync)
+        new_objects = env.rebuild(layout, rank, sync)
         if change.world is not World.SHRINK:
             env.inject(change.iteration, change.kind)
         moved += _move_state(change, run, rank, new_objects, received, ran)

@@ -34,6 +34,7 @@ from megatron.resihp.heartbeat import HeartbeatMonitor, connect_store
 from megatron.resihp.initialize import world_backend
 from megatron.resihp.link_faults import LINKS
 from megatron.resihp.logging_utils import EventLog, log_line
+from megatron.resihp.model_builder import build_training_objects
 from megatron.resihp.parallel_state_patch import installed, message_group
 from megatron.resihp.run_state import RunState, StopTraining  # noqa: F401
 from megatron.resihp.schedules import RECORDER
@@ -55,8 +56,16 @@ class ResilienceHooks:
     (``replan``, ``recovery``, ``readmission``) decide changes, ``reconfigure.apply`` makes them.
     """
 
-    def __init__(self, args: argparse.Namespace, events: EventLog, objects=None):
+    def __init__(self, args: argparse.Namespace, events: EventLog, objects=None,
+                 build_objects: Callable | None = None, detect_fail_slow: bool = True, moves_state: bool = True):
+        """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
+        groups (the resihp loop's ``model_builder.build_training_objects`` when None). Without
+        ``detect_fail_slow`` no op timings are judged (heartbeats and fail-stop recovery run). Without
+        ``moves_state`` a fail-stop plan keeps every rank at the stage it holds, and a fallback
+        points to the last periodic checkpoint instead of assembling one from the survivors."""
         self.args = args
+        self.build_objects = build_objects or build_training_objects
+        self.moves_state = moves_state
         self.cfg = args.resihp
         self.events = events
         rank = dist.get_rank()
@@ -81,7 +90,7 @@ class ResilienceHooks:
         self.readmission = Readmission(self)
         self.moved_bytes = 0  # bytes this rank moved in the last change
         self.live = None
-        if self.cfg.detection_on:
+        if self.cfg.detection_on and detect_fail_slow:
             self.live = LiveDetector(
                 self.cfg, rank, self.run.replica, self.run.stage, self.run.tp_rank, self.device(),
                 lambda: self.layout, link_probe_bytes(args), group=self.run.messages,
@@ -358,6 +367,16 @@ class ResilienceHooks:
     def unwatch(self) -> None:
         if self.monitor is not None:
             self.monitor.stop()
+
+    def rebuild(self, layout: Layout, rank: int, sync):
+        """Model, DDP, optimizer and LR schedule for ``rank``'s replica of the installed ``layout``."""
+        replica, _ = layout.stage_of(rank)
+        rng = torch.get_rng_state()  # building modules draws from the CPU generator; keep dropout streams
+        objects = self.build_objects(self.args, layout.replicas[replica].layers_per_stage)
+        torch.set_rng_state(rng)
+        if sync is not None:
+            objects.config.finalize_model_grads_func = sync
+        return objects
 
     def record_moved(self, iteration: int, rank: int, ran, num_bytes: int) -> None:
         """Say which transfers this rank sent (``ran`` by ``reshard``; ranks of the world the moves

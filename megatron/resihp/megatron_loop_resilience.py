@@ -1,0 +1,307 @@
+"""Fail-stop resilience inside Megatron-LM's own training loop (``--resihp-loop megatron``).
+
+Responsible for the patch points of megatron-core 0.19.2's ``megatron.training`` through which this
+process's executor (``ResilienceHooks``, its fail-stop driver and the one life cycle,
+``reconfigure.apply``) runs inside Megatron's ``train()``:
+
+- ``parallel_state.initialize_model_parallel``: the launch Layout's groups, made by
+  ``parallel_state_patch.build_groups`` (their memberships equal megatron-core's), so that a later
+  re-form can replace them;
+- ``training.train_step``: every iteration beats the heartbeat and applies injected faults, then
+  runs Megatron's own step on the current objects. When a collective fails, the survivors agree on
+  a plan and re-form in place; the same iteration then runs again on the new world, or, when this
+  rank's optimizer had already stepped, counts as done;
+- ``training.build_pretraining_data_loader``: remembers the datasets, so that a re-formed world's
+  loaders are rebuilt at the samples already consumed, for the new data-parallel rank and size;
+- ``training.evaluate_and_print_results``: evaluates with the rebuilt validation iterator.
+
+``train()`` and ``pretrain()`` bind the model list, the optimizer and the LR scheduler once. After a
+re-form they stay valid handles: the list's chunks are replaced; the optimizer object takes on the
+rebuilt optimizer's class and attributes (so every reference to it sees the new state); the
+scheduler already points at that object and keeps its own step count; the process-group collection
+``train()`` took from the first chunk for its logging is updated in place; and Megatron's global
+arguments (rank, world size, data-parallel size) and micro-batch calculator learn the new world.
+
+What the Megatron loop does not carry yet is refused before anything starts (``unsupported_flags``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron.resihp.logging_utils import EventLog, log_line
+from megatron.resihp.model_builder import TrainingObjects
+from megatron.resihp.run_state import StopTraining
+
+# Megatron flags (as parsed) whose jobs the fail-stop path cannot yet carry through a re-form, and why.
+_UNSUPPORTED = {
+    "use_distributed_optimizer": ("--use-distributed-optimizer", "each data-parallel rank holds only its shard of the "
+                                  "optimizer state, and a dead rank's shard has no surviving copy yet"),
+    "virtual_pipeline_model_parallel_size": ("--num-layers-per-virtual-pipeline-stage / "
+                                             "--virtual-pipeline-model-parallel-size",
+                                             "the interleaved schedule's model chunks are not rebuilt yet"),
+    "context_parallel_size": ("--context-parallel-size", "context-parallel groups are not re-formed"),
+    "expert_model_parallel_size": ("--expert-model-parallel-size", "expert-parallel groups are not re-formed"),
+    "use_megatron_fsdp": ("--use-megatron-fsdp", "sharded parameters are not re-formed"),
+    "use_torch_fsdp2": ("--use-torch-fsdp2", "sharded parameters are not re-formed"),
+}
+# --resihp-* settings that need the fail-slow detector, which runs on the resihp loop only for now.
+_FAIL_SLOW_ONLY = ("detect_only", "trace")
+
+
+def unsupported_flags(args: argparse.Namespace) -> list[str]:
+    """What this job asks for that resilience on Megatron's loop cannot carry yet, one reason per
+    item (empty: the job may run). ``args`` are Megatron's validated arguments with ``args.resihp``."""
+    found = []
+    for dest, (flag, why) in _UNSUPPORTED.items():
+        value = getattr(args, dest, None)
+        if value not in (None, False, 1):
+            found.append(f"{flag} ({why})")
+    if getattr(args, "dataloader_type", "single") != "single":
+        found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
+    cfg = args.resihp
+    for name in _FAIL_SLOW_ONLY:
+        if getattr(cfg, name):
+            found.append(f"--resihp-{name.replace('_', '-')} (fail-slow detection runs on --resihp-loop resihp only)")
+    for fault in cfg.faults:
+        if fault.kind.value not in ("kill", "hang"):
+            found.append(f"--resihp-inject {fault.spec()} (fail-slow faults are judged on --resihp-loop resihp only)")
+    return found
+
+
+class ResilientMegatronLoop:
+    """The patches and the state they share: this process's executor and the loop's handles."""
+
+    def __init__(self, model_provider, model_type):
+        self.model_provider = model_provider
+        self.model_type = model_type
+        self.hooks = None  # ResilienceHooks, made at the first step (groups and objects exist then)
+        self.events: EventLog | None = None
+        self.loaders: list[tuple[object, int]] = []  # (dataset, consumed) in the order Megatron built them
+        self.train_iterator = None  # rebuilt by a re-form; None: the loop's own
+        self.valid_iterators = None
+        self.forward_backward_func = None
+        self.loop_groups = None  # the process-group collection train() took from the first chunk
+        self._stepped = False
+        self._original: dict[str, object] = {}
+
+    # ------------------------------------------------------------------ patches
+    def install(self) -> None:
+        from megatron.core import parallel_state
+        from megatron.training import training
+
+        self._original = {
+            "initialize_model_parallel": parallel_state.initialize_model_parallel,
+            "train_step": training.train_step,
+            "build_pretraining_data_loader": training.build_pretraining_data_loader,
+            "evaluate_and_print_results": training.evaluate_and_print_results,
+        }
+        parallel_state.initialize_model_parallel = self._initialize_model_parallel
+        training.train_step = self.train_step
+        training.build_pretraining_data_loader = self._build_data_loader
+        training.evaluate_and_print_results = self._evaluate_and_print_results
+
+    def uninstall(self) -> None:
+        from megatron.core import parallel_state
+        from megatron.training import training
+
+        for name, fn in self._original.items():
+            setattr(parallel_state if name == "initialize_model_parallel" else training, name, fn)
+        self._original = {}
+
+    def _initialize_model_parallel(self, *args, **kwargs) -> None:
+        """The launch Layout's groups, built by the one group builder and installed for megatron-core."""
+        from megatron.training import get_args
+
+        from megatron.resihp.parallel_state_patch import build_groups, install
+        from resihp_ext.layout import Layout, ModelSpec
+
+        margs = get_args()
+        model = ModelSpec(
+            num_layers=margs.num_layers, hidden_size=margs.hidden_size, num_attention_heads=margs.num_attention_heads,
+            ffn_hidden_size=margs.ffn_hidden_size, vocab_size=getattr(margs, "padded_vocab_size", None) or margs.vocab_size,
+            seq_length=margs.seq_length, micro_batch_size=margs.micro_batch_size,
+            global_batch_size=margs.global_batch_size,
+        )
+        pp = margs.pipeline_model_parallel_size
+        layout = Layout.uniform(model, margs.tensor_model_parallel_size, pp, margs.data_parallel_size,
+                                (margs.num_layers // pp,) * pp)
+        install(build_groups(layout, dist.get_rank(), timeout=margs.resihp.collective_timeout_s))
+
+    def _build_data_loader(self, dataset, consumed_samples):
+        self.loaders.append((dataset, consumed_samples))
+        return self._original["build_pretraining_data_loader"](dataset, consumed_samples)
+
+    def _evaluate_and_print_results(self, prefix, forward_step_func, data_iterator, *args, **kwargs):
+        if self.valid_iterators is not None:
+            data_iterator = self.valid_iterators
+        return self._original["evaluate_and_print_results"](prefix, forward_step_func, data_iterator, *args, **kwargs)
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self, forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                   forward_backward_func, iteration=None, pg_collection=None, p2p_communicator=None):
+        """Megatron's ``train_step`` with the heartbeat, injected faults and in-place recovery around it."""
+        from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+        if self.hooks is None:
+            self._start(model, optimizer, opt_param_scheduler)
+        number = iteration + 1  # the iteration being run, as Megatron logs it
+        self.hooks.before_iteration(number, None, None)
+        step = self._original["train_step"]
+        while True:
+            scheduler_steps = opt_param_scheduler.num_steps
+            self._stepped = False
+            try:
+                return step(forward_step_func, data_iterator if self.train_iterator is None else self.train_iterator, model, optimizer,
+                            opt_param_scheduler, config, self.forward_backward_func or forward_backward_func,
+                            iteration=iteration, pg_collection=pg_collection,
+                            p2p_communicator=None if self.forward_backward_func else p2p_communicator)
+            except RuntimeError as error:  # torch.distributed reports a dead or stuck peer this way
+                if not self.hooks.can_recover:
+                    raise
+                stepped = self._stepped
+                self._recover(number, error, model, optimizer, opt_param_scheduler, stepped)
+            if stepped:
+                # This rank's replica stepped before the failure surfaced (its loss reduction failed):
+                # the iteration is done; its loss is lost to the log.
+                if opt_param_scheduler.num_steps == scheduler_steps:
+                    opt_param_scheduler.step(increment=self._args().global_batch_size)
+                return {}, 0, False, False, 0, None, None, 0
+            machine = get_rerun_state_machine()  # the failed attempt left it mid-iteration
+            machine.state = RerunState.NOT_RUNNING_YET
+            machine.current_iteration -= 1
+
+    def _args(self):
+        from megatron.training import get_args
+
+        return get_args()
+
+    def _start(self, model, optimizer, opt_param_scheduler) -> None:
+        from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+        from megatron.resihp.resilience import ResilienceHooks
+
+        args = self._args()
+        self.loop_groups = get_attr_wrapped_model(model[0], "pg_collection")
+        objects = TrainingObjects(get_model_config(model[0]), model[0], optimizer, opt_param_scheduler,
+                                  (args.num_layers // args.pipeline_model_parallel_size,) * args.pipeline_model_parallel_size)
+        self.events = EventLog(args.resihp.event_log, dist.get_rank())
+        self.hooks = ResilienceHooks(args, self.events, objects, build_objects=self._build_objects,
+                                     detect_fail_slow=False, moves_state=False)
+        self._watch_steps(optimizer)
+        self.events.emit("start", args.iteration, world_size=dist.get_world_size(), loop="megatron",
+                         layers_per_stage=list(objects.layers_per_stage))
+        if dist.get_rank() == dist.get_world_size() - 1:
+            log_line(" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place "
+                     f"{'on' if self.hooks.can_recover else 'off (--resihp-enable turns it on)'}; fail-slow "
+                     "detection runs on --resihp-loop resihp")
+
+    def _watch_steps(self, optimizer) -> None:
+        """Note when this rank's optimizer step returns: a failure after it must not redo the iteration."""
+        inner = type(optimizer).step
+
+        def step(*args, **kwargs):
+            result = inner(optimizer, *args, **kwargs)
+            self._stepped = True
+            return result
+
+        optimizer.step = step
+
+    def _build_objects(self, args, layers_per_stage) -> TrainingObjects:
+        """Megatron's own model chunks, optimizer and LR schedule on the installed groups."""
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.utils import get_model_config
+        from megatron.training.global_vars import get_timers
+        from megatron.training.training import get_megatron_optimizer_config, get_model, get_optimizer_param_scheduler
+
+        launch = (args.num_layers // args.pipeline_model_parallel_size,) * args.pipeline_model_parallel_size
+        if tuple(layers_per_stage) != launch:
+            raise RuntimeError(f"layers per stage {list(layers_per_stage)} differ from the launch's {list(launch)}; "
+                               "Megatron's loop rebuilds the launch's stages only")
+        chunks = get_model(self.model_provider, self.model_type)
+        config, overrides = get_megatron_optimizer_config(args)
+        config.timers = get_timers()
+        optimizer = get_megatron_optimizer(config, chunks, config_overrides=overrides,
+                                           use_gloo_process_groups=args.use_gloo_process_groups)
+        return TrainingObjects(get_model_config(chunks[0]), chunks[0], optimizer,
+                               get_optimizer_param_scheduler(optimizer), tuple(layers_per_stage))
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self, number: int, error: Exception, model, optimizer, opt_param_scheduler, stepped: bool) -> None:
+        args = self._args()
+        old_config = self.hooks.run.objects.config
+        try:
+            self.hooks.recover(number, error, self.hooks.run.objects, args.consumed_train_samples,
+                               list(self.hooks.run.quotas), completed=number if stepped else None)
+        except StopTraining as stop:
+            log_line(f" resihp: rank leaving at iteration {number}: {stop}")
+            self.events.emit("exit", number, exit_code=stop.exit_code, reason=str(stop))
+            self.events.close()
+            sys.exit(stop.exit_code)
+        self._take_over(model, optimizer, opt_param_scheduler, old_config)
+
+    def _take_over(self, model, optimizer, opt_param_scheduler, old_config) -> None:
+        """Make the loop's handles the re-formed world's objects, and Megatron's globals its size."""
+        from megatron.core import parallel_state
+        from megatron.core.num_microbatches_calculator import (
+            destroy_num_microbatches_calculator, init_num_microbatches_calculator,
+        )
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.utils import get_attr_wrapped_model
+
+        args = self._args()
+        new = self.hooks.run.objects
+        # The optimizer train() holds becomes the rebuilt one; the scheduler it holds drives it.
+        optimizer.__class__ = type(new.optimizer)
+        optimizer.__dict__ = dict(new.optimizer.__dict__)
+        self._watch_steps(optimizer)
+        model[:] = [new.model]
+        config = new.config
+        for name in ("timers", "finalize_model_grads_func"):
+            setattr(config, name, getattr(old_config, name))
+        config.grad_scale_func = optimizer.scale_loss
+        if args.overlap_grad_reduce:
+            config.no_sync_func = model[0].no_sync
+            if args.align_grad_reduce:
+                config.grad_sync_func = model[0].start_grad_sync
+        if args.overlap_param_gather and args.align_param_gather:
+            config.param_sync_func = model[0].start_param_sync
+        self.hooks.run = self.hooks.run.replace(
+            objects=dataclasses.replace(new, optimizer=optimizer, scheduler=opt_param_scheduler))
+        vars(self.loop_groups).update(vars(get_attr_wrapped_model(model[0], "pg_collection")))
+        self.forward_backward_func = get_forward_backward_func()
+        args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
+        args.data_parallel_size = parallel_state.get_data_parallel_world_size()
+        destroy_num_microbatches_calculator()
+        init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
+                                         args.data_parallel_size, args.decrease_batch_size_if_needed)
+        self._rebuild_iterators(args)
+
+    def _rebuild_iterators(self, args) -> None:
+        """Loaders for the new data-parallel rank and size, at the samples already consumed (the
+        sampler reads both from the installed groups). The default generator is left where it was:
+        on a CPU it is also dropout's."""
+        from megatron.core.rerun_state_machine import RerunDataIterator
+
+        build = self._original["build_pretraining_data_loader"]
+        state = torch.get_rng_state()
+        try:
+            train = self.loaders[0][0] if self.loaders else None
+            self.train_iterator = RerunDataIterator(iter(build(train, args.consumed_train_samples))) \
+                if train is not None else None
+            valid = [d for d, _ in self.loaders[1:2] if d is not None]
+            self.valid_iterators = RerunDataIterator(iter(build(valid[0], args.consumed_valid_samples))) \
+                if valid else None
+        finally:
+            torch.set_rng_state(state)
+
+    def close(self) -> None:
+        if self.hooks is not None:
+            self.hooks.close()
+        if self.events is not None:
+            self.events.close()
