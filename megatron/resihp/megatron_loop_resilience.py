@@ -60,7 +60,7 @@ def unsupported_flags(args: argparse.Namespace) -> list[str]:
     found = []
     for dest, (flag, why) in _UNSUPPORTED.items():
         value = getattr(args, dest, None)
-        if value not in (None, False, 1):
+        if value is True or (type(value) is int and value > 1):  # a switch that is on, a size above 1
             found.append(f"{flag} ({why})")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
