@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,22 +34,27 @@ def run_and_signal(cmd: list[str], log: Path, rank: int, sig: int, after_iterati
     Returns:
         (exit code, combined output, wall-clock time of the signal; None if the job ended first).
     """
-    proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    sent_at = None
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not any(e["iteration"] >= after_iteration for e in events(log, "iteration")):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-        else:
-            time.sleep(delay_s)
-            pid = next(e["pid"] for e in events(log, "start") if e["rank"] == rank)
-            sent_at = time.time()
-            os.kill(pid, sig)
-        output, _ = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    # The job's output goes to a file, not a pipe: a pipe nobody reads while this waits fills up
+    # (Megatron-LM's loop prints every argument of every rank) and stalls the job.
+    with tempfile.TemporaryFile("w+") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=sink, stderr=subprocess.STDOUT, text=True)
+        sent_at = None
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not any(e["iteration"] >= after_iteration for e in events(log, "iteration")):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            else:
+                time.sleep(delay_s)
+                pid = next(e["pid"] for e in events(log, "start") if e["rank"] == rank)
+                sent_at = time.time()
+                os.kill(pid, sig)
+            proc.wait(timeout=timeout_s)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        sink.seek(0)
+        output = sink.read()
     return proc.returncode, output, sent_at

@@ -284,6 +284,7 @@ def device_of(argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Run Megatron-LM's ``pretrain()`` for GPT with the command line ``argv`` (``sys.argv[1:]`` if None)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    command_line = [sys.argv[0], *argv]
     refuse_ignored_flags(argv)
     from megatron.resihp import training_compat
 
@@ -310,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     refuse_bad_inputs(parsed, ARGS_DEFAULTS)
     sys.argv = [sys.argv[0], *with_data_cache_path(parsed, argv)]
     args = parse_and_validate_args(extra_args_provider=extra_args, args_defaults=ARGS_DEFAULTS)
+    sys.argv = command_line  # parsed; a printed resume command repeats the user's flags, not the implied ones
     loop = None
     if resilient:
         from megatron.resihp import heartbeat_beacon

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -153,14 +154,17 @@ class ResilientMegatronLoop:
         number = iteration + 1  # the iteration being run, as Megatron logs it
         self.hooks.before_iteration(number, None, None)
         step = self._original["train_step"]
+        start = time.perf_counter()
         while True:
             scheduler_steps = opt_param_scheduler.num_steps
             self._stepped = False
             try:
-                return step(forward_step_func, data_iterator if self.train_iterator is None else self.train_iterator, model, optimizer,
-                            opt_param_scheduler, config, self.forward_backward_func or forward_backward_func,
-                            iteration=iteration, pg_collection=pg_collection,
-                            p2p_communicator=None if self.forward_backward_func else p2p_communicator)
+                result = step(forward_step_func, data_iterator if self.train_iterator is None else self.train_iterator,
+                              model, optimizer, opt_param_scheduler, config,
+                              self.forward_backward_func or forward_backward_func, iteration=iteration,
+                              pg_collection=pg_collection,
+                              p2p_communicator=None if self.forward_backward_func else p2p_communicator)
+                break
             except RuntimeError as error:  # torch.distributed reports a dead or stuck peer this way
                 if not self.hooks.can_recover:
                     raise
@@ -171,10 +175,23 @@ class ResilientMegatronLoop:
                 # the iteration is done; its loss is lost to the log.
                 if opt_param_scheduler.num_steps == scheduler_steps:
                     opt_param_scheduler.step(increment=self._args().global_batch_size)
-                return {}, 0, False, False, 0, None, None, 0
+                result = {}, 0, False, False, 0, None, None, 0
+                break
             machine = get_rerun_state_machine()  # the failed attempt left it mid-iteration
             machine.state = RerunState.NOT_RUNNING_YET
             machine.current_iteration -= 1
+        self._record(number, result, time.perf_counter() - start)
+        return result
+
+    def _record(self, number: int, result, elapsed_s: float) -> None:
+        """The iteration's event, from the last rank (Megatron's loss is reported on the last stage)."""
+        if dist.get_rank() != dist.get_world_size() - 1:
+            return
+        loss = result[0].get("lm loss")
+        args = self._args()
+        self.events.emit("iteration", number, lm_loss=None if loss is None else float(loss), elapsed_s=elapsed_s,
+                         consumed_samples=args.consumed_train_samples + args.global_batch_size,
+                         grad_norm=None if result[5] is None else float(result[5]))
 
     def _args(self):
         from megatron.training import get_args

@@ -8,10 +8,17 @@ before anything starts.
 
 from __future__ import annotations
 
+import shlex
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from tests.dist.launch import check, read_events, run_job
+from scripts.child_env import job_env
+from scripts.signal_rank import run_and_signal
+from tests.dist.launch import REPO, check, read_events, run_job
 from tests.dist.test_megatron_loop import logged_losses
 
 mcore = pytest.importorskip("megatron.core.package_info")
@@ -46,25 +53,74 @@ def saved_weights(root) -> dict[str, torch.Tensor]:
     return weights
 
 
-def test_a_sigkilled_rank_is_survived_in_place_with_the_failure_free_runs_losses_and_weights(tmp_path):
-    baseline = run_job(8, job_args(tmp_path, "baseline"), timeout_s=420)
-    assert baseline.returncode == 0, baseline.stdout[-3000:] + baseline.stderr[-3000:]
-    events = tmp_path / "events.jsonl"
-    killed = run_job(8, [*job_args(tmp_path, "killed"), "--resihp-loop", "megatron", "--resihp-enable",
-                         "--resihp-event-log", str(events), "--resihp-inject", "kill:rank=5,at=4"], timeout_s=420)
-    check(killed)  # the launcher reports a job that survived its failure as finished
-    assert "adapted in place" in killed.stdout + killed.stderr, killed.stdout[-3000:]
-    adapted = read_events(events, "adapted")
-    assert adapted and adapted[0]["iteration"] == 4 and adapted[0]["world_size"] == 4, adapted
-    expected, got = logged_losses(baseline.stdout), logged_losses(killed.stdout)
-    assert sorted(expected) == list(range(1, ITERATIONS + 1)), baseline.stdout[-2000:]
-    assert sorted(got) == sorted(expected), killed.stdout[-3000:]
-    for i in expected:
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory):
+    """Stock Megatron-LM's loop, no ``--resihp-*`` flag: the losses it logs and the weights it saves."""
+    tmp = tmp_path_factory.mktemp("failure_free")
+    proc = run_job(8, job_args(tmp, "ckpt"), timeout_s=420)
+    check(proc)
+    losses = logged_losses(proc.stdout)
+    assert sorted(losses) == list(range(1, ITERATIONS + 1)), proc.stdout[-2000:]
+    return losses, saved_weights(tmp / "ckpt")
+
+
+def assert_same_training(stdout: str, root, failure_free, iterations=range(1, ITERATIONS + 1)) -> None:
+    """Every iteration in ``iterations`` logged once with the failure-free loss, and the weights saved
+    under ``root`` equal the failure-free run's."""
+    expected, want = failure_free
+    got = logged_losses(stdout)
+    assert sorted(got) == list(iterations), stdout[-3000:]
+    for i in iterations:
         assert got[i] == pytest.approx(expected[i], rel=1e-5), (i, got[i], expected[i])
-    want, have = saved_weights(tmp_path / "baseline"), saved_weights(tmp_path / "killed")
+    have = saved_weights(root)
     assert want and sorted(have) == sorted(want)
     for name, value in want.items():
         torch.testing.assert_close(have[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def resilient(tmp, events) -> list[str]:
+    return [*job_args(tmp, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable", "--resihp-event-log", str(events)]
+
+
+def test_a_sigkilled_rank_is_survived_in_place_with_the_failure_free_runs_losses_and_weights(tmp_path, failure_free):
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), "--resihp-inject", "kill:rank=5,at=4"], timeout_s=420)
+    check(proc)  # the launcher reports a job that survived its failure as finished
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [5])], adapted
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
+
+
+def test_a_rank_stopped_from_outside_is_named_hung_and_survived_in_place(tmp_path, failure_free):
+    # Under a 900 s collective timeout only the beacon's view of the stopped process names it in time.
+    events = tmp_path / "events.jsonl"
+    cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--nproc-per-node=8",
+           str(REPO / "pretrain_gpt_resilient.py"), *resilient(tmp_path, events),
+           "--resihp-collective-timeout-s", "900"]
+    code, output, sent_at = run_and_signal(cmd, events, rank=5, sig=signal.SIGSTOP, after_iteration=3, timeout_s=400)
+    assert sent_at is not None and code == 0, output[-3000:]
+    assert "sees ranks [5] hung ([5]: stopped by a signal)" in output, output[-3000:]
+    adapted = read_events(events, "adapted")
+    assert len(adapted) == 1 and adapted[0]["world_size"] == 4 and adapted[0]["failed_ranks"] == [5], adapted
+    assert_same_training(output, tmp_path / "ckpt", failure_free)
+
+
+def test_with_no_replica_left_whole_the_job_resumes_from_megatrons_checkpoint_by_the_printed_command(
+        tmp_path, failure_free):
+    # The first kill leaves one replica; the second breaks it. The survivors point to the last
+    # periodic checkpoint (written by the re-formed world, in Megatron's format) and exit 3.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), "--save-interval", "2", "--resihp-inject", "kill:rank=5,at=4",
+                       "--resihp-inject", "kill:rank=2,at=6"], timeout_s=420)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fallback = read_events(events, "fallback_checkpoint")
+    assert len(fallback) == 1 and fallback[0]["path"].endswith("iter_0000004"), fallback
+    resume = shlex.split(fallback[0]["resume_command"])
+    assert resume[:2] == ["python", "scripts/launch_local.py"] and "--resihp-inject" not in resume, resume
+    resumed = subprocess.run([sys.executable, *resume[1:]], cwd=REPO, env=job_env(), capture_output=True, text=True,
+                             timeout=420)
+    check(resumed)
+    assert_same_training(resumed.stdout, tmp_path / "ckpt", failure_free, iterations=range(5, ITERATIONS + 1))
 
 
 @pytest.mark.parametrize("flags, named", [
