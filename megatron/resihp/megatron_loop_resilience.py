@@ -53,6 +53,9 @@ _UNSUPPORTED = {
 }
 # --resihp-* settings that need the fail-slow detector, which runs on the resihp loop only for now.
 _FAIL_SLOW_ONLY = ("detect_only", "trace")
+# Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
+# state, and Megatron's own save and shutdown have no injection points yet).
+_PHASES = (None, "reform", "rendezvous")
 
 
 def unsupported_flags(args: argparse.Namespace) -> list[str]:
@@ -72,6 +75,9 @@ def unsupported_flags(args: argparse.Namespace) -> list[str]:
     for fault in cfg.faults:
         if fault.kind.value not in ("kill", "hang"):
             found.append(f"--resihp-inject {fault.spec()} (fail-slow faults are judged on --resihp-loop resihp only)")
+        elif getattr(fault, "during", None) not in _PHASES:
+            found.append(f"--resihp-inject {fault.spec()} (on this loop a kill can wait for the phases "
+                         f"{', '.join(p for p in _PHASES if p)} only)")
     return found
 
 

@@ -51,10 +51,13 @@ documents):
       relaunch with ``--load`` until the killed iteration is done again. Assumes the relaunch
       starts at once (no scheduler queue); the per-iteration saving cost is reported, not added.
 
+    With ``--loop megatron --skip throughput`` the same fail-stop runs use Megatron-LM's own loop
+    (``--resihp-loop megatron``, fixed-length mock samples, torch-format checkpoints).
+
     python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0] [--slow-rank 7]
         [--link 0:4] [--link-factor 600] [--recover-at 22] [--kill 5]... [--restart-save-interval 4]
         [--standby-factor 8] [--bursts 4:4] [--burst-iters 80]
-        [--skip throughput|slow|link|bursts|recover|standby|shrunk|fail_stop]...
+        [--skip throughput|slow|link|bursts|recover|standby|shrunk|fail_stop]... [--loop resihp|megatron]
 """
 
 from __future__ import annotations
@@ -88,6 +91,18 @@ MODEL = [
     "--tensor-model-parallel-size", str(TP), "--pipeline-model-parallel-size", str(PP),
     "--mock-doc-lengths", "lognormal:median=48,sigma=1.0,min=8,max=1024",
     "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
+]
+# The same job on Megatron-LM's own loop (--loop megatron), in Megatron's flags: its mock data are
+# fixed-length samples, it needs an evaluation interval, and it saves in the torch format (the
+# torch_dist default starts asynchronous writers on the first save, which would charge the restart
+# baseline tens of seconds that a warm cluster does not pay).
+MEGATRON_MODEL = [
+    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+    "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "512", "--log-interval", "10", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--tensor-model-parallel-size", str(TP), "--pipeline-model-parallel-size", str(PP),
+    "--eval-iters", "0", "--eval-interval", "1000", "--ckpt-format", "torch", "--resihp-loop", "megatron",
 ]
 
 
@@ -290,10 +305,11 @@ def fail_stop(args, work: Path) -> dict:
     k = args.kill_at
     kills = [arg for rank in args.kill for arg in ("--resihp-inject", f"kill:rank={rank},at={k}")]
     iters = k + 3
+    model = MEGATRON_MODEL if args.loop == "megatron" else MODEL
     # In place.
     log = work / "inplace.events.jsonl"
     log.unlink(missing_ok=True)
-    launch([*MODEL, "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters), "--resihp-event-log",
+    launch([*model, "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters), "--resihp-event-log",
             str(log), "--resihp-enable", *kills], launcher="local")
     inject = events(log, "inject")[0]["time"]
     adapted = events(log, "adapted")
@@ -315,24 +331,24 @@ def fail_stop(args, work: Path) -> dict:
     # Checkpoint-restart of the same job, killed at the same point under torchrun: saving every
     # iteration (its best case: nothing lost) and at --restart-save-interval (work since the last
     # save is lost and redone).
-    every = _restart(work, "restart_every_iteration", kills, k, iters, 1)
-    interval = _restart(work, f"restart_every_{args.restart_save_interval}", kills, k, iters,
+    every = _restart(work, model, "restart_every_iteration", kills, k, iters, 1)
+    interval = _restart(work, model, f"restart_every_{args.restart_save_interval}", kills, k, iters,
                         args.restart_save_interval)
     done = inplace["kill_to_first_iteration_after_s"]
-    return {"kill_at": k, "killed_ranks": list(args.kill), "in_place": inplace,
-            "stopped_in_place": _stopped_in_place(work, k, iters, args.kill[0]),
+    return {"loop": args.loop, "kill_at": k, "killed_ranks": list(args.kill), "in_place": inplace,
+            "stopped_in_place": _stopped_in_place(work, model, k, iters, args.kill[0]),
             "checkpoint_restart": every, "checkpoint_restart_interval": interval,
             "restart_over_in_place": round(every["kill_to_killed_iteration_done_s"] / done, 3),
             "restart_interval_over_in_place": round(interval["kill_to_killed_iteration_done_s"] / done, 3)}
 
 
-def _stopped_in_place(work: Path, k: int, iters: int, rank: int) -> dict:
+def _stopped_in_place(work: Path, model: list[str], k: int, iters: int, rank: int) -> dict:
     """SIGSTOP sent from outside to ``rank``'s process once iteration ``k - 1`` is done, default
     flags: time from the signal to the first iteration finished after the re-plan."""
     log = work / "stopped.events.jsonl"
     log.unlink(missing_ok=True)
     cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), f"--nproc-per-node={NPROC}",
-           str(REPO / "pretrain_gpt_resilient.py"), *MODEL, "--global-batch-size", str(GLOBAL_BATCH),
+           str(REPO / "pretrain_gpt_resilient.py"), *model, "--global-batch-size", str(GLOBAL_BATCH),
            "--train-iters", str(iters), "--resihp-event-log", str(log), "--resihp-enable"]
     code, output, stopped_at = run_and_signal(cmd, log, rank=rank, sig=signal.SIGSTOP, after_iteration=k - 1)
     adapted = events(log, "adapted")
@@ -349,13 +365,14 @@ def _stopped_in_place(work: Path, k: int, iters: int, rank: int) -> dict:
     }
 
 
-def _restart(work: Path, name: str, kills: list[str], k: int, iters: int, save_interval: int) -> dict:
+def _restart(work: Path, model: list[str], name: str, kills: list[str], k: int, iters: int, save_interval: int
+             ) -> dict:
     """Kill at iteration ``k`` under torchrun, relaunch with ``--load``: time from the kill until
     iteration ``k`` is done again, the iterations redone, and the per-iteration cost of saving."""
     ckpt = work / f"{name}_ckpt"
     log = work / f"{name}_killed.events.jsonl"
     log.unlink(missing_ok=True)
-    common = [*MODEL, "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters), "--save", str(ckpt),
+    common = [*model, "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters), "--save", str(ckpt),
               "--save-interval", str(save_interval)]
     proc, _, killed_end = launch([*common, "--resihp-event-log", str(log), *kills], check=False)
     inject = events(log, "inject")[0]["time"]
@@ -444,8 +461,14 @@ def main() -> None:
                              "(the slow-link runs), bursts (the runs with a rank slow in bursts), recover (the recovery runs), standby (the runs whose left-out ranks stand "
                              "by or exit), shrunk (the runs after a fail-stop, "
                              "with and without a smaller-TP replica), fail_stop (time to resume)")
+    parser.add_argument("--loop", choices=("resihp", "megatron"), default="resihp",
+                        help="training loop of the fail-stop runs: resihp (the project's own) or megatron "
+                             "(Megatron-LM's own loop, --resihp-loop megatron; fail-stop only: needs --skip throughput)")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     args = parser.parse_args()
+    if args.loop == "megatron" and "throughput" not in args.skip:
+        parser.error("--loop megatron measures fail-stop only (fail-slow re-plans run on the resihp loop); "
+                     "add --skip throughput")
     args.kill = sorted(set(args.kill or KILL_RANKS))
     if not {"recover", "standby"} <= set(args.skip) and "throughput" not in args.skip and not (
             args.slow_at < args.recover_at <= args.iters - 12):
@@ -509,7 +532,7 @@ def main() -> None:
                         "killed_smaller_tp_over_whole_replicas_only", "smaller-TP replica kept / whole replicas only")
     if "fail_stop" in out:
         f = out["fail_stop"]
-        print(f"fail-stop (ranks {f['killed_ranks']} SIGKILLed at iteration {f['kill_at']}):")
+        print(f"fail-stop on the {f['loop']} loop (ranks {f['killed_ranks']} SIGKILLed at iteration {f['kill_at']}):")
         print(f"  in place:           {f['in_place']}")
         print(f"  SIGSTOP of rank {f['killed_ranks'][0]} from outside, in place: {f['stopped_in_place']}")
         print(f"  checkpoint-restart, saving every iteration: {f['checkpoint_restart']}")

@@ -1,0 +1,43 @@
+"""What resilience on Megatron-LM's loop cannot carry yet is named, one reason per flag, before a job starts."""
+
+import argparse
+
+import pytest
+
+from megatron.resihp.megatron_loop_resilience import unsupported_flags
+from resihp_ext.config import ResiHPConfig
+
+
+def megatron_args(**changes) -> argparse.Namespace:
+    """Megatron's defaults for the flags the check reads."""
+    args = argparse.Namespace(use_distributed_optimizer=False, virtual_pipeline_model_parallel_size=None,
+                              context_parallel_size=1, expert_model_parallel_size=1, use_megatron_fsdp=False,
+                              use_torch_fsdp2=False, dataloader_type="single")
+    vars(args).update(changes)
+    args.resihp = changes.get("resihp", ResiHPConfig(enable=True))
+    return args
+
+
+def test_a_plain_job_with_kills_hangs_and_recovery_phase_kills_may_run():
+    cfg = ResiHPConfig(enable=True, inject=["kill:rank=1,at=2", "hang:rank=2,at=3", "kill:rank=3,at=4,during=reform",
+                                            "kill:rank=4,at=4,during=rendezvous"])
+    assert unsupported_flags(megatron_args(resihp=cfg)) == []
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"use_distributed_optimizer": True}, "--use-distributed-optimizer"),
+    ({"virtual_pipeline_model_parallel_size": 2}, "--virtual-pipeline-model-parallel-size"),
+    ({"context_parallel_size": 2}, "--context-parallel-size"),
+    ({"expert_model_parallel_size": 4}, "--expert-model-parallel-size"),
+    ({"use_torch_fsdp2": True}, "--use-torch-fsdp2"),
+    ({"dataloader_type": "cyclic"}, "--dataloader-type cyclic"),
+    ({"resihp": ResiHPConfig(detect_only=True)}, "--resihp-detect-only"),
+    ({"resihp": ResiHPConfig(enable=True, trace="t.jsonl")}, "--resihp-trace"),
+    ({"resihp": ResiHPConfig(enable=True, inject=["slow:rank=1,factor=2,at=3"])}, "--resihp-inject slow"),
+    ({"resihp": ResiHPConfig(enable=True, inject=["link:src=0,dst=4,factor=9,at=3"])}, "--resihp-inject link"),
+    ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save"])}, "during=save"),
+    ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=shutdown"])}, "during=shutdown"),
+])
+def test_each_feature_not_carried_yet_is_named(changes, named):
+    found = unsupported_flags(megatron_args(**changes))
+    assert len(found) == 1 and named in found[0], found
