@@ -111,7 +111,7 @@ class FailStopRecovery:
             plan, failed, preferred = recovery.agree_on_plan(
                 host.store, run.generation, old_rank, run.layout, named | failed | left, self._preferred_plan,
                 wait_s=3 * cfg.collective_timeout_s, move_state=host.moves_state, hw=self._survivor_hardware(),
-                health=host.known_health,
+                health=host.known_health, sharded_optimizer=host.sharded_optimizer,
             )
             host._planned_out = set(run.layout.world_ranks) - set(plan.new_rank) | outside
             leader = old_rank == min(set(run.layout.world_ranks) - failed)

@@ -41,8 +41,6 @@ from megatron.resihp.run_state import StopTraining
 
 # Megatron flags (as parsed) whose jobs the fail-stop path cannot yet carry through a re-form, and why.
 _UNSUPPORTED = {
-    "use_distributed_optimizer": ("--use-distributed-optimizer", "each data-parallel rank holds only its shard of the "
-                                  "optimizer state, and a dead rank's shard has no surviving copy yet"),
     "virtual_pipeline_model_parallel_size": ("--num-layers-per-virtual-pipeline-stage / "
                                              "--virtual-pipeline-model-parallel-size",
                                              "the interleaved schedule's model chunks are not rebuilt yet"),
@@ -215,7 +213,8 @@ class ResilientMegatronLoop:
                                   (args.num_layers // args.pipeline_model_parallel_size,) * args.pipeline_model_parallel_size)
         self.events = EventLog(args.resihp.event_log, dist.get_rank())
         self.hooks = ResilienceHooks(args, self.events, objects, build_objects=self._build_objects,
-                                     detect_fail_slow=False, moves_state=False)
+                                     detect_fail_slow=False, moves_state=False,
+                                     sharded_optimizer=args.use_distributed_optimizer)
         self._watch_steps(optimizer)
         self.events.emit("start", args.iteration, world_size=dist.get_world_size(), loop="megatron",
                          layers_per_stage=list(objects.layers_per_stage))

@@ -109,7 +109,7 @@ def agree_on_commit(store, prefix: str, members: int, finished: bool, stop: Call
 
 def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: frozenset[int],
                   describe_preferred, wait_s: float, move_state: bool = True,
-                  hw: HardwareModel | None = None, health: Health | None = None
+                  hw: HardwareModel | None = None, health: Health | None = None, sharded_optimizer: bool = False
                   ) -> tuple[SurvivorPlan, frozenset[int], dict]:
     """The lowest surviving rank decides and publishes; everyone reads the same plan back.
 
@@ -121,7 +121,8 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
     key = f"resihp/gen{generation}/plan"
     leader = min(set(layout.world_ranks) - failed)
     if rank == leader:
-        plan = plan_survivors(layout, failed, move_state=move_state, hw=hw, health=health)
+        plan = plan_survivors(layout, failed, move_state=move_state, hw=hw, health=health,
+                              sharded_optimizer=sharded_optimizer)
         store.set(key, json.dumps({"plan": plan.to_dict(), "failed": sorted(failed),
                                    "preferred": describe_preferred(failed)}))
     wait_for_keys(store, [key], wait_s)

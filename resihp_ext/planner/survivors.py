@@ -297,8 +297,21 @@ def megatron_order(replicas: tuple[ReplicaSpec, ...]) -> list[int]:
     return [rank for p in range(depth) for r in replicas if p < r.num_stages for rank in r.stages[p].ranks]
 
 
+def _sharded_state_lost(layout: Layout, dead: frozenset[int]) -> SurvivorPlan:
+    """No in-place plan: each dead rank took its part of its position's optimizer state with it."""
+    lost = tuple(sorted({(layout.stage_of(r)[1], layout.tp_rank_of(r)) for r in dead}))
+    survivors = tuple(sorted(set(layout.world_ranks) - dead))
+    return SurvivorPlan(
+        action="checkpoint-restart", kept_replicas=(), spares=survivors, missing_shards=lost,
+        reason=(f"dead ranks {sorted(dead)} held parts of the optimizer state of stage/TP positions {list(lost)}, "
+                f"which the distributed optimizer splits over data-parallel ranks without a copy, so no in-place "
+                f"plan exists"),
+    )
+
+
 def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True,
-                   hw: HardwareModel | None = None, health: Health | None = None) -> SurvivorPlan:
+                   hw: HardwareModel | None = None, health: Health | None = None,
+                   sharded_optimizer: bool = False) -> SurvivorPlan:
     """Keep every replica none of whose ranks died, rebuild what intact stage groups allow, renumber.
 
     New ranks follow megatron-core's order over the new layout (for kept whole replicas of a
@@ -316,6 +329,8 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
         health: what is known to be slow among the survivors (fail-slow verdicts acted on before
             this failure, in the same ranks as ``layout``): the batch is split by the continuing
             replicas' speed under it, so a replica with a known slow rank keeps a smaller share.
+        sharded_optimizer: whether each position's optimizer state is split over its data-parallel
+            ranks (Megatron's distributed optimizer): then a dead rank's part has no copy anywhere.
 
     Returns:
         A SurvivorPlan. "adapt" needs at least one replica, whole or rebuilt; otherwise
@@ -325,6 +340,8 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     unknown = set(dead) - set(layout.world_ranks)
     if unknown:
         raise ValueError(f"dead ranks {sorted(unknown)} are not in the layout")
+    if sharded_optimizer and dead:
+        return _sharded_state_lost(layout, dead)
     kept = tuple(i for i, r in enumerate(layout.replicas) if not set(r.ranks) & dead)
     lost = [i for i in range(layout.num_replicas) if i not in kept]
     rebuilt = rebuild_replicas(layout, lost, dead)
