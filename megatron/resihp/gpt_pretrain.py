@@ -235,8 +235,8 @@ def add_resilient_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def resilience_config(args: argparse.Namespace):
-    """``args.resihp`` from the parsed ``--resihp-*`` flags; exits 2 with the flag and the fix on a bad
-    value, or on a Megatron feature the resilience layer cannot carry through a re-form yet."""
+    """The ``ResiHPConfig`` of the parsed ``--resihp-*`` flags; exits 2 with the flag and the fix on a
+    bad value, or on a Megatron feature the resilience layer cannot carry through a re-form yet."""
     import dataclasses
     import os
 
@@ -249,8 +249,7 @@ def resilience_config(args: argparse.Namespace):
         check_ranks_exist(cfg.faults, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as error:
         _refuse(str(error))
-    args.resihp = cfg
-    lacking = unsupported_flags(args)
+    lacking = unsupported_flags(args, cfg)
     if lacking:
         _refuse("resilience on Megatron-LM's loop (--resihp-loop megatron) cannot carry yet: " + "; ".join(lacking)
                 + ". Remove these flags, or drop the --resihp-* flags to run Megatron-LM's loop without resilience")
@@ -321,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.detection_on:
             # Forked before anything starts a thread (process groups do): see heartbeat_beacon.
             heartbeat_beacon.start_beacon(cfg.heartbeat_interval_s, stopped_after_s=cfg.heartbeat_timeout_s)
-        loop = ResilientMegatronLoop(model_provider, ModelType.encoder_or_decoder)
+        loop = ResilientMegatronLoop(cfg, model_provider, ModelType.encoder_or_decoder)
         loop.install()
     pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder, forward_step,
              model_provider=model_provider)

@@ -56,9 +56,10 @@ _FAIL_SLOW_ONLY = ("detect_only", "trace")
 _PHASES = (None, "reform", "rendezvous")
 
 
-def unsupported_flags(args: argparse.Namespace) -> list[str]:
+def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
     """What this job asks for that resilience on Megatron's loop cannot carry yet, one reason per
-    item (empty: the job may run). ``args`` are Megatron's validated arguments with ``args.resihp``."""
+    item (empty: the job may run). ``args`` are Megatron's validated arguments, ``cfg`` the
+    ``ResiHPConfig`` of its ``--resihp-*`` flags."""
     found = []
     for dest, (flag, why) in _UNSUPPORTED.items():
         value = getattr(args, dest, None)
@@ -66,7 +67,6 @@ def unsupported_flags(args: argparse.Namespace) -> list[str]:
             found.append(f"{flag} ({why})")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
-    cfg = args.resihp
     for name in _FAIL_SLOW_ONLY:
         if getattr(cfg, name):
             found.append(f"--resihp-{name.replace('_', '-')} (fail-slow detection runs on --resihp-loop resihp only)")
@@ -82,7 +82,10 @@ def unsupported_flags(args: argparse.Namespace) -> list[str]:
 class ResilientMegatronLoop:
     """The patches and the state they share: this process's executor and the loop's handles."""
 
-    def __init__(self, model_provider, model_type):
+    def __init__(self, cfg, model_provider, model_type):
+        # Kept here, not on Megatron's arguments: those are saved into every checkpoint, which a
+        # stock Megatron-LM must be able to load.
+        self.cfg = cfg
         self.model_provider = model_provider
         self.model_type = model_type
         self.hooks = None  # ResilienceHooks, made at the first step (groups and objects exist then)
@@ -136,7 +139,7 @@ class ResilientMegatronLoop:
         pp = margs.pipeline_model_parallel_size
         layout = Layout.uniform(model, margs.tensor_model_parallel_size, pp, margs.data_parallel_size,
                                 (margs.num_layers // pp,) * pp)
-        install(build_groups(layout, dist.get_rank(), timeout=margs.resihp.collective_timeout_s))
+        install(build_groups(layout, dist.get_rank(), timeout=self.cfg.collective_timeout_s))
 
     def _build_data_loader(self, dataset, consumed_samples):
         self.loaders.append((dataset, consumed_samples))
@@ -211,10 +214,10 @@ class ResilientMegatronLoop:
         self.loop_groups = get_attr_wrapped_model(model[0], "pg_collection")
         objects = TrainingObjects(get_model_config(model[0]), model[0], optimizer, opt_param_scheduler,
                                   (args.num_layers // args.pipeline_model_parallel_size,) * args.pipeline_model_parallel_size)
-        self.events = EventLog(args.resihp.event_log, dist.get_rank())
+        self.events = EventLog(self.cfg.event_log, dist.get_rank())
         self.hooks = ResilienceHooks(args, self.events, objects, build_objects=self._build_objects,
                                      detect_fail_slow=False, moves_state=False,
-                                     sharded_optimizer=args.use_distributed_optimizer)
+                                     sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg)
         self._watch_steps(optimizer)
         self.events.emit("start", args.iteration, world_size=dist.get_world_size(), loop="megatron",
                          layers_per_stage=list(objects.layers_per_stage))

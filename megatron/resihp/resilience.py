@@ -58,19 +58,20 @@ class ResilienceHooks:
 
     def __init__(self, args: argparse.Namespace, events: EventLog, objects=None,
                  build_objects: Callable | None = None, detect_fail_slow: bool = True, moves_state: bool = True,
-                 sharded_optimizer: bool = False):
+                 sharded_optimizer: bool = False, cfg=None):
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
         groups (the resihp loop's ``model_builder.build_training_objects`` when None). Without
         ``detect_fail_slow`` no op timings are judged (heartbeats and fail-stop recovery run). Without
         ``moves_state`` a fail-stop plan keeps every rank at the stage it holds, and a fallback
         points to the last periodic checkpoint instead of assembling one from the survivors. With
         ``sharded_optimizer`` (Megatron's distributed optimizer) a dead rank's part of the optimizer
-        state has no copy, so every fail-stop falls back to that checkpoint."""
+        state has no copy, so every fail-stop falls back to that checkpoint. ``cfg``: the
+        ``ResiHPConfig`` (``args.resihp`` when None)."""
         self.args = args
         self.build_objects = build_objects or build_training_objects
         self.moves_state = moves_state
         self.sharded_optimizer = sharded_optimizer
-        self.cfg = args.resihp
+        self.cfg = args.resihp if cfg is None else cfg
         self.events = events
         rank = dist.get_rank()
         groups = installed()
