@@ -69,3 +69,50 @@ def test_bad_arguments_are_refused():
         judge_heartbeats_under_load(1.0, {}, 1.5, allowance_s=-1.0)
     with pytest.raises(ValueError):
         HostLateness(interval_s=0.0, window_s=30.0, cap_s=6.0)
+
+
+def test_monitor_waits_out_a_late_host_and_still_names_a_silent_rank():
+    """A HeartbeatMonitor on a real store, its polls driven by hand on a clock of the test's."""
+    from torch.distributed import TCPStore
+
+    from megatron.resihp.heartbeat import HeartbeatMonitor
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    now = [100.0]
+    named = []
+    mon = HeartbeatMonitor(store, 0, 3, clock=lambda: now[0],
+                           on_dead=lambda ranks, at: named.append((sorted(ranks), at)))
+    mon._started_at = now[0]
+
+    def beat(t, ranks):
+        for r in ranks:
+            store.set(f"{mon.prefix}{r}", f"{t:.6f}:1")
+
+    def poll_at(t):
+        now[0] = t
+        mon._poll()
+
+    for i in range(6):  # one second on time
+        beat(100.0 + 0.2 * i, (0, 1, 2))
+        poll_at(100.0 + 0.2 * i)
+    # The host stalls: rank 0's and rank 1's beacons get to run 2.3 s late, rank 2's not yet. Its
+    # beat is 2.5 s old, past the 1.5 s timeout (the rule before named it dead here), but within
+    # what the host has shown it delays.
+    beat(103.5, (0, 1))
+    poll_at(103.5)
+    assert named == []
+    beat(103.7, (0, 1, 2))
+    poll_at(103.7)
+    # Then rank 2 goes silent for good while the others beat on time. The host showed itself up to
+    # 2.5 s late (rank 2's own late beat), so rank 2 is named once its beat is older than
+    # 1.5 + 2.5 s: at the first poll after 107.7.
+    t = 103.7
+    while t < 107.7:
+        t = round(t + 0.2, 6)
+        beat(t, (0, 1))
+        poll_at(t)
+    assert named == []
+    t = round(t + 0.2, 6)
+    beat(t, (0, 1))
+    poll_at(t)
+    assert named == [([2], pytest.approx(107.9))]
