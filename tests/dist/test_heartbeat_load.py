@@ -21,11 +21,11 @@ from scripts.child_env import job_env
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "scripts" / "launch_local.py"
-WORLD = 6
+WORLD = 4
 # Busy loops beside the job, half of them at a higher priority than its ranks: the job's
 # processes (ranks and beacons) then get a small share of the CPU in bursts.
-HOGS = [0] * 6 + [-10] * 6
-LOAD_S = 12.0
+HOGS = [0] * 4 + [-10] * 4
+LOAD_S = 8.0
 
 # Each rank forks its beacon, joins a gloo world and "trains": a little CPU work and an
 # all-reduce per step, beat() after each, for LOAD_S seconds (the ranks agree on the last step).
@@ -83,11 +83,17 @@ def _run_loaded(tmp_path: Path, mode: str, kill: int | None = None):
             assert time.monotonic() < deadline, "ranks did not start their monitors"
             time.sleep(0.05)
         hogs = [subprocess.Popen(["nice", "-n", str(n), sys.executable, "-c", "while True: pass"]) for n in HOGS]
+        loaded_at = time.monotonic()
         if kill is not None:
             time.sleep(3.0)
             pid = json.loads((tmp_path / f"ready{kill}.json").read_text())["pid"]
             killed_at = time.time()
             os.kill(pid, signal.SIGKILL)
+        # The ranks train under load until LOAD_S after they were ready; the load then goes, so
+        # that the job's exit does not crawl.
+        time.sleep(max(0.0, loaded_at + LOAD_S - time.monotonic()))
+        for hog in hogs:
+            hog.kill()
         output = proc.communicate(timeout=120)[0]
     finally:
         for hog in hogs:
