@@ -3,12 +3,13 @@
 Responsible for: a daemon watchdog thread on every rank that reads every other rank's heartbeat
 (``prefix + str(rank)`` = ``"<time>:<progress>[:mark]"``, one ``multi_get`` per poll) and reports
 
-* **dead** ranks: no new heartbeat for ``timeout_s`` (the process or its node is gone), judged by
-  ``resihp_ext.detection.detector.judge_heartbeats``;
+* **dead** ranks: no new heartbeat for ``timeout_s`` (the process or its node is gone), plus how
+  late the host has recently let heartbeats run, judged by
+  ``resihp_ext.detection.host_lateness.judge_heartbeats_under_load``;
 * **dead** at once: a rank whose beacon wrote the ``dead`` mark (its process is gone);
 * **hung** ranks: heartbeat alive but the training progress they publish (``beat(progress)``,
   called at each iteration boundary) stopped for ``hang_timeout_s`` while other ranks moved on,
-  judged by ``judge_progress`` below;
+  judged by ``judge_progress`` below, with the same allowance for a host running late;
 * **hung** at once: a rank whose beacon wrote the ``stopped`` mark (stopped by a signal; it cannot
   progress until continued, and nobody waits for that).
 
@@ -46,7 +47,7 @@ from collections.abc import Callable, Mapping
 
 from megatron.resihp.heartbeat_beacon import (DEAD_MARK, FENCED_MARK, MARK_EXIT, MARK_RECOVERING, MARK_TEXT,
                                               STOPPED_MARK, Beacon)
-from resihp_ext.detection.detector import judge_heartbeats
+from resihp_ext.detection.host_lateness import HostLateness, judge_heartbeats_under_load
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,11 @@ DEFAULT_PREFIX = "resihp/hb/"
 # Ranks start their monitors seconds apart (imports, model build); one not seen yet is only
 # declared dead after this long.
 DEFAULT_STARTUP_GRACE_S = 60.0
+# A host that ran late is expected to run late again for a while: a lateness seen is allowed for
+# this long. At most LATENESS_CAP_TIMEOUTS heartbeat timeouts are allowed, so a rank lost with its
+# beacon (a lost node) is still named on a host that is always late.
+LATENESS_WINDOW_S = 30.0
+LATENESS_CAP_TIMEOUTS = 4.0
 _EXIT_MARK = MARK_TEXT[MARK_EXIT]
 _RECOVERING_MARK = MARK_TEXT[MARK_RECOVERING]
 
@@ -210,6 +216,8 @@ class HeartbeatMonitor:
         self._thread: threading.Thread | None = None
         self._started_at = 0.0
         self._store_errors = 0
+        self._lateness = HostLateness(interval_s, LATENESS_WINDOW_S, LATENESS_CAP_TIMEOUTS * timeout_s)
+        self._poll_lateness = 0.0  # how late the current poll woke, by this thread's own clock
 
     @classmethod
     def from_env(cls, **kwargs) -> HeartbeatMonitor:
@@ -339,6 +347,7 @@ class HeartbeatMonitor:
             # Fixed cadence, but never a burst of catch-up beats after a stall.
             next_at = max(next_at, self._clock())
             self._stop.wait(next_at - self._clock())
+            self._poll_lateness = self._clock() - next_at
 
     def _read(self, ranks: list[int]) -> dict[int, str]:
         # get() blocks until a key exists, so unseen ranks are checked first; once every rank has
@@ -357,7 +366,13 @@ class HeartbeatMonitor:
         # The clock is read before the store: a value read afterwards is at least that fresh, so a
         # stall of this thread between the two can never make a live rank look late.
         now = self._clock()
-        values = self._read(others)
+        # This rank's own heartbeat is read too: when even it is stale, the host or the store
+        # stood still, and no other rank is to blame.
+        values = self._read(others + [self.rank])
+        own_beat = values.pop(self.rank, None)
+        beats = {}
+        if own_beat is not None:
+            beats[self.rank] = self._last_beat[self.rank] = float(own_beat.split(":")[0])
         exited, marked_dead, fenced, stopped = set(), set(), set(), set()
         for r, text in values.items():
             parts = text.split(":")
@@ -375,6 +390,7 @@ class HeartbeatMonitor:
             if len(parts) > 2 and parts[2] == STOPPED_MARK:
                 stopped.add(r)
             self._last_beat[r] = beat_at
+            beats[r] = beat_at
             if self._seen_progress.get(r, (None, 0.0))[0] != progress:
                 self._seen_progress[r] = (progress, now)
         if not self._evicted and self.store.check([self._evicted_key(self.rank)]):
@@ -389,8 +405,12 @@ class HeartbeatMonitor:
         # A rank never seen yet counts as having beaten at the end of its start-up grace.
         last_beat = {r: self._last_beat.get(r, self._started_at + self.startup_grace_s - self.timeout_s)
                      for r in others if r not in exited}
-        dead = judge_heartbeats(now, {r: t for r, t in last_beat.items() if r not in marked_dead},
-                                self.timeout_s) | frozenset(marked_dead)
+        self._lateness.beats(now, beats)
+        self._lateness.poll(now, self._poll_lateness)
+        allowance = self._lateness.allowance(now)
+        dead = judge_heartbeats_under_load(now, {r: t for r, t in last_beat.items() if r not in marked_dead},
+                                           self.timeout_s, allowance,
+                                           max(beats.values()) if beats else None) | frozenset(marked_dead)
         if dead and self._failure_seen_at is None:
             self._failure_seen_at = now
         hung = frozenset(stopped) - dead
@@ -398,8 +418,8 @@ class HeartbeatMonitor:
             gone = dead | self._dead | exited | self._exited
             watched = {r: p for r, p in self._seen_progress.items() if r not in gone}
             recovering = frozenset(self._recovering_ranks) | ({self.rank} if self._recovering else set())
-            hung |= judge_progress(now, watched, self.hang_timeout_s, recovering, self._failure_seen_at,
-                                   self.failure_grace_s) - {self.rank}
+            hung |= judge_progress(now, watched, self.hang_timeout_s + allowance, recovering,
+                                   self._failure_seen_at, self.failure_grace_s) - {self.rank}
 
         with self._lock:
             self._exited = self._exited | exited
@@ -415,12 +435,13 @@ class HeartbeatMonitor:
             gone, silent = sorted(new_dead & marked_dead), sorted(new_dead - marked_dead)
             logger.warning("heartbeat: rank %d sees ranks %s dead (%s)", self.rank, sorted(new_dead), "; ".join(
                 ([f"{gone}: process exited"] if gone else []) +
-                ([f"{silent}: no heartbeat for {self.timeout_s:.1f} s"] if silent else [])))
+                ([f"{silent}: no heartbeat for {self.timeout_s + allowance:.1f} s"
+                  + (f" (the host ran up to {allowance:.1f} s late)" if allowance >= 0.1 else "")] if silent else [])))
             self._notify(self._on_dead, dead_now, now, "on_dead")
         if new_hung:
             logger.warning("heartbeat: rank %d sees ranks %s hung (%s)", self.rank, sorted(new_hung), "; ".join(
                 ([f"{sorted(new_hung & stopped)}: stopped by a signal"] if new_hung & stopped else []) +
-                ([f"{sorted(new_hung - stopped)}: no progress for {self.hang_timeout_s:.1f} s"]
+                ([f"{sorted(new_hung - stopped)}: no progress for {self.hang_timeout_s + allowance:.1f} s"]
                  if new_hung - stopped else [])))
             self._notify(self._on_hang, hung_now, now, "on_hang")
 
