@@ -213,6 +213,13 @@ class ResilienceHooks:
                 log_line(f" rank {self.rank}: injecting {fault.spec()}")
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    def forget_faults_before(self, iteration: int) -> None:
+        """After a fail-stop recovery at ``iteration``: faults follow the process, and a slowdown under
+        way keeps its end; slowed links name old ranks, so they go."""
+        self.faults = [f for f in self.faults if f.at_iteration > iteration or (f.until_iteration or 0) > iteration
+                       or (f.kind is FaultKind.SLOW and f.until_iteration is None)]
+        LINKS.clear()
+
     def _apply_slowdowns(self, iteration: int) -> None:
         """Stretch this rank's compute by its slowest active slowdown, and say when each starts and ends
         (an intermittent one at every burst). Recomputed each iteration, so a redone iteration or a
