@@ -131,7 +131,9 @@ class FailStopRecovery:
             host._planned_out = set(run.layout.world_ranks) - set(plan.new_rank) | outside
             leader = old_rank == min(set(run.layout.world_ranks) - failed)
             if leader:
-                host.monitor.evict(failed)  # a hung rank among them fences itself
+                # A hung rank among them fences itself; the spares of an earlier attempt are not
+                # hung but left, and may be standing by.
+                host.monitor.evict(failed - left)
                 host.events.emit("plan", iteration, action=plan.action, reason=plan.reason, executed=plan.to_dict(),
                                  preferred=published["preferred"], attempt=attempt,
                                  compute_costs=host.costs_record(), taken_back_launch_ranks=taken)
@@ -229,7 +231,8 @@ class FailStopRecovery:
         host.monitor.stop()
         if host.standby_on:  # back at a later failure, in the place of a rank that died
             raise host.readmission.standing_by(
-                old_rank, "is a spare after the adaptation (the new layout does not use it); it stands by")
+                old_rank, f"rank {old_rank} is a spare after the adaptation (the new layout does not use it); launch "
+                          f"rank {host.run.identity[old_rank]} stands by for a later failure")
         if dist.is_initialized():  # not after a failed re-form
             dist.destroy_process_group()
         raise StopTraining(0, f"rank {old_rank} is a spare after the adaptation (the new layout does not use it)")

@@ -123,8 +123,7 @@ class Readmission:
         self._standby_since = 0
 
     # ------------------------------------------------------------------ the standby
-    def standing_by(self, old_rank: int, why: str = "stands by after the re-plan; its shards were handed over"
-                    ) -> StandingBy:
+    def standing_by(self, old_rank: int, message: str | None = None) -> StandingBy:
         """Leave every group to stand by; the reference probe time is taken now, while this rank's
         slowdown is known: the healthy ranks' latest probes, or this rank's own over its slowdown."""
         host = self.host
@@ -136,7 +135,8 @@ class Readmission:
         self._standby_since = host.iteration
         if dist.is_initialized():
             dist.destroy_process_group()
-        return StandingBy(f"rank {old_rank} (launch rank {host.run.identity[old_rank]}) {why}")
+        return StandingBy(message or f"rank {old_rank} (launch rank {host.run.identity[old_rank]}) stands by after "
+                                     f"the re-plan; its shards were handed over")
 
     def stand_by(self) -> Rejoined:
         """Probe, report and wait on the standby until called into a grown world, then join it.
@@ -275,8 +275,7 @@ class Readmission:
         host.commit(new.replace(quotas=tuple(quotas)), world_changed=True)
         host.forget_faults_before(iteration)
         log_line(f" resihp: launch rank {me} was taken back as rank {new.rank} of {new.world_size} at iteration "
-                 f"{iteration}, in the place of dead rank{'s' if len(dead) > 1 else ''} {dead} of world "
-                 f"{generation - 1}")
+                 f"{iteration}, in the place of dead rank{'s' if len(dead) > 1 else ''} {dead}")
         return Rejoined(new.objects, quotas, iteration, published["consumed_samples"])
 
     # ------------------------------------------------------------------ the recovery
