@@ -4,7 +4,8 @@ Responsible for carrying out a ``LayoutChange`` that a driver asked for (fail-sl
 ``fail_slow_replan.py``; fail-stop recovery: ``fail_stop_recovery.py``; standby readmission:
 ``standby.py``), always in the same steps::
 
-    [world]  SAME: keep it | SHRINK: move state out, leavers leave, re-form | GROW: form the grown world
+    [world]  SAME: keep it | SHRINK: move state out (to spares taken back too), leavers leave, re-form
+             | GROW: form the grown world
     build groups -> install -> rebuild model, DDP, optimizer -> move state -> agree -> commit
 
 and for rolling one back, in one place: until the change commits, the state it started from
