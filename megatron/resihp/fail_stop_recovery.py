@@ -4,9 +4,12 @@ Responsible for the decision half of an in-place fail-stop recovery, at the iter
 failed: wait for the heartbeats to name who failed, agree on one ``SurvivorPlan``
 (``recovery.agree_on_plan``: the lowest survivor decides), and ask the life cycle
 (``reconfigure.apply``) for the SHRINK change it describes; when a member fails while the
-survivors re-form, plan again without it. With no in-place plan, survivors save a checkpoint
-assembled from whoever holds each shard (or point to the last periodic one) and leave. It never
-builds a group, a model or a world itself.
+survivors re-form, plan again without it. Surviving ranks the plan leaves out (spares) stand by
+(``standby.py``) when standbys are on, and a later recovery that redoes its iteration calls them:
+the plan may give them the places of dead ranks, and they join the change, receiving their state
+from live holders, so a job survives as many failures as it has ranks to hold every shard. With
+no in-place plan, survivors save a checkpoint assembled from whoever holds each shard (or point
+to the last periodic one) and leave. It never builds a group, a model or a world itself.
 """
 
 from __future__ import annotations
@@ -21,16 +24,15 @@ import torch.distributed as dist
 
 from megatron.resihp import checkpointing, recovery
 from megatron.resihp.data_samplers import even_quotas
-from megatron.resihp.link_faults import LINKS
 from megatron.resihp.logging_utils import log_line
 from megatron.resihp.reconfigure import ChangeFailed, LayoutChange, World, apply
+from megatron.resihp.reshard import adam_template_of, loss_scale_state
 from megatron.resihp.run_state import StopTraining
 from megatron.resihp.standby import mark_job_done
-from resihp_ext.faults import FaultKind
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
-from resihp_ext.planner.survivors import continuing_layout
+from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout
 
 # Exit code of a survivor that saved a checkpoint because no in-place plan existed.
 EXIT_NEEDS_RESTART = 3
@@ -78,7 +80,8 @@ class FailStopRecovery:
             The new ``RunState`` (committed on ``host``), to redo ``iteration`` on (or go on after it).
 
         Raises:
-            StopTraining: this process is a spare, or no in-place plan exists (after saving).
+            StopTraining: this process is a spare (``StandingBy`` when it stands by), or no in-place
+                plan exists (after saving).
             The original error, when the heartbeats name no failed rank.
         """
         host, cfg = self.host, self.host.cfg
@@ -93,6 +96,8 @@ class FailStopRecovery:
             # finish without it; what it sent before still arrives first.
             host._abandon_world()
         failed = left = frozenset()  # left: spares of an earlier attempt's plan, gone or about to go
+        # Spares come back at an iteration's start: only a recovery that redoes its iteration calls them.
+        take_back = host.standby_on and completed is None
         has_world = dist.is_initialized()
         outside = frozenset(range(dist.get_world_size()) if has_world else ()) - frozenset(run.layout.world_ranks)
         for attempt in range(1, REFORM_ATTEMPTS + 1):
@@ -108,17 +113,31 @@ class FailStopRecovery:
                 raise error
             run = run.replace(generation=run.generation + 1)
             host.run = run
-            plan, failed, preferred = recovery.agree_on_plan(
+            answered: list[int] = []  # launch ranks of the spares that answered the leader's call
+
+            def standbys(run=run, left=left, answered=answered) -> tuple[int, ...]:
+                if take_back:
+                    calling = host.readmission.spares | {run.identity[r] for r in left}
+                    answered.extend(host.readmission.call_spares(run.generation, calling))
+                return tuple(range(len(run.identity), len(run.identity) + len(answered)))
+
+            plan, failed, published = recovery.agree_on_plan(
                 host.store, run.generation, old_rank, run.layout, named | failed | left, self._preferred_plan,
                 wait_s=3 * cfg.collective_timeout_s, move_state=host.moves_state, hw=self._survivor_hardware(),
                 health=host.known_health, sharded_optimizer=host.sharded_optimizer,
-            )
+                standbys=standbys, shared=lambda plan, run=run, left=left, answered=answered: self._shared(
+                    run, plan, answered, left, iteration, consumed_samples))
+            identity = tuple(published["identity"])  # this world's launch ranks, then the spares called
+            taken = [identity[r] for r in plan.joiners]
             host._planned_out = set(run.layout.world_ranks) - set(plan.new_rank) | outside
             leader = old_rank == min(set(run.layout.world_ranks) - failed)
             if leader:
-                host.monitor.evict(failed)  # a hung rank among them fences itself
+                # A hung rank among them fences itself; the spares of an earlier attempt are not
+                # hung but left, and may be standing by.
+                host.monitor.evict(failed - left)
                 host.events.emit("plan", iteration, action=plan.action, reason=plan.reason, executed=plan.to_dict(),
-                                 preferred=preferred, attempt=attempt, compute_costs=host.costs_record())
+                                 preferred=published["preferred"], attempt=attempt,
+                                 compute_costs=host.costs_record(), taken_back_launch_ranks=taken)
             log_line(f" resihp: plan ({plan.action}): {plan.reason}")
             if plan.action != "adapt":
                 host.monitor.stop()
@@ -129,8 +148,10 @@ class FailStopRecovery:
                 kind="recovery", world=World.SHRINK, iteration=iteration, old_layout=run.layout,
                 new_layout=continuing_layout(run.layout, plan),
                 transfers=plan.transfers,  # what the plan priced, in old ranks: exactly what runs
-                new_rank=dict(plan.new_rank), move_world=tuple(sorted(set(run.layout.world_ranks) - failed)),
-                failed=failed, watch_old_world=True, reload_own=True, leave=self._leave_as_spare)
+                new_rank=dict(plan.new_rank),
+                move_world=tuple(sorted((set(run.layout.world_ranks) - failed) | set(plan.joiners))),
+                failed=failed, watch_old_world=True, reload_own=True, identity=identity if taken else None,
+                leave=self._leave_as_spare)
             try:
                 new = apply(change, run, host)
                 break
@@ -144,6 +165,7 @@ class FailStopRecovery:
                          f"({str(exc.__cause__ or exc).splitlines()[0][:120]}); planning again with the ranks "
                          f"the heartbeats name")
         host.known_health = host.known_health.relabel(plan.new_rank)
+        host.readmission.after_recovery(published)
         quotas = run.quotas
         if failed or not quotas or len(quotas) != new.data_parallel_size:
             args = host.args
@@ -151,15 +173,12 @@ class FailStopRecovery:
                                                 new.data_parallel_size)
         new = new.replace(quotas=tuple(quotas))
         host.commit(new, world_changed=True)
-        # Faults follow the process; a slowdown under way keeps its end.
-        host.faults = [f for f in host.faults if f.at_iteration > iteration or (f.until_iteration or 0) > iteration
-                       or (f.kind is FaultKind.SLOW and f.until_iteration is None)]
-        LINKS.clear()  # slowed links name old ranks
+        host.forget_faults_before(iteration)
         duration = time.perf_counter() - start
         if new.rank == 0:
             host.events.emit("adapted", iteration, world_size=dist.get_world_size(), duration_s=duration,
                              data_parallel_size=new.data_parallel_size, quotas=list(quotas),
-                             failed_ranks=sorted(failed))
+                             failed_ranks=sorted(failed), taken_back_launch_ranks=taken)
         log_line(f" resihp: rank {old_rank} -> {new.rank}: adapted in place, world {dist.get_world_size()}, "
                  f"DP {new.data_parallel_size}, {'redoing' if completed is None else 'going on after'} iteration "
                  f"{iteration} ({duration:.2f} s since the failure surfaced)")
@@ -184,8 +203,37 @@ class FailStopRecovery:
             return HardwareModel(**facts)
         return dataclasses.replace(host.calibrated_hardware(), **facts)
 
+    def _shared(self, run, plan: SurvivorPlan, answered: list[int], left: frozenset[int], iteration: int,
+                consumed_samples: int) -> dict:
+        """What the leader publishes beside the plan: who stands by after it (every member keeps
+        the same lists), and what a spare taken back needs to join the change and go on at
+        ``iteration``: the old layout, the LR schedule, Adam's step, the loss scale, the batch's
+        position, the known slowdowns and the fitted costs."""
+        host = self.host
+        identity = [*run.identity, *answered]
+        taken = {identity[r] for r in plan.joiners}
+        spares = set()
+        if host.standby_on and plan.action == "adapt":
+            spares = (host.readmission.spares | {run.identity[r] for r in left} | {identity[r] for r in plan.spares}) \
+                - taken
+        shared = {"identity": identity, "joiners": {str(len(run.identity) + i): l for i, l in enumerate(answered)},
+                  "spares": sorted(spares), "standbys": sorted((host.readmission.standbys - taken) | spares)}
+        if taken:
+            objects, health = run.objects, host.known_health
+            shared.update(iteration=iteration, consumed_samples=consumed_samples, layout=run.layout.to_dict(),
+                          scheduler=objects.scheduler.state_dict(), adam=adam_template_of(objects),
+                          loss_scale=loss_scale_state(objects.optimizer), costs=host.costs_record(),
+                          health={"speed": {str(r): v for r, v in health.speed.items()},
+                                  "slow_links": [[a, b, v] for (a, b), v in health.slow_links.items()]})
+        return shared
+
     def _leave_as_spare(self, old_rank: int) -> None:
-        self.host.monitor.stop()
+        host = self.host
+        host.monitor.stop()
+        if host.standby_on:  # back at a later failure, in the place of a rank that died
+            raise host.readmission.standing_by(
+                old_rank, f"rank {old_rank} is a spare after the adaptation (the new layout does not use it); launch "
+                          f"rank {host.run.identity[old_rank]} stands by for a later failure")
         if dist.is_initialized():  # not after a failed re-form
             dist.destroy_process_group()
         raise StopTraining(0, f"rank {old_rank} is a spare after the adaptation (the new layout does not use it)")

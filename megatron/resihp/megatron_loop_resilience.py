@@ -217,7 +217,8 @@ class ResilientMegatronLoop:
         self.events = EventLog(self.cfg.event_log, dist.get_rank())
         self.hooks = ResilienceHooks(args, self.events, objects, build_objects=self._build_objects,
                                      detect_fail_slow=False, moves_state=False,
-                                     sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg)
+                                     sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
+                                     stands_by=False)
         self._watch_steps(optimizer)
         self.events.emit("start", args.iteration, world_size=dist.get_world_size(), loop="megatron",
                          layers_per_stage=list(objects.layers_per_stage))

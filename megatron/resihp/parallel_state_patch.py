@@ -470,6 +470,11 @@ def reform_world(
     uninstall()
     if dist.is_initialized():
         dist.destroy_process_group()
+    else:
+        # A world whose rendezvous failed took a group name and was never destroyed (which resets
+        # the count): its members would name this world's groups one further than a process with
+        # another history (a standby taken back), and the rendezvous keys would not meet.
+        dist.distributed_c10d._world.group_count = 0
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"resihp/gen{generation}/", store),

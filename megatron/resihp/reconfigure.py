@@ -4,7 +4,8 @@ Responsible for carrying out a ``LayoutChange`` that a driver asked for (fail-sl
 ``fail_slow_replan.py``; fail-stop recovery: ``fail_stop_recovery.py``; standby readmission:
 ``standby.py``), always in the same steps::
 
-    [world]  SAME: keep it | SHRINK: move state out, leavers leave, re-form | GROW: form the grown world
+    [world]  SAME: keep it | SHRINK: move state out (to spares taken back too), leavers leave, re-form
+             | GROW: form the grown world
     build groups -> install -> rebuild model, DDP, optimizer -> move state -> agree -> commit
 
 and for rolling one back, in one place: until the change commits, the state it started from
@@ -70,17 +71,21 @@ class LayoutChange:
         transfers: exactly the plan's (``Plan.transfers`` / ``SurvivorPlan.transfers``), in those ranks.
         new_rank: SHRINK: old rank -> rank in the re-formed world (ranks it lacks leave).
         move_world: SHRINK: the old ranks that meet in a world of their own to move state (every
-            survivor of a fail-stop); None: state moves in the current world.
+            survivor of a fail-stop, and the standbys it takes back); None: state moves in the
+            current world.
         failed: SHRINK: ranks the change is made without; one of them that is still running sends
             nothing and leaves first.
         watch_old_world: SHRINK: keep watching the old world's heartbeats until the new world
             commits (a recovery names whoever fails while it re-forms and plans again).
         reload_own: SHRINK: a rank that receives nothing from another keeps its own state whole
             (same stage, same shapes) instead of copying it unit by unit.
-        identity: GROW: launch rank of every rank of the grown world.
-        joining_rank: GROW, on a joiner: its rank in the grown world (working ranks keep theirs).
-        scheduler_state: GROW: the working ranks' LR schedule.
-        adam_template, loss_scale: GROW, on a joiner: what shapes its Adam states and its loss scaler.
+        identity: GROW: launch rank of every rank of the grown world. SHRINK: launch rank of every
+            old rank and of each standby taken back (numbered after the old world's ranks).
+        joining_rank: on a process that holds no state and joins: GROW, its rank in the grown
+            world (working ranks keep theirs); SHRINK, a standby's rank in the plan (after the old
+            world's).
+        scheduler_state: GROW, and a SHRINK's joiner: the working ranks' LR schedule.
+        adam_template, loss_scale: on a joiner: what shapes its Adam states and its loss scaler.
         leave: called on a rank the new world does not include, once it has sent what others need;
             it must raise (``StopTraining``, or ``StandingBy``).
     """
@@ -153,7 +158,8 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
     if change.world is World.SHRINK:
         received = _move_out_and_reform(change, run, env, ran)
         rank, layout = change.new_rank[run.rank], change.new_layout.relabel(change.new_rank)
-        identity = run.renumbered(change.new_rank)
+        identity = run.renumbered(change.new_rank) if change.identity is None else \
+            tuple(change.identity[old] for old in sorted(change.new_rank, key=change.new_rank.get))
     elif change.world is World.GROW:
         _form_grown_world(change, run, env)
         rank, layout, identity = dist.get_rank(), change.new_layout, change.identity
@@ -212,6 +218,8 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
         change.leave(old_rank)
     if change.kind == "recovery":
         env.inject(change.iteration, "reform")
+    # A standby taken back watches no world's heartbeats: it waits out a world that does not form.
+    joining = change.joining_rank is not None
     try:
         if change.move_world is not None:
             received = {}
@@ -220,7 +228,7 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
                 received = recovery.stage_moves(
                     env.store, run.generation, old_rank, list(change.move_world), change.transfers,
                     change.old_layout, run.objects, env.backend, env.cfg.collective_timeout_s,
-                    stop=env.failure_among(change.move_world),
+                    stop=(lambda: None) if joining else env.failure_among(change.move_world),
                     joined=lambda: env.inject(change.iteration, "moves"), ran=ran)
         else:
             received = stage_transfers(change.transfers, change.old_layout, old_rank, run.objects,
@@ -231,7 +239,8 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
         if old_rank not in new_rank:
             change.leave(old_rank)
         recovery.meet_and_reform(env.store, str(run.generation), new_rank[old_rank], len(new_rank), env.backend,
-                                 env.cfg.collective_timeout_s, stop=env.failure_among(new_rank),
+                                 env.cfg.collective_timeout_s,
+                                 stop=(lambda: None) if joining else env.failure_among(new_rank),
                                  met=lambda: env.inject(change.iteration, "rendezvous"))
     except (RuntimeError, TimeoutError) as error:
         raise ChangeFailed(f"world {run.generation} did not form: {error}", run) from error
@@ -263,14 +272,19 @@ def _move_state(change: LayoutChange, run: RunState, rank: int, new_objects, rec
     besides its tensors (step counts, LR schedule, loss scale). Returns bytes this rank moved."""
     old = run.objects
     if change.world is World.SHRINK:
-        if change.reload_own and not any(t.dst == run.rank and t.src != run.rank for t in change.transfers):
+        if change.reload_own and old is not None and \
+                not any(t.dst == run.rank and t.src != run.rank for t in change.transfers):
             # A rank at the stage it held before: its own state, same shapes, is all it needs.
             new_objects.model.load_state_dict(old.model.state_dict())
             new_objects.optimizer.load_state_dict(old.optimizer.state_dict())
         else:
             unstage_transfers(change.transfers, change.old_layout, change.new_layout, run.rank, old, new_objects,
-                              received)
-        carry_schedule(old, new_objects)
+                              received, adam_template=change.adam_template)
+        if old is not None:
+            carry_schedule(old, new_objects)
+        else:  # a standby taken back: the working ranks' schedule and loss scale
+            new_objects.scheduler.load_state_dict(change.scheduler_state)
+            load_loss_scale_state(new_objects.optimizer, change.loss_scale or [])
         return 0
     moved = apply_transfers(change.transfers, change.old_layout, change.new_layout, rank, old, new_objects,
                             adam_template=change.adam_template, ran=ran)

@@ -107,27 +107,38 @@ def agree_on_commit(store, prefix: str, members: int, finished: bool, stop: Call
     return store.get(decision_key) == b"commit"
 
 
+def plan_key(generation: int) -> str:
+    """Where the plan of world ``generation``'s recovery is published (standbys read it too)."""
+    return f"resihp/gen{generation}/plan"
+
+
 def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: frozenset[int],
                   describe_preferred, wait_s: float, move_state: bool = True,
-                  hw: HardwareModel | None = None, health: Health | None = None, sharded_optimizer: bool = False
+                  hw: HardwareModel | None = None, health: Health | None = None,
+                  standbys: Callable[[], tuple[int, ...]] = tuple,
+                  shared: Callable[[SurvivorPlan], dict] = lambda plan: {},
+                  sharded_optimizer: bool = False
                   ) -> tuple[SurvivorPlan, frozenset[int], dict]:
     """The lowest surviving rank decides and publishes; everyone reads the same plan back.
 
     ``health``: the fail-slow verdicts acted on so far (``layout``'s ranks); the quotas follow them.
+    On the leader only, ``standbys()`` gives the standbys the plan may take back (ranks after the
+    layout's, ``plan_survivors``'s ``standbys``), and ``shared(plan)`` what is published beside it.
 
     Returns:
-        (the plan, the failed ranks it was made for, the joint planner's preferred plan).
+        (the plan, the failed ranks it was made for, everything published: ``preferred``, the
+        joint planner's preferred plan, and what ``shared`` added).
     """
-    key = f"resihp/gen{generation}/plan"
+    key = plan_key(generation)
     leader = min(set(layout.world_ranks) - failed)
     if rank == leader:
-        plan = plan_survivors(layout, failed, move_state=move_state, hw=hw, health=health,
+        plan = plan_survivors(layout, failed, move_state=move_state, hw=hw, health=health, standbys=standbys(),
                               sharded_optimizer=sharded_optimizer)
-        store.set(key, json.dumps({"plan": plan.to_dict(), "failed": sorted(failed),
+        store.set(key, json.dumps({**shared(plan), "plan": plan.to_dict(), "failed": sorted(failed),
                                    "preferred": describe_preferred(failed)}))
     wait_for_keys(store, [key], wait_s)
     published = json.loads(store.get(key))
-    return SurvivorPlan.from_dict(published["plan"]), frozenset(published["failed"]), published["preferred"]
+    return SurvivorPlan.from_dict(published["plan"]), frozenset(published["failed"]), published
 
 
 def meet_and_reform(store, label: str, new_rank: int, world_size: int, backend: str, timeout_s: float,

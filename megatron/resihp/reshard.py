@@ -53,6 +53,15 @@ def _adam_template(objects, slots) -> dict | None:
     return next((s for slot in slots for s in [_adam_state(objects.optimizer, slot.param, None)] if s), None)
 
 
+def _template_of(old_objects, old_slots, adam_template: dict | None) -> dict | None:
+    """What shapes new Adam states: this rank's own, or on a rank that joins holding nothing
+    (``old_objects`` None), ``adam_template`` (``adam_template_of`` on a working rank)."""
+    if old_objects is not None:
+        return _adam_template(old_objects, old_slots)
+    return {k: torch.tensor(v, dtype=torch.float32) if k == "step" else None
+            for k, v in (adam_template or {}).items()} or None
+
+
 def _flat_dtype(views: list[torch.Tensor]) -> torch.dtype:
     """The dtype one buffer of ``views`` travels in: ``torch.cat``'s, which holds each exactly
     (bf16 weights beside their fp32 main copies travel as fp32)."""
@@ -98,7 +107,8 @@ def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank, ra
     """Phase 1 of a move that changes the world: send what others need, receive into flat buffers.
 
     Runs in a world holding every source and destination (spares included); ``peer_rank`` maps a
-    layout rank to its rank in that world. Sizes travel first, so receivers need no model yet.
+    layout rank to its rank in that world. Sizes travel first, so receivers need no model yet
+    (a standby taken back holds nothing: ``old_objects`` None, it only receives).
     ``ran``, when given, collects every transfer between two ranks this rank sent or received.
 
     Returns:
@@ -108,9 +118,9 @@ def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank, ra
 
     from megatron.resihp.layer_sync import param_slots
 
-    old_slots = param_slots(old_objects.model.module)
+    old_slots = param_slots(old_objects.model.module) if old_objects is not None else []
     old_holders = holders(old_layout)
-    template = _adam_template(old_objects, old_slots)
+    template = _adam_template(old_objects, old_slots) if old_objects is not None else None
     payloads, sizes, incoming = {}, [], {}
     for i, t in enumerate(transfers):
         if ran is not None and t.src != t.dst and rank in (t.src, t.dst):
@@ -143,16 +153,18 @@ def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank, ra
 
 
 @torch.no_grad()
-def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects, new_objects, received) -> None:
-    """Phase 2: fill the rebuilt model and optimizer from local state and the staged buffers."""
+def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects, new_objects, received,
+                      adam_template: dict | None = None) -> None:
+    """Phase 2: fill the rebuilt model and optimizer from local state and the staged buffers
+    (``old_objects`` None on a rank that held nothing: ``adam_template`` shapes its Adam states)."""
     from resihp_ext.shard_map import holders
 
     from megatron.resihp.layer_sync import param_slots
 
-    old_slots = param_slots(old_objects.model.module)
+    old_slots = param_slots(old_objects.model.module) if old_objects is not None else []
     new_slots = param_slots(new_objects.model.module)
     old_holders, new_holders = holders(old_layout), holders(new_layout)
-    template = _adam_template(old_objects, old_slots)
+    template = _template_of(old_objects, old_slots, adam_template)
     for i, t in enumerate(transfers):
         if t.dst != rank:
             continue
@@ -224,11 +236,7 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
     old_slots = param_slots(old_objects.model.module) if old_objects is not None else []
     new_slots = param_slots(new_objects.model.module)
     old_holders, new_holders = holders(old_layout), holders(new_layout)
-    if old_objects is not None:
-        template = _adam_template(old_objects, old_slots)
-    else:
-        template = {k: torch.tensor(v, dtype=torch.float32) if k == "step" else None
-                    for k, v in (adam_template or {}).items()} or None
+    template = _template_of(old_objects, old_slots, adam_template)
 
     ops, receives, sent = [], [], 0  # sent: bytes through this rank, both directions
     for t in transfers:

@@ -58,7 +58,7 @@ class ResilienceHooks:
 
     def __init__(self, args: argparse.Namespace, events: EventLog, objects=None,
                  build_objects: Callable | None = None, detect_fail_slow: bool = True, moves_state: bool = True,
-                 sharded_optimizer: bool = False, cfg=None):
+                 sharded_optimizer: bool = False, cfg=None, stands_by: bool = True):
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
         groups (the resihp loop's ``model_builder.build_training_objects`` when None). Without
         ``detect_fail_slow`` no op timings are judged (heartbeats and fail-stop recovery run). Without
@@ -66,7 +66,8 @@ class ResilienceHooks:
         points to the last periodic checkpoint instead of assembling one from the survivors. With
         ``sharded_optimizer`` (Megatron's distributed optimizer) a dead rank's part of the optimizer
         state has no copy, so every fail-stop falls back to that checkpoint. ``cfg``: the
-        ``ResiHPConfig`` (``args.resihp`` when None)."""
+        ``ResiHPConfig`` (``args.resihp`` when None). Without ``stands_by`` a rank a plan leaves out
+        exits, whatever ``--resihp-no-standby`` says (the loop has no place for a standby)."""
         self.args = args
         self.build_objects = build_objects or build_training_objects
         self.moves_state = moves_state
@@ -113,7 +114,7 @@ class ResilienceHooks:
             self.heartbeat_store = connect_store(timeout_s=timeout_s)
             self._start_monitor()
         # Ranks a fail-slow plan leaves out stand by to rejoin (they need the store to be called).
-        self.standby_on = self.cfg.enable and not self.cfg.no_standby and self.store is not None
+        self.standby_on = stands_by and self.cfg.enable and not self.cfg.no_standby and self.store is not None
         self.trace = None
         # Written by the decider, which holds every rank's observations.
         if self.cfg.trace and (self.live.deciding if self.live is not None else rank == 0):
@@ -226,6 +227,13 @@ class ResilienceHooks:
                 self.events.emit("inject", iteration, fault=fault.spec())
                 log_line(f" rank {self.rank}: injecting {fault.spec()}")
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def forget_faults_before(self, iteration: int) -> None:
+        """After a fail-stop recovery at ``iteration``: faults follow the process, and a slowdown under
+        way keeps its end; slowed links name old ranks, so they go."""
+        self.faults = [f for f in self.faults if f.at_iteration > iteration or (f.until_iteration or 0) > iteration
+                       or (f.kind is FaultKind.SLOW and f.until_iteration is None)]
+        LINKS.clear()
 
     def _apply_slowdowns(self, iteration: int) -> None:
         """Stretch this rank's compute by its slowest active slowdown, and say when each starts and ends

@@ -1,6 +1,9 @@
-"""Standby ranks: a rank a fail-slow plan leaves out keeps its process and rejoins once healthy.
+"""Standby ranks: a rank a plan leaves out keeps its process, and comes back when it is wanted.
 
-Responsible for both sides of readmission, executed at iteration boundaries:
+A rank a fail-slow plan leaves out (a slow device) comes back once healthy, when that pays; a rank
+a fail-stop plan leaves out (a spare: healthy, but the new layout does not use it) comes back at a
+later fail-stop, in the place of a rank that died. Responsible for both sides of both, executed at
+iteration boundaries:
 
 * the **standby** (``stand_by``): out of every group, it times the validation GEMM probe on its
   own device every ``--resihp-standby-probe-interval-s`` and reports its slowdown through the
@@ -12,6 +15,13 @@ Responsible for both sides of readmission, executed at iteration boundaries:
   pure plan (``resihp_ext.planner.readmission``). To take standbys back, rank 0 calls them with
   everything a stateless process needs (layouts, iteration, consumed samples, LR schedule, Adam's
   step, known slowdowns) and says go only once every one has answered, or calls it off.
+* the **recovery** (``call_spares``, on the survivor that plans a fail-stop recovery): it calls
+  the spares, and the plan (``resihp_ext.planner.survivors``) may give those that answered the
+  places of dead ranks; the published plan carries what a stateless process needs. A spare taken
+  back joins the survivors' SHRINK change (``reconfigure.apply``) as one of its members: it
+  receives its state through the plan's transfers from live holders, like a stage group the plan
+  moves. A spare the plan does not take stands by again. Only recoveries that redo their
+  iteration call spares (the spare rejoins the loop at an iteration's start).
 * both: a GROW change (``reconfigure.apply``): a grown world through a fresh store prefix, in which
   working ranks keep their numbers and joiners follow; new groups; rebuilt model, DDP and
   optimizer; the joiners' shards, weights and Adam moments sent point-to-point from their holders,
@@ -35,14 +45,17 @@ import torch
 import torch.distributed as dist
 
 from megatron.resihp import recovery
+from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.detection import gemm_probe_s
 from megatron.resihp.logging_utils import log_line
 from megatron.resihp.reconfigure import ChangeFailed, LayoutChange, World, apply
 from megatron.resihp.reshard import adam_template_of, loss_scale_state
 from megatron.resihp.run_state import StopTraining
 from resihp_ext.layout import Layout
+from resihp_ext.planner.calibration import ComputeCosts
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.readmission import plan_readmission
+from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout
 from resihp_ext.shard_map import Transfer
 
 _PREFIX = "resihp/standby/"
@@ -86,6 +99,10 @@ def _go_key(generation: int) -> str:
     return f"{_PREFIX}go/{generation}"
 
 
+def _here_key(generation: int, launch_rank: int) -> str:
+    return f"resihp/gen{generation}/standby/{launch_rank}"
+
+
 class Readmission:
     """Both sides of readmission; ``host`` is the process's ``ResilienceHooks`` (its run state,
     store, heartbeats, detector and injected faults)."""
@@ -93,6 +110,9 @@ class Readmission:
     def __init__(self, host):
         self.host = host
         self.standbys: set[int] = set()  # launch ranks standing by
+        # Those of them a fail-stop plan left out (healthy): they come back at a later fail-stop,
+        # never through ``check_standbys``, whose launch-replica rule they could not meet anyway.
+        self.spares: set[int] = set()
         self._report_seen: dict[int, tuple[int, float]] = {}  # launch rank -> (report seq, first seen)
         # Standbys called into a world that did not form or hold -> the report seq they were called on:
         # only a later report (the standby is back) makes them ready again; a dead one never sends it.
@@ -103,7 +123,7 @@ class Readmission:
         self._standby_since = 0
 
     # ------------------------------------------------------------------ the standby
-    def standing_by(self, old_rank: int) -> StandingBy:
+    def standing_by(self, old_rank: int, message: str | None = None) -> StandingBy:
         """Leave every group to stand by; the reference probe time is taken now, while this rank's
         slowdown is known: the healthy ranks' latest probes, or this rank's own over its slowdown."""
         host = self.host
@@ -115,8 +135,8 @@ class Readmission:
         self._standby_since = host.iteration
         if dist.is_initialized():
             dist.destroy_process_group()
-        return StandingBy(f"rank {old_rank} (launch rank {host.run.identity[old_rank]}) stands by after the re-plan; "
-                          f"its shards were handed over")
+        return StandingBy(message or f"rank {old_rank} (launch rank {host.run.identity[old_rank]}) stands by after "
+                                     f"the re-plan; its shards were handed over")
 
     def stand_by(self) -> Rejoined:
         """Probe, report and wait on the standby until called into a grown world, then join it.
@@ -149,7 +169,7 @@ class Readmission:
             if store.check([_call_key(me)]):
                 call = json.loads(store.get(_call_key(me)))
                 store.delete_key(_call_key(me))
-                rejoined = self._answer_call(call)
+                rejoined = self._answer_recovery(call) if call.get("kind") == "recovery" else self._answer_call(call)
                 if rejoined is not None:
                     return rejoined
                 next_probe = 0.0
@@ -201,6 +221,93 @@ class Readmission:
         log_line(f" resihp: launch rank {me} rejoined as rank {new.rank} of {size} at iteration {call['iteration']}")
         return Rejoined(new.objects, list(call["quotas"]), call["iteration"], call["consumed_samples"])
 
+    def _answer_recovery(self, call: dict) -> Rejoined | None:
+        """Called by a fail-stop recovery: say this rank is here, read the plan, and join the
+        survivors' change when the plan takes it back; None when it stays out."""
+        host = self.host
+        me = host.run.launch_rank
+        generation = call["generation"]
+        host.store.set(_here_key(generation, me), "1")
+        try:
+            recovery.wait_for_keys(host.store, [recovery.plan_key(generation)], 3 * host.cfg.collective_timeout_s)
+        except TimeoutError:  # the survivor planning failed: the others plan again, and may call again
+            log_line(f" resihp: launch rank {me}: no plan for world {generation}; standing by again")
+            return None
+        published = json.loads(host.store.get(recovery.plan_key(generation)))
+        plan = SurvivorPlan.from_dict(published["plan"])
+        place = {launch: int(rank) for rank, launch in published.get("joiners", {}).items()}.get(me)
+        if plan.action != "adapt" or place not in plan.joiners:
+            log_line(f" resihp: launch rank {me}: the plan of world {generation} does not take it back; standing by")
+            return None
+        iteration, identity = published["iteration"], tuple(published["identity"])
+        old_layout, failed = Layout.from_dict(published["layout"]), frozenset(published["failed"])
+        dead = sorted(d for d, r in plan.filled.items() if r == place)
+        # A spare holds nothing the job can use (its state is as old as the iteration it left at).
+        run = host.run.replace(layout=old_layout, groups=None, rank=place, identity=identity, generation=generation,
+                               objects=None, sync=None, messages=None)
+        host.run = run
+        host.iteration = iteration
+        change = LayoutChange(
+            kind="recovery", world=World.SHRINK, iteration=iteration, old_layout=old_layout,
+            new_layout=continuing_layout(old_layout, plan), transfers=plan.transfers, new_rank=dict(plan.new_rank),
+            move_world=tuple(sorted((set(old_layout.world_ranks) - failed) | set(plan.joiners))), failed=failed,
+            watch_old_world=True, reload_own=True, identity=identity, joining_rank=place,
+            scheduler_state=published["scheduler"], adam_template=published["adam"],
+            loss_scale=published["loss_scale"])
+        try:
+            new = apply(change, run, host)
+        except ChangeFailed as error:  # the survivors plan again, without whoever failed
+            host.unwatch()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            log_line(f" resihp: launch rank {me}: world {generation} failed before every member had its state "
+                     f"({str(error.__cause__ or error).splitlines()[0][:120]}); standing by again")
+            return None
+        health = published["health"]
+        host.known_health = Health(speed={int(r): v for r, v in health["speed"].items()},
+                                   slow_links={(a, b): v for a, b, v in health["slow_links"]}).relabel(plan.new_rank)
+        if published.get("costs") and host.live is not None:  # what the survivors plan with, from now on here too
+            host.live.costs = ComputeCosts(**published["costs"])
+        self.after_recovery(published)
+        args = host.args
+        quotas = list(plan.quotas) or even_quotas(args.global_batch_size // args.micro_batch_size,
+                                                  new.data_parallel_size)
+        host.commit(new.replace(quotas=tuple(quotas)), world_changed=True)
+        host.forget_faults_before(iteration)
+        log_line(f" resihp: launch rank {me} was taken back as rank {new.rank} of {new.world_size} at iteration "
+                 f"{iteration}, in the place of dead rank{'s' if len(dead) > 1 else ''} {dead}")
+        return Rejoined(new.objects, quotas, iteration, published["consumed_samples"])
+
+    # ------------------------------------------------------------------ the recovery
+    def call_spares(self, generation: int, launch_ranks) -> list[int]:
+        """On the survivor that plans a fail-stop recovery of world ``generation``: call the spares
+        ``launch_ranks``; those that answer within a few heartbeat intervals may be taken back.
+
+        Returns:
+            The launch ranks that answered, sorted: the plan numbers them after the old world's ranks.
+        """
+        host = self.host
+        order = sorted(launch_ranks)
+        for launch in order:
+            host.store.set(_call_key(launch), json.dumps({"kind": "recovery", "generation": generation}))
+        keys = [_here_key(generation, launch) for launch in order]
+        # A standby polls for calls every 50 ms; one that does not answer in this time is gone (or
+        # stopped), and the plan is made without it.
+        deadline = time.monotonic() + max(2.0, 2 * host.cfg.heartbeat_timeout_s)
+        while order and not host.store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        here = [launch for launch in order if host.store.check([_here_key(generation, launch)])]
+        for launch in set(order) - set(here):
+            host.store.delete_key(_call_key(launch))  # one that answers late reads the plan and stands by
+        return here
+
+    def after_recovery(self, published: dict) -> None:
+        """Every member of a recovered world, spares taken back included: who stands by now (the
+        plan's published lists, so every member holds the same and ``check_standbys`` agrees)."""
+        self.standbys = set(published["standbys"])
+        self.spares = set(published["spares"])
+        self._last_ready = set()
+
     # ------------------------------------------------------------------ the working ranks
     def check_standbys(self, iteration: int, consumed_samples: int) -> None:
         """At the start of ``iteration``: take standbys back when they report healthy and it pays.
@@ -210,10 +317,13 @@ class Readmission:
         host = self.host
         if not self.standbys or self._admitted_at == iteration:
             return
-        order = sorted(self.standbys)
+        if host.run.rank == 0:
+            host.store.set(_PROGRESS, str(iteration))  # every standby follows the job's iteration
+        order = sorted(self.standbys - self.spares)  # spares come back at a fail-stop
+        if not order:
+            return
         factors = torch.full((len(order),), -1.0, dtype=torch.float64)
         if host.run.rank == 0:
-            host.store.set(_PROGRESS, str(iteration))
             now = time.monotonic()
             for i, launch in enumerate(order):
                 if not host.store.check([_report_key(launch)]):

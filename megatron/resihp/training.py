@@ -56,11 +56,31 @@ def _leave(stop: StopTraining, iteration: int, events: EventLog, board: TensorBo
 def _save(args, iteration: int, consumed_samples: int, objects, quotas, resilience, events: EventLog,
           board: TensorBoard) -> tuple:
     """Save ``iteration`` through a rank's failure (``resilient_save``); this process leaves when
-    the recovery leaves it out or falls back. Returns (objects, quotas), rebuilt if it recovered."""
+    the recovery falls back. Returns (objects, quotas), rebuilt if it recovered.
+
+    Raises:
+        StandingBy: the recovery left this rank out, and it stands by.
+    """
     try:
         return resilient_save.save(args, iteration, consumed_samples, objects, quotas, resilience, events)
+    except StandingBy:
+        raise
     except StopTraining as stop:
         _leave(stop, iteration, events, board)
+
+
+def _stand_by(stop: StandingBy, args, train_ds, resilience, iteration: int, events: EventLog,
+              board: TensorBoard) -> tuple:
+    """A plan left this rank out: stand by until a later change takes it back, or leave when the
+    job ends. Returns (objects, quotas, sampler, iteration before the one it rejoins at)."""
+    log_line(f" resihp: {stop}")
+    try:
+        rejoined = resilience.stand_by()
+    except StopTraining as end:
+        _leave(end, iteration, events, board)
+    sampler = GlobalBatchSampler(len(train_ds), rejoined.consumed_samples, args.micro_batch_size,
+                                 args.global_batch_size)
+    return rejoined.objects, rejoined.quotas, sampler, rejoined.iteration - 1
 
 
 def schedule_shape(args) -> tuple[int, int]:
@@ -205,16 +225,9 @@ def pretrain(
                 try:
                     objects, quotas = resilience.after_iteration(iteration, elapsed_s, result, objects, quotas)
                 except StandingBy as stop:  # left out by a re-plan: back when called, at the job's iteration
-                    log_line(f" resihp: {stop}")
-                    try:
-                        rejoined = resilience.stand_by()
-                    except StopTraining as end:
-                        _leave(end, iteration, events, board)
-                    objects, quotas = rejoined.objects, rejoined.quotas
-                    sampler = GlobalBatchSampler(len(train_ds), rejoined.consumed_samples, args.micro_batch_size,
-                                                 args.global_batch_size)
+                    objects, quotas, sampler, iteration = _stand_by(stop, args, train_ds, resilience, iteration,
+                                                                    events, board)
                     dp_rank, num_replicas = resilience.replica_index, parallel_state.get_data_parallel_world_size()
-                    iteration = rejoined.iteration - 1
                     continue
                 except StopTraining as stop:  # this rank became a spare of a re-plan
                     _leave(stop, iteration, events, board)
@@ -230,6 +243,11 @@ def pretrain(
             try:
                 objects, quotas = resilience.recover(iteration, error, objects, sampler.consumed_samples, quotas,
                                                      completed=iteration if stepped else None)
+            except StandingBy as stop:  # a spare of the recovery: back at a later failure, at the job's iteration
+                objects, quotas, sampler, iteration = _stand_by(stop, args, train_ds, resilience, iteration, events,
+                                                                board)
+                dp_rank, num_replicas = resilience.replica_index, parallel_state.get_data_parallel_world_size()
+                continue
             except StopTraining as stop:
                 _leave(stop, iteration, events, board)
             dp_rank, num_replicas = resilience.replica_index, parallel_state.get_data_parallel_world_size()
@@ -280,11 +298,20 @@ def pretrain(
         if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
             evaluate(args, forward_step_func, valid_ds, objects, iteration, num_replicas, dp_rank)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            objects, quotas = _save(args, iteration, sampler.consumed_samples, objects, quotas, resilience, events, board)
+            try:
+                objects, quotas = _save(args, iteration, sampler.consumed_samples, objects, quotas, resilience,
+                                        events, board)
+            except StandingBy as stop:  # a spare of a recovery during the save
+                objects, quotas, sampler, iteration = _stand_by(stop, args, train_ds, resilience, iteration, events,
+                                                                board)
             if resilience is not None:
                 dp_rank, num_replicas = resilience.replica_index, parallel_state.get_data_parallel_world_size()
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-        objects, quotas = _save(args, iteration, sampler.consumed_samples, objects, quotas, resilience, events, board)
+        try:
+            objects, quotas = _save(args, iteration, sampler.consumed_samples, objects, quotas, resilience, events,
+                                    board)
+        except StandingBy as stop:  # training is over: nothing will call it back
+            _leave(stop, iteration, events, board)
     garbage_collection.finish(args)
     if pauses is not None:
         pauses.stop()

@@ -17,6 +17,10 @@ Rebuilt replicas come in three kinds, cheapest first:
   predicts a shorter iteration with it, and the batch is split by speed.
 No TP group is ever formed from ranks of different old groups, so TP traffic stays on the links
 (usually one node's) it used before.
+
+Ranks standing by (left out by an earlier plan, alive, holding nothing the job can use) may be
+taken back first: each takes the place of a dead rank, so that a replica that lost ranks runs
+whole again (``standby_places``), its standbys receiving their state from live holders.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from resihp_ext.planner.cost import speed_quotas
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.memory import stage_memory_bytes
-from resihp_ext.planner.moves import state_moves
+from resihp_ext.planner.moves import NoSurvivingHolder, state_moves
+from resihp_ext.planner.standby_places import filled_layout, standby_places
 from resihp_ext.shard_map import Transfer, transfers
 
 
@@ -49,9 +54,12 @@ class SurvivorPlan:
         quotas: micro-batches per continuing replica, in DP order, when replicas differ in speed;
             empty means Megatron's even split.
         reason: one readable sentence.
-        transfers: the state the moved stage groups receive (``shard_map.transfers`` from the old
-            layout to ``continuing_layout``, in old ranks, priced), empty when no group takes
-            another stage; the executor runs exactly these.
+        transfers: the state the moved stage groups and the standbys taken back receive
+            (``shard_map.transfers`` from the old layout to ``continuing_layout``, in old ranks,
+            priced), empty when no group takes another stage and no standby comes back; the
+            executor runs exactly these.
+        filled: dead rank -> the standby (a rank outside the old layout) that takes its place;
+            ``kept_replicas`` index the old layout with these places filled.
     """
 
     action: str
@@ -64,6 +72,12 @@ class SurvivorPlan:
     quotas: tuple[int, ...] = ()
     reason: str = ""
     transfers: tuple[Transfer, ...] = ()
+    filled: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def joiners(self) -> tuple[int, ...]:
+        """The standbys the plan takes back (ranks outside the old layout), sorted."""
+        return tuple(sorted(r for r in self.filled.values() if r in self.new_rank))
 
     @property
     def new_world_size(self) -> int:
@@ -81,6 +95,7 @@ class SurvivorPlan:
             "quotas": list(self.quotas),
             "reason": self.reason,
             "transfers": [t.to_dict() for t in self.transfers],
+            "filled": {str(k): v for k, v in self.filled.items()},
         }
 
     @classmethod
@@ -96,6 +111,7 @@ class SurvivorPlan:
             quotas=tuple(d.get("quotas", ())),
             reason=d["reason"],
             transfers=tuple(Transfer.from_dict(t) for t in d.get("transfers", [])),
+            filled={int(k): int(v) for k, v in d.get("filled", {}).items()},
         )
 
 
@@ -106,7 +122,8 @@ def _one_shape(layout: Layout) -> bool:
 
 def _continuing(layout: Layout, plan: SurvivorPlan) -> tuple[ReplicaSpec, ...]:
     """The replicas that go on, in old ranks and new DP order: kept whole, then rebuilt."""
-    return (*(layout.replicas[i] for i in plan.kept_replicas), *plan.rebuilt_replicas)
+    filled = filled_layout(layout, plan.filled)
+    return (*(filled.replicas[i] for i in plan.kept_replicas), *plan.rebuilt_replicas)
 
 
 def continuing_layout(layout: Layout, plan: SurvivorPlan) -> Layout:
@@ -153,12 +170,14 @@ def rebuild_replicas(layout: Layout, broken: list[int], dead: frozenset[int]) ->
 
 
 def repack_replicas(layout: Layout, broken: list[int], dead: frozenset[int],
-                    continuing: tuple[ReplicaSpec, ...]) -> tuple[ReplicaSpec, ...]:
+                    continuing: tuple[ReplicaSpec, ...], empty: frozenset[int] = frozenset()
+                    ) -> tuple[ReplicaSpec, ...]:
     """Further replicas from intact stage groups left over, each group taking whatever stage is short.
 
     A group placed at a stage it did not hold receives that stage's state (weights and optimizer
     moments) from a surviving holder. Groups keep their TP degree and members, so no TP group
-    spans new links. A replica is added only while some survivor holds every unit of its state.
+    spans new links. A replica is added only while some survivor holds every unit of its state
+    (``empty``: live ranks that hold none, standbys taken back).
     """
     used = {r for replica in continuing for r in replica.ranks}
     free = [stage for _, stage in _intact_groups(layout, broken, dead) if not set(stage.ranks) & used]
@@ -178,7 +197,7 @@ def repack_replicas(layout: Layout, broken: list[int], dead: frozenset[int],
             if len(picked) < len(shape):
                 break
             candidate = ReplicaSpec(tuple(picked))
-            if not _has_live_holders(layout, candidate, dead):
+            if not _has_live_holders(layout, candidate, dead | empty):
                 break
             repacked.append(candidate)
             free = pool
@@ -203,7 +222,7 @@ def _runs_at(degree: int, stage: StageSpec, position: int, num_stages: int, mode
 
 
 def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], continuing: tuple[ReplicaSpec, ...],
-                    hw: HardwareModel) -> tuple[ReplicaSpec, ...]:
+                    hw: HardwareModel, empty: frozenset[int] = frozenset()) -> tuple[ReplicaSpec, ...]:
     """Further replicas from the live ranks left in broken replicas' stage groups, at a smaller TP degree.
 
     Each stage of such a replica is run by ranks of one old group (so no TP group spans new
@@ -215,13 +234,14 @@ def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], con
     state it receives. A group with more live ranks than the degree is split: its other ranks
     stay available, so one old group can serve several replicas (a TP-4 group that lost a rank
     gives a TP-2 replica its stage and a TP-1 replica too). A replica is made while groups are
-    left for every stage of a broken replica's shape and some survivor holds its whole state.
+    left for every stage of a broken replica's shape and some survivor holds its whole state
+    (``empty``: live ranks that hold none, standbys taken back, used after a group's other ranks).
     """
     used = {r for replica in continuing for r in replica.ranks}
     pool: list[tuple[tuple[int, int], tuple[int, ...]]] = []  # (layers held, live unused ranks)
     for i in broken:
         for stage in layout.replicas[i].stages:
-            ranks = tuple(r for r in stage.ranks if r not in dead and r not in used)
+            ranks = tuple(sorted((r for r in stage.ranks if r not in dead and r not in used), key=lambda r: r in empty))
             if ranks:
                 pool.append(((stage.first_layer, stage.num_layers), ranks))
 
@@ -251,7 +271,7 @@ def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], con
                 break
             candidate = ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, g[1][:degree])
                                           for s, g in zip(shape, picked)))
-            if not _has_live_holders(layout, candidate, dead):
+            if not _has_live_holders(layout, candidate, dead | empty):
                 break
             for held, ranks in picked:
                 pool.remove((held, ranks))
@@ -287,8 +307,9 @@ def worth_adding(base: tuple[ReplicaSpec, ...], extra: tuple[ReplicaSpec, ...], 
 
 def moved_groups(layout: Layout, plan: SurvivorPlan) -> tuple[StageSpec, ...]:
     """Stages of the plan's rebuilt replicas whose group held other layers before (state must move)."""
+    filled = filled_layout(layout, plan.filled)
     return tuple(stage for replica in plan.rebuilt_replicas for stage in replica.stages
-                 if _stage_key(layout.stage_spec_of(stage.ranks[0])) != _stage_key(stage))
+                 if _stage_key(filled.stage_spec_of(stage.ranks[0])) != _stage_key(stage))
 
 
 def megatron_order(replicas: tuple[ReplicaSpec, ...]) -> list[int]:
@@ -311,7 +332,7 @@ def _sharded_state_lost(layout: Layout, dead: frozenset[int]) -> SurvivorPlan:
 
 def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True,
                    hw: HardwareModel | None = None, health: Health | None = None,
-                   sharded_optimizer: bool = False) -> SurvivorPlan:
+                   standbys: tuple[int, ...] = (), sharded_optimizer: bool = False) -> SurvivorPlan:
     """Keep every replica none of whose ranks died, rebuild what intact stage groups allow, renumber.
 
     New ranks follow megatron-core's order over the new layout (for kept whole replicas of a
@@ -329,6 +350,9 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
         health: what is known to be slow among the survivors (fail-slow verdicts acted on before
             this failure, in the same ranks as ``layout``): the batch is split by the continuing
             replicas' speed under it, so a replica with a known slow rank keeps a smaller share.
+        standbys: live ranks outside ``layout`` that hold no state (left out by earlier plans), in
+            the order to take them back; each may take a dead rank's place (``standby_places``),
+            receiving that place's state, when state may move. Those not taken stay out.
         sharded_optimizer: whether each position's optimizer state is split over its data-parallel
             ranks (Megatron's distributed optimizer): then a dead rank's part has no copy anywhere.
 
@@ -342,6 +366,27 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
         raise ValueError(f"dead ranks {sorted(unknown)} are not in the layout")
     if sharded_optimizer and dead:
         return _sharded_state_lost(layout, dead)
+    plain = _plan_on(layout, frozenset(dead), move_state, hw, health)
+    places = standby_places(layout, frozenset(dead), standbys) if standbys and move_state else {}
+    if not places:
+        return plain
+    taken = frozenset(places.values())
+    try:
+        plan = _plan_on(filled_layout(layout, places), frozenset(dead) - set(places), move_state, hw, health, taken)
+    except NoSurvivingHolder:  # a rebuilt group would need a unit only the dead held: plan without them
+        return plain
+    if plan.action != "adapt":
+        return plain
+    joined = sorted(r for r in taken if r in plan.new_rank)
+    reason = (f"dead ranks {sorted(dead)}; standing-by ranks {joined} take the places of dead ranks "
+              f"{sorted(d for d, r in places.items() if r in joined)} and receive their state; {plan.reason}")
+    return dataclasses.replace(plan, filled=places, reason=reason)
+
+
+def _plan_on(layout: Layout, dead: frozenset[int], move_state: bool, hw: HardwareModel | None,
+             health: Health | None, empty: frozenset[int] = frozenset()) -> SurvivorPlan:
+    """``plan_survivors`` on ``layout``, where ``empty`` ranks are live but hold no state (standbys
+    placed in it): they run where the layout puts them and receive everything they hold."""
     kept = tuple(i for i, r in enumerate(layout.replicas) if not set(r.ranks) & dead)
     lost = [i for i in range(layout.num_replicas) if i not in kept]
     rebuilt = rebuild_replicas(layout, lost, dead)
@@ -351,21 +396,23 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     known = Health(speed=known.speed, slow_links=known.slow_links)  # deaths are ``dead``'s to say
     sized = layout.model.global_batch_size is not None
     if move_state:
-        rebuilt += repack_replicas(layout, lost, dead, (*(layout.replicas[i] for i in kept), *rebuilt))
+        rebuilt += repack_replicas(layout, lost, dead, (*(layout.replicas[i] for i in kept), *rebuilt), empty)
         base = (*(layout.replicas[i] for i in kept), *rebuilt)
-        shrunk = shrink_replicas(layout, lost, dead, base, hw) if sized else ()
+        shrunk = shrink_replicas(layout, lost, dead, base, hw, empty) if sized else ()
         if shrunk:
             shrunk, quotas = worth_adding(base, shrunk, layout.model, hw, known)
             rebuilt += shrunk
     continuing = (*(layout.replicas[i] for i in kept), *rebuilt)
     slowed = sorted(r for rep in continuing for r in rep.ranks if r in known.affected_ranks)
-    if slowed and sized and not quotas and len(continuing) > 1:
+    # Standbys may restore a replica beside others reshaped before: the batch follows their speeds.
+    differ = bool(empty) and not Layout(continuing, layout.model).replicas_alike()
+    if (slowed or differ) and sized and not quotas and len(continuing) > 1:
         quotas = balanced_quotas(continuing, layout.model, hw, known)[0]
     writers: dict[tuple[int, int], int] = {}
     for replica in layout.replicas:
         for stage_index, stage in enumerate(replica.stages):
             for tp_rank, rank in enumerate(stage.ranks):
-                if rank not in dead:
+                if rank not in dead and rank not in empty:
                     writers.setdefault((stage_index, tp_rank), rank)
     positions = [(s, t) for s, stage in enumerate(layout.replicas[0].stages) for t in range(stage.tp_degree)]
     # Assembling one checkpoint from several replicas needs them to share a shape.
@@ -396,7 +443,9 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
         how += f", micro-batches per replica {list(quotas)}"
         if slowed:
             how += f" (known slow ranks {slowed})"
-    if not dead:  # only ranks outside the layout left (joiners of a readmission that did not hold)
+    if empty & set(new_rank):  # standbys took the places of dead ranks (``plan_survivors`` says which)
+        reason = f"{how} (DP {layout.num_replicas} -> {len(kept) + len(rebuilt)})"
+    elif not dead:  # only ranks outside the layout left (joiners of a readmission that did not hold)
         reason = f"no rank of the layout failed; {how} as they were"
     else:
         reason = (f"dead ranks {sorted(dead)} broke replicas {lost}; {how} (DP {layout.num_replicas} -> "
@@ -404,6 +453,7 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
                   f"batch kept by re-spreading micro-batches; {len(spares)} surviving ranks become spares")
     plan = SurvivorPlan(action="adapt", kept_replicas=kept, rebuilt_replicas=rebuilt, new_rank=new_rank,
                         spares=spares, checkpoint_writers=writers, quotas=quotas, reason=reason)
-    if moved_groups(layout, plan):
-        plan = dataclasses.replace(plan, transfers=state_moves(layout, continuing_layout(layout, plan), dead, hw))
+    if moved_groups(layout, plan) or empty & set(new_rank):
+        plan = dataclasses.replace(plan, transfers=state_moves(layout, continuing_layout(layout, plan), dead | empty,
+                                                               hw))
     return plan

@@ -139,12 +139,14 @@ def test_hung_rank_is_named_fenced_and_survived_in_place(tmp_path, reference):
 
 def test_second_failure_after_an_adaptation_is_survived(tmp_path, pp2_reference):
     # TP1 x PP2 x DP3: rank = replica + 3 * stage. Rank 1 (replica 1) dies at 4, rank 5 (replica 2)
-    # right after the first adaptation, at 6: the job ends on replica 0 alone.
+    # right after the first adaptation, at 6. Rank 4, the spare of the first, stands by and takes
+    # rank 5's place at the second (stage 1's state sent by rank 3): the job ends on two replicas.
     log = tmp_path / "events.jsonl"
     check(run_job(6, [*MODEL, *RESILIENT, *PP2_SHAPE, "--resihp-event-log", str(log),
                       "--resihp-inject", "kill:rank=1,at=4", "--resihp-inject", "kill:rank=5,at=6"], launcher="local"))
     adapted = read_events(log, "adapted")
-    assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 4), (6, 2)]
+    assert [(a["iteration"], a["world_size"], a["taken_back_launch_ranks"]) for a in adapted] == [(4, 4, []),
+                                                                                                  (6, 4, [4])]
     losses, ref = iteration_losses(log), pp2_reference[1]
     assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
 
@@ -272,7 +274,8 @@ def test_failure_while_the_survivors_reform_is_survived(tmp_path, pp2_reference,
     # TP1 x PP2 x DP3: rank = replica + 3 * stage. Rank 2 (replica 2) dies at 4; rank 1 (replica 1)
     # dies as it is about to join the re-formed world (reform), or once every member has said it
     # is there and the process group is forming (rendezvous), so that world never forms. The
-    # survivors name rank 1 through the old world's heartbeats, plan again, and finish on replica 0.
+    # survivors name rank 1 through the old world's heartbeats and plan again: rank 5, the first
+    # plan's spare, stands by and takes rank 1's place, so the job finishes on replicas 0 and 1.
     log = tmp_path / "events.jsonl"
     proc = run_job(6, [*MODEL, *RESILIENT, *PP2_SHAPE, "--resihp-event-log", str(log), "--resihp-inject",
                        "kill:rank=2,at=4", "--resihp-inject", f"kill:rank=1,at=4,during={phase}"], launcher="local")
@@ -281,11 +284,11 @@ def test_failure_while_the_survivors_reform_is_survived(tmp_path, pp2_reference,
     assert f"rank 1: injecting kill:rank=1,at=4,during={phase}" in output
     assert "re-forming world 1 failed" in output
     plans = read_events(log, "plan")
-    assert [(p["attempt"], sorted(p["executed"]["new_rank"])) for p in plans] == [(1, ["0", "1", "3", "4"]),
-                                                                                  (2, ["0", "3"])], plans
+    assert [(p["attempt"], sorted(p["executed"]["new_rank"]), p["taken_back_launch_ranks"]) for p in plans] == [
+        (1, ["0", "1", "3", "4"], []), (2, ["0", "3", "4", "6"], [5])], plans  # 6: the spare, after the world's ranks
     adapted = read_events(log, "adapted")
-    assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 2)], adapted
-    assert {1, 2} <= set(adapted[0]["failed_ranks"]) <= {1, 2, 5}  # 5: the first plan's spare, gone by then
+    assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 4)], adapted
+    assert {1, 2} <= set(adapted[0]["failed_ranks"]) <= {1, 2, 5}  # 5: the first plan's spare, standing by then
     losses, ref = iteration_losses(log), pp2_reference[1]
     assert [losses[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
 

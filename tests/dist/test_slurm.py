@@ -112,7 +112,7 @@ def test_rank_sigkilled_by_pid_is_survived_in_place(cluster, reference, tmp_path
     assert f"task {VICTIM}: Killed" in output, output[-3000:]
     assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "137:0"), fields
     # Replica 0 goes on whole with the whole global batch; rank 3, whose replica lost its stage 0,
-    # is left a spare and leaves.
+    # is left a spare: it stands by for a later failure, and leaves as the job ends.
     adapted = read_events(log, "adapted")
     assert len(adapted) == 1 and adapted[0]["world_size"] == 2, output[-3000:]
     assert "rank 3 is a spare" in output
