@@ -49,6 +49,15 @@ _UNSUPPORTED = {
     "use_megatron_fsdp": ("--use-megatron-fsdp", "sharded parameters are not re-formed"),
     "use_torch_fsdp2": ("--use-torch-fsdp2", "sharded parameters are not re-formed"),
 }
+# Megatron flags that place ranks or layers otherwise than the launch Layout this loop builds.
+_OTHER_PLACEMENT = {
+    "use_tp_pp_dp_mapping": "--use-tp-pp-dp-mapping",
+    "pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
+    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
+    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
+    "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
+    "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
+}
 # --resihp-* settings that need the fail-slow detector, which runs on the resihp loop only for now.
 _FAIL_SLOW_ONLY = ("detect_only", "trace")
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
@@ -65,6 +74,12 @@ def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
         value = getattr(args, dest, None)
         if value is True or (type(value) is int and value > 1):  # a switch that is on, a size above 1
             found.append(f"{flag} ({why})")
+    for dest, flag in _OTHER_PLACEMENT.items():
+        if getattr(args, dest, None) not in (None, False):
+            found.append(f"{flag} (the groups and stages are rebuilt in the default rank order with equal layers per stage)")
+    if args.num_layers % args.pipeline_model_parallel_size:
+        found.append(f"--num-layers {args.num_layers} over --pipeline-model-parallel-size "
+                     f"{args.pipeline_model_parallel_size} (stages are rebuilt with equal layers)")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
     for name in _FAIL_SLOW_ONLY:

@@ -12,7 +12,8 @@ def megatron_args(**changes) -> argparse.Namespace:
     """Megatron's defaults for the flags the check reads."""
     args = argparse.Namespace(use_distributed_optimizer=False, virtual_pipeline_model_parallel_size=None,
                               context_parallel_size=1, expert_model_parallel_size=1, use_megatron_fsdp=False,
-                              use_torch_fsdp2=False, dataloader_type="single")
+                              use_torch_fsdp2=False, dataloader_type="single", num_layers=4,
+                              pipeline_model_parallel_size=2)
     vars(args).update({k: v for k, v in changes.items() if k != "resihp"})
     return args
 
@@ -31,6 +32,10 @@ def test_a_plain_job_with_kills_hangs_and_recovery_phase_kills_may_run():
     ({"expert_model_parallel_size": 4}, "--expert-model-parallel-size"),
     ({"use_torch_fsdp2": True}, "--use-torch-fsdp2"),
     ({"dataloader_type": "cyclic"}, "--dataloader-type cyclic"),
+    ({"use_tp_pp_dp_mapping": True}, "--use-tp-pp-dp-mapping"),
+    ({"decoder_first_pipeline_num_layers": 1}, "--decoder-first-pipeline-num-layers"),
+    ({"pipeline_model_parallel_layout": "Et|tL"}, "--pipeline-model-parallel-layout"),
+    ({"num_layers": 5}, "--num-layers 5"),
     ({"resihp": ResiHPConfig(detect_only=True)}, "--resihp-detect-only"),
     ({"resihp": ResiHPConfig(enable=True, trace="t.jsonl")}, "--resihp-trace"),
     ({"resihp": ResiHPConfig(enable=True, inject=["slow:rank=1,factor=2,at=3"])}, "--resihp-inject slow"),
