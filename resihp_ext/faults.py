@@ -38,6 +38,9 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
     kill:rank=0,at=4,during=save-tracker
                                       ... the renaming rank after the rename and before the tracker
                                       file names the new checkpoint (other ranks: as save-rename)
+    kill:rank=5,at=4,during=log       rank 5 is SIGKILLed as the log of iteration >= 4 begins, after
+                                      its optimizer step (on Megatron-LM's loop the log runs
+                                      world-wide collectives)
     kill:rank=3,at=8,during=shutdown  rank 3 is SIGKILLed as a job that trained to iteration >= 8
                                       ends: after the last iteration and its checkpoint, before
                                       the ranks leave together
@@ -71,8 +74,8 @@ _KEYS = {
 RECOVERY_PHASES = ("reform", "moves", "replan", "readmission", "rendezvous")
 # Phases of a checkpoint save, in the order a save passes them.
 SAVE_PHASES = ("save", "save-write", "save-rename", "save-tracker")
-# Every phase a kill can wait for: the end of a finished job is the last.
-PHASES = (*RECOVERY_PHASES, *SAVE_PHASES, "shutdown")
+# Every phase a kill can wait for: an iteration's log, and the end of a finished job last.
+PHASES = (*RECOVERY_PHASES, *SAVE_PHASES, "log", "shutdown")
 _REQUIRED = {
     FaultKind.SLOW: {"rank", "factor", "at"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},

@@ -13,6 +13,10 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   rank's optimizer had already stepped, counts as done;
 - ``training.build_pretraining_data_loader``: remembers the datasets, so that a re-formed world's
   loaders are rebuilt at the samples already consumed, for the new data-parallel rank and size;
+- ``training.training_log``: Megatron logs an iteration with world-wide collectives (the interval
+  timer's barrier, the timers' all-gather). A rank that fails there had stepped, as had every rank
+  that reached it, so the survivors re-form and go on after that iteration; the re-formed world's
+  last rank prints the iteration's line when no process printed it before the failure;
 - ``training.evaluate_and_print_results``: evaluates with the rebuilt validation iterator.
 
 ``train()`` and ``pretrain()`` bind the model list, the optimizer and the LR scheduler once. After a
@@ -28,6 +32,7 @@ What the Megatron loop does not carry yet is refused before anything starts (``u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -61,8 +66,8 @@ _OTHER_PLACEMENT = {
 # --resihp-* settings that need the fail-slow detector, which runs on the resihp loop only for now.
 _FAIL_SLOW_ONLY = ("detect_only", "trace")
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
-# state, and Megatron's own save and shutdown have no injection points yet).
-_PHASES = (None, "reform", "rendezvous")
+# state), and the iteration's log (Megatron's own save and shutdown have no injection points yet).
+_PHASES = (None, "reform", "rendezvous", "log")
 
 
 def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
@@ -110,6 +115,7 @@ class ResilientMegatronLoop:
         self.valid_iterators = None
         self.forward_backward_func = None
         self.loop_groups = None  # the process-group collection train() took from the first chunk
+        self.handles = None  # train()'s model list, optimizer and LR scheduler (kept valid across re-forms)
         self._stepped = False
         self._original: dict[str, object] = {}
 
@@ -123,11 +129,13 @@ class ResilientMegatronLoop:
             "train_step": training.train_step,
             "build_pretraining_data_loader": training.build_pretraining_data_loader,
             "evaluate_and_print_results": training.evaluate_and_print_results,
+            "training_log": training.training_log,
         }
         parallel_state.initialize_model_parallel = self._initialize_model_parallel
         training.train_step = self.train_step
         training.build_pretraining_data_loader = self._build_data_loader
         training.evaluate_and_print_results = self._evaluate_and_print_results
+        training.training_log = self._training_log
 
     def uninstall(self) -> None:
         from megatron.core import parallel_state
@@ -191,7 +199,7 @@ class ResilientMegatronLoop:
                 if not self.hooks.can_recover:
                     raise
                 stepped = self._stepped
-                self._recover(number, error, model, optimizer, opt_param_scheduler, stepped)
+                self._recover(number, error, stepped)
             if stepped:
                 # This rank's replica stepped before the failure surfaced (its loss reduction failed):
                 # the iteration is done; its loss is lost to the log.
@@ -204,6 +212,38 @@ class ResilientMegatronLoop:
             machine.current_iteration -= 1
         self._record(number, result, time.perf_counter() - start)
         return result
+
+    def _training_log(self, loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                      *args, **kwargs):
+        """Megatron's ``training_log`` for ``iteration``, survived when its world-wide collectives fail."""
+        from megatron.training import training
+
+        log = self._original["training_log"]
+        call = (loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag, *args)
+        if self.hooks is None or not self.hooks.can_recover:
+            return log(*call, **kwargs)
+        self.hooks.inject(iteration, "log")
+        totals = dict(total_loss_dict)  # its values are replaced, never changed in place
+        printed = []
+        print_rank_last = training.print_rank_last
+        training.print_rank_last = lambda message: (printed.append(dist.get_rank() == dist.get_world_size() - 1),
+                                                    print_rank_last(message))
+        try:
+            return log(*call, **kwargs)
+        except RuntimeError as error:  # a peer died or hung in the barrier or the timers' all-gather
+            if not self.hooks.can_recover:
+                raise
+            self._recover(iteration, error, stepped=True)
+            if any(printed) or dist.get_rank() != dist.get_world_size() - 1:
+                return report_memory_flag
+            # This process prints for the re-formed world: the line, without its collectives (no
+            # other rank runs them now).
+            total_loss_dict.clear()
+            total_loss_dict.update(totals)
+            with _alone():
+                return log(*call, **kwargs)
+        finally:
+            training.print_rank_last = print_rank_last
 
     def _record(self, number: int, result, elapsed_s: float) -> None:
         """The iteration's event, from the last rank (Megatron's loss is reported on the last stage)."""
@@ -226,6 +266,7 @@ class ResilientMegatronLoop:
         from megatron.resihp.resilience import ResilienceHooks
 
         args = self._args()
+        self.handles = (model, optimizer, opt_param_scheduler)
         self.loop_groups = get_attr_wrapped_model(model[0], "pg_collection")
         objects = TrainingObjects(get_model_config(model[0]), model[0], optimizer, opt_param_scheduler,
                                   (args.num_layers // args.pipeline_model_parallel_size,) * args.pipeline_model_parallel_size)
@@ -273,7 +314,8 @@ class ResilientMegatronLoop:
                                get_optimizer_param_scheduler(optimizer), tuple(layers_per_stage))
 
     # ------------------------------------------------------------------ recovery
-    def _recover(self, number: int, error: Exception, model, optimizer, opt_param_scheduler, stepped: bool) -> None:
+    def _recover(self, number: int, error: Exception, stepped: bool) -> None:
+        """Recover from ``error`` at iteration ``number`` (done when this rank had ``stepped``), or leave."""
         args = self._args()
         old_config = self.hooks.run.objects.config
         try:
@@ -284,7 +326,7 @@ class ResilientMegatronLoop:
             self.events.emit("exit", number, exit_code=stop.exit_code, reason=str(stop))
             self.events.close()
             sys.exit(stop.exit_code)
-        self._take_over(model, optimizer, opt_param_scheduler, old_config)
+        self._take_over(*self.handles, old_config)
 
     def _take_over(self, model, optimizer, opt_param_scheduler, old_config) -> None:
         """Make the loop's handles the re-formed world's objects, and Megatron's globals its size."""
@@ -346,3 +388,21 @@ class ResilientMegatronLoop:
             self.hooks.close()
         if self.events is not None:
             self.events.close()
+
+
+@contextlib.contextmanager
+def _alone():
+    """The collectives Megatron's ``training_log`` runs (the learning rate's all-reduce, the interval
+    timer's barrier, the timers' all-gather) as this rank alone would see them, for one rank's replay
+    of a log line after the world that ran them failed: an all-reduce of one rank leaves its value."""
+    from megatron.training.global_vars import get_timers
+
+    timers = get_timers()
+    saved = dist.barrier, dist.all_reduce
+    dist.barrier = dist.all_reduce = lambda *args, **kwargs: None
+    timers.log = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        dist.barrier, dist.all_reduce = saved
+        del timers.log

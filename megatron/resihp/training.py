@@ -267,6 +267,8 @@ def pretrain(
         interval_iters += 1
         if math.isfinite(loss):
             interval_losses.append(loss)
+        if resilience is not None:
+            resilience.inject(iteration, "log")
         if _is_last_rank():
             lr = objects.optimizer.param_groups[0]["lr"]
             measured = {}

@@ -88,9 +88,13 @@ def resilient(tmp, events) -> list[str]:
     return [*job_args(tmp, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable", "--resihp-event-log", str(events)]
 
 
-def test_a_sigkilled_rank_is_survived_in_place_with_the_failure_free_runs_losses_and_weights(tmp_path, failure_free):
+# In the step, or as Megatron logs the iteration: its log runs world-wide collectives (the interval
+# timer's barrier, the timers' all-gather) after every rank's optimizer step.
+@pytest.mark.parametrize("kill", ["kill:rank=5,at=4", "kill:rank=5,at=4,during=log"], ids=["in-step", "in-log"])
+def test_a_sigkilled_rank_is_survived_in_place_with_the_failure_free_runs_losses_and_weights(tmp_path, failure_free,
+                                                                                             kill):
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*resilient(tmp_path, events), "--resihp-inject", "kill:rank=5,at=4"], timeout_s=420)
+    proc = run_job(8, [*resilient(tmp_path, events), "--resihp-inject", kill], timeout_s=420)
     check(proc)  # the launcher reports a job that survived its failure as finished
     adapted = read_events(events, "adapted")
     assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [5])], adapted
@@ -104,6 +108,7 @@ def test_a_rank_stopped_from_outside_is_named_hung_and_survived_in_place(tmp_pat
            str(REPO / "pretrain_gpt_resilient.py"), *resilient(tmp_path, events),
            "--resihp-collective-timeout-s", "900"]
     code, output, sent_at = run_and_signal(cmd, events, rank=5, sig=signal.SIGSTOP, after_iteration=3, timeout_s=400)
+    (tmp_path / "job.log").write_text(output)  # the whole job's output, for a failure read past its tail
     assert sent_at is not None and code == 0, output[-3000:]
     assert "sees ranks [5] hung ([5]: stopped by a signal)" in output, output[-3000:]
     adapted = read_events(events, "adapted")
