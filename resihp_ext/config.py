@@ -93,6 +93,14 @@ class ResiHPConfig:
     standby_probe_interval_s: float = 1.0
     """Seconds between a standby rank's probes of its own device speed."""
 
+    verify_iters: int = 3
+    """Iterations measured after a fail-slow re-plan (after one that settles) to judge whether it paid: one after
+    which the job runs no faster than before (by --resihp-verify-margin) is rolled back and not tried again
+    (resihp_ext/planner/adaptation_check.py). 0: re-plans are kept unverified."""
+
+    verify_margin: float = 0.05
+    """Share by which iterations after a re-plan must be faster than before it for the re-plan to be kept."""
+
     heartbeat_interval_s: float = 0.2
     """Seconds between heartbeats each rank writes to the job's store."""
 
@@ -133,6 +141,10 @@ class ResiHPConfig:
             )
         if self.confirm_after_iters < 0:
             raise ValueError(f"--resihp-confirm-after-iters must be >= 0, got {self.confirm_after_iters}")
+        if self.verify_iters < 0:
+            raise ValueError(f"--resihp-verify-iters must be >= 0 (0: re-plans are not verified), got {self.verify_iters}")
+        if not 0.0 <= self.verify_margin < 1.0:
+            raise ValueError(f"--resihp-verify-margin must be in [0, 1) (0.05 = 5% faster), got {self.verify_margin}")
         if self.cleared_cooldown_iters < 0:
             raise ValueError(f"--resihp-cleared-cooldown-iters must be >= 0, got {self.cleared_cooldown_iters}")
         if self.intermittent_episodes < 0 or self.intermittent_episodes == 1:

@@ -45,6 +45,9 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
                                       ends: after the last iteration and its checkpoint, before
                                       the ranks leave together
     hang:rank=2,at=40                 rank 2 stops making progress at iteration 40
+    misjudge:rank=3,factor=4,at=1     from iteration 1, the fail-slow planner takes rank 3 to run 4x
+                                      slower than the detector measured (a cost model fed a false
+                                      speed: its re-plans can be wrong, and must be undone)
 
 Executing a fault (sleeping, killing) is the training front end's job, never this module's.
 """
@@ -62,6 +65,7 @@ class FaultKind(str, enum.Enum):
     LINK = "link"
     KILL = "kill"
     HANG = "hang"
+    MISJUDGE = "misjudge"
 
 
 _KEYS = {
@@ -69,6 +73,7 @@ _KEYS = {
     FaultKind.LINK: {"src", "dst", "factor", "at"},
     FaultKind.KILL: {"rank", "at", "during"},
     FaultKind.HANG: {"rank", "at"},
+    FaultKind.MISJUDGE: {"rank", "factor", "at"},
 }
 # Phases of an in-place recovery a kill can be aimed at (a second failure during an adaptation).
 RECOVERY_PHASES = ("reform", "moves", "replan", "readmission", "rendezvous")
@@ -81,6 +86,7 @@ _REQUIRED = {
     FaultKind.LINK: {"src", "dst", "factor", "at"},
     FaultKind.KILL: {"rank", "at"},
     FaultKind.HANG: {"rank", "at"},
+    FaultKind.MISJUDGE: {"rank", "factor", "at"},
 }
 
 
@@ -113,7 +119,7 @@ class Fault:
             raise ValueError(f"{FLAG}: ranks must be >= 0 in {self.spec()}")
         if self.at_iteration < 1:
             raise ValueError(f"{FLAG}: at= must be an iteration >= 1 in {self.spec()}")
-        if self.kind in (FaultKind.SLOW, FaultKind.LINK) and not self.factor >= 1.0:
+        if self.kind in (FaultKind.SLOW, FaultKind.LINK, FaultKind.MISJUDGE) and not self.factor >= 1.0:
             raise ValueError(f"{FLAG}: factor= must be >= 1.0 (a slowdown) in {self.spec()}")
         if self.during is not None and (self.kind is not FaultKind.KILL or self.during not in PHASES):
             raise ValueError(f"{FLAG}: during= is for kill faults and takes one of {list(PHASES)}; got "
@@ -146,6 +152,8 @@ class Fault:
         """The fault in ``--resihp-inject`` grammar (``parse_fault(f.spec()) == f``)."""
         if self.kind is FaultKind.LINK:
             return f"link:src={self.rank},dst={self.dst},factor={self.factor:g},at={self.at_iteration}"
+        if self.kind is FaultKind.MISJUDGE:
+            return f"misjudge:rank={self.rank},factor={self.factor:g},at={self.at_iteration}"
         if self.kind is FaultKind.SLOW:
             until = f",until={self.until_iteration}" if self.until_iteration is not None else ""
             bursts = f",on={self.on_iters},off={self.off_iters}" if self.intermittent else ""
@@ -163,7 +171,7 @@ def parse_fault(spec: str) -> Fault:
         raise ValueError(
             f"{FLAG} {spec!r}: unknown fault kind {kind_text!r}; use one of "
             "slow:rank=R,factor=F,at=I[,until=J][,on=A,off=B] | link:src=S,dst=D,factor=F,at=I | "
-            f"kill:rank=R,at=I[,during={'|'.join(PHASES)}] | hang:rank=R,at=I"
+            f"kill:rank=R,at=I[,during={'|'.join(PHASES)}] | hang:rank=R,at=I | misjudge:rank=R,factor=F,at=I"
         ) from None
     fields: dict[str, str] = {}
     for item in filter(None, body.split(",")) if sep else []:

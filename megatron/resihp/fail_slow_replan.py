@@ -6,20 +6,34 @@ same gathered observations), so no agreement round is needed; a plan that keeps 
 the life cycle (``reconfigure.apply``) for a SAME-world change, one that leaves ranks out for a
 SHRINK change whose leavers stand by (``standby.py``) or exit. Quotas alone change in place. It
 never builds a group, a model or a world itself.
+
+A re-plan that kept every rank is then on trial (``resihp_ext.planner.adaptation_check``): the
+iteration times after it, the same on every rank (the slowest rank's), are judged against those
+before it, and a re-plan that did not pay is rolled back through the same life cycle and not
+chosen again. One that left ranks out is not rolled back (that would take the leavers back in).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
+import torch
 import torch.distributed as dist
 
 from megatron.resihp.logging_utils import log_line
 from megatron.resihp.reconfigure import LayoutChange, World, apply
 from megatron.resihp.run_state import RunState, StopTraining
-from resihp_ext.layout import Layout
-from resihp_ext.planner.fail_slow import decide_fail_slow
 from resihp_ext.detection.validation import Verdict
+from resihp_ext.faults import FaultKind
+from resihp_ext.layout import Layout
+from resihp_ext.planner.adaptation_check import AdaptationTrial, RejectedPlans
+from resihp_ext.planner.fail_slow import decide_fail_slow
+from resihp_ext.shard_map import transfers as shard_transfers
+
+# Iterations before a re-plan whose median is the time it is judged against: the verdict comes a few
+# iterations after the slowdown starts, so these are slow ones.
+BEFORE_ITERS = 3
 
 
 class FailSlowReplan:
@@ -27,6 +41,28 @@ class FailSlowReplan:
 
     def __init__(self, host):
         self.host = host
+        self.recent_s: list[float] = []  # this rank's last iteration seconds
+        self.trial: AdaptationTrial | None = None
+        self.trial_s: list[float] = []  # the agreed iteration seconds since the re-plan on trial
+        self.rejected = RejectedPlans()  # changes rolled back in this world
+
+    def measured(self, elapsed_s: float) -> None:
+        """This rank's seconds for the iteration just run (before detection's own work)."""
+        self.recent_s = [*self.recent_s[-(BEFORE_ITERS - 1):], elapsed_s]
+
+    def _agreed(self, seconds: float) -> float:
+        """The slowest rank's ``seconds``: one number every rank of the world holds, so that every
+        rank judges a trial alike."""
+        value = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.host.run.messages)
+        return float(value.item())
+
+    def _misjudge(self) -> dict[int, float]:
+        """``misjudge:`` faults in force, by rank of this world (every rank plans with them)."""
+        run = self.host.run
+        where = {launch: rank for rank, launch in enumerate(run.identity)}
+        return {where[f.rank]: f.factor for f in self.host.cfg.faults
+                if f.kind is FaultKind.MISJUDGE and f.rank in where}
 
     def replan(self, iteration: int, verdicts: list[Verdict]) -> RunState:
         """Apply what ``decide_fail_slow`` decides for ``verdicts`` (compute, link or recovered), in place.
@@ -38,7 +74,8 @@ class FailSlowReplan:
         start = time.perf_counter()
         run = host.run
         decision = decide_fail_slow(run.layout, host.known_health, verdicts, host.calibrated_hardware(),
-                                    list(run.quotas), max(host.args.train_iters - iteration, 1), host.launch_shape)
+                                    list(run.quotas), max(host.args.train_iters - iteration, 1), host.launch_shape,
+                                    rejected=self.rejected, misjudge=self._misjudge())
         plan, host.known_health = decision.plan, decision.known
         # Kept across the detector's reset below.
         host.live.detector.expect(decision.expected.slow_factors, decision.expected.bursts)
@@ -53,9 +90,17 @@ class FailSlowReplan:
         if plan.action != "adapt":
             host.live.detector.watch_again(list(decision.watch_ranks), links=list(decision.watch_links))
             return run
+        self.trial = None  # a re-plan on trial is judged no further: this one goes on from it
         if plan.layout != run.layout:
             self.change_layout(plan.layout, plan.transfers, iteration)
         host.commit(host.run.replace(quotas=tuple(plan.quotas)), world_changed=False)
+        if host.cfg.verify_iters and host.run.layout.world_ranks == run.layout.world_ranks and self.recent_s:
+            self.trial = AdaptationTrial(
+                iteration=iteration, before_s=self._agreed(statistics.median(self.recent_s)),
+                predicted_before_s=plan.iteration_s_before, predicted_after_s=plan.iteration_s_after,
+                old_layout=run.layout, old_quotas=tuple(run.quotas), new_layout=host.run.layout,
+                new_quotas=tuple(plan.quotas), window_iters=host.cfg.verify_iters, margin=host.cfg.verify_margin)
+            self.trial_s = []
         duration = time.perf_counter() - start
         # Refit: the known slow device is the new normal; only a further change should alarm.
         host.live.detector.reset(forget_predictor=True)
@@ -66,6 +111,49 @@ class FailSlowReplan:
                              layers_per_replica=layers, duration_s=duration)
             log_line(f" resihp: adapted in place at iteration {iteration}: layers per replica {layers}, "
                      f"micro-batch quotas {list(plan.quotas)} ({duration * 1000:.0f} ms)")
+        return host.run
+
+    def check_trial(self, iteration: int, elapsed_s: float) -> RunState:
+        """With a re-plan on trial: measure ``iteration`` (``elapsed_s`` on this rank) and, once the
+        trial's window is full, keep the re-plan or roll it back.
+
+        Returns:
+            The run state to go on from (committed on ``host``).
+        """
+        host, trial = self.host, self.trial
+        if trial is None:
+            return host.run
+        self.trial_s.append(self._agreed(elapsed_s))
+        verdict = trial.judge(self.trial_s)
+        if verdict is None:
+            return host.run
+        self.trial = None
+        if host.run.rank == 0:
+            host.events.emit("adaptation_check", iteration, replanned_at=trial.iteration, kept=verdict.keep,
+                             before_s=verdict.before_s, measured_after_s=verdict.measured_after_s,
+                             predicted_before_s=trial.predicted_before_s, predicted_after_s=trial.predicted_after_s,
+                             prediction_error=verdict.prediction_error, reason=verdict.reason)
+            log_line(f" resihp: re-plan of iteration {trial.iteration} {verdict.reason}")
+        if verdict.keep:
+            return host.run
+        start = time.perf_counter()
+        self.rejected = self.rejected.with_rollback(trial, verdict)
+        back = () if trial.old_layout == host.run.layout else shard_transfers(host.run.layout, trial.old_layout)
+        if host.run.rank == 0:
+            # The change back is a plan like any other: what it moves is what it lists.
+            host.events.emit("plan", iteration, action="adapt", policy="rollback", reason=verdict.reason,
+                             quotas=list(trial.old_quotas), moves=[t.to_dict() for t in back])
+        if back:
+            self.change_layout(trial.old_layout, back, iteration)
+        host.commit(host.run.replace(quotas=trial.old_quotas), world_changed=False)
+        host.live.detector.reset(forget_predictor=True)
+        host.live.drop_planned_probes()
+        if host.run.rank == 0:
+            layers = [list(r.layers_per_stage) for r in host.layout.replicas]
+            host.events.emit("rolled_back", iteration, replanned_at=trial.iteration, quotas=list(trial.old_quotas),
+                             layers_per_replica=layers, duration_s=time.perf_counter() - start)
+            log_line(f" resihp: rolled back at iteration {iteration} to layers per replica {layers}, micro-batch "
+                     f"quotas {list(trial.old_quotas)}; the same change is not made again")
         return host.run
 
     def change_layout(self, new_layout: Layout, transfers, iteration: int) -> RunState:

@@ -234,6 +234,20 @@ def add_resilient_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
+def _escape_percent_signs(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make every flag's help printable: argparse %-formats help strings, and megatron-core 0.19.2
+    ships one with a bare "%" (``--moe-paged-stash-buffer-size-factor-cuda``) that makes ``--help``
+    raise instead of printing."""
+    for action in parser._actions:
+        if not action.help or "%" not in action.help:
+            continue
+        try:
+            action.help % {**vars(action), "prog": parser.prog}
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
+    return parser
+
+
 def resilience_config(args: argparse.Namespace):
     """The ``ResiHPConfig`` of the parsed ``--resihp-*`` flags; exits 2 with the flag and the fix on a
     bad value, or on a Megatron feature the resilience layer cannot carry through a re-form yet."""
@@ -301,8 +315,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron.resihp.megatron_inputs import refuse_bad_inputs, with_data_cache_path
 
-    resilient = any(a.startswith("--resihp-") for a in argv)
-    extra_args = add_resilient_args if resilient else add_device_args
+    # --help lists the --resihp-* flags too.
+    resilient = any(a.startswith("--resihp-") or a in ("-h", "--help") for a in argv)
+    add_flags = add_resilient_args if resilient else add_device_args
+    extra_args = lambda parser: _escape_percent_signs(add_flags(parser))  # noqa: E731
     sys.argv = [sys.argv[0], *argv]  # Megatron's parser reads sys.argv
     # The files the job reads are checked on the flags as parsed, before Megatron validates them:
     # validation already reads a checkpoint (--use-checkpoint-args) and builds the tokenizer.

@@ -64,7 +64,7 @@ _OTHER_PLACEMENT = {
     "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
 }
 # --resihp-* settings that need the fail-slow detector, which runs on the resihp loop only for now.
-_FAIL_SLOW_ONLY = ("detect_only", "trace")
+_FAIL_SLOW_ONLY = ("detect_only", "trace", "verify_iters", "verify_margin")
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
 # state), and the iteration's log (Megatron's own save and shutdown have no injection points yet).
 _PHASES = (None, "reform", "rendezvous", "log")
@@ -87,8 +87,9 @@ def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
                      f"{args.pipeline_model_parallel_size} (stages are rebuilt with equal layers)")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in _FAIL_SLOW_ONLY:
-        if getattr(cfg, name):
+        if getattr(cfg, name) != defaults[name]:
             found.append(f"--resihp-{name.replace('_', '-')} (fail-slow detection runs on --resihp-loop resihp only)")
     for fault in cfg.faults:
         if fault.kind.value not in ("kill", "hang"):

@@ -400,6 +400,7 @@ class ResilienceHooks:
     def after_iteration(self, iteration: int, elapsed_s: float, result, objects, quotas):
         if self.live is None:
             return objects, quotas
+        self.replan.measured(elapsed_s)
         mine = self.live.observation(result.iteration_s, result.ops, result.features, result.busy)
         gathered, settled = self.live.observe(iteration, mine)
         if self.trace is not None and gathered is not None:
@@ -420,6 +421,10 @@ class ResilienceHooks:
         if verdicts and self.cfg.enable:
             self._take(objects, quotas)
             self.replan.replan(iteration, verdicts)
+            return self._give()
+        if self.replan.trial is not None:
+            self._take(objects, quotas)
+            self.replan.check_trial(iteration, elapsed_s)
             return self._give()
         return objects, quotas
 

@@ -14,11 +14,13 @@ executor applies what ``decide_fail_slow`` returns and nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from resihp_ext.detection.validation import Verdict, VerdictKind
 from resihp_ext.layout import Layout, replica_shape
+from resihp_ext.planner.adaptation_check import RejectedPlans
 from resihp_ext.planner.bursts import weigh_bursts
 from resihp_ext.planner.calibration import ComputeCosts
 from resihp_ext.planner.hardware import HardwareModel
@@ -89,8 +91,23 @@ class FailSlowDecision:
     watch_links: tuple[tuple[int, int], ...] = ()
 
 
+def misjudged(health: Health, factors: Mapping[int, float]) -> Health:
+    """``health`` as a cost model fed false speeds sees it: each rank of ``factors`` runs ``factor``
+    times slower than ``health`` says, a healthy one included (``misjudge:`` faults, which test
+    that a re-plan that does not pay is undone)."""
+    if not factors:
+        return health
+    speed = dict(health.speed)
+    for rank, factor in factors.items():
+        if rank not in health.dead:
+            speed[rank] = health.speed_of(rank) / factor
+    return dataclasses.replace(health, speed=speed)
+
+
 def decide_fail_slow(layout: Layout, known: Health, verdicts: Sequence[Verdict], hw: HardwareModel,
-                     quotas: Sequence[int], horizon_iters: int, launch_shape: tuple) -> FailSlowDecision:
+                     quotas: Sequence[int], horizon_iters: int, launch_shape: tuple,
+                     rejected: RejectedPlans = RejectedPlans(),
+                     misjudge: Mapping[int, float] | None = None) -> FailSlowDecision:
     """Plan for ``verdicts`` on top of every slowdown already ``known``.
 
     The plan sees every slowdown found so far, not only these verdicts', so quotas moved away from
@@ -108,6 +125,10 @@ def decide_fail_slow(layout: Layout, known: Health, verdicts: Sequence[Verdict],
         horizon_iters: iterations left, over which a change must pay for itself.
         launch_shape: every replica's shape at launch (``replica_shape``): a replica that differs
             was reshaped by an earlier plan, and this one may shape it back.
+        rejected: changes rolled back in this world after they did not pay: a plan that would
+            make one again keeps the layout instead.
+        misjudge: rank -> a false extra slowdown the plan is fed for it (``misjudged``); what the
+            detector expects and later plans start from stay true.
 
     Returns:
         A ``FailSlowDecision``.
@@ -118,16 +139,22 @@ def decide_fail_slow(layout: Layout, known: Health, verdicts: Sequence[Verdict],
         known = known.updated(health)
         if not verdict.intermittent:
             calm = calm.updated(health)
-    plan = plan_adaptation(layout, known, hw, current_quotas=tuple(quotas), horizon_iters=horizon_iters,
-                           uniform_tp_per_replica=True,
+    misjudge = misjudge or {}
+    plan = plan_adaptation(layout, misjudged(known, misjudge), hw, current_quotas=tuple(quotas),
+                           horizon_iters=horizon_iters, uniform_tp_per_replica=True,
                            reshaped=[r for r, rep in enumerate(layout.replicas) if replica_shape(rep) != launch_shape])
     expected = known
     shares = [v.slow_share for v in verdicts if v.intermittent]
     if shares:
         share = max(1.0 if s is None else s for s in shares)
-        plan = weigh_bursts(plan, layout, quotas, calm, known, share, hw, horizon_iters)
+        plan = weigh_bursts(plan, layout, quotas, misjudged(calm, misjudge), misjudged(known, misjudge), share, hw,
+                            horizon_iters)
         if plan.action != "adapt":
             known = calm  # bursts not worth planning around: later plans do not see them
+    if plan.action == "adapt" and rejected.rejects(layout, quotas, plan.layout, plan.quotas):
+        plan = Plan("keep", layout, tuple(quotas), (), plan.iteration_s_before, plan.iteration_s_before, 0.0,
+                    "keep: the same change was rolled back before, after it did not pay "
+                    f"(predicted {plan.iteration_s_after:.3f} s per iteration)", policy=plan.policy)
     if plan.action == "adapt":
         return FailSlowDecision(plan, known, expected)
     return FailSlowDecision(plan, known, expected,

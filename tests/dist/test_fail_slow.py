@@ -158,3 +158,23 @@ def test_tp2_pp2_dp2_rank_slowed_2x_at_iteration_10_is_replanned_in_place(tmp_pa
     adapted = [a for a in read_events(log, "adapted") if a["iteration"] >= named[0]["iteration"]]
     assert adapted, decisions(log)
     assert_same_losses(log, issue_shape_reference, ITERS)
+
+
+def test_a_replan_that_does_not_pay_is_rolled_back_and_not_made_again(tmp_path, reference_losses):
+    # DP2 on 2 processes: rank 1 runs 3x slow from iteration 8, and the planner is fed a false speed
+    # for rank 0 (10x slower than measured), so it sends most micro-batches to the slow rank. The
+    # iterations after that re-plan run slower than before it: within the trial's window the quotas
+    # go back, the same change is not made again, and training stays exact throughout.
+    log = tmp_path / "events.jsonl"
+    check(run_job(2, [*MODEL, "--resihp-enable", "--resihp-event-log", str(log),
+                      "--resihp-inject", "slow:rank=1,factor=3,at=8", "--resihp-inject", "misjudge:rank=0,factor=10,at=1"]))
+    wrong = [p for p in read_events(log, "plan") if p["action"] == "adapt" and p["policy"] == "resihp"]
+    assert wrong and wrong[0]["quotas"][1] > wrong[0]["quotas"][0], decisions(log)
+    checks = read_events(log, "adaptation_check")
+    assert checks and not checks[0]["kept"] and checks[0]["replanned_at"] == wrong[0]["iteration"], decisions(log)
+    assert checks[0]["iteration"] == wrong[0]["iteration"] + 4  # one settling iteration, three measured
+    assert checks[0]["measured_after_s"] > checks[0]["before_s"]
+    back = read_events(log, "rolled_back")
+    assert [(b["iteration"], b["quotas"]) for b in back] == [(checks[0]["iteration"], [4, 4])], decisions(log)
+    assert [p["quotas"] for p in wrong[1:]].count(wrong[0]["quotas"]) == 0, decisions(log)
+    assert_same_losses(log, reference_losses, 34)

@@ -36,3 +36,20 @@ def test_the_persistence_gap_reaches_the_detectors_config(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert parse_args(list(TINY_CPU_ARGS)).resihp.persistence_gap_iters == 1
     assert parse_args([*TINY_CPU_ARGS, "--resihp-persistence-gap-iters", "0"]).resihp.persistence_gap_iters == 0
+
+
+def test_the_resilient_script_prints_megatrons_flags_and_the_resihp_flags_on_help():
+    # Megatron-LM's own parser: megatron-core 0.19.2 ships a help string with a bare "%", which made
+    # --help raise; the --resihp-* flags are listed without any other --resihp-* flag on the line.
+    import subprocess
+    import sys
+
+    from scripts.child_env import REPO, job_env
+
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt_resilient.py"), "--help"], cwd=REPO,
+                          env=job_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = " ".join(proc.stdout.split())
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in text and "(e.g. 1.10 = 10%)" in text
+    for field in dataclasses.fields(ResiHPConfig):
+        assert "--resihp-" + field.name.replace("_", "-") in text
