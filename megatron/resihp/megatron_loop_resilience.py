@@ -17,6 +17,13 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   timer's barrier, the timers' all-gather). A rank that fails there had stepped, as had every rank
   that reached it, so the survivors re-form and go on after that iteration; the re-formed world's
   last rank prints the iteration's line when no process printed it before the failure;
+- ``training.save_checkpoint`` (every save of the loop, the last one included, goes through it):
+  a rank that fails during a save had stepped, so the survivors re-form and go on after that
+  iteration; the save is then made again on the re-formed world, unless the tracker file already
+  names it (rank 0 writes it only once every rank has written its files, so the checkpoint is
+  whole, and a rank that passed the save's last barrier is past the save). An interrupted save
+  never becomes the latest. ``training.save_checkpoint_and_time`` survives its timing collectives
+  after the save like ``training_log`` does;
 - ``training.evaluate_and_print_results``: evaluates with the rebuilt validation iterator.
 
 ``train()`` and ``pretrain()`` bind the model list, the optimizer and the LR scheduler once. After a
@@ -34,8 +41,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -66,8 +75,9 @@ _OTHER_PLACEMENT = {
 # --resihp-* settings that need the fail-slow detector, which runs on the resihp loop only for now.
 _FAIL_SLOW_ONLY = ("detect_only", "trace", "verify_iters", "verify_margin")
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
-# state), and the iteration's log (Megatron's own save and shutdown have no injection points yet).
-_PHASES = (None, "reform", "rendezvous", "log")
+# state), the iteration's log, and a save as it begins and once this rank's files are written
+# (Megatron's save has no rename; its shutdown has no injection point yet).
+_PHASES = (None, "reform", "rendezvous", "log", "save", "save-write")
 
 
 def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
@@ -117,6 +127,8 @@ class ResilientMegatronLoop:
         self.forward_backward_func = None
         self.loop_groups = None  # the process-group collection train() took from the first chunk
         self.handles = None  # train()'s model list, optimizer and LR scheduler (kept valid across re-forms)
+        self.saved: set[int] = set()  # iterations this process's world saved whole
+        self._saved_generation = 0  # the world the checkpointing context's cached strategies belong to
         self._stepped = False
         self._original: dict[str, object] = {}
 
@@ -131,12 +143,16 @@ class ResilientMegatronLoop:
             "build_pretraining_data_loader": training.build_pretraining_data_loader,
             "evaluate_and_print_results": training.evaluate_and_print_results,
             "training_log": training.training_log,
+            "save_checkpoint": training.save_checkpoint,
+            "save_checkpoint_and_time": training.save_checkpoint_and_time,
         }
         parallel_state.initialize_model_parallel = self._initialize_model_parallel
         training.train_step = self.train_step
         training.build_pretraining_data_loader = self._build_data_loader
         training.evaluate_and_print_results = self._evaluate_and_print_results
         training.training_log = self._training_log
+        training.save_checkpoint = self._save_checkpoint
+        training.save_checkpoint_and_time = self._save_checkpoint_and_time
 
     def uninstall(self) -> None:
         from megatron.core import parallel_state
@@ -245,6 +261,99 @@ class ResilientMegatronLoop:
                 return log(*call, **kwargs)
         finally:
             training.print_rank_last = print_rank_last
+
+    def _save_checkpoint(self, iteration, *args, **kwargs):
+        """Megatron's ``save_checkpoint`` of ``iteration``, survived when a rank fails during it."""
+        save = self._original["save_checkpoint"]
+        if self.hooks is None or not self.hooks.can_recover:
+            return save(iteration, *args, **kwargs)
+        if iteration in self.saved:
+            # Megatron saves again at an iteration it just saved (a periodic save right after the one
+            # a change of the micro-batch count asks for): the checkpoint is whole already, and a
+            # failure while its files were rewritten could not be told from one before they were.
+            log_line(f" resihp: iteration {iteration} is saved already; not saving it again")
+            return None
+        call = inspect.signature(save).bind(iteration, *args, **kwargs)
+        tracker = Path(self._args().save) / "latest_checkpointed_iteration.txt"
+        latest_before = _read(tracker)
+        self.hooks.inject(iteration, "save")
+        while True:
+            self._refresh_save_groups(call)
+            try:
+                with self._faults_in_save(iteration):
+                    result = save(*call.args, **call.kwargs)
+                self.saved.add(iteration)
+                return result
+            except RuntimeError as error:  # a peer died or hung in one of the save's collectives
+                if not self.hooks.can_recover:
+                    raise
+                self._recover(iteration, error, stepped=True)
+            if _read(tracker) == str(iteration) and latest_before != str(iteration):
+                log_line(f" resihp: the checkpoint of iteration {iteration} was whole when the failure came")
+                self.saved.add(iteration)
+                return None
+            log_line(f" resihp: saving iteration {iteration} again, on the re-formed world")
+
+    def _refresh_save_groups(self, call: inspect.BoundArguments) -> None:
+        """A save after a re-form uses the new world's groups: the ones ``save_checkpoint_and_time``
+        read from the model before the failure are gone, and the checkpointing context caches a
+        save strategy built on the old data-parallel group."""
+        from megatron.core.utils import unwrap_model
+
+        generation = self.hooks.run.generation
+        if generation == self._saved_generation:
+            return
+        self._saved_generation = generation
+        context = call.arguments.get("checkpointing_context")
+        if context:
+            context.pop("save_strategy", None)
+            context.pop("load_strategy", None)
+        groups = getattr(unwrap_model(call.arguments["model"])[0], "pg_collection", None)
+        for name, attribute in (("tp_group", "tp"), ("pp_group", "pp"), ("dp_group", "dp"),
+                                ("dp_cp_group", "dp_cp_gtp_remat"), ("expt_dp_group", "expt_dp")):
+            if call.arguments.get(name) is not None:
+                call.arguments[name] = getattr(groups, attribute, None)
+
+    @contextlib.contextmanager
+    def _faults_in_save(self, iteration: int):
+        """``during=save-write`` kills: the save's first barrier is the one after this rank's files."""
+        if not any(f.during == "save-write" for f in self.hooks.faults):
+            yield
+            return
+        barrier = dist.barrier
+        calls = []
+
+        def first_barrier_kills(*args, **kwargs):
+            if not calls:
+                calls.append(True)
+                self.hooks.inject(iteration, "save-write")
+            return barrier(*args, **kwargs)
+
+        dist.barrier = first_barrier_kills
+        try:
+            yield
+        finally:
+            dist.barrier = barrier
+
+    def _save_checkpoint_and_time(self, iteration, *args, **kwargs):
+        """Megatron's ``save_checkpoint_and_time``: after the save (survived in ``_save_checkpoint``)
+        it logs the save's time over the world and restarts the interval timer with a barrier; a
+        failure there leaves a whole checkpoint, and the survivors go on after ``iteration``."""
+        from megatron.training.global_vars import get_timers
+
+        outer = self._original["save_checkpoint_and_time"]
+        if self.hooks is None or not self.hooks.can_recover:
+            return outer(iteration, *args, **kwargs)
+        try:
+            return outer(iteration, *args, **kwargs)
+        except RuntimeError as error:
+            if not self.hooks.can_recover:
+                raise
+            self._recover(iteration, error, stepped=True)
+            interval = get_timers()("interval-time", log_level=0)
+            if not interval._started:  # its barrier failed before it started
+                interval.start()
+            return None
 
     def _record(self, number: int, result, elapsed_s: float) -> None:
         """The iteration's event, from the last rank (Megatron's loss is reported on the last stage)."""
@@ -389,6 +498,14 @@ class ResilientMegatronLoop:
             self.hooks.close()
         if self.events is not None:
             self.events.close()
+
+
+def _read(path: Path) -> str | None:
+    """A tracker file's text (None when there is none)."""
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return None
 
 
 @contextlib.contextmanager

@@ -2,8 +2,9 @@
 
 A rank SIGKILLed mid-run is survived in place: the survivors re-form without it, Megatron's loop goes
 on to its last iteration, and every logged loss and the saved weights equal a failure-free run of
-stock Megatron-LM (no ``--resihp-*`` flag). What the fail-stop path cannot carry yet is refused
-before anything starts.
+stock Megatron-LM (no ``--resihp-*`` flag): killed in the step, while Megatron logs an iteration,
+or while it saves a checkpoint. What the fail-stop path cannot carry yet is refused before
+anything starts.
 """
 
 from __future__ import annotations
@@ -99,6 +100,28 @@ def test_a_sigkilled_rank_is_survived_in_place_with_the_failure_free_runs_losses
     adapted = read_events(events, "adapted")
     assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [5])], adapted
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
+
+
+@pytest.mark.parametrize("phase", ["save", "save-write"])
+def test_a_rank_killed_while_a_checkpoint_is_saved_is_survived_and_the_save_made_again_whole(tmp_path, failure_free,
+                                                                                             phase):
+    # As the save of iteration 4 begins, or once the rank's files are written and before the barrier
+    # that waits for every rank's: the survivors go on after iteration 4 and save it again. The
+    # tracker never named the interrupted save.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), "--save-interval", "2",
+                       "--resihp-inject", f"kill:rank=5,at=4,during={phase}"], timeout_s=420)
+    check(proc)
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [5])], adapted
+    assert "resihp: saving iteration 4 again, on the re-formed world" in proc.stdout
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
+    if phase == "save-write":
+        # The save made again is whole: stock Megatron-LM resumes from it and trains the rest exactly.
+        (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("4")
+        resumed = run_job(8, [*job_args(tmp_path, "ckpt"), "--load", str(tmp_path / "ckpt")], timeout_s=420)
+        check(resumed)
+        assert_same_training(resumed.stdout, tmp_path / "ckpt", failure_free, iterations=range(5, ITERATIONS + 1))
 
 
 def test_a_rank_stopped_from_outside_is_named_hung_and_survived_in_place(tmp_path, failure_free):

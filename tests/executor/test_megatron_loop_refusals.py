@@ -42,7 +42,7 @@ def test_a_plain_job_with_kills_hangs_and_recovery_phase_kills_may_run():
     ({"resihp": ResiHPConfig(enable=True, inject=["link:src=0,dst=4,factor=9,at=3"])}, "--resihp-inject link"),
     ({"resihp": ResiHPConfig(enable=True, verify_iters=5)}, "--resihp-verify-iters"),
     ({"resihp": ResiHPConfig(enable=True, inject=["misjudge:rank=1,factor=4,at=3"])}, "--resihp-inject misjudge"),
-    ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save"])}, "during=save"),
+    ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-rename"])}, "during=save-rename"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=shutdown"])}, "during=shutdown"),
 ])
 def test_each_feature_not_carried_yet_is_named(changes, named):
