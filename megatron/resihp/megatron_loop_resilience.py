@@ -13,18 +13,9 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   rank's optimizer had already stepped, counts as done;
 - ``training.build_pretraining_data_loader``: remembers the datasets, so that a re-formed world's
   loaders are rebuilt at the samples already consumed, for the new data-parallel rank and size;
-- ``training.training_log``: Megatron logs an iteration with world-wide collectives (the interval
-  timer's barrier, the timers' all-gather). A rank that fails there had stepped, as had every rank
-  that reached it, so the survivors re-form and go on after that iteration; the re-formed world's
-  last rank prints the iteration's line when no process printed it before the failure;
-- ``training.save_checkpoint`` (every save of the loop, the last one included, goes through it):
-  a rank that fails during a save had stepped, so the survivors re-form and go on after that
-  iteration; the save is then made again on the re-formed world, unless the tracker file already
-  names it (rank 0 writes it only once every rank has written its files, so the checkpoint is
-  whole, and a rank that passed the save's last barrier is past the save). An interrupted save
-  never becomes the latest. ``training.save_checkpoint_and_time`` survives its timing collectives
-  after the save like ``training_log`` does;
-- ``training.evaluate_and_print_results``: evaluates with the rebuilt validation iterator.
+- the phases between two steps (the log, the evaluation, the save) and the timers' barriers
+  around them: ``megatron_loop_phases.BetweenSteps``, which also agrees, after every re-form,
+  where the loop stands;
 
 ``train()`` and ``pretrain()`` bind the model list, the optimizer and the LR scheduler once. After a
 re-form they stay valid handles: the list's chunks are replaced; the optimizer object takes on the
@@ -39,9 +30,7 @@ What the Megatron loop does not carry yet is refused before anything starts (``u
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import inspect
 import sys
 import time
 from pathlib import Path
@@ -50,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.resihp.logging_utils import EventLog, log_line
+from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position, read_tracker
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.run_state import StopTraining
 
@@ -75,9 +65,9 @@ _OTHER_PLACEMENT = {
 # --resihp-* settings that need the fail-slow detector, which runs on the resihp loop only for now.
 _FAIL_SLOW_ONLY = ("detect_only", "trace", "verify_iters", "verify_margin")
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
-# state), the iteration's log, and a save as it begins and once this rank's files are written
-# (Megatron's save has no rename; its shutdown has no injection point yet).
-_PHASES = (None, "reform", "rendezvous", "log", "save", "save-write")
+# state), the iteration's log, an evaluation, and a save as it begins and once this rank's files are
+# written (Megatron's save has no rename; its shutdown has no injection point yet).
+_PHASES = (None, "reform", "rendezvous", "log", "eval", "save", "save-write")
 
 
 def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
@@ -127,8 +117,7 @@ class ResilientMegatronLoop:
         self.forward_backward_func = None
         self.loop_groups = None  # the process-group collection train() took from the first chunk
         self.handles = None  # train()'s model list, optimizer and LR scheduler (kept valid across re-forms)
-        self.saved: set[int] = set()  # iterations this process's world saved whole
-        self._saved_generation = 0  # the world the checkpointing context's cached strategies belong to
+        self.phases = BetweenSteps(self)
         self._stepped = False
         self._original: dict[str, object] = {}
 
@@ -141,18 +130,11 @@ class ResilientMegatronLoop:
             "initialize_model_parallel": parallel_state.initialize_model_parallel,
             "train_step": training.train_step,
             "build_pretraining_data_loader": training.build_pretraining_data_loader,
-            "evaluate_and_print_results": training.evaluate_and_print_results,
-            "training_log": training.training_log,
-            "save_checkpoint": training.save_checkpoint,
-            "save_checkpoint_and_time": training.save_checkpoint_and_time,
         }
         parallel_state.initialize_model_parallel = self._initialize_model_parallel
         training.train_step = self.train_step
         training.build_pretraining_data_loader = self._build_data_loader
-        training.evaluate_and_print_results = self._evaluate_and_print_results
-        training.training_log = self._training_log
-        training.save_checkpoint = self._save_checkpoint
-        training.save_checkpoint_and_time = self._save_checkpoint_and_time
+        self.phases.install()
 
     def uninstall(self) -> None:
         from megatron.core import parallel_state
@@ -161,6 +143,7 @@ class ResilientMegatronLoop:
         for name, fn in self._original.items():
             setattr(parallel_state if name == "initialize_model_parallel" else training, name, fn)
         self._original = {}
+        self.phases.uninstall()
 
     def _initialize_model_parallel(self, *args, **kwargs) -> None:
         """The launch Layout's groups, built by the one group builder and installed for megatron-core."""
@@ -185,11 +168,6 @@ class ResilientMegatronLoop:
         self.loaders.append((dataset, consumed_samples))
         return self._original["build_pretraining_data_loader"](dataset, consumed_samples)
 
-    def _evaluate_and_print_results(self, prefix, forward_step_func, data_iterator, *args, **kwargs):
-        if self.valid_iterators is not None:
-            data_iterator = self.valid_iterators
-        return self._original["evaluate_and_print_results"](prefix, forward_step_func, data_iterator, *args, **kwargs)
-
     # ------------------------------------------------------------------ the step
     def train_step(self, forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                    forward_backward_func, iteration=None, pg_collection=None, p2p_communicator=None):
@@ -199,6 +177,7 @@ class ResilientMegatronLoop:
         if self.hooks is None:
             self._start(model, optimizer, opt_param_scheduler)
         number = iteration + 1  # the iteration being run, as Megatron logs it
+        self.phases.enter(Position(number, Phase.STEP))  # a step is never skipped: nobody is past it
         self.hooks.before_iteration(number, None, None)
         step = self._original["train_step"]
         start = time.perf_counter()
@@ -216,7 +195,7 @@ class ResilientMegatronLoop:
                 if not self.hooks.can_recover:
                     raise
                 stepped = self._stepped
-                self._recover(number, error, stepped)
+                self.recover_at(Position(number, Phase.STEPPED if stepped else Phase.STEP), error)
             if stepped:
                 # This rank's replica stepped before the failure surfaced (its loss reduction failed):
                 # the iteration is done; its loss is lost to the log.
@@ -229,131 +208,6 @@ class ResilientMegatronLoop:
             machine.current_iteration -= 1
         self._record(number, result, time.perf_counter() - start)
         return result
-
-    def _training_log(self, loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
-                      *args, **kwargs):
-        """Megatron's ``training_log`` for ``iteration``, survived when its world-wide collectives fail."""
-        from megatron.training import training
-
-        log = self._original["training_log"]
-        call = (loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag, *args)
-        if self.hooks is None or not self.hooks.can_recover:
-            return log(*call, **kwargs)
-        self.hooks.inject(iteration, "log")
-        totals = dict(total_loss_dict)  # its values are replaced, never changed in place
-        printed = []
-        print_rank_last = training.print_rank_last
-        training.print_rank_last = lambda message: (printed.append(dist.get_rank() == dist.get_world_size() - 1),
-                                                    print_rank_last(message))
-        try:
-            return log(*call, **kwargs)
-        except RuntimeError as error:  # a peer died or hung in the barrier or the timers' all-gather
-            if not self.hooks.can_recover:
-                raise
-            self._recover(iteration, error, stepped=True)
-            if any(printed) or dist.get_rank() != dist.get_world_size() - 1:
-                return report_memory_flag
-            # This process prints for the re-formed world: the line, without its collectives (no
-            # other rank runs them now).
-            total_loss_dict.clear()
-            total_loss_dict.update(totals)
-            with _alone():
-                return log(*call, **kwargs)
-        finally:
-            training.print_rank_last = print_rank_last
-
-    def _save_checkpoint(self, iteration, *args, **kwargs):
-        """Megatron's ``save_checkpoint`` of ``iteration``, survived when a rank fails during it."""
-        save = self._original["save_checkpoint"]
-        if self.hooks is None or not self.hooks.can_recover:
-            return save(iteration, *args, **kwargs)
-        if iteration in self.saved:
-            # Megatron saves again at an iteration it just saved (a periodic save right after the one
-            # a change of the micro-batch count asks for): the checkpoint is whole already, and a
-            # failure while its files were rewritten could not be told from one before they were.
-            log_line(f" resihp: iteration {iteration} is saved already; not saving it again")
-            return None
-        call = inspect.signature(save).bind(iteration, *args, **kwargs)
-        tracker = Path(self._args().save) / "latest_checkpointed_iteration.txt"
-        latest_before = _read(tracker)
-        self.hooks.inject(iteration, "save")
-        while True:
-            self._refresh_save_groups(call)
-            try:
-                with self._faults_in_save(iteration):
-                    result = save(*call.args, **call.kwargs)
-                self.saved.add(iteration)
-                return result
-            except RuntimeError as error:  # a peer died or hung in one of the save's collectives
-                if not self.hooks.can_recover:
-                    raise
-                self._recover(iteration, error, stepped=True)
-            if _read(tracker) == str(iteration) and latest_before != str(iteration):
-                log_line(f" resihp: the checkpoint of iteration {iteration} was whole when the failure came")
-                self.saved.add(iteration)
-                return None
-            log_line(f" resihp: saving iteration {iteration} again, on the re-formed world")
-
-    def _refresh_save_groups(self, call: inspect.BoundArguments) -> None:
-        """A save after a re-form uses the new world's groups: the ones ``save_checkpoint_and_time``
-        read from the model before the failure are gone, and the checkpointing context caches a
-        save strategy built on the old data-parallel group."""
-        from megatron.core.utils import unwrap_model
-
-        generation = self.hooks.run.generation
-        if generation == self._saved_generation:
-            return
-        self._saved_generation = generation
-        context = call.arguments.get("checkpointing_context")
-        if context:
-            context.pop("save_strategy", None)
-            context.pop("load_strategy", None)
-        groups = getattr(unwrap_model(call.arguments["model"])[0], "pg_collection", None)
-        for name, attribute in (("tp_group", "tp"), ("pp_group", "pp"), ("dp_group", "dp"),
-                                ("dp_cp_group", "dp_cp_gtp_remat"), ("expt_dp_group", "expt_dp")):
-            if call.arguments.get(name) is not None:
-                call.arguments[name] = getattr(groups, attribute, None)
-
-    @contextlib.contextmanager
-    def _faults_in_save(self, iteration: int):
-        """``during=save-write`` kills: the save's first barrier is the one after this rank's files."""
-        if not any(f.during == "save-write" for f in self.hooks.faults):
-            yield
-            return
-        barrier = dist.barrier
-        calls = []
-
-        def first_barrier_kills(*args, **kwargs):
-            if not calls:
-                calls.append(True)
-                self.hooks.inject(iteration, "save-write")
-            return barrier(*args, **kwargs)
-
-        dist.barrier = first_barrier_kills
-        try:
-            yield
-        finally:
-            dist.barrier = barrier
-
-    def _save_checkpoint_and_time(self, iteration, *args, **kwargs):
-        """Megatron's ``save_checkpoint_and_time``: after the save (survived in ``_save_checkpoint``)
-        it logs the save's time over the world and restarts the interval timer with a barrier; a
-        failure there leaves a whole checkpoint, and the survivors go on after ``iteration``."""
-        from megatron.training.global_vars import get_timers
-
-        outer = self._original["save_checkpoint_and_time"]
-        if self.hooks is None or not self.hooks.can_recover:
-            return outer(iteration, *args, **kwargs)
-        try:
-            return outer(iteration, *args, **kwargs)
-        except RuntimeError as error:
-            if not self.hooks.can_recover:
-                raise
-            self._recover(iteration, error, stepped=True)
-            interval = get_timers()("interval-time", log_level=0)
-            if not interval._started:  # its barrier failed before it started
-                interval.start()
-            return None
 
     def _record(self, number: int, result, elapsed_s: float) -> None:
         """The iteration's event, from the last rank (Megatron's loss is reported on the last stage)."""
@@ -377,6 +231,8 @@ class ResilientMegatronLoop:
 
         args = self._args()
         self.handles = (model, optimizer, opt_param_scheduler)
+        if args.save:
+            self.phases.latest_at_start = read_tracker(Path(args.save) / "latest_checkpointed_iteration.txt")
         self.loop_groups = get_attr_wrapped_model(model[0], "pg_collection")
         objects = TrainingObjects(get_model_config(model[0]), model[0], optimizer, opt_param_scheduler,
                                   (args.num_layers // args.pipeline_model_parallel_size,) * args.pipeline_model_parallel_size)
@@ -424,6 +280,21 @@ class ResilientMegatronLoop:
                                get_optimizer_param_scheduler(optimizer), tuple(layers_per_stage))
 
     # ------------------------------------------------------------------ recovery
+    def recover_at(self, position: Position, error: Exception) -> Position:
+        """Recover from ``error``, which surfaced at ``position`` (the iteration is done from its
+        optimizer step on), or leave; then agree with the other survivors where the loop stands.
+
+        Returns:
+            The furthest position any survivor stood at, which every survivor goes on from.
+        """
+        self.phases.position = position
+        self._recover(position.iteration, error, stepped=position.phase >= Phase.STEPPED)
+        return self.phases.agree()
+
+    def args(self):
+        """Megatron's parsed arguments."""
+        return self._args()
+
     def _recover(self, number: int, error: Exception, stepped: bool) -> None:
         """Recover from ``error`` at iteration ``number`` (done when this rank had ``stepped``), or leave."""
         args = self._args()
@@ -498,29 +369,3 @@ class ResilientMegatronLoop:
             self.hooks.close()
         if self.events is not None:
             self.events.close()
-
-
-def _read(path: Path) -> str | None:
-    """A tracker file's text (None when there is none)."""
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        return None
-
-
-@contextlib.contextmanager
-def _alone():
-    """The collectives Megatron's ``training_log`` runs (the learning rate's all-reduce, the interval
-    timer's barrier, the timers' all-gather) as this rank alone would see them, for one rank's replay
-    of a log line after the world that ran them failed: an all-reduce of one rank leaves its value."""
-    from megatron.training.global_vars import get_timers
-
-    timers = get_timers()
-    saved = dist.barrier, dist.all_reduce
-    dist.barrier = dist.all_reduce = lambda *args, **kwargs: None
-    timers.log = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        dist.barrier, dist.all_reduce = saved
-        del timers.log

@@ -124,6 +124,21 @@ def test_a_rank_killed_while_a_checkpoint_is_saved_is_survived_and_the_save_made
         assert_same_training(resumed.stdout, tmp_path / "ckpt", failure_free, iterations=range(5, ITERATIONS + 1))
 
 
+def test_a_rank_killed_as_the_evaluation_begins_costs_that_evaluation_only(tmp_path, failure_free):
+    # Evaluation every 2 iterations: the one at iteration 4 is lost (every survivor skips its rest),
+    # training goes on after iteration 4, and the evaluation at 6 runs on the re-formed world.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), "--eval-interval", "2", "--eval-iters", "1",
+                       "--resihp-inject", "kill:rank=5,at=4,during=eval"], timeout_s=420)
+    check(proc)
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [5])], adapted
+    assert "resihp: the evaluation at iteration 4 is lost to the failure; training goes on" in proc.stdout
+    assert [i for i in (2, 4, 6, 8) if f"validation loss at iteration {i} " in proc.stdout] == [2, 6, 8], \
+        proc.stdout[-3000:]
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
+
+
 def test_a_rank_stopped_from_outside_is_named_hung_and_survived_in_place(tmp_path, failure_free):
     # Under a 900 s collective timeout only the beacon's view of the stopped process names it in time.
     events = tmp_path / "events.jsonl"

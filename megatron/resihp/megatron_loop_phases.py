@@ -1,0 +1,369 @@
+"""Between two steps of Megatron-LM's loop: the phases with world-wide collectives, and where the
+survivors of a failure in one of them go on from.
+
+Responsible for the patches around what ``megatron.training.train()`` runs after each
+``train_step``, each with collectives over the world or its groups: the iteration's log
+(``training_log``: the learning rate's all-reduce, the interval timer's barrier, the timers'
+all-gather), the evaluation (``evaluate_and_print_results``, between two timer barriers), and the
+checkpoint save (``save_checkpoint``, inside ``save_checkpoint_and_time``; periodic, after a change
+of the micro-batch count, and the last one). A rank that fails in any of them has stepped, so
+the survivors re-form (``ResilientMegatronLoop.recover_at``) and go on after that iteration.
+
+A failure surfaces on different ranks in different phases: one rank may be in the save's barrier
+while another, past it, is already in the next step. So after re-forming, the survivors exchange
+where each stood (``Position``: iteration and phase) and all go on from the furthest one:
+
+- a rank behind it skips what the others have passed, timer barriers included;
+- the phase the furthest rank stood in is finished by every survivor the same way: the log
+  without its collectives (the re-formed world's last rank prints the line if no process printed
+  it); the evaluation not at all (it is lost, and said so); the save made again, unless the tracker
+  file names its iteration (rank 0 writes it between the barrier after every rank's files and the
+  save's last barrier, so the checkpoint is then whole); the step, run again or counted done as
+  ``ResilientMegatronLoop.train_step`` decides.
+
+Every survivor then issues the same collectives in the same order. An interrupted save never
+becomes the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import inspect
+from pathlib import Path
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+from megatron.resihp.logging_utils import log_line
+
+
+class Phase(enum.IntEnum):
+    """What Megatron's loop runs for one iteration, in its order."""
+
+    STEP = 0  # train_step, before this rank's optimizer stepped
+    STEPPED = 1  # train_step, after it
+    LOG = 2
+    EVAL = 3
+    SAVE = 4
+
+
+class Position(NamedTuple):
+    """Where a rank stands: the iteration and the last phase of it the rank entered."""
+
+    iteration: int
+    phase: Phase
+
+    def __str__(self) -> str:
+        return f"iteration {self.iteration}'s {self.phase.name.lower()}"
+
+
+class _Recovered(Exception):
+    """A timer's barrier inside a phase failed and the survivors re-formed: the phase ends here."""
+
+
+class BetweenSteps:
+    """The patches of the phases between steps, and the position the survivors agreed on."""
+
+    def __init__(self, loop):
+        self.loop = loop  # ResilientMegatronLoop: its hooks, its recover_at, its arguments
+        self.position = Position(0, Phase.STEP)
+        self.catch_up_to: Position | None = None  # the furthest survivor's position after a re-form
+        self.saved: set[int] = set()  # iterations this job's world saved whole
+        self.latest_at_start: str | None = None  # what the tracker named before this job saved anything
+        self._saved_generation = 0  # the world the checkpointing context's cached strategies belong to
+        self._in_phase = False
+        self._original: dict[str, object] = {}
+
+    # ------------------------------------------------------------------ position
+    def enter(self, position: Position) -> str:
+        """This rank enters ``position``: "run" it, "skip" it (the others passed it), or "finish" it
+        (the furthest survivor failed in it; each phase finishes its own way)."""
+        self.position = position
+        target = self.catch_up_to
+        if target is None or position > target:
+            self.catch_up_to = None
+            return "run"
+        return "skip" if position < target else "finish"
+
+    def agree(self) -> Position:
+        """After a re-form, on every survivor: the furthest position any survivor stood at."""
+        positions: list = [None] * dist.get_world_size()
+        dist.all_gather_object(positions, tuple(self.position))
+        furthest = max(Position(i, Phase(p)) for i, p in positions)
+        self.catch_up_to = furthest if furthest > self.position else None
+        if furthest.phase is Phase.SAVE and self._tracker_names(furthest.iteration):
+            self.saved.add(furthest.iteration)
+        if self.catch_up_to is not None:
+            log_line(f" resihp: rank {dist.get_rank()} stood at {self.position}; the furthest survivor at "
+                     f"{furthest}: going on from there")
+        return furthest
+
+    def _barriers_run(self) -> bool:
+        return self.catch_up_to is None or self.position >= self.catch_up_to
+
+    # ------------------------------------------------------------------ patches
+    def install(self) -> None:
+        from megatron.core.timers import Timer
+        from megatron.training import training
+
+        self._original = {
+            "training_log": training.training_log,
+            "evaluate_and_print_results": training.evaluate_and_print_results,
+            "save_checkpoint": training.save_checkpoint,
+            "save_checkpoint_and_time": training.save_checkpoint_and_time,
+            "Timer.start": Timer.start,
+            "Timer.stop": Timer.stop,
+        }
+        training.training_log = self._training_log
+        training.evaluate_and_print_results = self._evaluate_and_print_results
+        training.save_checkpoint = self._save_checkpoint
+        training.save_checkpoint_and_time = self._save_checkpoint_and_time
+        Timer.start = self._timer_method("Timer.start")
+        Timer.stop = self._timer_method("Timer.stop")
+
+    def uninstall(self) -> None:
+        from megatron.core.timers import Timer
+        from megatron.training import training
+
+        for name, fn in self._original.items():
+            if name.startswith("Timer."):
+                setattr(Timer, name.split(".")[1], fn)
+            else:
+                setattr(training, name, fn)
+        self._original = {}
+
+    def _recovering(self) -> bool:
+        hooks = self.loop.hooks
+        return hooks is not None and hooks.can_recover
+
+    def _timer_method(self, name: str):
+        """``Timer.start``/``Timer.stop`` whose barrier a failure does not escape: Megatron calls them
+        with ``barrier=True`` around the evaluation and the save, outside any patched phase."""
+        method = self._original[name]
+
+        def timed(timer, barrier=False):
+            if not barrier or not self._recovering():
+                return method(timer, barrier)
+            if not self._barriers_run():  # catching up: the others are past this barrier
+                return method(timer, False)
+            try:
+                return method(timer, True)
+            except RuntimeError as error:  # the barrier raised before the timer changed
+                self.loop.recover_at(self.position, error)
+                if self._in_phase:
+                    raise _Recovered() from error
+                return method(timer, False)
+
+        return timed
+
+    @contextlib.contextmanager
+    def _phase(self):
+        self._in_phase = True
+        try:
+            yield
+        finally:
+            self._in_phase = False
+
+    def _recover(self, error: Exception) -> None:
+        """A collective of the phase at ``self.position`` failed (unless a timer already recovered)."""
+        if not isinstance(error, _Recovered):
+            self.loop.recover_at(self.position, error)
+
+    # ------------------------------------------------------------------ the log
+    def _training_log(self, loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                      *args, **kwargs):
+        """Megatron's ``training_log`` of ``iteration``, survived when its collectives fail."""
+        from megatron.training import training
+
+        log = self._original["training_log"]
+        call = (loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag, *args)
+        if not self._recovering():
+            return log(*call, **kwargs)
+        mode = self.enter(Position(iteration, Phase.LOG))
+        if mode == "skip":
+            return report_memory_flag
+        self.loop.hooks.inject(iteration, "log")
+        totals = dict(total_loss_dict)  # its values are replaced, never changed in place
+        printed = []
+        print_rank_last = training.print_rank_last
+        training.print_rank_last = lambda message: (printed.append(dist.get_rank() == dist.get_world_size() - 1),
+                                                    print_rank_last(message))
+        try:
+            if mode == "run":
+                try:
+                    with self._phase():
+                        return log(*call, **kwargs)
+                except (RuntimeError, _Recovered) as error:  # a peer died or hung in one of its collectives
+                    if not self._recovering():
+                        raise
+                    self._recover(error)
+                    if self.catch_up_to is not None and self.catch_up_to > self.position:
+                        return report_memory_flag  # the others are past this log
+            # Every survivor finishes this log without its collectives; the re-formed world's last
+            # rank prints the line when no process printed it before the failure.
+            if any(printed) or dist.get_rank() != dist.get_world_size() - 1:
+                return report_memory_flag
+            total_loss_dict.clear()
+            total_loss_dict.update(totals)
+            with _alone():
+                return log(*call, **kwargs)
+        finally:
+            training.print_rank_last = print_rank_last
+
+    # ------------------------------------------------------------------ the evaluation
+    def _evaluate_and_print_results(self, prefix, forward_step_func, data_iterator, model, iteration, *args,
+                                    **kwargs):
+        evaluate = self._original["evaluate_and_print_results"]
+        if self.loop.valid_iterators is not None:
+            data_iterator = self.loop.valid_iterators
+        if not self._recovering():
+            return evaluate(prefix, forward_step_func, data_iterator, model, iteration, *args, **kwargs)
+        mode = self.enter(Position(iteration, Phase.EVAL))
+        if mode == "run":
+            self.loop.hooks.inject(iteration, "eval")
+            try:
+                with self._phase():
+                    return evaluate(prefix, forward_step_func, data_iterator, model, iteration, *args, **kwargs)
+            except (RuntimeError, _Recovered) as error:
+                if not self._recovering():
+                    raise
+                self._recover(error)
+                mode = "finish" if self.catch_up_to is None else self.enter(self.position)
+        if mode == "finish":
+            log_line(f" resihp: the evaluation at iteration {iteration} is lost to the failure; training goes on")
+        return None
+
+    # ------------------------------------------------------------------ the save
+    def _save_checkpoint(self, iteration, *args, **kwargs):
+        """Megatron's ``save_checkpoint`` of ``iteration``, survived when a rank fails during it."""
+        save = self._original["save_checkpoint"]
+        if not self._recovering():
+            return save(iteration, *args, **kwargs)
+        if self.enter(Position(iteration, Phase.SAVE)) == "skip" or iteration in self.saved:
+            # Passed by the others (the tracker names it), or saved whole by this world already:
+            # Megatron saves again after a change of the micro-batch count, at an iteration it may
+            # just have saved, and a failure while its files were rewritten could not be told from
+            # one before they were.
+            log_line(f" resihp: iteration {iteration} is saved already; not saving it again")
+            return None
+        call = inspect.signature(save).bind(iteration, *args, **kwargs)
+        self.loop.hooks.inject(iteration, "save")
+        while True:
+            self._refresh_save_groups(call)
+            try:
+                with self._faults_in_save(iteration):
+                    result = save(*call.args, **call.kwargs)
+                self.saved.add(iteration)
+                return result
+            except RuntimeError as error:  # a peer died or hung in one of the save's collectives
+                if not self._recovering():
+                    raise
+                self._recover(error)
+            if iteration in self.saved:  # agree() found the tracker naming it
+                log_line(f" resihp: the checkpoint of iteration {iteration} was whole when the failure came")
+                return None
+            log_line(f" resihp: saving iteration {iteration} again, on the re-formed world")
+
+    def _tracker_names(self, iteration: int) -> bool:
+        """The tracker file names ``iteration``, and this job wrote it (not a run before it)."""
+        save = self.loop.args().save
+        if not save:
+            return False
+        latest = read_tracker(Path(save) / "latest_checkpointed_iteration.txt")
+        return latest == str(iteration) and latest != self.latest_at_start
+
+    def _refresh_save_groups(self, call: inspect.BoundArguments) -> None:
+        """A save after a re-form uses the new world's groups: the ones ``save_checkpoint_and_time``
+        read from the model before the failure are gone, and the checkpointing context caches a
+        save strategy built on the old data-parallel group."""
+        from megatron.core.utils import unwrap_model
+
+        generation = self.loop.hooks.run.generation
+        if generation == self._saved_generation:
+            return
+        self._saved_generation = generation
+        context = call.arguments.get("checkpointing_context")
+        if context:
+            context.pop("save_strategy", None)
+            context.pop("load_strategy", None)
+        groups = getattr(unwrap_model(call.arguments["model"])[0], "pg_collection", None)
+        for name, attribute in (("tp_group", "tp"), ("pp_group", "pp"), ("dp_group", "dp"),
+                                ("dp_cp_group", "dp_cp_gtp_remat"), ("expt_dp_group", "expt_dp")):
+            if call.arguments.get(name) is not None:
+                call.arguments[name] = getattr(groups, attribute, None)
+
+    @contextlib.contextmanager
+    def _faults_in_save(self, iteration: int):
+        """``during=save-write`` kills: the save's first barrier is the one after this rank's files."""
+        if not any(f.during == "save-write" for f in self.loop.hooks.faults):
+            yield
+            return
+        barrier = dist.barrier
+        calls = []
+
+        def first_barrier_kills(*args, **kwargs):
+            if not calls:
+                calls.append(True)
+                self.loop.hooks.inject(iteration, "save-write")
+            return barrier(*args, **kwargs)
+
+        dist.barrier = first_barrier_kills
+        try:
+            yield
+        finally:
+            dist.barrier = barrier
+
+    def _save_checkpoint_and_time(self, iteration, *args, **kwargs):
+        """Megatron's ``save_checkpoint_and_time``: around the save (survived in ``_save_checkpoint``)
+        it stops and restarts the interval timer (with a barrier) and logs the save's time over the
+        world; a failure there goes on after ``iteration`` like one in the save."""
+        from megatron.training.global_vars import get_timers
+
+        outer = self._original["save_checkpoint_and_time"]
+        if not self._recovering():
+            return outer(iteration, *args, **kwargs)
+        if self.enter(Position(iteration, Phase.SAVE)) == "skip":
+            return None
+        try:
+            with self._phase():
+                return outer(iteration, *args, **kwargs)
+        except (RuntimeError, _Recovered) as error:
+            if not self._recovering():
+                raise
+            self._recover(error)
+            timers = get_timers()
+            for name in ("save-checkpoint", "save-checkpoint-non-persistent"):
+                timer = timers._timers.get(name)
+                if timer is not None and getattr(timer, "_started", False):
+                    timer.reset()
+            interval = timers("interval-time", log_level=0)
+            if not interval._started:  # stopped for the save; its restart did not come
+                interval.start()
+            return None
+
+
+def read_tracker(path: Path) -> str | None:
+    """A checkpoint tracker file's text (None when there is none)."""
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return None
+
+
+@contextlib.contextmanager
+def _alone():
+    """The collectives Megatron's ``training_log`` runs (the learning rate's all-reduce, the interval
+    timer's barrier, the timers' all-gather) as this rank alone would see them, for one rank's replay
+    of a log line after the world that ran them failed: an all-reduce of one rank leaves its value."""
+    from megatron.training.global_vars import get_timers
+
+    timers = get_timers()
+    saved = dist.barrier, dist.all_reduce
+    dist.barrier = dist.all_reduce = lambda *args, **kwargs: None
+    timers.log = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        dist.barrier, dist.all_reduce = saved
+        del timers.log
