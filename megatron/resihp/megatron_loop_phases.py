@@ -151,9 +151,14 @@ class BetweenSteps:
                 return method(timer, True)
             except RuntimeError as error:  # the barrier raised before the timer changed
                 self.loop.recover_at(self.position, error)
+                # A start is finished, so that the timer runs as its caller expects; a stop inside a
+                # phase is not: the phase ends here, and ``Timer.elapsed`` (which stops, resets and
+                # starts again) would otherwise leave its timer stopped and reset.
+                if name == "Timer.start" or not self._in_phase:
+                    method(timer, False)
                 if self._in_phase:
                     raise _Recovered() from error
-                return method(timer, False)
+                return None
 
         return timed
 
