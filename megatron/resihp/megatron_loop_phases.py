@@ -234,6 +234,7 @@ class BetweenSteps:
                 if not self._recovering():
                     raise
                 self._recover(error)
+                _stop_timers("evaluate")  # started as the evaluation began, stopped as it ends
                 mode = "finish" if self.catch_up_to is None else self.enter(self.position)
         if mode == "finish":
             log_line(f" resihp: the evaluation at iteration {iteration} is lost to the failure; training goes on")
@@ -337,15 +338,22 @@ class BetweenSteps:
             if not self._recovering():
                 raise
             self._recover(error)
-            timers = get_timers()
-            for name in ("save-checkpoint", "save-checkpoint-non-persistent"):
-                timer = timers._timers.get(name)
-                if timer is not None and getattr(timer, "_started", False):
-                    timer.reset()
-            interval = timers("interval-time", log_level=0)
+            _stop_timers("save-checkpoint", "save-checkpoint-non-persistent")
+            interval = get_timers()("interval-time", log_level=0)
             if not interval._started:  # stopped for the save; its restart did not come
                 interval.start()
             return None
+
+
+def _stop_timers(*names: str) -> None:
+    """Stop Megatron's timers ``names`` if a phase cut short left them running (each asserts it is
+    not running when it starts again)."""
+    from megatron.training.global_vars import get_timers
+
+    for name in names:
+        timer = get_timers()._timers.get(name)
+        if timer is not None and getattr(timer, "_started", False):
+            timer.reset()
 
 
 def read_tracker(path: Path) -> str | None:

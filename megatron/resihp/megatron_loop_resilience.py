@@ -118,6 +118,7 @@ class ResilientMegatronLoop:
         self.loop_groups = None  # the process-group collection train() took from the first chunk
         self.handles = None  # train()'s model list, optimizer and LR scheduler (kept valid across re-forms)
         self.phases = BetweenSteps(self)
+        self._count_at: int | None = None  # the step at which to count micro-batches anew (an iteration behind)
         self._stepped = False
         self._original: dict[str, object] = {}
 
@@ -178,6 +179,8 @@ class ResilientMegatronLoop:
             self._start(model, optimizer, opt_param_scheduler)
         number = iteration + 1  # the iteration being run, as Megatron logs it
         self.phases.enter(Position(number, Phase.STEP))  # a step is never skipped: nobody is past it
+        if self._count_at == number:
+            self._count_microbatches()
         self.hooks.before_iteration(number, None, None)
         step = self._original["train_step"]
         start = time.perf_counter()
@@ -289,7 +292,16 @@ class ResilientMegatronLoop:
         """
         self.phases.position = position
         self._recover(position.iteration, error, stepped=position.phase >= Phase.STEPPED)
-        return self.phases.agree()
+        furthest = self.phases.agree()
+        # Megatron's loop saves a checkpoint at the top of the first iteration that sees the
+        # micro-batch count change, and the re-form changes it: every survivor must see the change
+        # at the same iteration's top, so a rank an iteration behind counts anew only as it enters
+        # the step the furthest survivor stood in.
+        if furthest.iteration > position.iteration:
+            self._count_at = furthest.iteration
+        else:
+            self._count_microbatches()
+        return furthest
 
     def args(self):
         """Megatron's parsed arguments."""
@@ -312,9 +324,6 @@ class ResilientMegatronLoop:
     def _take_over(self, model, optimizer, opt_param_scheduler, old_config) -> None:
         """Make the loop's handles the re-formed world's objects, and Megatron's globals its size."""
         from megatron.core import parallel_state
-        from megatron.core.num_microbatches_calculator import (
-            destroy_num_microbatches_calculator, init_num_microbatches_calculator,
-        )
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.utils import get_attr_wrapped_model
 
@@ -341,10 +350,20 @@ class ResilientMegatronLoop:
         self.forward_backward_func = get_forward_backward_func()
         args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
         args.data_parallel_size = parallel_state.get_data_parallel_world_size()
+        self._rebuild_iterators(args)
+
+    def _count_microbatches(self) -> None:
+        """Megatron's micro-batch calculator for the re-formed world's data-parallel size (the global
+        batch is kept)."""
+        from megatron.core.num_microbatches_calculator import (
+            destroy_num_microbatches_calculator, init_num_microbatches_calculator,
+        )
+
+        args = self._args()
+        self._count_at = None
         destroy_num_microbatches_calculator()
         init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
                                          args.data_parallel_size, args.decrease_batch_size_if_needed)
-        self._rebuild_iterators(args)
 
     def _rebuild_iterators(self, args) -> None:
         """Loaders for the new data-parallel rank and size, at the samples already consumed (the
