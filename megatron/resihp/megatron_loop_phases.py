@@ -203,10 +203,9 @@ class BetweenSteps:
                     if not self._recovering():
                         raise
                     self._recover(error)
-                    if self.catch_up_to is not None and self.catch_up_to > self.position:
-                        return report_memory_flag  # the others are past this log
-            # Every survivor finishes this log without its collectives; the re-formed world's last
-            # rank prints the line when no process printed it before the failure.
+            # Every survivor finishes this log without its collectives (also when others are past
+            # it: a barrier lets some ranks out before others); the re-formed world's last rank
+            # prints the line when no process printed it before the failure.
             if any(printed) or dist.get_rank() != dist.get_world_size() - 1:
                 return report_memory_flag
             total_loss_dict.clear()
