@@ -41,6 +41,8 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
     kill:rank=5,at=4,during=log       rank 5 is SIGKILLed as the log of iteration >= 4 begins, after
                                       its optimizer step (on Megatron-LM's loop the log runs
                                       world-wide collectives)
+    kill:rank=5,at=4,during=optimizer rank 5 is SIGKILLed as its optimizer step of iteration >= 4
+                                      returns, before the step's loss is reduced (Megatron-LM's loop only)
     kill:rank=5,at=4,during=eval      rank 5 is SIGKILLed as the first evaluation at iteration >= 4
                                       begins (Megatron-LM's loop only)
     kill:rank=3,at=8,during=shutdown  rank 3 is SIGKILLed as a job that trained to iteration >= 8
@@ -82,9 +84,9 @@ RECOVERY_PHASES = ("reform", "moves", "replan", "readmission", "rendezvous")
 # Phases of a checkpoint save, in the order a save passes them.
 SAVE_PHASES = ("save", "save-write", "save-rename", "save-tracker")
 # Every phase a kill can wait for: an iteration's log, and the end of a finished job last.
-PHASES = (*RECOVERY_PHASES, *SAVE_PHASES, "log", "eval", "shutdown")
+PHASES = (*RECOVERY_PHASES, *SAVE_PHASES, "optimizer", "log", "eval", "shutdown")
 # Phases only Megatron-LM's loop (--resihp-loop megatron) can be struck in and survive.
-MEGATRON_LOOP_PHASES = ("eval",)
+MEGATRON_LOOP_PHASES = ("optimizer", "eval")
 _REQUIRED = {
     FaultKind.SLOW: {"rank", "factor", "at"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},

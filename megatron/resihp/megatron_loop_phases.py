@@ -189,6 +189,11 @@ class BetweenSteps:
         if mode == "skip":
             return report_memory_flag
         self.loop.hooks.inject(iteration, "log")
+        if not loss_dict:
+            # The step's loss was lost to a failure after this rank's optimizer stepped: a line
+            # without it, rather than a loss of 0 from the sums the last line reset.
+            for key in [k for k, v in total_loss_dict.items() if hasattr(v, "sum") and float(v.sum()) == 0.0]:
+                del total_loss_dict[key]
         totals = dict(total_loss_dict)  # its values are replaced, never changed in place
         printed = []
         print_rank_last = training.print_rank_last

@@ -67,7 +67,7 @@ _FAIL_SLOW_ONLY = ("detect_only", "trace", "verify_iters", "verify_margin")
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
 # state), the iteration's log, an evaluation, and a save as it begins and once this rank's files are
 # written (Megatron's save has no rename; its shutdown has no injection point yet).
-_PHASES = (None, "reform", "rendezvous", "log", "eval", "save", "save-write")
+_PHASES = (None, "reform", "rendezvous", "optimizer", "log", "eval", "save", "save-write")
 
 
 def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
@@ -259,6 +259,7 @@ class ResilientMegatronLoop:
         def step(*args, **kwargs):
             result = inner(optimizer, *args, **kwargs)
             self._stepped = True
+            self.hooks.inject(self.phases.position.iteration, "optimizer")
             return result
 
         optimizer.step = step
@@ -291,7 +292,11 @@ class ResilientMegatronLoop:
             The furthest position any survivor stood at, which every survivor goes on from.
         """
         self.phases.position = position
-        self._recover(position.iteration, error, stepped=position.phase >= Phase.STEPPED)
+        args = self._args()
+        # Megatron counts an iteration's samples once its train_step returns: inside the step, after
+        # this rank's optimizer stepped, they are consumed but not yet counted.
+        consumed = args.consumed_train_samples + (args.global_batch_size if position.phase is Phase.STEPPED else 0)
+        self._recover(position.iteration, error, position.phase >= Phase.STEPPED, consumed)
         furthest = self.phases.agree()
         # Megatron's loop saves a checkpoint at the top of the first iteration that sees the
         # micro-batch count change, and the re-form changes it: every survivor must see the change
@@ -307,21 +312,21 @@ class ResilientMegatronLoop:
         """Megatron's parsed arguments."""
         return self._args()
 
-    def _recover(self, number: int, error: Exception, stepped: bool) -> None:
-        """Recover from ``error`` at iteration ``number`` (done when this rank had ``stepped``), or leave."""
-        args = self._args()
+    def _recover(self, number: int, error: Exception, stepped: bool, consumed: int) -> None:
+        """Recover from ``error`` at iteration ``number`` (done when this rank had ``stepped``; the
+        job has consumed ``consumed`` samples), or leave."""
         old_config = self.hooks.run.objects.config
         try:
-            self.hooks.recover(number, error, self.hooks.run.objects, args.consumed_train_samples,
+            self.hooks.recover(number, error, self.hooks.run.objects, consumed,
                                list(self.hooks.run.quotas), completed=number if stepped else None)
         except StopTraining as stop:
             log_line(f" resihp: rank leaving at iteration {number}: {stop}")
             self.events.emit("exit", number, exit_code=stop.exit_code, reason=str(stop))
             self.events.close()
             sys.exit(stop.exit_code)
-        self._take_over(*self.handles, old_config)
+        self._take_over(*self.handles, old_config, consumed)
 
-    def _take_over(self, model, optimizer, opt_param_scheduler, old_config) -> None:
+    def _take_over(self, model, optimizer, opt_param_scheduler, old_config, consumed: int) -> None:
         """Make the loop's handles the re-formed world's objects, and Megatron's globals its size."""
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -350,7 +355,7 @@ class ResilientMegatronLoop:
         self.forward_backward_func = get_forward_backward_func()
         args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
         args.data_parallel_size = parallel_state.get_data_parallel_world_size()
-        self._rebuild_iterators(args)
+        self._rebuild_iterators(args, consumed)
 
     def _count_microbatches(self) -> None:
         """Megatron's micro-batch calculator for the re-formed world's data-parallel size (the global
@@ -365,7 +370,7 @@ class ResilientMegatronLoop:
         init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
                                          args.data_parallel_size, args.decrease_batch_size_if_needed)
 
-    def _rebuild_iterators(self, args) -> None:
+    def _rebuild_iterators(self, args, consumed: int) -> None:
         """Loaders for the new data-parallel rank and size, at the samples already consumed (the
         sampler reads both from the installed groups). The default generator is left where it was:
         on a CPU it is also dropout's."""
@@ -375,7 +380,7 @@ class ResilientMegatronLoop:
         state = torch.get_rng_state()
         try:
             train = self.loaders[0][0] if self.loaders else None
-            self.train_iterator = RerunDataIterator(iter(build(train, args.consumed_train_samples))) \
+            self.train_iterator = RerunDataIterator(iter(build(train, consumed))) \
                 if train is not None else None
             valid = [d for d, _ in self.loaders[1:2] if d is not None]
             self.valid_iterators = RerunDataIterator(iter(build(valid[0], args.consumed_valid_samples))) \

@@ -102,6 +102,21 @@ def test_a_sigkilled_rank_is_survived_in_place_with_the_failure_free_runs_losses
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
 
 
+def test_a_rank_killed_after_its_optimizer_step_leaves_that_iteration_done_and_the_data_where_it_was(
+        tmp_path, failure_free):
+    # Replica 1 steps; its last stage then fails in the loss's reduction with the dead rank, its first
+    # stage later, in the log. Iteration 4 is done (its loss is not logged), and every stage's
+    # loader goes on at iteration 5's samples: the first stage's tokens and the last stage's labels
+    # come from the same batch (they did not: the last stage read iteration 4's labels again).
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), "--resihp-inject", "kill:rank=5,at=4,during=optimizer"],
+                   timeout_s=420)
+    check(proc)
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [5])], adapted
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=[1, 2, 3, 5, 6, 7, 8])
+
+
 @pytest.mark.parametrize("phase", ["save", "save-write"])
 def test_a_rank_killed_while_a_checkpoint_is_saved_is_survived_and_the_save_made_again_whole(tmp_path, failure_free,
                                                                                              phase):
