@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.resihp.link_faults import LINKS
-from megatron.resihp.logging_utils import exit_with_error, log_line
+from megatron.resihp.logging_utils import exit_with_error, log_line, ranks_name, world_numbered
 from megatron.resihp.object_messages import Outbox, PostedReceive
 from megatron.resihp.schedules import RECORDER, wait_until
 from resihp_ext.detection.confirmation import PendingVerdicts, ProbePlan
@@ -491,8 +491,11 @@ class LiveDetector:
         return samples
 
 
-def describe(outcome: Verdict | Cleared) -> str:
+def describe(outcome: Verdict | Cleared, identity=None) -> str:
+    """A verdict or clearance for the log: its ranks as launch ranks (``identity``: the current
+    world's ``RunState.identity``), its reason as the detector wrote it, in world ranks."""
     if isinstance(outcome, Verdict):
         factor = "" if outcome.factor is None else f" factor {outcome.factor:.2f}x"
-        return f"verdict {outcome.kind} ranks {list(outcome.ranks)}{factor}: {outcome.reason}"
-    return f"cleared ranks {list(outcome.ranks)}: {outcome.reason}"
+        return (f"verdict {outcome.kind} {ranks_name(outcome.ranks, identity)}{factor}: "
+                f"{world_numbered(outcome.reason, identity)}")
+    return f"cleared {ranks_name(outcome.ranks, identity)}: {world_numbered(outcome.reason, identity)}"

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron.resihp.logging_utils import log_line
+from megatron.resihp.logging_utils import log_line, rank_name, world_numbered
 from megatron.resihp.reconfigure import LayoutChange, World, apply
 from megatron.resihp.run_state import RunState, StopTraining
 from resihp_ext.detection.validation import Verdict
@@ -86,7 +86,7 @@ class FailSlowReplan:
                              predicted_iteration_s_before=plan.iteration_s_before,
                              predicted_iteration_s_after=plan.iteration_s_after,
                              compute_costs=host.costs_record(), moves=[t.to_dict() for t in plan.moves])
-            log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
+            log_line(f" resihp: plan ({plan.policy}, {plan.action}): {world_numbered(plan.reason, run.identity)}")
         if plan.action != "adapt":
             host.live.detector.watch_again(list(decision.watch_ranks), links=list(decision.watch_links))
             return run
@@ -193,4 +193,5 @@ class FailSlowReplan:
         if self.host.standby_on:
             raise self.host.readmission.standing_by(old_rank)
         dist.destroy_process_group()
-        raise StopTraining(0, f"rank {old_rank} is a spare after the re-plan; its shards were handed over")
+        raise StopTraining(0, f"{rank_name(old_rank, self.host.run.identity)} is a spare after the re-plan; its "
+                              f"shards were handed over")

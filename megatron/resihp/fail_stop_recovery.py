@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron.resihp import checkpointing, recovery
 from megatron.resihp.data_samplers import even_quotas
-from megatron.resihp.logging_utils import log_line
+from megatron.resihp.logging_utils import log_line, rank_name, ranks_name, world_numbered
 from megatron.resihp.reconfigure import ChangeFailed, LayoutChange, World, apply
 from megatron.resihp.reshard import adam_template_of, loss_scale_state
 from megatron.resihp.run_state import StopTraining
@@ -88,7 +88,8 @@ class FailStopRecovery:
         start = time.perf_counter()
         run = host.run
         old_rank = run.rank  # also when a grown world's rendezvous failed and no world is left
-        log_line(f" resihp: rank {old_rank}: iteration {iteration} failed: {str(error).splitlines()[0][:160]}")
+        log_line(f" resihp: {rank_name(old_rank, run.identity)}: iteration {iteration} failed: "
+                 f"{str(error).splitlines()[0][:160]}")
         host.monitor.mark_recovering()
         if dist.is_initialized():
             # This rank has left its collective; peers still blocked on it must leave theirs too.
@@ -138,7 +139,9 @@ class FailStopRecovery:
                 host.events.emit("plan", iteration, action=plan.action, reason=plan.reason, executed=plan.to_dict(),
                                  preferred=published["preferred"], attempt=attempt,
                                  compute_costs=host.costs_record(), taken_back_launch_ranks=taken)
-            log_line(f" resihp: plan ({plan.action}): {plan.reason}")
+            # The planner numbers ranks as this world does; the failed are named by launch rank too.
+            after = f" after {ranks_name(failed, identity)} failed" if failed else ""
+            log_line(f" resihp: plan ({plan.action}){after}: {world_numbered(plan.reason, identity)}")
             if plan.action != "adapt":
                 host.monitor.stop()
                 self._fallback_checkpoint(old_rank, iteration, plan, consumed_samples, failed,
@@ -161,7 +164,7 @@ class FailStopRecovery:
                 if attempt == REFORM_ATTEMPTS:
                     raise
                 run = exc.run
-                log_line(f" resihp: rank {old_rank}: re-forming world {run.generation} failed "
+                log_line(f" resihp: {rank_name(old_rank, run.identity)}: re-forming world {run.generation} failed "
                          f"({str(exc.__cause__ or exc).splitlines()[0][:120]}); planning again with the ranks "
                          f"the heartbeats name")
         host.known_health = host.known_health.relabel(plan.new_rank)
@@ -178,10 +181,12 @@ class FailStopRecovery:
         if new.rank == 0:
             host.events.emit("adapted", iteration, world_size=dist.get_world_size(), duration_s=duration,
                              data_parallel_size=new.data_parallel_size, quotas=list(quotas),
-                             failed_ranks=sorted(failed), taken_back_launch_ranks=taken)
-        log_line(f" resihp: rank {old_rank} -> {new.rank}: adapted in place, world {dist.get_world_size()}, "
-                 f"DP {new.data_parallel_size}, {'redoing' if completed is None else 'going on after'} iteration "
-                 f"{iteration} ({duration:.2f} s since the failure surfaced)")
+                             failed_ranks=sorted(failed), failed_launch_ranks=[identity[r] for r in sorted(failed)],
+                             taken_back_launch_ranks=taken)
+        how = "redoing" if completed is None else "going on after"
+        log_line(f" resihp: {rank_name(old_rank, run.identity, new.rank)}: adapted in place, world "
+                 f"{dist.get_world_size()}, DP {new.data_parallel_size}, {how} iteration {iteration} "
+                 f"({duration:.2f} s since the failure surfaced)")
         return new
 
     def _survivor_hardware(self) -> HardwareModel:
@@ -230,13 +235,14 @@ class FailStopRecovery:
     def _leave_as_spare(self, old_rank: int) -> None:
         host = self.host
         host.monitor.stop()
+        me = rank_name(old_rank, host.run.identity)
         if host.standby_on:  # back at a later failure, in the place of a rank that died
             raise host.readmission.standing_by(
-                old_rank, f"rank {old_rank} is a spare after the adaptation (the new layout does not use it); launch "
-                          f"rank {host.run.identity[old_rank]} stands by for a later failure")
+                old_rank, f"{me} is a spare after the adaptation (the new layout does not use it); it stands by "
+                          f"for a later failure")
         if dist.is_initialized():  # not after a failed re-form
             dist.destroy_process_group()
-        raise StopTraining(0, f"rank {old_rank} is a spare after the adaptation (the new layout does not use it)")
+        raise StopTraining(0, f"{me} is a spare after the adaptation (the new layout does not use it)")
 
     def _preferred_plan(self, failed) -> dict:
         """What the joint planner would do with unrestricted execution (logged for comparison)."""
@@ -251,6 +257,8 @@ class FailStopRecovery:
         """
         host, args, run = self.host, self.host.args, self.host.run
         survivors = sorted(set(run.layout.world_ranks) - failed)
+        # The event keeps the planner's reason as it wrote it; what people read says its numbering.
+        told = world_numbered(plan.reason, run.identity)
         root = args.save or os.path.abspath("resihp_fallback_checkpoint")
         saved = None
         if not plan.missing_shards and completed > 0 and host.moves_state:
@@ -261,25 +269,27 @@ class FailStopRecovery:
             writer = plan.checkpoint_writers.get(position) == old_rank
             saved = recovery.save_assembled_checkpoint(args, root, completed, consumed_samples, run.objects,
                                                        position, writer)
-            reason = plan.reason + f"; saved iteration {completed} to {saved}"
+            then = f"; saved iteration {completed} to {saved}"
         else:
             last = checkpointing.latest_iteration(args.save) if args.save else None
             if last is not None:
                 saved = os.path.join(root, f"iter_{last:07d}")
                 redo = (f"iteration {completed} is" if completed == last + 1
                         else f"iterations {last + 1}-{completed} are") if completed > last else "no iteration is"
-                reason = (plan.reason + f"; nothing could be saved now, so resume from the last checkpoint, iteration "
-                          f"{last} ({saved}): {redo} trained again")
+                then = (f"; nothing could be saved now, so resume from the last checkpoint, iteration "
+                        f"{last} ({saved}): {redo} trained again")
             else:
-                reason = plan.reason + ("; nothing saved, and no earlier checkpoint exists: pass --save DIR "
-                                        "--save-interval N so that a failure of every holder of a shard can resume")
+                then = ("; nothing saved, and no earlier checkpoint exists: pass --save DIR "
+                        "--save-interval N so that a failure of every holder of a shard can resume")
         resume = resume_command(sys.argv, len(host.launch_layout.world_ranks), root) if saved else None
         if old_rank == survivors[0]:
             mark_job_done(host.store)
-            host.events.emit("fallback_checkpoint", iteration, reason=reason, resume_command=resume, path=saved)
-            log_line(f" resihp: no in-place plan: {reason}")
+            host.events.emit("fallback_checkpoint", iteration, reason=plan.reason + then, resume_command=resume,
+                             path=saved)
+            after = f" after {ranks_name(failed, run.identity)} failed" if failed else ""
+            log_line(f" resihp: no in-place plan{after}: {told}{then}")
             if resume:
                 log_line(f" resihp: resume with: {resume}")
         if dist.is_initialized():
             dist.destroy_process_group()
-        raise StopTraining(EXIT_NEEDS_RESTART, reason)
+        raise StopTraining(EXIT_NEEDS_RESTART, told + then)

@@ -43,10 +43,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from megatron.resihp.heartbeat_beacon import (DEAD_MARK, FENCED_MARK, MARK_EXIT, MARK_RECOVERING, MARK_TEXT,
                                               STOPPED_MARK, Beacon)
+from megatron.resihp.logging_utils import rank_name, ranks_name
 from resihp_ext.detection.host_lateness import HostLateness, judge_heartbeats_under_load
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ class HeartbeatMonitor:
         failure_grace_s: after a death, how long survivors may stall before a hang is counted
             (the collective timeout: that is how long a survivor blocked on the dead rank waits).
         clock: wall clock shared by all ranks (tests may pass their own).
+        identity: the launch rank of every rank of this world (``RunState.identity``), which the
+            warnings name ranks by; None: the world is the launch one.
         beacon: this process's ``heartbeat_beacon.Beacon``; when given (and alive), it publishes
             this rank's heartbeat and the watchdog thread only reads the others'. Without one the
             watchdog thread publishes, and a training thread holding the GIL delays it.
@@ -177,6 +180,7 @@ class HeartbeatMonitor:
         failure_grace_s: float = 0.0,
         clock: Callable[[], float] = time.time,
         beacon: Beacon | None = None,
+        identity: Sequence[int] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"heartbeat: rank must be in 0..{world_size - 1}, got {rank}")
@@ -201,6 +205,7 @@ class HeartbeatMonitor:
         self._evicted = False
         self._clock = clock
         self.beacon = beacon
+        self.identity = None if identity is None else tuple(identity)
         self._progress = -1  # written by the training thread, read by the watchdog (an int: atomic)
         self._recovering = False  # likewise
         self._failure_seen_at: float | None = None
@@ -395,7 +400,7 @@ class HeartbeatMonitor:
                 self._seen_progress[r] = (progress, now)
         if not self._evicted and self.store.check([self._evicted_key(self.rank)]):
             self._evicted = True
-            logger.warning("heartbeat: rank %d was evicted by the other ranks", self.rank)
+            logger.warning("heartbeat: %s was evicted by the other ranks", self._name(self.rank))
             if self._on_evicted is not None:
                 self._on_evicted()
         own = self._seen_progress.get(self.rank)
@@ -433,17 +438,27 @@ class HeartbeatMonitor:
             dead_now, hung_now = self._dead, self._hung
         if new_dead:
             gone, silent = sorted(new_dead & marked_dead), sorted(new_dead - marked_dead)
-            logger.warning("heartbeat: rank %d sees ranks %s dead (%s)", self.rank, sorted(new_dead), "; ".join(
-                ([f"{gone}: process exited"] if gone else []) +
-                ([f"{silent}: no heartbeat for {self.timeout_s + allowance:.1f} s"
+            logger.warning("heartbeat: %s sees %s dead (%s)", self._name(self.rank), self._names(new_dead), "; ".join(
+                ([f"{self._launch(gone)}: process exited"] if gone else []) +
+                ([f"{self._launch(silent)}: no heartbeat for {self.timeout_s + allowance:.1f} s"
                   + (f" (the host ran up to {allowance:.1f} s late)" if allowance >= 0.1 else "")] if silent else [])))
             self._notify(self._on_dead, dead_now, now, "on_dead")
         if new_hung:
-            logger.warning("heartbeat: rank %d sees ranks %s hung (%s)", self.rank, sorted(new_hung), "; ".join(
-                ([f"{sorted(new_hung & stopped)}: stopped by a signal"] if new_hung & stopped else []) +
-                ([f"{sorted(new_hung - stopped)}: no progress for {self.hang_timeout_s + allowance:.1f} s"]
+            logger.warning("heartbeat: %s sees %s hung (%s)", self._name(self.rank), self._names(new_hung), "; ".join(
+                ([f"{self._launch(new_hung & stopped)}: stopped by a signal"] if new_hung & stopped else []) +
+                ([f"{self._launch(new_hung - stopped)}: no progress for {self.hang_timeout_s + allowance:.1f} s"]
                  if new_hung - stopped else [])))
             self._notify(self._on_hang, hung_now, now, "on_hang")
+
+    def _name(self, rank: int) -> str:
+        return rank_name(rank, self.identity)
+
+    def _names(self, ranks) -> str:
+        return ranks_name(ranks, self.identity)
+
+    def _launch(self, ranks) -> list[int]:
+        """``ranks`` by launch rank, for the details of a warning that names launch ranks."""
+        return [r if self.identity is None else self.identity[r] for r in sorted(ranks)]
 
     def _notify(self, callback: RankCallback | None, ranks: frozenset[int], now: float, name: str) -> None:
         if callback is None:

@@ -102,3 +102,45 @@ class TensorBoard:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+# Users name ranks by launch rank (what they started, and killed); after a re-form the world
+# numbers its members afresh. Every line about a failure, a verdict, a plan, a spare or an exit
+# therefore names launch ranks, adding the current world's number only where it differs.
+# ``identity`` is ``RunState.identity``: the launch rank of every rank of the current world.
+# Worlds up to this size spell out their whole numbering after a text in world ranks.
+_MAX_MAPPED_WORLD = 64
+
+
+def _launch_order(identity) -> bool:
+    return identity is None or all(launch == rank for rank, launch in enumerate(identity))
+
+
+def rank_name(rank: int, identity, new_rank: int | None = None) -> str:
+    """``launch rank L``, with ``(world rank W)`` where the current world numbers it W != L, or
+    ``(world rank W -> N)`` when it moves to ``new_rank`` in the next world."""
+    if identity is not None and not 0 <= rank < len(identity):
+        return f"world rank {rank}"
+    launch = rank if identity is None else identity[rank]
+    if new_rank is not None and new_rank != rank:
+        return f"launch rank {launch} (world rank {rank} -> {new_rank})"
+    return f"launch rank {launch}" if launch == rank else f"launch rank {launch} (world rank {rank})"
+
+
+def ranks_name(ranks, identity) -> str:
+    """``launch ranks [..]`` in world-rank order, with ``(world ranks [..])`` where they differ."""
+    world = sorted(ranks)
+    if identity is not None and any(not 0 <= r < len(identity) for r in world):
+        return f"world ranks {world}"
+    launch = world if identity is None else [identity[r] for r in world]
+    return f"launch ranks {launch}" if launch == world else f"launch ranks {launch} (world ranks {world})"
+
+
+def world_numbered(text: str, identity) -> str:
+    """``text`` written in the current world's ranks (a pure decision's reason), marked as such
+    where that world's numbers are not launch ranks, with the numbering when the world is small."""
+    if _launch_order(identity):
+        return text
+    if len(identity) <= _MAX_MAPPED_WORLD:
+        return f"{text} [in world ranks; world ranks 0.. are launch ranks {list(identity)}]"
+    return f"{text} [in world ranks]"

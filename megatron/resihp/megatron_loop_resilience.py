@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron.resihp.logging_utils import EventLog, log_line
+from megatron.resihp.logging_utils import EventLog, log_line, rank_name
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position, read_tracker
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.run_state import StopTraining
@@ -320,7 +320,8 @@ class ResilientMegatronLoop:
             self.hooks.recover(number, error, self.hooks.run.objects, consumed,
                                list(self.hooks.run.quotas), completed=number if stepped else None)
         except StopTraining as stop:
-            log_line(f" resihp: rank leaving at iteration {number}: {stop}")
+            log_line(f" resihp: {rank_name(self.hooks.run.rank, self.hooks.run.identity)} leaving at iteration "
+                     f"{number}: {stop}")
             self.events.emit("exit", number, exit_code=stop.exit_code, reason=str(stop))
             self.events.close()
             sys.exit(stop.exit_code)

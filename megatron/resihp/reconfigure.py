@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron.resihp import recovery
 from megatron.resihp.layer_sync import LayoutGradSync
-from megatron.resihp.logging_utils import log_line
+from megatron.resihp.logging_utils import log_line, rank_name
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.parallel_state_patch import build_groups, install, message_group, teardown
 from megatron.resihp.reshard import (
@@ -195,8 +195,8 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
             if groups is not None:
                 teardown(groups)
         why = str(failure).splitlines()[0][:120] if failure is not None else "another rank failed"
-        log_line(f" resihp: rank {run.rank}: the {change.kind} at iteration {change.iteration} failed before every "
-                 f"member had its state ({why}); back on the old layout")
+        log_line(f" resihp: {_name(change, run)}: the {change.kind} at iteration {change.iteration} failed before "
+                 f"every member had its state ({why}); back on the old layout")
         raise ChangeFailed(f"a member failed before every member had its state for the {change.kind} at "
                            f"iteration {change.iteration}: {why}", back) from failure
     if change.world is World.SAME:
@@ -261,10 +261,17 @@ def _form_grown_world(change: LayoutChange, run: RunState, env: Executor) -> Non
             # The rendezvous itself failed (a member died after saying it was there): the old
             # world is gone and the grown one never formed. The old world's heartbeats still
             # run, so the recovery re-forms the working ranks, without whoever failed.
-            log_line(f" resihp: rank {run.rank}: world {run.generation} did not form "
+            log_line(f" resihp: {_name(change, run)}: world {run.generation} did not form "
                      f"({str(error).splitlines()[0][:120]}); re-forming the working ranks")
         raise ChangeFailed(f"world {run.generation} did not form: {error}", run) from error
     env.watch(run.replace(identity=tuple(change.identity), rank=new_rank))
+
+
+def _name(change: LayoutChange, run: RunState) -> str:
+    """This process in a log line: a standby joining a grown world has no rank in the old one."""
+    if change.world is World.GROW and change.joining_rank is not None:
+        return f"launch rank {run.launch_rank}"
+    return rank_name(run.rank, run.identity)
 
 
 def _move_state(change: LayoutChange, run: RunState, rank: int, new_objects, received: dict, ran: list) -> int:

@@ -33,7 +33,7 @@ from megatron.resihp.fail_stop_recovery import EXIT_NEEDS_RESTART, FailStopRecov
 from megatron.resihp.heartbeat import HeartbeatMonitor, connect_store
 from megatron.resihp.initialize import world_backend
 from megatron.resihp.link_faults import LINKS
-from megatron.resihp.logging_utils import EventLog, log_line
+from megatron.resihp.logging_utils import EventLog, log_line, rank_name, ranks_name, world_numbered
 from megatron.resihp.model_builder import build_training_objects
 from megatron.resihp.parallel_state_patch import installed, message_group
 from megatron.resihp.run_state import RunState, StopTraining  # noqa: F401
@@ -138,6 +138,11 @@ class ResilienceHooks:
         return self.run.rank
 
     @property
+    def me(self) -> str:
+        """This process as log lines name it: its launch rank, and its rank in this world."""
+        return rank_name(self.rank, self.run.identity)
+
+    @property
     def replica_index(self) -> int:
         return self.run.replica
 
@@ -172,23 +177,29 @@ class ResilienceHooks:
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.args.device == "cuda" else torch.device("cpu")
 
-    def _start_monitor(self) -> None:
+    def _start_monitor(self, identity: tuple[int, ...] | None = None) -> None:
+        """Watch this world's heartbeats; ``identity``: its launch ranks (the run's when None). A
+        new world's monitor starts before its run is committed, so the watcher names ranks by the
+        world it watches, not by ``self.run``."""
+        identity = self.run.identity if identity is None else identity
+        rank = dist.get_rank()
         self.monitor = HeartbeatMonitor(
-            self.heartbeat_store, dist.get_rank(), dist.get_world_size(),
+            self.heartbeat_store, rank, dist.get_world_size(),
             interval_s=self.cfg.heartbeat_interval_s, timeout_s=self.cfg.heartbeat_timeout_s,
-            prefix=f"resihp/hb/gen{self.generation}/", on_dead=self._on_failed("dead"),
-            on_hang=self._on_failed("hang"), hang_timeout_s=self.cfg.effective_hang_timeout_s,
-            failure_grace_s=self.cfg.collective_timeout_s, on_evicted=self._on_evicted,
-            beacon=heartbeat_beacon.current(),
+            prefix=f"resihp/hb/gen{self.generation}/", on_dead=self._on_failed("dead", rank, identity),
+            on_hang=self._on_failed("hang", rank, identity), hang_timeout_s=self.cfg.effective_hang_timeout_s,
+            failure_grace_s=self.cfg.collective_timeout_s, on_evicted=lambda: self._on_evicted(rank, identity),
+            beacon=heartbeat_beacon.current(), identity=identity,
         ).start()
 
-    def _on_evicted(self) -> None:  # runs on the heartbeat thread
+    def _on_evicted(self, rank: int, identity: tuple[int, ...]) -> None:  # runs on the heartbeat thread
         # The others re-formed without this rank (judged hung); it still holds its device and
         # sockets, so it fences itself rather than linger.
-        log_line(f" resihp: rank {self.rank} was left behind by the other ranks (judged hung); exiting")
+        log_line(f" resihp: {rank_name(rank, identity)} was left behind by the other ranks "
+                 f"(judged hung); exiting")
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def _on_failed(self, kind: str):
+    def _on_failed(self, kind: str, rank: int, identity: tuple[int, ...]):
         def callback(ranks, now) -> None:  # runs on the heartbeat thread
             # Ranks a recovery already planned without (failed ones, spares that left, a hung rank
             # that fenced itself) go quiet while the new world forms: that is no news.
@@ -198,7 +209,7 @@ class ResilienceHooks:
             verdict = fail_stop_verdict(kind, ranks, self.iteration)
             event = verdict.to_event()
             self.events.emit("verdict", self.iteration, **{k: v for k, v in event.items() if k not in ("event", "iteration")})
-            log_line(f" resihp: rank {self.rank} sees {describe(verdict)}")
+            log_line(f" resihp: {rank_name(rank, identity)} sees {describe(verdict, identity)}")
             if not self.can_recover:
                 return
             # Survivors leave their collectives when a connection to a failed rank breaks, and each
@@ -217,7 +228,7 @@ class ResilienceHooks:
         connections) on its peers, rather than at the collective timeout."""
         start = time.perf_counter()
         shut = world_abort.abort_world(self.backend)
-        log_line(f" resihp: rank {self.rank} abandons world {self.generation}'s collectives "
+        log_line(f" resihp: {self.me} abandons world {self.generation}'s collectives "
                  f"({shut} connections shut in {(time.perf_counter() - start) * 1e3:.1f} ms)")
 
     def inject(self, iteration: int, phase: str) -> None:
@@ -225,7 +236,7 @@ class ResilienceHooks:
         for fault in self.faults:
             if fault.during == phase and fault.active(iteration):
                 self.events.emit("inject", iteration, fault=fault.spec())
-                log_line(f" rank {self.rank}: injecting {fault.spec()}")
+                log_line(f" {self.me}: injecting {fault.spec()}")
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def forget_faults_before(self, iteration: int) -> None:
@@ -246,12 +257,12 @@ class ResilienceHooks:
             if now:
                 self._slowing.add(fault)
                 self.events.emit("inject", iteration, fault=fault.spec())
-                log_line(f" rank {self.rank}: injecting {fault.spec()}")
+                log_line(f" {self.me}: injecting {fault.spec()}")
             else:
                 self._slowing.discard(fault)
                 self.events.emit("inject_end", iteration, fault=fault.spec())
                 ended = fault.until_iteration is not None and iteration >= fault.until_iteration
-                log_line(f" rank {self.rank}: {fault.spec()} {'pauses' if fault.intermittent and not ended else 'ends'}")
+                log_line(f" {self.me}: {fault.spec()} {'pauses' if fault.intermittent and not ended else 'ends'}")
         RECORDER.slowdown_factor = max((f.factor for f in self._slowing), default=1.0)
 
     def apply_faults(self, iteration: int, standing_by: bool = False) -> None:
@@ -265,7 +276,7 @@ class ResilienceHooks:
                 self._slow_link(fault)
                 continue
             self.events.emit("inject", iteration, fault=fault.spec())
-            log_line(f" rank {self.rank}: injecting {fault.spec()}")
+            log_line(f" {self.me}: injecting {fault.spec()}")
             if fault.kind is FaultKind.KILL:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind is FaultKind.HANG:
@@ -279,7 +290,7 @@ class ResilienceHooks:
             return
         LINKS.slow(fault.dst, fault.factor, per_byte)
         self.events.emit("inject", self.iteration, fault=fault.spec(), healthy_s_per_mib=per_byte * 2**20)
-        log_line(f" rank {self.rank}: injecting {fault.spec()} (healthy link {per_byte * 2**20 * 1e3:.3f} ms/MiB)")
+        log_line(f" {self.me}: injecting {fault.spec()} (healthy link {per_byte * 2**20 * 1e3:.3f} ms/MiB)")
 
     iteration = 0
 
@@ -348,7 +359,10 @@ class ResilienceHooks:
             if self.monitor is None:
                 return None
             lost = (self.monitor.dead_ranks | self.monitor.hung_ranks) & members
-            return f"ranks {sorted(lost)} failed before the world of ranks {sorted(members)} formed" if lost else None
+            if not lost:
+                return None
+            identity = self.monitor.identity  # the heartbeats' world names the ranks
+            return f"{ranks_name(lost, identity)} failed before the world of {ranks_name(members, identity)} formed"
         return reason
 
     def all_done(self, step: str, members: int, finished: bool) -> bool:
@@ -363,7 +377,7 @@ class ResilienceHooks:
 
         def failed() -> str | None:
             ranks = self.monitor.dead_ranks | self.monitor.hung_ranks if self.monitor is not None else frozenset()
-            return f"ranks {sorted(ranks)} failed" if ranks else None
+            return f"{ranks_name(ranks, self.monitor.identity)} failed" if ranks else None
 
         return recovery.agree_on_commit(self.store, f"resihp/gen{self.generation}/{step}/", members, finished,
                                         stop=failed, wait_s=3 * self.cfg.collective_timeout_s)
@@ -375,7 +389,7 @@ class ResilienceHooks:
         self._planned_out = set()  # old-world ranks; the new world's monitor starts afresh
         self.run = self.run.replace(generation=run.generation)
         if self.store is not None:
-            self._start_monitor()
+            self._start_monitor(run.identity)
 
     def unwatch(self) -> None:
         if self.monitor is not None:
@@ -414,8 +428,9 @@ class ResilienceHooks:
             if self.rank == 0:
                 self._emit(suspicion.to_event())
                 self._emit(outcome.to_event())
-                log_line(f" resihp: suspicion at iteration {suspicion.iteration}: {suspicion.reason}")
-                log_line(f" resihp: {describe(outcome)}")
+                log_line(f" resihp: suspicion at iteration {suspicion.iteration}: "
+                         f"{world_numbered(suspicion.reason, self.run.identity)}")
+                log_line(f" resihp: {describe(outcome, self.run.identity)}")
         verdicts = [outcome for _, outcome in settled
                     if isinstance(outcome, Verdict) and outcome.kind.fail_slow]
         if verdicts and self.cfg.enable:

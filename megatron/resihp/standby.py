@@ -47,7 +47,7 @@ import torch.distributed as dist
 from megatron.resihp import recovery
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.detection import gemm_probe_s
-from megatron.resihp.logging_utils import log_line
+from megatron.resihp.logging_utils import log_line, rank_name, ranks_name
 from megatron.resihp.reconfigure import ChangeFailed, LayoutChange, World, apply
 from megatron.resihp.reshard import adam_template_of, loss_scale_state
 from megatron.resihp.run_state import StopTraining
@@ -135,8 +135,8 @@ class Readmission:
         self._standby_since = host.iteration
         if dist.is_initialized():
             dist.destroy_process_group()
-        return StandingBy(message or f"rank {old_rank} (launch rank {host.run.identity[old_rank]}) stands by after "
-                                     f"the re-plan; its shards were handed over")
+        return StandingBy(message or f"{rank_name(old_rank, host.run.identity)} stands by after the re-plan; its "
+                                     f"shards were handed over")
 
     def stand_by(self) -> Rejoined:
         """Probe, report and wait on the standby until called into a grown world, then join it.
@@ -218,7 +218,8 @@ class Readmission:
             return None
         host.commit(new.replace(quotas=tuple(call["quotas"])), world_changed=True)
         self._admitted_at = call["iteration"]
-        log_line(f" resihp: launch rank {me} rejoined as rank {new.rank} of {size} at iteration {call['iteration']}")
+        log_line(f" resihp: launch rank {me} rejoined as world rank {new.rank} of {size} at iteration "
+                 f"{call['iteration']}")
         return Rejoined(new.objects, list(call["quotas"]), call["iteration"], call["consumed_samples"])
 
     def _answer_recovery(self, call: dict) -> Rejoined | None:
@@ -274,8 +275,8 @@ class Readmission:
                                                   new.data_parallel_size)
         host.commit(new.replace(quotas=tuple(quotas)), world_changed=True)
         host.forget_faults_before(iteration)
-        log_line(f" resihp: launch rank {me} was taken back as rank {new.rank} of {new.world_size} at iteration "
-                 f"{iteration}, in the place of dead rank{'s' if len(dead) > 1 else ''} {dead}")
+        log_line(f" resihp: launch rank {me} was taken back as world rank {new.rank} of {new.world_size} at iteration "
+                 f"{iteration}, in the place of dead {ranks_name(dead, identity)}")
         return Rejoined(new.objects, quotas, iteration, published["consumed_samples"])
 
     # ------------------------------------------------------------------ the recovery
@@ -361,7 +362,7 @@ class Readmission:
                              predicted_iteration_s_before=plan.iteration_s_before,
                              predicted_iteration_s_after=plan.iteration_s_after, compute_costs=host.costs_record(),
                              moves=[t.to_dict() for t in plan.moves])
-            log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")
+            log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")  # in launch ranks
         if plan.action != "adapt":
             return
         self._admit(iteration, decision, consumed_samples, start)
@@ -402,7 +403,7 @@ class Readmission:
                 host.store.set(go, "1")
             except TimeoutError as error:
                 host.store.set(go, "0")
-                log_line(f" resihp: calling standbys {list(decision.joiners)} off: {error}")
+                log_line(f" resihp: calling off standbys launch ranks {list(decision.joiners)}: {error}")
         recovery.wait_for_keys(host.store, [go], 3 * host.cfg.collective_timeout_s)
         run = run.replace(generation=generation)  # never reused: a joiner may have written under its prefix
         host.run = run
@@ -420,7 +421,8 @@ class Readmission:
             # their numbers, or from the old world's heartbeats when it never formed) and redoes the
             # iteration.
             host.run = error.run
-            log_line(f" resihp: rank {run.rank}: readmitting launch ranks {list(decision.joiners)} failed "
+            log_line(f" resihp: {rank_name(run.rank, run.identity)}: readmitting launch ranks {list(decision.joiners)} "
+                     f"failed "
                      f"({str(error.__cause__ or error).splitlines()[0][:120]}); back on the old layout")
             raise
         host.commit(new.replace(quotas=tuple(plan.quotas)), world_changed=True)

@@ -92,7 +92,7 @@ def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference)
     # must leave their collectives when it is named, not when they time out.
     proc, log = _run_tp2pp2dp2(tmp_path, "kill:rank=5,at=4", ("--resihp-enable", "--resihp-collective-timeout-s", "900"))
     assert "rank 5 exited with signal SIGKILL" in proc.stdout + proc.stderr
-    abandoned = {r for r in range(8) if f"resihp: rank {r} abandons world 0's collectives" in proc.stdout + proc.stderr}
+    abandoned = {r for r in range(8) if f"resihp: launch rank {r} abandons world 0's collectives" in proc.stdout + proc.stderr}
     assert abandoned == {0, 1, 2, 3, 4, 6, 7}
     # Every survivor names the dead rank within 2 s of the kill.
     killed_at = read_events(log, "inject")[0]["time"]
@@ -109,7 +109,7 @@ def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference)
     assert executed["kept_replicas"] == [1]
     assert [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[[0], [4]]]
     assert executed["quotas"][0] > executed["quotas"][1] >= 1 and sum(executed["quotas"]) == 8
-    assert "rank 1 is a spare" in proc.stdout + proc.stderr
+    assert "launch rank 1 is a spare" in proc.stdout + proc.stderr
     adapted = read_events(log, "adapted")
     assert len(adapted) == 1 and adapted[0]["iteration"] == 4 and adapted[0]["world_size"] == 6
     assert adapted[0]["data_parallel_size"] == 2
@@ -128,7 +128,7 @@ def test_hung_rank_is_named_fenced_and_survived_in_place(tmp_path, reference):
     assert all(v["ranks"] == [5] for v in verdicts), verdicts
     # Its beacon fences it (the rank's own watchdog would too, if it got there first).
     assert ("heartbeat: beacon fences pid" in output
-            or "rank 5 was left behind by the other ranks (judged hung); exiting" in output), output[-3000:]
+            or "launch rank 5 was left behind by the other ranks (judged hung); exiting" in output), output[-3000:]
     assert "rank 5 exited with signal SIGKILL" in output
     adapted = read_events(log, "adapted")
     assert len(adapted) == 1 and adapted[0]["world_size"] == 6 and adapted[0]["failed_ranks"] == [5]
@@ -168,7 +168,7 @@ def test_broken_replicas_are_rebuilt_in_place_with_exact_parameters(tmp_path, re
     executed = plans[-1]["executed"]
     rebuilt = [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]]
     assert executed["kept_replicas"] == [] and rebuilt == [[[0, 1], [6, 7]]]
-    assert "rank 3 is a spare" in proc.stdout + proc.stderr and "rank 4 is a spare" in proc.stdout + proc.stderr
+    assert "launch rank 3 is a spare" in proc.stdout + proc.stderr and "launch rank 4 is a spare" in proc.stdout + proc.stderr
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 4)], adapted
     assert not read_events(log, "fallback_checkpoint")
@@ -281,7 +281,7 @@ def test_failure_while_the_survivors_reform_is_survived(tmp_path, pp2_reference,
                        "kill:rank=2,at=4", "--resihp-inject", f"kill:rank=1,at=4,during={phase}"], launcher="local")
     check(proc)
     output = proc.stdout + proc.stderr
-    assert f"rank 1: injecting kill:rank=1,at=4,during={phase}" in output
+    assert f"launch rank 1: injecting kill:rank=1,at=4,during={phase}" in output
     assert "re-forming world 1 failed" in output
     plans = read_events(log, "plan")
     assert [(p["attempt"], sorted(p["executed"]["new_rank"]), p["taken_back_launch_ranks"]) for p in plans] == [
@@ -304,7 +304,7 @@ def test_receiver_killed_while_state_moves_to_a_lost_stage_is_survived(tmp_path,
                        "--resihp-inject", "kill:rank=4,at=4,during=moves"], launcher="local")
     check(proc)
     output = proc.stdout + proc.stderr
-    assert "rank 4: injecting kill:rank=4,at=4,during=moves" in output, output[-3000:]
+    assert "launch rank 4: injecting kill:rank=4,at=4,during=moves" in output, output[-3000:]
     plans = read_events(log, "plan")
     assert [(p["attempt"], sorted(p["executed"]["new_rank"])) for p in plans] == [
         (1, ["0", "3", "4", "5"]), (2, ["0", "3"])], plans
@@ -394,7 +394,7 @@ def test_a_rank_stopped_from_outside_is_named_hung_at_once_and_survived_in_place
     code, output, sent_at = run_and_signal(cmd, log, rank=5, sig=signal.SIGSTOP, after_iteration=3, timeout_s=240)
     assert sent_at is not None, output[-3000:]
     assert code == 0, output[-3000:]
-    assert "sees ranks [5] hung ([5]: stopped by a signal)" in output, output[-3000:]
+    assert "sees launch ranks [5] hung ([5]: stopped by a signal)" in output, output[-3000:]
     verdicts = read_events(log, "verdict")
     assert verdicts and all(v["kind"] == "hang" and v["ranks"] == [5] for v in verdicts), verdicts
     adapted = read_events(log, "adapted")

@@ -190,7 +190,7 @@ def test_rank_killed_while_a_replan_moves_state_leaves_survivors_on_the_old_layo
     log = tmp_path / "events.jsonl"
     proc = _run_forced_under_local_launcher(log, "kill:rank=6,at=3,during=replan")
     output = proc.stdout + proc.stderr
-    assert "rank 6: injecting kill:rank=6,at=3,during=replan" in output, output[-3000:]
+    assert "launch rank 6: injecting kill:rank=6,at=3,during=replan" in output, output[-3000:]
     assert "back on the old layout" in output, output[-3000:]
     assert read_events(log, "forced_layout") == []  # nobody went on with the half-applied layout
     adapted = read_events(log, "adapted")

@@ -163,7 +163,7 @@ def test_a_rank_stopped_from_outside_is_named_hung_and_survived_in_place(tmp_pat
     code, output, sent_at = run_and_signal(cmd, events, rank=5, sig=signal.SIGSTOP, after_iteration=3, timeout_s=400)
     (tmp_path / "job.log").write_text(output)  # the whole job's output, for a failure read past its tail
     assert sent_at is not None and code == 0, output[-3000:]
-    assert "sees ranks [5] hung ([5]: stopped by a signal)" in output, output[-3000:]
+    assert "sees launch ranks [5] hung ([5]: stopped by a signal)" in output, output[-3000:]
     adapted = read_events(events, "adapted")
     assert len(adapted) == 1 and adapted[0]["world_size"] == 4 and adapted[0]["failed_ranks"] == [5], adapted
     assert_same_training(output, tmp_path / "ckpt", failure_free)

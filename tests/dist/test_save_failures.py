@@ -71,7 +71,7 @@ def _run(tmp_path, nproc, *faults, extra=()):
 def test_a_rank_killed_during_a_save_is_survived_in_place(tmp_path, reference, phase, rank, saved_again):
     proc, log, output = _run(tmp_path, 4, f"kill:rank={rank},at=4,during={phase}")
     assert proc.returncode == 0, output[-5000:]
-    assert f"rank {rank}: injecting kill:rank={rank},at=4,during={phase}" in output
+    assert f"launch rank {rank}: injecting kill:rank={rank},at=4,during={phase}" in output
     assert f"launch_local: rank {rank} exited with signal SIGKILL" in output
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 2, [rank])], adapted

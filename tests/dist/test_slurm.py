@@ -115,7 +115,7 @@ def test_rank_sigkilled_by_pid_is_survived_in_place(cluster, reference, tmp_path
     # is left a spare: it stands by for a later failure, and leaves as the job ends.
     adapted = read_events(log, "adapted")
     assert len(adapted) == 1 and adapted[0]["world_size"] == 2, output[-3000:]
-    assert "rank 3 is a spare" in output
+    assert "launch rank 3 is a spare" in output
     assert {r["rank"] for r in read_events(log, "finish")} == {0, 2}, output[-3000:]
     # Same iterations, same losses, same parameters, exact consumed samples.
     _assert_same_training(log, tmp_path / "ckpt", ref_losses, ref_ckpt)

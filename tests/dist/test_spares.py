@@ -52,12 +52,12 @@ def test_three_kills_finish_in_place_with_the_spares_taken_back(tmp_path, refere
     check(proc)
     out = proc.stdout + proc.stderr
     assert len(read_events(log, "start")) == 8  # nothing restarted
-    assert "rank 3 is a spare after the adaptation" in out and "launch rank 3 stands by" in out, decisions(log)
+    assert "launch rank 3 is a spare after the adaptation" in out and "launch rank 3 stands by" in out, decisions(log)
     assert [(e["rank"], e["iteration"]) for e in read_events(log, "standby")][:1] == [(3, 3)], decisions(log)
     recoveries = _recoveries(log)
     assert [it for it, _ in recoveries] == [3, 5, 7], decisions(log)
     assert recoveries[1][1] == [3], decisions(log)
-    assert "launch rank 3 was taken back as rank" in out
+    assert "launch rank 3 was taken back as world rank" in out
     assert not read_events(log, "fallback_checkpoint")
     # What each recovery moved is what its plan carried (the spare's state included).
     assert_moved_as_planned(log, at_least=2)

@@ -72,7 +72,7 @@ def test_a_rank_left_out_for_a_slowdown_stands_by_through_a_failure_and_rejoins_
         decisions(log)
     grown = [a for a in adapted if a.get("joined_launch_ranks") == [3]]
     assert grown and grown[0]["world_size"] == 3 and grown[0]["quotas"][0] > grown[0]["quotas"][1], decisions(log)
-    assert "launch rank 3 rejoined as rank 2 of 3" in proc.stdout + proc.stderr
+    assert "launch rank 3 rejoined as world rank 2 of 3" in proc.stdout + proc.stderr
     # Rank 3 trained again: the last rank of the grown world logs the iterations after it joined.
     after = [e for e in read_events(log, "iteration") if e["iteration"] > grown[0]["iteration"]]
     assert after and {e["rank"] for e in after} == {3}
@@ -102,7 +102,7 @@ def test_a_working_rank_killed_while_the_world_grows_is_recovered_and_the_standb
     grown = [a for a in adapted if a.get("joined_launch_ranks") == [3]]
     assert len(grown) == 1 and grown[0]["iteration"] == rejoins[1]["iteration"], decisions(log)
     assert grown[0]["world_size"] == recovered[0]["world_size"] + 1
-    assert "launch rank 3 rejoined as rank" in out
+    assert "launch rank 3 rejoined as world rank" in out
     assert_same_losses(log, reference, ITERS)
 
 
