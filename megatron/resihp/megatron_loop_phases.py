@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from megatron.resihp.logging_utils import log_line
+from megatron.resihp.logging_utils import log_line, rank_name
 
 
 class Phase(enum.IntEnum):
@@ -95,8 +95,9 @@ class BetweenSteps:
         if furthest.phase is Phase.SAVE and self._tracker_names(furthest.iteration):
             self.saved.add(furthest.iteration)
         if self.catch_up_to is not None:
-            log_line(f" resihp: rank {dist.get_rank()} stood at {self.position}; the furthest survivor at "
-                     f"{furthest}: going on from there")
+            run = self.loop.hooks.run
+            log_line(f" resihp: {rank_name(run.rank, run.identity)} stood at {self.position}; the furthest "
+                     f"survivor at {furthest}: going on from there")
         return furthest
 
     def _barriers_run(self) -> bool:
