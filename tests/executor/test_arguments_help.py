@@ -22,6 +22,10 @@ def test_help_lists_every_resihp_flag():
     ("--resihp-persistence-gap-iters", "-1", "must be >= 0"),
     ("--resihp-persistence-iters", "0", "must be >= 1"),
     ("--resihp-max-speed-drift", "0.3", "below --resihp-slowdown-threshold - 1"),
+    ("--resihp-verify-margin", "1.5", "must be in [0, 1)"),
+    # This loop's evaluation and step have no recovery around a kill aimed there: refused, not ignored.
+    ("--resihp-inject", "kill:rank=0,at=3,during=eval", "--resihp-loop megatron only"),
+    ("--resihp-inject", "kill:rank=0,at=3,during=optimizer", "--resihp-loop megatron only"),
 ])
 def test_a_bad_resihp_value_exits_2_naming_its_flag(monkeypatch, capsys, flag, value, says):
     monkeypatch.setenv("WORLD_SIZE", "1")
