@@ -95,7 +95,7 @@ class FailStopRecovery:
             # This rank has left its collective; peers still blocked on it must leave theirs too.
             # Shutting its connections ends only collectives this rank belongs to, which cannot
             # finish without it; what it sent before still arrives first.
-            host._abandon_world()
+            host.abandon_world()
         failed = left = frozenset()  # left: spares of an earlier attempt's plan, gone or about to go
         # Spares come back at an iteration's start: only a recovery that redoes its iteration calls them.
         take_back = host.standby_on and completed is None
@@ -130,7 +130,7 @@ class FailStopRecovery:
                     run, plan, answered, left, iteration, consumed_samples))
             identity = tuple(published["identity"])  # this world's launch ranks, then the spares called
             taken = [identity[r] for r in plan.joiners]
-            host._planned_out = set(run.layout.world_ranks) - set(plan.new_rank) | outside
+            host.planned_out = set(run.layout.world_ranks) - set(plan.new_rank) | outside
             leader = old_rank == min(set(run.layout.world_ranks) - failed)
             if leader:
                 # A hung rank among them fences itself; the spares of an earlier attempt are not

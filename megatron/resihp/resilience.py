@@ -104,7 +104,7 @@ class ResilienceHooks:
             self.live.measure_probe_baselines()
         self.store = self.heartbeat_store = None
         self.monitor = None
-        self._planned_out: set[int] = set()
+        self.planned_out: set[int] = set()
         if self.cfg.detection_on and "MASTER_ADDR" in os.environ:
             timeout_s = max(60.0, 3 * self.cfg.collective_timeout_s)
             self.store = connect_store(timeout_s=timeout_s)
@@ -203,7 +203,7 @@ class ResilienceHooks:
         def callback(ranks, now) -> None:  # runs on the heartbeat thread
             # Ranks a recovery already planned without (failed ones, spares that left, a hung rank
             # that fenced itself) go quiet while the new world forms: that is no news.
-            ranks = sorted(set(ranks) - self._planned_out)
+            ranks = sorted(set(ranks) - self.planned_out)
             if not ranks:
                 return
             verdict = fail_stop_verdict(kind, ranks, self.iteration)
@@ -213,17 +213,17 @@ class ResilienceHooks:
             if not self.can_recover:
                 return
             # Survivors leave their collectives when a connection to a failed rank breaks, and each
-            # then breaks its own (``_abandon_world``). A process that died broke its connections
+            # then breaks its own (``abandon_world``). A process that died broke its connections
             # itself; a hung one is fenced now, which does; a lost node breaks none, so the world
             # is abandoned from here, even at the cost of interrupting collectives among live ranks.
             # So is every NCCL world: a peer's death does not make NCCL calls fail, only time out.
             if kind == "hang":
                 self.monitor.evict(ranks)
             elif (self.backend == "nccl" or set(ranks) & self.monitor.silent_ranks) and dist.is_initialized():
-                self._abandon_world()
+                self.abandon_world()
         return callback
 
-    def _abandon_world(self) -> None:
+    def abandon_world(self) -> None:
         """Make every collective of this world fail now, on this rank and (through its broken
         connections) on its peers, rather than at the collective timeout."""
         start = time.perf_counter()
@@ -386,7 +386,7 @@ class ResilienceHooks:
         """Watch the heartbeats of ``run``'s world, which just formed, in place of the old one's."""
         if self.monitor is not None:
             self.monitor.stop()
-        self._planned_out = set()  # old-world ranks; the new world's monitor starts afresh
+        self.planned_out = set()  # old-world ranks; the new world's monitor starts afresh
         self.run = self.run.replace(generation=run.generation)
         if self.store is not None:
             self._start_monitor(run.identity)

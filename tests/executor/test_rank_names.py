@@ -93,7 +93,7 @@ def test_the_failure_callback_names_the_watcher_and_the_failed_by_launch_rank(ca
     hooks.events = types.SimpleNamespace(emit=lambda event, iteration, **fields: emitted.append(fields))
     hooks.cfg = argparse.Namespace(enable=False)
     hooks.monitor = None
-    hooks._planned_out = set()
+    hooks.planned_out = set()
     hooks.iteration = 7
     # World rank 4 (launch rank 5) watches; world rank 2 (launch rank 3) dies.
     hooks._on_failed("dead", 4, REFORMED)(frozenset({2}), 0.0)
