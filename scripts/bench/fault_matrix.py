@@ -24,8 +24,8 @@ event) to the first iteration finished after the last adaptation.
 
 ``--loop megatron`` runs the same job on Megatron-LM's own loop (``--resihp-loop megatron``,
 checkpoints in Megatron's torch format, an evaluation every 2 iterations), with the faults that
-loop takes: the signals, kills as the iteration is logged, as an evaluation and a save begin and
-once a rank's checkpoint files are written, a second failure in a recovery's re-form and
+loop takes: the signals, kills as a rank's optimizer step returns, as the iteration is logged, as
+an evaluation and a save begin and once a rank's checkpoint files are written, a second failure in a recovery's re-form and
 rendezvous, a hang, and the cascades (its plans keep every rank at its stage, so a failure that
 leaves no replica whole falls back). Megatron logs no loss for an iteration whose step finished
 before the failure surfaced on the logging rank: such an iteration counts as exact when every
@@ -105,7 +105,7 @@ def megatron_cases() -> list[Case]:
     out = [Case(f"{sig.name} {label} in iteration 4", signal=sig, at_fraction=fraction)
            for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP)
            for label, fraction in (("early", 0.1), ("middle", 0.5), ("late", 0.9))]
-    for phase, rank in (("log", 5), ("eval", 5), ("save", 3), ("save-write", 2)):
+    for phase, rank in (("optimizer", 5), ("log", 5), ("eval", 5), ("save", 3), ("save-write", 2)):
         out.append(Case(f"kill rank {rank} during {phase} at 4", (f"kill:rank={rank},at=4,during={phase}",)))
     for phase, rank in (("reform", 0), ("rendezvous", 4)):
         out.append(Case(f"kill 5 at 4, then rank {rank} during {phase}",
