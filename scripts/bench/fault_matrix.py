@@ -72,13 +72,8 @@ class Case:
 
 
 MEGATRON_MODEL = [
-    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--lr", "1e-3",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "1",
-    "--hidden-dropout", "0", "--attention-dropout", "0", "--tensor-model-parallel-size", "2",
-    "--pipeline-model-parallel-size", "2", "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(ITERS),
-    "--save-interval", "2", "--ckpt-format", "torch", "--split", "99,1,0", "--eval-interval", "2",
-    "--eval-iters", "1", "--resihp-loop", "megatron",
+    *MODEL, "--ckpt-format", "torch", "--split", "99,1,0", "--eval-interval", "2", "--eval-iters", "1",
+    "--resihp-loop", "megatron",
 ]
 
 
