@@ -66,7 +66,7 @@ class BetweenSteps:
     """The patches of the phases between steps, and the position the survivors agreed on."""
 
     def __init__(self, loop):
-        self.loop = loop  # ResilientMegatronLoop: its hooks, its recover_at, its arguments
+        self.loop = loop  # ResilientMegatronLoop: its hooks, its recover_at, its rebuilt iterators
         self.position = Position(0, Phase.STEP)
         self.catch_up_to: Position | None = None  # the furthest survivor's position after a re-form
         self.saved: set[int] = set()  # iterations this job's world saved whole
@@ -276,12 +276,14 @@ class BetweenSteps:
                 return None
             log_line(f" resihp: saving iteration {iteration} again, on the re-formed world")
 
+    def start(self) -> None:
+        """As training starts: remember what the tracker names, so that a later reading tells this
+        job's saves from a run's before it."""
+        self.latest_at_start = _latest_checkpoint()
+
     def _tracker_names(self, iteration: int) -> bool:
         """The tracker file names ``iteration``, and this job wrote it (not a run before it)."""
-        save = self.loop.args().save
-        if not save:
-            return False
-        latest = read_tracker(Path(save) / "latest_checkpointed_iteration.txt")
+        latest = _latest_checkpoint()
         return latest == str(iteration) and latest != self.latest_at_start
 
     def _refresh_save_groups(self, call: inspect.BoundArguments) -> None:
@@ -361,10 +363,16 @@ def _stop_timers(*names: str) -> None:
             timer.reset()
 
 
-def read_tracker(path: Path) -> str | None:
-    """A checkpoint tracker file's text (None when there is none)."""
+def _latest_checkpoint() -> str | None:
+    """What Megatron's tracker file under ``--save`` names (None: no ``--save``, or no save yet)."""
+    from megatron.training import get_args
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    save = get_args().save
+    if not save:
+        return None
     try:
-        return path.read_text().strip()
+        return Path(get_checkpoint_tracker_filename(save)).read_text().strip()
     except FileNotFoundError:
         return None
 

@@ -33,13 +33,11 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
 from megatron.resihp.logging_utils import EventLog, log_line, rank_name
-from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position, read_tracker
+from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.run_state import StopTraining
 
@@ -65,8 +63,9 @@ _OTHER_PLACEMENT = {
 # --resihp-* settings that need the fail-slow detector, which runs on the resihp loop only for now.
 _FAIL_SLOW_ONLY = ("detect_only", "trace", "verify_iters", "verify_margin")
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
-# state), the iteration's log, an evaluation, and a save as it begins and once this rank's files are
-# written (Megatron's save has no rename; its shutdown has no injection point yet).
+# state), this rank's optimizer step, the iteration's log, an evaluation, and a save as it begins and
+# once this rank's files are written (Megatron's save has no rename; its shutdown has no injection
+# point yet).
 _PHASES = (None, "reform", "rendezvous", "optimizer", "log", "eval", "save", "save-write")
 
 
@@ -234,8 +233,7 @@ class ResilientMegatronLoop:
 
         args = self._args()
         self.handles = (model, optimizer, opt_param_scheduler)
-        if args.save:
-            self.phases.latest_at_start = read_tracker(Path(args.save) / "latest_checkpointed_iteration.txt")
+        self.phases.start()
         self.loop_groups = get_attr_wrapped_model(model[0], "pg_collection")
         objects = TrainingObjects(get_model_config(model[0]), model[0], optimizer, opt_param_scheduler,
                                   (args.num_layers // args.pipeline_model_parallel_size,) * args.pipeline_model_parallel_size)
@@ -307,10 +305,6 @@ class ResilientMegatronLoop:
         else:
             self._count_microbatches()
         return furthest
-
-    def args(self):
-        """Megatron's parsed arguments."""
-        return self._args()
 
     def _recover(self, number: int, error: Exception, stepped: bool, consumed: int) -> None:
         """Recover from ``error`` at iteration ``number`` (done when this rank had ``stepped``; the
