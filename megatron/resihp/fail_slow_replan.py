@@ -64,6 +64,10 @@ class FailSlowReplan:
         return {where[f.rank]: f.factor for f in self.host.cfg.faults
                 if f.kind is FaultKind.MISJUDGE and f.rank in where}
 
+    def _known_factors(self) -> dict[str, float]:
+        """The slowdowns a plan is made under, by rank, as every ``plan`` event records them."""
+        return {str(r): round(f, 4) for r, f in sorted(self.host.known_health.slow_factors.items())}
+
     def replan(self, iteration: int, verdicts: list[Verdict]) -> RunState:
         """Apply what ``decide_fail_slow`` decides for ``verdicts`` (compute, link or recovered), in place.
 
@@ -80,9 +84,8 @@ class FailSlowReplan:
         # Kept across the detector's reset below.
         host.live.detector.expect(decision.expected.slow_factors, decision.expected.bursts)
         if run.rank == 0:
-            slow_factors = {str(r): round(f, 4) for r, f in sorted(host.known_health.slow_factors.items())}
             host.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
-                             quotas=list(plan.quotas), slow_rank_factors=slow_factors,
+                             quotas=list(plan.quotas), slow_rank_factors=self._known_factors(),
                              predicted_iteration_s_before=plan.iteration_s_before,
                              predicted_iteration_s_after=plan.iteration_s_after,
                              compute_costs=host.costs_record(), moves=[t.to_dict() for t in plan.moves])
@@ -142,7 +145,10 @@ class FailSlowReplan:
         if host.run.rank == 0:
             # The change back is a plan like any other: what it moves is what it lists.
             host.events.emit("plan", iteration, action="adapt", policy="rollback", reason=verdict.reason,
-                             quotas=list(trial.old_quotas), moves=[t.to_dict() for t in back])
+                             quotas=list(trial.old_quotas), slow_rank_factors=self._known_factors(),
+                             predicted_iteration_s_before=trial.predicted_after_s,
+                             predicted_iteration_s_after=trial.predicted_before_s,
+                             moves=[t.to_dict() for t in back])
         if back:
             self.change_layout(trial.old_layout, back, iteration)
         host.commit(host.run.replace(quotas=trial.old_quotas), world_changed=False)

@@ -38,9 +38,10 @@ def test_slow_ranks_are_adapted_in_place_one_after_another_and_training_stays_ex
     second = [v for v in verdicts if v["ranks"] == [0] and v["factor"] == pytest.approx(3.0, rel=0.2)
               and v["iteration"] >= 21]
     assert first and second, decisions(log)
-    # Each verdict is acted on in place (a noise verdict before the fault may also be); the plan
-    # after the second still knows the first slow rank, so quotas stay away from both.
-    plans = read_events(log, "plan")
+    # Each verdict is acted on in place (a noise verdict before the fault may also be, and its
+    # plan rolled back when it did not pay); the plan after the second still knows the first slow
+    # rank, so quotas stay away from both.
+    plans = [p for p in read_events(log, "plan") if p.get("policy") != "rollback"]
     assert any(p["iteration"] >= first[0]["iteration"] for p in plans), decisions(log)
     last = [p for p in plans if "0" in p["slow_rank_factors"]]
     assert last and last[0]["slow_rank_factors"].get("3") == pytest.approx(3.0, rel=0.2), decisions(log)
@@ -90,7 +91,9 @@ def test_a_slow_rank_that_recovers_gets_its_micro_batches_back(tmp_path, referen
     verdicts = read_events(log, "verdict")
     slow = [v for v in verdicts if v["kind"] == "compute" and v["ranks"] == [3] and v["iteration"] >= 9]
     back = [v for v in verdicts if v["kind"] == "recovered" and v["ranks"] == [3]]
-    assert slow and back and back[0]["iteration"] >= 22, decisions(log)
+    # The onset of a recovery, like a slowdown's, may be one early: with 2 of 8 micro-batches
+    # left on rank 3, a fast spell of the host can make its last slow iteration look fast (seen in CI).
+    assert slow and back and back[0]["iteration"] >= 21, decisions(log)
     assert back[0]["factor"] == pytest.approx(1.0, abs=0.2) and back[0]["evidence"]["known_factors"]["3"] > 2
     adapted = read_events(log, "adapted")
     before = [a for a in adapted if slow[0]["iteration"] <= a["iteration"] < back[0]["iteration"]]
