@@ -48,6 +48,10 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
     kill:rank=3,at=8,during=shutdown  rank 3 is SIGKILLed as a job that trained to iteration >= 8
                                       ends: after the last iteration and its checkpoint, before
                                       the ranks leave together
+    raise:rank=5,at=4,during=backward rank 5 raises an error of its own (as a device error would) in the
+                                      backward pass of its first micro-batch of iteration >= 4;
+                                      during= is forward (the default), backward or optimizer (as
+                                      its optimizer step begins); Megatron-LM's loop only
     hang:rank=2,at=40                 rank 2 stops making progress at iteration 40
     misjudge:rank=3,factor=4,at=1     from iteration 1, the fail-slow planner takes rank 3 to run 4x
                                       slower than the detector measured (a cost model fed a false
@@ -68,6 +72,7 @@ class FaultKind(str, enum.Enum):
     SLOW = "slow"
     LINK = "link"
     KILL = "kill"
+    RAISE = "raise"
     HANG = "hang"
     MISJUDGE = "misjudge"
 
@@ -76,6 +81,7 @@ _KEYS = {
     FaultKind.SLOW: {"rank", "factor", "at", "until", "on", "off"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},
     FaultKind.KILL: {"rank", "at", "during"},
+    FaultKind.RAISE: {"rank", "at", "during"},
     FaultKind.HANG: {"rank", "at"},
     FaultKind.MISJUDGE: {"rank", "factor", "at"},
 }
@@ -87,10 +93,13 @@ SAVE_PHASES = ("save", "save-write", "save-rename", "save-tracker")
 PHASES = (*RECOVERY_PHASES, *SAVE_PHASES, "optimizer", "log", "eval", "shutdown")
 # Phases only Megatron-LM's loop (--resihp-loop megatron) can be struck in and survive.
 MEGATRON_LOOP_PHASES = ("optimizer", "eval")
+# Where in a step a rank can raise an error of its own.
+RAISE_PHASES = ("forward", "backward", "optimizer")
 _REQUIRED = {
     FaultKind.SLOW: {"rank", "factor", "at"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},
     FaultKind.KILL: {"rank", "at"},
+    FaultKind.RAISE: {"rank", "at"},
     FaultKind.HANG: {"rank", "at"},
     FaultKind.MISJUDGE: {"rank", "factor", "at"},
 }
@@ -103,8 +112,8 @@ class Fault:
     ``rank`` is the afflicted rank (for ``link``, the sender ``src``); ``dst`` is set only for
     ``link``. ``factor`` is the slowdown (2.0 = twice as slow); 1.0 for kill/hang.
     ``at_iteration`` is the 1-based training iteration at whose start the fault begins; with
-    ``during`` (kill only), the fault waits instead for that phase (of a recovery, of a checkpoint
-    save, or the job's end) at or after it.
+    ``during`` (kill), the fault waits instead for that phase (of a recovery, of a checkpoint
+    save, or the job's end) at or after it; a raise always has one (the part of the step it strikes).
     ``until_iteration`` (slow only) is the iteration at whose start a slowdown ends (None: never).
     ``on_iters`` and ``off_iters`` (slow only, both or neither) make it intermittent: from
     ``at_iteration`` on, slow for ``on_iters`` iterations, then healthy for ``off_iters``, and so on.
@@ -127,8 +136,12 @@ class Fault:
             raise ValueError(f"{FLAG}: at= must be an iteration >= 1 in {self.spec()}")
         if self.kind in (FaultKind.SLOW, FaultKind.LINK, FaultKind.MISJUDGE) and not self.factor >= 1.0:
             raise ValueError(f"{FLAG}: factor= must be >= 1.0 (a slowdown) in {self.spec()}")
-        if self.during is not None and (self.kind is not FaultKind.KILL or self.during not in PHASES):
-            raise ValueError(f"{FLAG}: during= is for kill faults and takes one of {list(PHASES)}; got "
+        if self.kind is FaultKind.RAISE:
+            if self.during not in RAISE_PHASES:
+                raise ValueError(f"{FLAG}: a raise strikes during= one of {list(RAISE_PHASES)}; got "
+                                 f"during={self.during} in {self.spec()}")
+        elif self.during is not None and (self.kind is not FaultKind.KILL or self.during not in PHASES):
+            raise ValueError(f"{FLAG}: during= is for kill and raise faults, a kill's one of {list(PHASES)}; got "
                              f"{self.kind.value} with during={self.during}")
         if self.until_iteration is not None and (self.kind is not FaultKind.SLOW
                                                  or self.until_iteration <= self.at_iteration):
@@ -177,7 +190,8 @@ def parse_fault(spec: str) -> Fault:
         raise ValueError(
             f"{FLAG} {spec!r}: unknown fault kind {kind_text!r}; use one of "
             "slow:rank=R,factor=F,at=I[,until=J][,on=A,off=B] | link:src=S,dst=D,factor=F,at=I | "
-            f"kill:rank=R,at=I[,during={'|'.join(PHASES)}] | hang:rank=R,at=I | misjudge:rank=R,factor=F,at=I"
+            f"kill:rank=R,at=I[,during={'|'.join(PHASES)}] | raise:rank=R,at=I[,during={'|'.join(RAISE_PHASES)}] | "
+            "hang:rank=R,at=I | misjudge:rank=R,factor=F,at=I"
         ) from None
     fields: dict[str, str] = {}
     for item in filter(None, body.split(",")) if sep else []:
@@ -202,7 +216,8 @@ def parse_fault(spec: str) -> Fault:
     except ValueError as exc:
         raise ValueError(f"{FLAG} {spec!r}: {exc}; ranks, at=, until=, on= and off= are integers, "
                          "factor= a number") from None
-    return Fault(kind=kind, rank=rank, at_iteration=at, factor=factor, dst=dst, during=fields.get("during"),
+    during = fields.get("during", RAISE_PHASES[0] if kind is FaultKind.RAISE else None)
+    return Fault(kind=kind, rank=rank, at_iteration=at, factor=factor, dst=dst, during=during,
                  until_iteration=until, on_iters=on, off_iters=off)
 
 

@@ -18,8 +18,9 @@ Usage::
 Ranks are forked from a server that has imported the script's top-level modules once
 (``rank_fork_server.py``); ``--preload none`` starts each from a bare interpreter instead.
 
-Exit code: 0 when every rank that was not killed by a signal exited 0 and at least one rank
-finished that way (a job that survived its failed ranks succeeds); otherwise 3 when any rank exited
+Exit code: 0 when every rank that was not killed by a signal, and did not leave on an error of its
+own (exit 4), exited 0 and at least one rank finished that way (a job that survived its failed
+ranks succeeds); otherwise 3 when any rank exited
 3 (survivors wrote a fallback checkpoint: resume it), else the first non-zero code a rank returned,
 or 128 + signal number when every rank was killed.
 """
@@ -40,10 +41,11 @@ from rank_fork_server import Preload, RankForkServer, script_preload
 LAUNCHER_ENV = "RESIHP_LAUNCHER"
 # How often the launcher looks at its workers; a rank's end is reported within this.
 _POLL_S = 0.05
-# A rank's exit codes that the launcher reads (megatron.resihp.resilience.EXIT_NEEDS_RESTART and
-# the argument parsers' code for refused input).
+# A rank's exit codes that the launcher reads (megatron.resihp.fail_stop_recovery's EXIT_NEEDS_RESTART
+# and EXIT_RANK_FAILED, and the argument parsers' code for refused input).
 FALLBACK_EXIT = 3
 INPUT_ERROR_EXIT = 2
+RANK_FAILED_EXIT = 4
 # After forwarding SIGINT/SIGTERM, workers get this long to exit before SIGKILL (torchrun waits
 # a similar grace period before escalating).
 _GRACE_S = 15.0
@@ -143,7 +145,8 @@ def exit_code(codes: dict[int, int], order: list[int]) -> int:
     """The launcher's exit code from each rank's return code (negative = killed by that signal)."""
     finished = [r for r in order if codes[r] >= 0]
     failed = [r for r in finished if codes[r] != 0]
-    if finished and not failed:
+    # A rank that left on an error of its own is a failed rank, as one killed by a signal is.
+    if finished and all(codes[r] == RANK_FAILED_EXIT for r in failed) and len(failed) < len(finished):
         return 0
     if any(codes[r] == FALLBACK_EXIT for r in failed):
         # Survivors wrote a fallback checkpoint and printed its resume command: say so, whatever

@@ -17,7 +17,7 @@ import os
 import typing
 
 from resihp_ext.config import ResiHPConfig
-from resihp_ext.faults import MEGATRON_LOOP_PHASES, check_ranks_exist
+from resihp_ext.faults import MEGATRON_LOOP_PHASES, FaultKind, check_ranks_exist
 
 # Megatron-LM flags whose request this front end already meets, so a launch script may keep them:
 # (name, takes_value). It always builds megatron-core models, never fuses kernels on these paths,
@@ -415,9 +415,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     args.resihp = ResiHPConfig(**{f.name: getattr(args, "resihp_" + f.name) for f in dataclasses.fields(ResiHPConfig)})
     check_ranks_exist(args.resihp.faults, world_size)
     for fault in args.resihp.faults:
-        if fault.during in MEGATRON_LOOP_PHASES:
-            raise ValueError(f"--resihp-inject {fault.spec()}: a failure during={fault.during} is survived on "
-                             "--resihp-loop megatron only; this loop would not strike it")
+        if fault.kind is FaultKind.RAISE or fault.during in MEGATRON_LOOP_PHASES:
+            raise ValueError(f"--resihp-inject {fault.spec()}: a {fault.kind.value} during={fault.during} is survived "
+                             "on --resihp-loop megatron only; this loop would not strike it")
     _check_inputs(args)
 
 

@@ -18,12 +18,14 @@ import dataclasses
 import os
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
 
 from megatron.resihp import checkpointing, recovery
 from megatron.resihp.data_samplers import even_quotas
+from megatron.resihp.failure_origin import is_peer_failure
 from megatron.resihp.logging_utils import log_line, rank_name, ranks_name, world_numbered
 from megatron.resihp.reconfigure import ChangeFailed, LayoutChange, World, apply
 from megatron.resihp.reshard import adam_template_of, loss_scale_state
@@ -36,6 +38,9 @@ from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout
 
 # Exit code of a survivor that saved a checkpoint because no in-place plan existed.
 EXIT_NEEDS_RESTART = 3
+# Exit code of a rank that raised an error of its own and left, so that the others could go on
+# without it (the launcher counts it as a failed rank, like one killed by a signal).
+EXIT_RANK_FAILED = 4
 # Worlds a recovery tries to form before giving up: each failed attempt means another rank left
 # while the survivors were re-forming, and each retry plans without it.
 REFORM_ATTEMPTS = 3
@@ -81,13 +86,20 @@ class FailStopRecovery:
 
         Raises:
             StopTraining: this process is a spare (``StandingBy`` when it stands by), or no in-place
-                plan exists (after saving).
+                plan exists (after saving), or ``error`` was this rank's own (it leaves:
+                ``EXIT_RANK_FAILED``).
             The original error, when the heartbeats name no failed rank.
         """
         host, cfg = self.host, self.host.cfg
         start = time.perf_counter()
         run = host.run
         old_rank = run.rank  # also when a grown world's rendezvous failed and no world is left
+        # An error that torch.distributed did not raise is this rank's own, unless the heartbeats
+        # name a failed peer soon (a dead peer is named within a heartbeat timeout): a rank that
+        # left on a healthy peer's error would cost the job a replica.
+        if (dist.is_initialized() and not is_peer_failure(error)
+                and not recovery.await_failed_ranks(host.monitor, wait_s=cfg.heartbeat_timeout_s)):
+            self._leave_failed(iteration, error)
         log_line(f" resihp: {rank_name(old_rank, run.identity)}: iteration {iteration} failed: "
                  f"{str(error).splitlines()[0][:160]}")
         host.monitor.mark_recovering()
@@ -188,6 +200,24 @@ class FailStopRecovery:
                  f"{dist.get_world_size()}, DP {new.data_parallel_size}, {how} iteration {iteration} "
                  f"({duration:.2f} s since the failure surfaced)")
         return new
+
+    def _leave_failed(self, iteration: int, error: Exception) -> None:
+        """This rank raised an error of its own (no peer failed): it leaves as a dead rank would, at
+        once, so that the heartbeats name it and the others recover without it.
+
+        Raises:
+            StopTraining: always (``EXIT_RANK_FAILED``).
+        """
+        host = self.host
+        me = rank_name(host.run.rank, host.run.identity)
+        traceback.print_exception(error, file=sys.stderr)
+        sys.stderr.flush()
+        log_line(f" resihp: {me}: iteration {iteration} raised an error of this rank's own, not a peer's: "
+                 f"{str(error).splitlines()[0][:160]}; it leaves so that the other ranks go on without it")
+        # Its peers wait on it in their next collective: shutting its connections ends that wait now.
+        host.abandon_world()
+        raise StopTraining(EXIT_RANK_FAILED, f"iteration {iteration} raised on this rank: "
+                                             f"{str(error).splitlines()[0][:160]}")
 
     def _survivor_hardware(self) -> HardwareModel:
         """The survivor planner's model: memory facts (may a stage run on fewer ranks than its old

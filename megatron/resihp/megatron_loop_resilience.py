@@ -7,7 +7,8 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
 - ``parallel_state.initialize_model_parallel``: the launch Layout's groups, made by
   ``parallel_state_patch.build_groups`` (their memberships equal megatron-core's), so that a later
   re-form can replace them;
-- ``training.train_step``: every iteration beats the heartbeat and applies injected faults, then
+- ``training.train_step``: every iteration beats the heartbeat and applies injected faults (a
+  ``raise:`` fault strikes inside the step: ``raised_faults``), then
   runs Megatron's own step on the current objects. When a collective fails, the survivors agree on
   a plan and re-form in place; the same iteration then runs again on the new world, or, when this
   rank's optimizer had already stepped, counts as done;
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from megatron.resihp.logging_utils import EventLog, log_line, rank_name
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.model_builder import TrainingObjects
+from megatron.resihp.raised_faults import RaisedFaults
 from megatron.resihp.run_state import StopTraining
 
 # Megatron flags (as parsed) whose jobs the fail-stop path cannot yet carry through a re-form, and why.
@@ -91,9 +93,9 @@ def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
         if getattr(cfg, name) != defaults[name]:
             found.append(f"--resihp-{name.replace('_', '-')} (fail-slow detection runs on --resihp-loop resihp only)")
     for fault in cfg.faults:
-        if fault.kind.value not in ("kill", "hang"):
+        if fault.kind.value not in ("kill", "hang", "raise"):
             found.append(f"--resihp-inject {fault.spec()} (fail-slow faults are judged on --resihp-loop resihp only)")
-        elif getattr(fault, "during", None) not in _PHASES:
+        elif fault.kind.value == "kill" and fault.during not in _PHASES:
             found.append(f"--resihp-inject {fault.spec()} (on this loop a kill can wait for the phases "
                          f"{', '.join(p for p in _PHASES if p)} only)")
     return found
@@ -187,7 +189,8 @@ class ResilientMegatronLoop:
             scheduler_steps = opt_param_scheduler.num_steps
             self._stepped = False
             try:
-                result = step(forward_step_func, data_iterator if self.train_iterator is None else self.train_iterator,
+                result = step(self.raised.forward_step(forward_step_func, number),
+                              data_iterator if self.train_iterator is None else self.train_iterator,
                               model, optimizer, opt_param_scheduler, config,
                               self.forward_backward_func or forward_backward_func, iteration=iteration,
                               pg_collection=pg_collection,
@@ -242,6 +245,7 @@ class ResilientMegatronLoop:
                                      detect_fail_slow=False, moves_state=False,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
                                      stands_by=False)
+        self.raised = RaisedFaults(self.hooks.faults, self.events, self.hooks.me)
         self._watch_steps(optimizer)
         self.events.emit("start", args.iteration, world_size=dist.get_world_size(), loop="megatron",
                          layers_per_stage=list(objects.layers_per_stage))
@@ -255,6 +259,7 @@ class ResilientMegatronLoop:
         inner = type(optimizer).step
 
         def step(*args, **kwargs):
+            self.raised.strike("optimizer", self.phases.position.iteration)
             result = inner(optimizer, *args, **kwargs)
             self._stepped = True
             self.hooks.inject(self.phases.position.iteration, "optimizer")

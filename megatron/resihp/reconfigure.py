@@ -30,6 +30,7 @@ from typing import Protocol
 import torch.distributed as dist
 
 from megatron.resihp import recovery
+from megatron.resihp.failure_origin import PeerFailed
 from megatron.resihp.layer_sync import LayoutGradSync
 from megatron.resihp.logging_utils import log_line, rank_name
 from megatron.resihp.model_builder import TrainingObjects
@@ -49,7 +50,7 @@ class World(enum.Enum):
     GROW = "grow"  # joiners come in: the grown world forms first (working ranks keep their numbers)
 
 
-class ChangeFailed(RuntimeError):
+class ChangeFailed(PeerFailed):
     """A member failed before the change committed; every member is back on ``run``."""
 
     def __init__(self, message: str, run: RunState):

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.resihp import checkpointing
+from megatron.resihp.failure_origin import PeerFailed
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.parallel_state_patch import reform_world
 from megatron.resihp.reshard import stage_transfers
@@ -65,7 +66,7 @@ def wait_for_keys(store, keys: list[str], wait_s: float, stop=lambda: None, poll
             The keys are read once more first, so a key written just before the reason arose counts.
 
     Raises:
-        RuntimeError: ``stop`` gave a reason while a key was still missing.
+        PeerFailed: ``stop`` gave a reason while a key was still missing.
         TimeoutError: a key was still missing after ``wait_s`` seconds.
     """
     deadline = time.monotonic() + wait_s
@@ -75,7 +76,7 @@ def wait_for_keys(store, keys: list[str], wait_s: float, stop=lambda: None, poll
             if store.check(keys):
                 return
             if reason:
-                raise RuntimeError(reason)
+                raise PeerFailed(reason)
             missing = [k for k in keys if not store.check([k])]
             raise TimeoutError(f"no {missing[0]!r} in the job store after {wait_s:.0f} s "
                                f"({len(missing)} of {len(keys)} keys missing)")

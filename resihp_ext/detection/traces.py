@@ -319,7 +319,7 @@ def synthetic_trace(
     schedule = one_f_one_b(P, M)
     for iteration in range(1, num_iterations + 1):
         active = [f for f in faults if f.active(iteration)]
-        silent = {f.rank for f in active if f.kind in (FaultKind.KILL, FaultKind.HANG)}
+        silent = {f.rank for f in active if f.kind in (FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG)}
         slow = defaultdict(lambda: 1.0)
         for f in active:
             if f.kind is FaultKind.SLOW:
@@ -412,7 +412,7 @@ def synthetic_probes(
     """
     rng = np.random.default_rng(seed + 7919 * iteration)
     active = [f for f in faults if f.active(iteration)]
-    silent = {f.rank for f in active if f.kind in (FaultKind.KILL, FaultKind.HANG)}
+    silent = {f.rank for f in active if f.kind in (FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG)}
     rank_s = {}
     for rank in probe_ranks:
         if rank in silent:

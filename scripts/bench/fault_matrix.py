@@ -26,13 +26,15 @@ event) to the first iteration finished after the last adaptation.
 checkpoints in Megatron's torch format, an evaluation every 2 iterations), with the faults that
 loop takes: the signals, kills as a rank's optimizer step returns, as the iteration is logged, as
 an evaluation and a save begin and once a rank's checkpoint files are written, a second failure in a recovery's re-form and
-rendezvous, a hang, and the cascades (its plans keep every rank at its stage, so a failure that
+rendezvous, an error of one rank's own raised in its forward, backward or optimizer step
+(``raise:``: that rank leaves, exit 4, and the others go on as after a kill), a hang, and the
+cascades (its plans keep every rank at its stage, so a failure that
 leaves no replica whole falls back). Megatron logs no loss for an iteration whose step finished
 before the failure surfaced on the logging rank: such an iteration counts as exact when every
 loss logged matches (the table says how many were not logged).
 
-Not covered (yet): an exception raised inside one rank's step, failures during the data loader's
-first batch, and the store host's death.
+Not covered (yet): an exception raised inside one rank's step on the resihp loop, failures during
+the data loader's first batch, and the store host's death.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.child_env import job_env  # noqa: E402
 from scripts.signal_rank import events, run_and_signal  # noqa: E402
+from resihp_ext.faults import RAISE_PHASES  # noqa: E402
 
 NPROC, ITERS, GLOBAL_BATCH = 8, 8, 16
 MODEL = [
@@ -105,6 +108,8 @@ def megatron_cases() -> list[Case]:
     for phase, rank in (("reform", 0), ("rendezvous", 4)):
         out.append(Case(f"kill 5 at 4, then rank {rank} during {phase}",
                         ("kill:rank=5,at=4", f"kill:rank={rank},at=4,during={phase}")))
+    for phase in RAISE_PHASES:
+        out.append(Case(f"rank 5 raises in its {phase} at 4", (f"raise:rank=5,at=4,during={phase}",)))
     out.append(Case("hang rank 5 at 4", ("hang:rank=5,at=4",)))
     out.append(Case("kill 5 at 4, then 2 at 6", ("kill:rank=5,at=4", "kill:rank=2,at=6")))
     return out

@@ -117,6 +117,29 @@ def test_a_rank_killed_after_its_optimizer_step_leaves_that_iteration_done_and_t
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=[1, 2, 3, 5, 6, 7, 8])
 
 
+# The error is a RuntimeError that torch.distributed did not raise, as a device error or a bug on one
+# rank would be. Raised in the backward pass, it strikes before any rank steps: iteration 4 is run
+# again. Raised as rank 5's optimizer step begins, it finds the other replica stepping: iteration 4
+# is done, its loss not logged.
+@pytest.mark.parametrize("phase, iterations", [("backward", range(1, ITERATIONS + 1)),
+                                               ("optimizer", [1, 2, 3, 5, 6, 7, 8])])
+def test_a_rank_that_raises_an_error_of_its_own_leaves_at_once_and_the_others_go_on_exact(tmp_path, failure_free,
+                                                                                          phase, iterations):
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), "--resihp-inject", f"raise:rank=5,at=4,during={phase}"],
+                   timeout_s=420)
+    check(proc)  # a rank that left on its own error is a failed rank the job survived
+    left = [e for e in read_events(events, "exit") if e["rank"] == 5]
+    assert [(e["iteration"], e["exit_code"]) for e in left] == [(4, 4)], left
+    assert f"injected raise:rank=5,at=4,during={phase}" in proc.stdout + proc.stderr  # its traceback
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [5])], adapted
+    # It left at once: the others did not wait for a collective or hang timeout (30 and 60 s).
+    inject = read_events(events, "inject")[0]
+    assert adapted[0]["time"] - inject["time"] < 15, (inject, adapted)
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=iterations)
+
+
 @pytest.mark.parametrize("phase", ["save", "save-write"])
 def test_a_rank_killed_while_a_checkpoint_is_saved_is_survived_and_the_save_made_again_whole(tmp_path, failure_free,
                                                                                              phase):

@@ -18,6 +18,7 @@ from resihp_ext.faults import Fault, FaultKind, parse_fault
     "kill:rank=0,at=4,during=save-rename",
     "kill:rank=0,at=4,during=save-tracker",
     "kill:rank=3,at=8,during=shutdown",
+    "raise:rank=5,at=4,during=backward",
     "hang:rank=2,at=40",
 ])
 def test_round_trip(spec):
@@ -41,7 +42,9 @@ def test_fields():
     ("slow:rank=1,factor=0.5,at=2", "factor= must be >= 1.0"),
     ("kill:rank=1,at=0", "at= must be an iteration >= 1"),
     ("link:src=2,dst=2,factor=2,at=3", "two different ranks"),
-    ("kill:rank=1,at=2,during=sleep", "during= is for kill faults"),
+    ("kill:rank=1,at=2,during=sleep", "during= is for kill and raise faults"),
+    ("raise:rank=1,at=2,during=save", "a raise strikes during= one of ['forward', 'backward', 'optimizer']"),
+    ("raise:rank=1,factor=2,at=2", "takes keys"),
     ("hang:rank=1,at=2,during=reform", "takes keys"),
     ("kill:rank=x,at=2", "ranks, at=, until=, on= and off= are integers"),
     ("slow:rank=1,factor=2,at=5,until=5", "until= is for slow faults and must be after at="),
@@ -58,6 +61,12 @@ def test_an_unknown_phase_lists_every_phase_a_kill_can_wait_for():
         parse_fault("kill:rank=1,at=2,during=saving")
     for phase in ("reform", "rendezvous", "save", "save-write", "save-rename", "save-tracker", "shutdown"):
         assert f"'{phase}'" in str(info.value)
+
+
+def test_a_raise_strikes_the_forward_pass_unless_told_otherwise():
+    fault = parse_fault("raise:rank=5,at=4")
+    assert (fault.kind, fault.rank, fault.at_iteration, fault.during) == (FaultKind.RAISE, 5, 4, "forward")
+    assert fault.spec() == "raise:rank=5,at=4,during=forward"
 
 
 def test_during_only_for_kill():
