@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron.resihp import checkpointing, recovery
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.failure_origin import is_peer_failure
+from megatron.resihp.heartbeat import STORE_LOSS_TIMEOUTS, STORE_OP_TIMEOUT_S
 from megatron.resihp.logging_utils import log_line, rank_name, ranks_name, world_numbered
 from megatron.resihp.reconfigure import ChangeFailed, LayoutChange, World, apply
 from megatron.resihp.reshard import adam_template_of, loss_scale_state
@@ -94,6 +95,8 @@ class FailStopRecovery:
         start = time.perf_counter()
         run = host.run
         old_rank = run.rank  # also when a grown world's rendezvous failed and no world is left
+        if self._store_gone():
+            self.leave_without_store(iteration, iteration if completed is None else completed + 1)
         # An error that torch.distributed did not raise is this rank's own, unless the heartbeats
         # name a failed peer soon (a dead peer is named within a heartbeat timeout): a rank that
         # left on a healthy peer's error would cost the job a replica.
@@ -122,6 +125,8 @@ class FailStopRecovery:
                       else cfg.effective_hang_timeout_s + 4 * cfg.heartbeat_timeout_s)
             named = recovery.await_failed_ranks(host.monitor, wait_s=wait_s,
                                                 settle_s=2 * cfg.heartbeat_interval_s) - outside
+            if host.monitor.store_lost:
+                self.leave_without_store(iteration, iteration if completed is None else completed + 1)
             if not named - failed and not leaving:
                 raise error
             run = run.replace(generation=run.generation + 1)
@@ -200,6 +205,42 @@ class FailStopRecovery:
                  f"{dist.get_world_size()}, DP {new.data_parallel_size}, {how} iteration {iteration} "
                  f"({duration:.2f} s since the failure surfaced)")
         return new
+
+    def _store_gone(self) -> bool:
+        """Whether the job's store is lost, waiting for the heartbeats to decide while it fails (a
+        peer that left on losing it makes this rank's collective fail first)."""
+        monitor = self.host.monitor
+        deadline = time.monotonic() + (STORE_LOSS_TIMEOUTS + 2) * monitor.timeout_s + STORE_OP_TIMEOUT_S
+        while monitor.store_failing and not monitor.store_lost and time.monotonic() < deadline:
+            time.sleep(monitor.interval_s)
+        return monitor.store_lost
+
+    def leave_without_store(self, iteration: int, resume_at: int) -> None:
+        """The job's store is gone: without it no failure can be named and no world re-formed, so
+        this rank leaves, naming the last checkpoint under ``--save`` to resume from.
+
+        ``resume_at``: the first iteration not done.
+
+        Raises:
+            StopTraining: always; ``EXIT_NEEDS_RESTART`` when a checkpoint exists to resume from.
+        """
+        host, args, run = self.host, self.host.args, self.host.run
+        last = checkpointing.latest_iteration(args.save) if args.save else None
+        address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        cause = (f"the job's store at {address} stopped answering (the process or node that hosts it is gone): "
+                 f"no failure can be named or survived without it, so {rank_name(run.rank, run.identity)} leaves "
+                 f"at iteration {resume_at}")
+        if last is None:
+            then = "; no checkpoint was saved (--save DIR --save-interval N make one to resume from)"
+        else:
+            redo = resume_at - 1 - last
+            then = (f"; resume from the last checkpoint, iteration {last} under {args.save}"
+                    + (f": iteration {last + 1} is trained again" if redo == 1 else
+                       f": iterations {last + 1}-{resume_at - 1} are trained again" if redo > 1 else ""))
+        if last is not None and run.rank == 0:
+            log_line(f" resihp: resume with: {resume_command(sys.argv, len(run.identity), args.save)}")
+        host.events.emit("store_lost", resume_at, address=address, last_checkpoint=last)
+        raise StopTraining(1 if last is None else EXIT_NEEDS_RESTART, cause + then)
 
     def _leave_failed(self, iteration: int, error: Exception) -> None:
         """This rank raised an error of its own (no peer failed): it leaves as a dead rank would, at

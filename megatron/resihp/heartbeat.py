@@ -54,6 +54,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 0.2
 DEFAULT_TIMEOUT_S = 1.5
+# The store is lost once it has not answered for this many heartbeat timeouts (a store that is
+# only slow answers late, and does not fail: a host's death resets the connection at once).
+STORE_LOSS_TIMEOUTS = 2
+# How long one store operation of the watchdog may block.
+STORE_OP_TIMEOUT_S = 10.0
 DEFAULT_PREFIX = "resihp/hb/"
 # Ranks start their monitors seconds apart (imports, model build); one not seen yet is only
 # declared dead after this long.
@@ -113,7 +118,7 @@ def judge_progress(now: float, progress: Mapping[int, tuple[int, float]], hang_t
     return frozenset(r for r in stalled if someone_moving or training[r][0] < top)
 
 
-def connect_store(host: str | None = None, port: int | None = None, timeout_s: float = 10.0):
+def connect_store(host: str | None = None, port: int | None = None, timeout_s: float = STORE_OP_TIMEOUT_S):
     """A new TCPStore client connection to the job's store (``MASTER_ADDR``/``MASTER_PORT``).
 
     Args:
@@ -221,6 +226,8 @@ class HeartbeatMonitor:
         self._thread: threading.Thread | None = None
         self._started_at = 0.0
         self._store_errors = 0
+        self._store_failing_since: float | None = None  # first of the store errors in a row
+        self._store_lost = False
         self._lateness = HostLateness(interval_s, LATENESS_WINDOW_S, LATENESS_CAP_TIMEOUTS * timeout_s)
         self._poll_lateness = 0.0  # how late the current poll woke, by this thread's own clock
 
@@ -292,6 +299,17 @@ class HeartbeatMonitor:
             self.store.set(self._evicted_key(r), "1")
 
     @property
+    def store_failing(self) -> bool:
+        """The job's store did not answer this rank's watchdog at its last try."""
+        return self._store_failing_since is not None
+
+    @property
+    def store_lost(self) -> bool:
+        """The job's store has not answered for ``STORE_LOSS_TIMEOUTS`` heartbeat timeouts: its host
+        is gone, and without it no failure can be named or recovered from."""
+        return self._store_lost
+
+    @property
     def silent_ranks(self) -> frozenset[int]:
         """Dead ranks named by the heartbeat timeout alone (their beacon went too: a lost node)."""
         with self._lock:
@@ -344,10 +362,16 @@ class HeartbeatMonitor:
                 self._publish(self._clock())
                 self._poll()
                 self._store_errors = 0
+                self._store_failing_since = None
             except Exception as err:  # a store hiccup must not end the watchdog
                 self._store_errors += 1
+                now = self._clock()
                 if self._store_errors == 1:
-                    logger.warning("heartbeat: store operation failed on rank %d: %s", self.rank, err)
+                    self._store_failing_since = now
+                    logger.warning("heartbeat: store operation failed on rank %d: %s",
+                                   self.rank, str(err).splitlines()[0])
+                elif not self._store_lost and now - self._store_failing_since > STORE_LOSS_TIMEOUTS * self.timeout_s:
+                    self._store_lost = True
             next_at += self.interval_s
             # Fixed cadence, but never a burst of catch-up beats after a stall.
             next_at = max(next_at, self._clock())

@@ -194,6 +194,7 @@ def _beacon_main(page: mmap.mmap, parent: int, interval_s: float, store_timeout_
     evicted_seen = False
     state = None
     stopped_since = None
+    failing = False
     next_at = time.monotonic()
     while True:
         gone = parent_died or os.getppid() != parent
@@ -224,10 +225,13 @@ def _beacon_main(page: mmap.mmap, parent: int, interval_s: float, store_timeout_
                     print(f"heartbeat: beacon fences pid {parent}: the other ranks left it behind",
                           file=sys.stderr, flush=True)
                     os.kill(parent, signal.SIGKILL)
+                failing = False
             except Exception as err:  # noqa: BLE001 - a store hiccup must not end the beacon
                 if gone:
                     return
-                logger.warning("heartbeat beacon: store operation failed: %s", err)
+                if not failing:  # once per spell: a store that is gone fails every beat
+                    logger.warning("heartbeat beacon: store operation failed: %s", str(err).splitlines()[0])
+                failing = True
         struct.pack_into("<q", page, _ACK_AT, version)
         if gone:
             return

@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron.resihp.logging_utils import EventLog, log_line, rank_name
+from megatron.resihp.logging_utils import EventLog, log_line
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.raised_faults import RaisedFaults
@@ -182,7 +182,10 @@ class ResilientMegatronLoop:
         self.phases.enter(Position(number, Phase.STEP))  # a step is never skipped: nobody is past it
         if self._count_at == number:
             self._count_microbatches()
-        self.hooks.before_iteration(number, None, None)
+        try:
+            self.hooks.before_iteration(number, None, None)
+        except StopTraining as stop:  # the job's store is gone
+            self._leave(number, stop)
         step = self._original["train_step"]
         start = time.perf_counter()
         while True:
@@ -319,12 +322,15 @@ class ResilientMegatronLoop:
             self.hooks.recover(number, error, self.hooks.run.objects, consumed,
                                list(self.hooks.run.quotas), completed=number if stepped else None)
         except StopTraining as stop:
-            log_line(f" resihp: {rank_name(self.hooks.run.rank, self.hooks.run.identity)} leaving at iteration "
-                     f"{number}: {stop}")
-            self.events.emit("exit", number, exit_code=stop.exit_code, reason=str(stop))
-            self.events.close()
-            sys.exit(stop.exit_code)
+            self._leave(number, stop)
         self._take_over(*self.handles, old_config, consumed)
+
+    def _leave(self, number: int, stop: StopTraining) -> None:
+        """This rank leaves the job at iteration ``number``, as ``stop`` says."""
+        log_line(f" resihp: {self.hooks.me} leaving at iteration {number}: {stop}")
+        self.events.emit("exit", number, exit_code=stop.exit_code, reason=str(stop))
+        self.events.close()
+        sys.exit(stop.exit_code)
 
     def _take_over(self, model, optimizer, opt_param_scheduler, old_config, consumed: int) -> None:
         """Make the loop's handles the re-formed world's objects, and Megatron's globals its size."""

@@ -41,12 +41,13 @@ def await_failed_ranks(monitor, wait_s: float, settle_s: float = 0.0, poll_s: fl
     """Ranks the heartbeat monitor names dead or hung, waiting up to ``wait_s`` for a name.
 
     Once one is named, a further ``settle_s`` lets ranks that failed together (a node, a switch)
-    be named too, so the plan is made once for all of them rather than once per name.
+    be named too, so the plan is made once for all of them rather than once per name. None is
+    named once the job's store is lost.
     """
     deadline = time.monotonic() + wait_s
     while True:
         failed = monitor.dead_ranks | monitor.hung_ranks
-        if failed or time.monotonic() > deadline:
+        if failed or monitor.store_lost or time.monotonic() > deadline:
             break
         time.sleep(poll_s)
     if failed and settle_s > 0:

@@ -297,6 +297,8 @@ class ResilienceHooks:
     def before_iteration(self, iteration: int, objects, quotas):
         self.iteration = iteration
         if self.monitor is not None:
+            if self.monitor.store_lost and self.can_recover:
+                self.recovery.leave_without_store(iteration, iteration)
             self.monitor.beat(iteration)
         self.apply_faults(iteration)
         return objects, quotas

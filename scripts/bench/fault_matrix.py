@@ -33,8 +33,10 @@ leaves no replica whole falls back). Megatron logs no loss for an iteration whos
 before the failure surfaced on the logging rank: such an iteration counts as exact when every
 loss logged matches (the table says how many were not logged).
 
-Not covered (yet): an exception raised inside one rank's step on the resihp loop, failures during
-the data loader's first batch, and the store host's death.
+Not covered (yet): an exception raised inside one rank's step on the resihp loop, and failures
+during the data loader's first batch. The store host's death is not a case here: the store lives in
+the launcher, whose ranks die with it; ``tests/dist/test_megatron_loop_resilience.py`` kills
+torchrun's agent, whose ranks outlive it, instead.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -190,6 +191,49 @@ def test_a_rank_stopped_from_outside_is_named_hung_and_survived_in_place(tmp_pat
     adapted = read_events(events, "adapted")
     assert len(adapted) == 1 and adapted[0]["world_size"] == 4 and adapted[0]["failed_ranks"] == [5], adapted
     assert_same_training(output, tmp_path / "ckpt", failure_free)
+
+
+def test_when_the_jobs_store_dies_every_rank_leaves_with_the_cause_and_the_checkpoint_to_resume_from(tmp_path):
+    # torchrun's agent hosts the job's store, and its ranks outlive it (scripts/launch_local.py's
+    # die with it, by design). Without the store no failure can be named or survived: every rank
+    # leaves within seconds with exit 3, naming the cause and the last periodic checkpoint, rather
+    # than training on unprotected or dying in its next collective.
+    events, log = tmp_path / "events.jsonl", tmp_path / "job.log"
+    args = _replaced(resilient(tmp_path, events), {"--tensor-model-parallel-size": "1", "--train-iters": "60"})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           str(REPO / "pretrain_gpt_resilient.py"), *args, "--save-interval", "2"]
+    with open(log, "w") as out:  # a file: the ranks write on after the agent is gone
+        agent = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            _wait_for(lambda: any(r["iteration"] >= 3 for r in read_events(events, "iteration")), 300, log)
+        finally:
+            agent.kill()
+            agent.wait()
+    _wait_for(lambda: len(read_events(events, "exit")) == 4, 120, log)
+    output = log.read_text()
+    exits = {e["rank"]: e["exit_code"] for e in read_events(events, "exit")}
+    assert exits == {0: 3, 1: 3, 2: 3, 3: 3}, output[-3000:]
+    lost = read_events(events, "store_lost")
+    saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    assert len(lost) == 4 and {e["last_checkpoint"] for e in lost} == {saved} and saved >= 2, lost
+    assert "stopped answering (the process or node that hosts it is gone)" in output, output[-3000:]
+    assert "resume with: python scripts/launch_local.py --nproc-per-node 4" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
+def _replaced(args: list[str], values: dict[str, str]) -> list[str]:
+    """``args`` with the value after each flag in ``values`` replaced."""
+    out = list(args)
+    for flag, value in values.items():
+        out[out.index(flag) + 1] = value
+    return out
+
+
+def _wait_for(condition, timeout_s: float, log) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
 
 
 def test_with_no_replica_left_whole_the_job_resumes_from_megatrons_checkpoint_by_the_printed_command(
