@@ -65,10 +65,10 @@ _OTHER_PLACEMENT = {
 # --resihp-* settings that need the fail-slow detector, which runs on the resihp loop only for now.
 _FAIL_SLOW_ONLY = ("detect_only", "trace", "verify_iters", "verify_margin")
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
-# state), this rank's optimizer step, the iteration's log, an evaluation, and a save as it begins and
-# once this rank's files are written (Megatron's save has no rename; its shutdown has no injection
-# point yet).
-_PHASES = (None, "reform", "rendezvous", "optimizer", "log", "eval", "save", "save-write")
+# state), this rank's optimizer step, the iteration's log, an evaluation, a save as it begins and
+# once this rank's files are written (Megatron's save has no rename), and the job's end, as
+# ``pretrain()`` returns.
+_PHASES = (None, "reform", "rendezvous", "optimizer", "log", "eval", "save", "save-write", "shutdown")
 
 
 def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
@@ -395,7 +395,9 @@ class ResilientMegatronLoop:
             torch.set_rng_state(state)
 
     def close(self) -> None:
+        """As ``pretrain()`` returns: training, its last save and evaluation are done."""
         if self.hooks is not None:
+            self.hooks.inject(self.phases.position.iteration, "shutdown")
             self.hooks.close()
         if self.events is not None:
             self.events.close()

@@ -232,9 +232,9 @@ class ResilienceHooks:
                  f"({shut} connections shut in {(time.perf_counter() - start) * 1e3:.1f} ms)")
 
     def inject(self, iteration: int, phase: str) -> None:
-        """Injected kills aimed at a phase of a recovery (a second failure during an adaptation)."""
+        """Injected kills aimed at ``phase`` (of a recovery, a save, the step, the job's end)."""
         for fault in self.faults:
-            if fault.during == phase and fault.active(iteration):
+            if fault.kind is FaultKind.KILL and fault.during == phase and fault.active(iteration):
                 self.events.emit("inject", iteration, fault=fault.spec())
                 log_line(f" {self.me}: injecting {fault.spec()}")
                 os.kill(os.getpid(), signal.SIGKILL)

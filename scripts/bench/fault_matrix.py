@@ -25,8 +25,8 @@ event) to the first iteration finished after the last adaptation.
 ``--loop megatron`` runs the same job on Megatron-LM's own loop (``--resihp-loop megatron``,
 checkpoints in Megatron's torch format, an evaluation every 2 iterations), with the faults that
 loop takes: the signals, kills as a rank's optimizer step returns, as the iteration is logged, as
-an evaluation and a save begin and once a rank's checkpoint files are written, a second failure in a recovery's re-form and
-rendezvous, an error of one rank's own raised in its forward, backward or optimizer step
+an evaluation and a save begin and once a rank's checkpoint files are written, as the job ends, a
+second failure in a recovery's re-form and rendezvous, an error of one rank's own raised in its forward, backward or optimizer step
 (``raise:``: that rank leaves, exit 4, and the others go on as after a kill), a hang, and the
 cascades (its plans keep every rank at its stage, so a failure that
 leaves no replica whole falls back). Megatron logs no loss for an iteration whose step finished
@@ -110,6 +110,7 @@ def megatron_cases() -> list[Case]:
     for phase, rank in (("reform", 0), ("rendezvous", 4)):
         out.append(Case(f"kill 5 at 4, then rank {rank} during {phase}",
                         ("kill:rank=5,at=4", f"kill:rank={rank},at=4,during={phase}")))
+    out.append(Case("kill rank 3 during shutdown", ("kill:rank=3,at=8,during=shutdown",)))
     for phase in RAISE_PHASES:
         out.append(Case(f"rank 5 raises in its {phase} at 4", (f"raise:rank=5,at=4,during={phase}",)))
     out.append(Case("hang rank 5 at 4", ("hang:rank=5,at=4",)))

@@ -193,6 +193,18 @@ def test_a_rank_stopped_from_outside_is_named_hung_and_survived_in_place(tmp_pat
     assert_same_training(output, tmp_path / "ckpt", failure_free)
 
 
+def test_a_rank_killed_as_the_job_ends_leaves_it_finished(tmp_path, failure_free):
+    # After the last iteration and its save, as pretrain() returns: nothing is left to survive, and
+    # the job ends as a finished one (the launcher counts the killed rank as failed, not the job).
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), "--resihp-inject",
+                       f"kill:rank=5,at={ITERATIONS},during=shutdown"], timeout_s=420)
+    check(proc)
+    assert "rank 5 exited with signal SIGKILL" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert [e["rank"] for e in read_events(events, "inject")] == [5] and not read_events(events, "adapted")
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
+
+
 def test_when_the_jobs_store_dies_every_rank_leaves_with_the_cause_and_the_checkpoint_to_resume_from(tmp_path):
     # torchrun's agent hosts the job's store, and its ranks outlive it (scripts/launch_local.py's
     # die with it, by design). Without the store no failure can be named or survived: every rank
