@@ -34,7 +34,7 @@ before the failure surfaced on the logging rank: such an iteration counts as exa
 loss logged matches (the table says how many were not logged).
 
 Not covered (yet): an exception raised inside one rank's step on the resihp loop, and failures
-during the data loader's first batch. The store host's death is not a case here: the store lives in
+before the first iteration (model build, checkpoint load, the loaders' set-up). The store host's death is not a case here: the store lives in
 the launcher, whose ranks die with it; ``tests/dist/test_megatron_loop_resilience.py`` kills
 torchrun's agent, whose ranks outlive it, instead.
 """
@@ -111,6 +111,9 @@ def megatron_cases() -> list[Case]:
         out.append(Case(f"kill 5 at 4, then rank {rank} during {phase}",
                         ("kill:rank=5,at=4", f"kill:rank={rank},at=4,during={phase}")))
     out.append(Case("kill rank 3 during shutdown", ("kill:rank=3,at=8,during=shutdown",)))
+    # Megatron's loop reads an iteration's batches inside its step: the loader's first batch is
+    # iteration 1's, before any state was trained.
+    out.append(Case("kill rank 5 at 1, before its first batch", ("kill:rank=5,at=1",)))
     for phase in RAISE_PHASES:
         out.append(Case(f"rank 5 raises in its {phase} at 4", (f"raise:rank=5,at=4,during={phase}",)))
     out.append(Case("hang rank 5 at 4", ("hang:rank=5,at=4",)))
