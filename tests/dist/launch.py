@@ -85,6 +85,13 @@ def assert_moved_as_planned(path: Path, at_least: int = 1) -> None:
         assert moved == planned, f"iteration {iteration}: planned {planned}\nmoved {moved}"
 
 
+def running_quotas(path: Path) -> list[int] | None:
+    """The micro-batch quotas the job last ran with after a change: the last re-plan's, or the
+    quotas a rollback went back to (None: never changed)."""
+    changes = read_events(path, "adapted") + read_events(path, "rolled_back")
+    return max(changes, key=lambda e: (e["iteration"], e["time"]))["quotas"] if changes else None
+
+
 def decisions(path: Path) -> str:
     """What a job judged and did (faults, suspicions, probes' outcomes, plans), one line each, for
     failure messages."""

@@ -30,7 +30,8 @@ import pytest
 
 from resihp_ext.schedule import one_f_one_b
 from resihp_ext.detection.traces import load_trace
-from tests.dist.launch import CORE_SPEED_SPREAD, check, decisions, iteration_losses, read_events, run_job
+from tests.dist.launch import (CORE_SPEED_SPREAD, check, decisions, iteration_losses, read_events, run_job,
+                               running_quotas)
 
 NPROC, TP, PP, DP = 8, 2, 2, 2
 MICRO_BATCH, GLOBAL_BATCH = 2, 16
@@ -299,8 +300,8 @@ def test_a_rank_whose_bursts_stop_is_found_fast_again_and_its_work_comes_back(tm
         assert back[0]["evidence"]["probe_iteration"] >= back[0]["iteration"] + 30 - 1, context  # a whole window
     plans = [p for p in read_events(log, "plan") if p["iteration"] >= back[0]["evidence"]["confirm_probe_iteration"]]
     assert plans and plans[0]["slow_rank_factors"].get("3", 1.0) < 1.2, context
-    adapted = [a["quotas"] for a in read_events(log, "adapted")]
-    assert not adapted or adapted[-1] == [4, 4], (adapted, context)
+    # Whatever moved them last (a re-plan, or a rollback of one that did not pay) left them even.
+    assert running_quotas(log) in (None, [4, 4]), f"quotas {running_quotas(log)}{context}"
 
 
 def test_alternate_detection_times_each_iteration_with_detection_on_or_off(tmp_path):
