@@ -95,8 +95,9 @@ class FailStopRecovery:
         start = time.perf_counter()
         run = host.run
         old_rank = run.rank  # also when a grown world's rendezvous failed and no world is left
+        resume_at = iteration if completed is None else completed + 1  # the first iteration not done
         if self._store_gone():
-            self.leave_without_store(iteration, iteration if completed is None else completed + 1)
+            self.leave_without_store(iteration, resume_at)
         # An error that torch.distributed did not raise is this rank's own, unless the heartbeats
         # name a failed peer soon (a dead peer is named within a heartbeat timeout): a rank that
         # left on a healthy peer's error would cost the job a replica.
@@ -126,7 +127,7 @@ class FailStopRecovery:
             named = recovery.await_failed_ranks(host.monitor, wait_s=wait_s,
                                                 settle_s=2 * cfg.heartbeat_interval_s) - outside
             if host.monitor.store_lost:
-                self.leave_without_store(iteration, iteration if completed is None else completed + 1)
+                self.leave_without_store(iteration, resume_at)
             if not named - failed and not leaving:
                 raise error
             run = run.replace(generation=run.generation + 1)
@@ -238,7 +239,7 @@ class FailStopRecovery:
                     + (f": iteration {last + 1} is trained again" if redo == 1 else
                        f": iterations {last + 1}-{resume_at - 1} are trained again" if redo > 1 else ""))
         if last is not None and run.rank == 0:
-            log_line(f" resihp: resume with: {resume_command(sys.argv, len(run.identity), args.save)}")
+            log_line(f" resihp: resume with: {resume_command(sys.argv, len(host.launch_layout.world_ranks), args.save)}")
         host.events.emit("store_lost", resume_at, address=address, last_checkpoint=last)
         raise StopTraining(1 if last is None else EXIT_NEEDS_RESTART, cause + then)
 
