@@ -15,7 +15,6 @@ chosen again. One that left ranks out is not rolled back (that would take the le
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 
@@ -30,7 +29,6 @@ from resihp_ext.faults import FaultKind
 from resihp_ext.layout import Layout
 from resihp_ext.planner.adaptation_check import AdaptationTrial, RejectedPlans
 from resihp_ext.planner.fail_slow import decide_fail_slow
-from resihp_ext.schedule import OpKind
 from resihp_ext.shard_map import transfers as shard_transfers
 
 # Iterations before a re-plan whose median is the time it is judged against: the verdict comes a few
@@ -44,24 +42,20 @@ class FailSlowReplan:
     def __init__(self, host):
         self.host = host
         self.recent_s: list[float] = []  # this rank's last iteration seconds
-        self.recent_unit_s: list[float] = []  # and its compute seconds per micro-batch in them
         self.trial: AdaptationTrial | None = None
         self.trial_s: list[float] = []  # the agreed iteration seconds since the re-plan on trial
-        self.trial_unit_s: list[float] = []  # the agreed healthy micro-batch seconds in them
         self.rejected = RejectedPlans()  # changes rolled back in this world
 
-    def measured(self, elapsed_s: float, ops) -> None:
-        """This rank's seconds for the iteration just run (before detection's own work), and its
-        op records (kind, micro-batch, start, end) in it."""
+    def measured(self, elapsed_s: float) -> None:
+        """This rank's seconds for the iteration just run (before detection's own work)."""
         self.recent_s = [*self.recent_s[-(BEFORE_ITERS - 1):], elapsed_s]
-        self.recent_unit_s = [*self.recent_unit_s[-(BEFORE_ITERS - 1):], _seconds_per_microbatch(ops)]
 
-    def _agreed(self, seconds: float, unit_s: float) -> tuple[float, float]:
-        """The slowest rank's ``seconds`` and the fastest rank's ``unit_s`` (a healthy micro-batch's
-        compute time): numbers every rank of the world holds, so that every rank judges a trial alike."""
-        value = torch.tensor([seconds, -unit_s], dtype=torch.float64)
+    def _agreed(self, seconds: float) -> float:
+        """The slowest rank's ``seconds``: one number every rank of the world holds, so that every
+        rank judges a trial alike."""
+        value = torch.tensor([seconds], dtype=torch.float64)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.host.run.messages)
-        return float(value[0]), -float(value[1])
+        return float(value.item())
 
     def _misjudge(self) -> dict[int, float]:
         """``misjudge:`` faults in force, by rank of this world (every rank plans with them)."""
@@ -104,15 +98,12 @@ class FailSlowReplan:
             self.change_layout(plan.layout, plan.transfers, iteration)
         host.commit(host.run.replace(quotas=tuple(plan.quotas)), world_changed=False)
         if host.cfg.verify_iters and host.run.layout.world_ranks == run.layout.world_ranks and self.recent_s:
-            before_s, before_unit_s = self._agreed(statistics.median(self.recent_s),
-                                                   statistics.median(self.recent_unit_s))
             self.trial = AdaptationTrial(
-                iteration=iteration, before_s=before_s,
-                before_unit_s=before_unit_s if math.isfinite(before_unit_s) else None,
+                iteration=iteration, before_s=self._agreed(statistics.median(self.recent_s)),
                 predicted_before_s=plan.iteration_s_before, predicted_after_s=plan.iteration_s_after,
                 old_layout=run.layout, old_quotas=tuple(run.quotas), new_layout=host.run.layout,
                 new_quotas=tuple(plan.quotas), window_iters=host.cfg.verify_iters, margin=host.cfg.verify_margin)
-            self.trial_s, self.trial_unit_s = [], []
+            self.trial_s = []
         duration = time.perf_counter() - start
         # Refit: the known slow device is the new normal; only a further change should alarm.
         host.live.detector.reset(forget_predictor=True)
@@ -126,9 +117,8 @@ class FailSlowReplan:
         return host.run
 
     def check_trial(self, iteration: int, elapsed_s: float) -> RunState:
-        """With a re-plan on trial: measure ``iteration`` (``elapsed_s`` on this rank, and its
-        micro-batches as ``measured`` recorded them) and, once the trial's window is full, keep the
-        re-plan or roll it back.
+        """With a re-plan on trial: measure ``iteration`` (``elapsed_s`` on this rank) and, once the
+        trial's window is full, keep the re-plan or roll it back.
 
         Returns:
             The run state to go on from (committed on ``host``).
@@ -136,10 +126,8 @@ class FailSlowReplan:
         host, trial = self.host, self.trial
         if trial is None:
             return host.run
-        seconds, unit_s = self._agreed(elapsed_s, self.recent_unit_s[-1])
-        self.trial_s.append(seconds)
-        self.trial_unit_s.append(unit_s)
-        verdict = trial.judge(self.trial_s, self.trial_unit_s if all(map(math.isfinite, self.trial_unit_s)) else None)
+        self.trial_s.append(self._agreed(elapsed_s))
+        verdict = trial.judge(self.trial_s)
         if verdict is None:
             return host.run
         self.trial = None
@@ -213,10 +201,3 @@ class FailSlowReplan:
         dist.destroy_process_group()
         raise StopTraining(0, f"{rank_name(old_rank, self.host.run.identity)} is a spare after the re-plan; its "
                               f"shards were handed over")
-
-
-def _seconds_per_microbatch(ops) -> float:
-    """Wall seconds of this rank's forward and backward ops per micro-batch in one iteration (inf
-    without any: such a rank is never the healthy reference)."""
-    forwards = sum(1 for op in ops if op[0] == OpKind.FORWARD.value)
-    return sum(end - start for _, _, start, end in ops) / forwards if forwards else float("inf")

@@ -416,7 +416,7 @@ class ResilienceHooks:
     def after_iteration(self, iteration: int, elapsed_s: float, result, objects, quotas):
         if self.live is None:
             return objects, quotas
-        self.replan.measured(elapsed_s, result.ops)
+        self.replan.measured(elapsed_s)
         mine = self.live.observation(result.iteration_s, result.ops, result.features, result.busy)
         gathered, settled = self.live.observe(iteration, mine)
         if self.trace is not None and gathered is not None:

@@ -2,13 +2,8 @@
 
 Responsible for judging a re-plan by what it did, not by what the cost model said it would do:
 the iterations after it are measured against the iterations before it and against the plan's
-prediction, in seconds and, when the executor measures it, in units of a healthy micro-batch's
-compute time (the fastest rank's seconds per micro-batch in the same iteration). The second
-keeps a host or cluster that slows down for every rank between the two windows (another job's
-load) from passing for the plan's doing; the first keeps a slowdown that itself takes compute
-from healthy ranks (a slow rank spinning on a core they share) from hiding the plan's gain. A
-re-plan after which the job runs no faster than before (by more than the noise margin) in either
-did not pay and is rolled back (a wrong rollback also bars the change for good, so it needs both); one that paid but missed its prediction is kept, because
+prediction. A re-plan after which the job runs no faster than before (by more than the noise
+margin) did not pay and is rolled back; one that paid but missed its prediction is kept, because
 going back would make the job slower, and the miss is recorded as the cost model's error. A plan
 rolled back is not tried again (``RejectedPlans``).
 
@@ -40,8 +35,6 @@ class AdaptationTrial:
         window_iters: iterations measured before judging.
         margin: the share by which the job must run faster than before for the plan to count as
             paying (timing noise on a shared host is of this order).
-        before_unit_s: a healthy micro-batch's compute seconds over the same iterations as
-            ``before_s`` (None: iterations are compared in seconds).
     """
 
     iteration: int
@@ -55,7 +48,6 @@ class AdaptationTrial:
     settle_iters: int = 1
     window_iters: int = 3
     margin: float = 0.05
-    before_unit_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.window_iters < 1:
@@ -66,44 +58,31 @@ class AdaptationTrial:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
         if not self.before_s > 0:
             raise ValueError(f"before_s must be > 0 (a measured iteration), got {self.before_s}")
-        if self.before_unit_s is not None and not self.before_unit_s > 0:
-            raise ValueError(f"before_unit_s must be > 0 (a measured micro-batch), got {self.before_unit_s}")
 
     @property
     def iterations_needed(self) -> int:
         """Iterations after the change before the trial can be judged."""
         return self.settle_iters + self.window_iters
 
-    def judge(self, after_s: Sequence[float], after_unit_s: Sequence[float] | None = None) -> TrialVerdict | None:
-        """The verdict from the iterations measured since the change (None: too few yet).
+    def judge(self, after_s: Sequence[float]) -> TrialVerdict | None:
+        """The verdict from the iteration seconds measured since the change (None: too few yet).
 
         Args:
             after_s: seconds of each iteration after the change, in order, the settling ones first.
-            after_unit_s: a healthy micro-batch's compute seconds in each of them (used when the
-                trial has ``before_unit_s``).
         """
         if len(after_s) < self.iterations_needed:
             return None
-        window = slice(self.settle_iters, self.iterations_needed)
-        measured = statistics.median(after_s[window])
-        gain = self.before_s / measured
-        basis = ""
-        if self.before_unit_s is not None and after_unit_s is not None:
-            units = statistics.median(s / u for s, u in zip(after_s[window], after_unit_s[window]))
-            unit_gain = (self.before_s / self.before_unit_s) / units
-            host = statistics.median(after_unit_s[window]) / self.before_unit_s
-            basis = f"; in healthy micro-batch times {unit_gain:.2f}x, the compute {host:.2f}x as long as before"
-            gain = max(gain, unit_gain)
-        paid = gain > 1.0 / (1.0 - self.margin)
+        measured = statistics.median(after_s[self.settle_iters:self.iterations_needed])
+        paid = measured < self.before_s * (1.0 - self.margin)
         error = measured / self.predicted_after_s - 1.0 if self.predicted_after_s > 0 else None
+        gain = self.before_s / measured
         if paid:
             reason = (f"kept: {measured:.3f} s per iteration against {self.before_s:.3f} s before "
-                      f"({self.before_s / measured:.2f}x as fast{basis}; predicted {self.predicted_after_s:.3f} s)")
+                      f"({gain:.2f}x faster; predicted {self.predicted_after_s:.3f} s)")
         else:
             reason = (f"rolled back: {measured:.3f} s per iteration against {self.before_s:.3f} s before "
-                      f"({self.before_s / measured:.2f}x as fast{basis}; not faster by the {self.margin:.0%} margin"
-                      f"{' in either' if basis else ''}; "
-                      f"predicted {self.predicted_after_s:.3f} s)")
+                      f"({gain:.2f}x, not faster by the {self.margin:.0%} margin; predicted "
+                      f"{self.predicted_after_s:.3f} s)")
         return TrialVerdict(keep=paid, measured_after_s=measured, before_s=self.before_s,
                             predicted_after_s=self.predicted_after_s, prediction_error=error, reason=reason)
 

@@ -47,30 +47,12 @@ def test_a_replan_that_paid_but_missed_its_prediction_is_kept_and_its_error_reco
     assert verdict.keep and verdict.prediction_error == pytest.approx(1.0)
 
 
-def test_a_host_that_slows_every_rank_down_is_not_taken_for_a_plan_that_did_not_pay():
-    # Before: 1.0 s per iteration with a healthy micro-batch at 0.05 s (20 units). After: the host
-    # got 2x slower for every rank (another job started), and the plan halved the units.
-    after_s, after_unit_s = [1.0, 1.0, 1.05, 1.0], [0.1, 0.1, 0.1, 0.1]
-    verdict = _trial(before_s=1.0, before_unit_s=0.05).judge(after_s, after_unit_s)
-    assert verdict.keep and "healthy micro-batch times 2.00x" in verdict.reason
-    # In seconds alone the same iterations read as a plan that did not pay.
-    assert not _trial(before_s=1.0).judge(after_s).keep
-    # A slow rank that spun on a core the healthy ones share slowed them too; fewer micro-batches
-    # on it give them their core back: faster in seconds, level in units. The plan paid.
-    assert _trial(before_s=1.0, before_unit_s=0.05).judge([1.0, 0.55, 0.55, 0.55], [0.028] * 4).keep
-    # A plan that made the job slower in both is rolled back.
-    worse = _trial(before_s=1.0, before_unit_s=0.05).judge([1.0, 1.2, 1.2, 1.2], [0.05] * 4)
-    assert not worse.keep and "in either" in worse.reason
-
-
 def test_bad_trial_settings_are_refused():
     for bad in ({"window_iters": 0}, {"settle_iters": -1}, {"margin": 1.0}):
         with pytest.raises(ValueError):
             _trial(**bad)
     with pytest.raises(ValueError, match="before_s"):
         _trial(before_s=0.0)
-    with pytest.raises(ValueError, match="before_unit_s"):
-        _trial(before_unit_s=0.0)
 
 
 def test_a_rolled_back_change_is_not_chosen_again_from_the_same_start():
