@@ -8,7 +8,7 @@ the verdict names the rank slowed after the detector's warm-up, a plan is applie
 import pytest
 
 from tests.dist.launch import (CORE_SPEED_SPREAD, EXACT_GPT, assert_same_losses, check, decisions, iteration_losses,
-                               moves_against_plans, read_events, run_job)
+                               moves_against_plans, read_events, run_job, running_quotas)
 
 MODEL = [*EXACT_GPT, "--train-iters", "34"]
 
@@ -99,7 +99,12 @@ def test_a_slow_rank_that_recovers_gets_its_micro_batches_back(tmp_path, referen
     before = [a for a in adapted if slow[0]["iteration"] <= a["iteration"] < back[0]["iteration"]]
     after = [a for a in adapted if a["iteration"] >= back[0]["evidence"]["confirm_probe_iteration"]]
     assert before and before[-1]["quotas"][1] < before[-1]["quotas"][0], decisions(log)
-    assert after and after[0]["quotas"] == [4, 4], decisions(log)
+    # On a busy host the trial after the first re-plan can read the iterations of another job's
+    # load as the plan's and roll it back (seen here with a suite running beside it): the
+    # micro-batches are then back before the recovery, which has none left to give.
+    rolled = [r for r in read_events(log, "rolled_back") if r["iteration"] <= back[0]["iteration"]]
+    assert (after and after[0]["quotas"] == [4, 4]) or rolled, decisions(log)
+    assert running_quotas(log) == [4, 4], decisions(log)
     assert_same_losses(log, reference_losses, 34)
 
 
@@ -178,6 +183,10 @@ def test_a_replan_that_does_not_pay_is_rolled_back_and_not_made_again(tmp_path, 
     assert checks[0]["iteration"] == wrong[0]["iteration"] + 4  # one settling iteration, three measured
     assert checks[0]["measured_after_s"] > checks[0]["before_s"]
     back = read_events(log, "rolled_back")
-    assert [(b["iteration"], b["quotas"]) for b in back] == [(checks[0]["iteration"], [4, 4])], decisions(log)
+    assert [(b["iteration"], b["quotas"]) for b in back][:1] == [(checks[0]["iteration"], [4, 4])], decisions(log)
     assert [p["quotas"] for p in wrong[1:]].count(wrong[0]["quotas"]) == 0, decisions(log)
+    # A later verdict (seen in CI: the slow rank's first estimate 4.9x, then "faster again" at 2.7x)
+    # can lead the misled planner to another change the same way; it is on trial too, and goes back.
+    assert all(not c["kept"] for c in checks) and len(back) == len(checks), decisions(log)
+    assert running_quotas(log) == [4, 4], decisions(log)
     assert_same_losses(log, reference_losses, 34)
