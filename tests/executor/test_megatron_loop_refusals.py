@@ -20,7 +20,8 @@ def megatron_args(**changes) -> argparse.Namespace:
 
 def test_a_plain_job_with_kills_hangs_and_recovery_phase_kills_may_run():
     cfg = ResiHPConfig(enable=True, inject=["kill:rank=1,at=2", "hang:rank=2,at=3", "kill:rank=3,at=4,during=reform",
-                                            "kill:rank=4,at=4,during=rendezvous"])
+                                            "kill:rank=4,at=4,during=rendezvous", "kill:rank=5,at=8,during=shutdown",
+                                            "raise:rank=6,at=2,during=backward"])
     assert unsupported_flags(megatron_args(), cfg) == []
     # Its failures fall back to the last checkpoint (no copy of a dead rank's optimizer part).
     assert unsupported_flags(megatron_args(use_distributed_optimizer=True), cfg) == []
@@ -43,7 +44,7 @@ def test_a_plain_job_with_kills_hangs_and_recovery_phase_kills_may_run():
     ({"resihp": ResiHPConfig(enable=True, verify_iters=5)}, "--resihp-verify-iters"),
     ({"resihp": ResiHPConfig(enable=True, inject=["misjudge:rank=1,factor=4,at=3"])}, "--resihp-inject misjudge"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-rename"])}, "during=save-rename"),
-    ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=shutdown"])}, "during=shutdown"),
+    ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-tracker"])}, "during=save-tracker"),
 ])
 def test_each_feature_not_carried_yet_is_named(changes, named):
     found = unsupported_flags(megatron_args(**changes), changes.get("resihp", ResiHPConfig(enable=True)))
