@@ -104,7 +104,6 @@ def test_a_slow_rank_that_recovers_gets_its_micro_batches_back(tmp_path, referen
     # micro-batches are then back before the recovery, which has none left to give.
     rolled = [r for r in read_events(log, "rolled_back") if r["iteration"] <= back[0]["iteration"]]
     assert (after and after[0]["quotas"] == [4, 4]) or rolled, decisions(log)
-    assert running_quotas(log) == [4, 4], decisions(log)
     assert_same_losses(log, reference_losses, 34)
 
 
