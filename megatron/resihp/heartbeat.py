@@ -225,7 +225,6 @@ class HeartbeatMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started_at = 0.0
-        self._store_errors = 0
         self._store_failing_since: float | None = None  # first of the store errors in a row
         self._store_lost = False
         self._lateness = HostLateness(interval_s, LATENESS_WINDOW_S, LATENESS_CAP_TIMEOUTS * timeout_s)
@@ -361,12 +360,10 @@ class HeartbeatMonitor:
             try:
                 self._publish(self._clock())
                 self._poll()
-                self._store_errors = 0
                 self._store_failing_since = None
             except Exception as err:  # a store hiccup must not end the watchdog
-                self._store_errors += 1
                 now = self._clock()
-                if self._store_errors == 1:
+                if self._store_failing_since is None:
                     self._store_failing_since = now
                     logger.warning("heartbeat: store operation failed on rank %d: %s",
                                    self.rank, str(err).splitlines()[0])
