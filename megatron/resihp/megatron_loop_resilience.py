@@ -1,4 +1,4 @@
-"""Fail-stop resilience inside Megatron-LM's own training loop (``--resihp-loop megatron``).
+"""Resilience inside Megatron-LM's own training loop (``--resihp-loop megatron``).
 
 Responsible for the patch points of megatron-core 0.19.2's ``megatron.training`` through which this
 process's executor (``ResilienceHooks``, its fail-stop driver and the one life cycle,
@@ -9,7 +9,11 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   re-form can replace them;
 - ``training.train_step``: every iteration beats the heartbeat and applies injected faults (a
   ``raise:`` fault strikes inside the step: ``raised_faults``), then
-  runs Megatron's own step on the current objects. When a collective fails, the survivors agree on
+  runs Megatron's own step on the current objects, its forwards and backwards timed by the
+  schedule hooks (``schedules.RECORDER``). After the step the detector judges the timings; a
+  fail-slow verdict is planned for with the stages kept (the planner moves micro-batches between
+  replicas, ``megatron_loop_quotas`` makes Megatron's step run them) and the re-plan is on trial
+  like on the resihp loop. When a collective fails, the survivors agree on
   a plan and re-form in place; the same iteration then runs again on the new world, or, when this
   rank's optimizer had already stepped, counts as done;
 - ``training.build_pretraining_data_loader``: remembers the datasets, so that a re-formed world's
@@ -37,11 +41,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron.resihp import megatron_loop_quotas as quota_split
+from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.raised_faults import RaisedFaults
 from megatron.resihp.run_state import StopTraining
+from megatron.resihp.schedules import RECORDER, install_hooks
 
 # Megatron flags (as parsed) whose jobs the fail-stop path cannot yet carry through a re-form, and why.
 _UNSUPPORTED = {
@@ -62,8 +69,8 @@ _OTHER_PLACEMENT = {
     "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
     "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
 }
-# --resihp-* settings that need the fail-slow detector, which runs on the resihp loop only for now.
-_FAIL_SLOW_ONLY = ("detect_only", "trace", "verify_iters", "verify_margin")
+# Injected faults this loop carries out: link slowdowns are the resihp loop's only for now.
+_FAULT_KINDS = ("kill", "hang", "raise", "slow", "misjudge")
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
 # state), this rank's optimizer step, the iteration's log, an evaluation, a save as it begins and
 # once this rank's files are written (Megatron's save has no rename), and the job's end, as
@@ -88,17 +95,23 @@ def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
                      f"{args.pipeline_model_parallel_size} (stages are rebuilt with equal layers)")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    for name in _FAIL_SLOW_ONLY:
-        if getattr(cfg, name) != defaults[name]:
-            found.append(f"--resihp-{name.replace('_', '-')} (fail-slow detection runs on --resihp-loop resihp only)")
     for fault in cfg.faults:
-        if fault.kind.value not in ("kill", "hang", "raise"):
-            found.append(f"--resihp-inject {fault.spec()} (fail-slow faults are judged on --resihp-loop resihp only)")
+        if fault.kind.value not in _FAULT_KINDS:
+            found.append(f"--resihp-inject {fault.spec()} (link slowdowns are injected on --resihp-loop resihp only)")
         elif fault.kind.value == "kill" and fault.during not in _PHASES:
             found.append(f"--resihp-inject {fault.spec()} (on this loop a kill can wait for the phases "
                          f"{', '.join(p for p in _PHASES if p)} only)")
     return found
+
+
+@dataclasses.dataclass
+class Timings:
+    """One step's timings as the detector reads them (``ResilienceHooks.after_iteration``)."""
+
+    iteration_s: float  # schedule start to optimizer step end, on this rank
+    ops: list  # (kind, micro-batch, start_s, end_s) of every forward and backward
+    busy: list[float]  # per op, device seconds
+    features: list
 
 
 class ResilientMegatronLoop:
@@ -122,6 +135,8 @@ class ResilientMegatronLoop:
         self._count_at: int | None = None  # the step at which to count micro-batches anew (an iteration behind)
         self._stepped = False
         self._original: dict[str, object] = {}
+        self._quotas_in_use: tuple[int, ...] | None = None  # what the loader, count and loss scale follow
+        self._microbatches: int | None = None  # this replica's count when quotas are uneven
 
     # ------------------------------------------------------------------ patches
     def install(self) -> None:
@@ -191,13 +206,22 @@ class ResilientMegatronLoop:
         while True:
             scheduler_steps = opt_param_scheduler.num_steps
             self._stepped = False
+            result = None
+            self._follow_quotas(self._args().consumed_train_samples)
+            fb = self.forward_backward_func or forward_backward_func
+            if self._microbatches is not None:
+                fb = quota_split.with_microbatches(fb, self._microbatches)
             try:
-                result = step(self.raised.forward_step(forward_step_func, number),
-                              data_iterator if self.train_iterator is None else self.train_iterator,
-                              model, optimizer, opt_param_scheduler, config,
-                              self.forward_backward_func or forward_backward_func, iteration=iteration,
-                              pg_collection=pg_collection,
-                              p2p_communicator=None if self.forward_backward_func else p2p_communicator)
+                RECORDER.start_iteration()
+                try:
+                    result = step(self.raised.forward_step(forward_step_func, number),
+                                  data_iterator if self.train_iterator is None else self.train_iterator,
+                                  model, optimizer, opt_param_scheduler, config, fb, iteration=iteration,
+                                  pg_collection=pg_collection,
+                                  p2p_communicator=None if self.forward_backward_func else p2p_communicator)
+                finally:
+                    RECORDER.active = False
+                self._judge(number, time.perf_counter() - start)
                 break
             except RuntimeError as error:  # torch.distributed reports a dead or stuck peer this way
                 if not self.hooks.can_recover:
@@ -205,17 +229,49 @@ class ResilientMegatronLoop:
                 stepped = self._stepped
                 self.recover_at(Position(number, Phase.STEPPED if stepped else Phase.STEP), error)
             if stepped:
-                # This rank's replica stepped before the failure surfaced (its loss reduction failed):
-                # the iteration is done; its loss is lost to the log.
+                # This rank's replica stepped before the failure surfaced (in its loss reduction, or
+                # while the detector judged the step): the iteration is done; its loss may be lost to
+                # the log.
                 if opt_param_scheduler.num_steps == scheduler_steps:
                     opt_param_scheduler.step(increment=self._args().global_batch_size)
-                result = {}, 0, False, False, 0, None, None, 0
+                result = result or ({}, 0, False, False, 0, None, None, 0)
                 break
             machine = get_rerun_state_machine()  # the failed attempt left it mid-iteration
             machine.state = RerunState.NOT_RUNNING_YET
             machine.current_iteration -= 1
         self._record(number, result, time.perf_counter() - start)
         return result
+
+    def _judge(self, number: int, elapsed_s: float) -> None:
+        """The detector judges iteration ``number``'s timings (every rank: it gathers them); a
+        fail-slow verdict may change the quotas, which the next step follows."""
+        if self.hooks.live is None:
+            return
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        RECORDER.collect()
+        args = self._args()
+        # Megatron's attention costs the square of the sequence per sample whatever documents it
+        # packs, so every micro-batch has the same cost features: (tokens, sum of squares, samples).
+        mbs, seq = args.micro_batch_size, args.seq_length
+        count = self._microbatches or get_num_microbatches()
+        timings = Timings(iteration_s=time.perf_counter() - RECORDER.iteration_start_s, ops=list(RECORDER.ops),
+                          busy=list(RECORDER.busy), features=[(mbs * seq, mbs * seq * seq, mbs)] * count)
+        self.hooks.after_iteration(number, elapsed_s, timings, self.hooks.run.objects, list(self.hooks.run.quotas))
+
+    def _follow_quotas(self, consumed: int) -> None:
+        """Make Megatron's step run the run's quotas (``megatron_loop_quotas``), from ``consumed``
+        samples on, when they are not the ones it runs."""
+        run = self.hooks.run
+        if run.quotas == self._quotas_in_use:
+            return
+        uneven = quota_split.uneven(run.quotas)
+        config = run.objects.config
+        factor = quota_split.loss_factor(run.quotas, run.replica, config.calculate_per_token_loss) if uneven else 1.0
+        config.grad_scale_func = quota_split.scaled_loss(self.handles[1].scale_loss, factor)
+        self._microbatches = run.quotas[run.replica] if uneven else None
+        self._rebuild_iterators(self._args(), consumed, train_only=self._quotas_in_use is not None)
+        self._quotas_in_use = run.quotas
 
     def _record(self, number: int, result, elapsed_s: float) -> None:
         """The iteration's event, from the last rank (Megatron's loss is reported on the last stage)."""
@@ -244,18 +300,25 @@ class ResilientMegatronLoop:
         objects = TrainingObjects(get_model_config(model[0]), model[0], optimizer, opt_param_scheduler,
                                   (args.num_layers // args.pipeline_model_parallel_size,) * args.pipeline_model_parallel_size)
         self.events = EventLog(self.cfg.event_log, dist.get_rank())
+        install_hooks()  # the detector's timings (and injected slowdowns) of every forward and backward
+        RECORDER.use_device(args.device)
         self.hooks = ResilienceHooks(args, self.events, objects, build_objects=self._build_objects,
-                                     detect_fail_slow=False, moves_state=False,
+                                     detect_fail_slow=True, moves_state=False,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
                                      stands_by=False)
+        # Megatron's loop starts with its even split, and its own loader, count and scale run it.
+        self.hooks.run = self.hooks.run.replace(quotas=tuple(even_quotas(
+            args.global_batch_size // args.micro_batch_size, args.data_parallel_size)))
+        self._quotas_in_use = self.hooks.run.quotas
         self.raised = RaisedFaults(self.hooks.faults, self.events, self.hooks.me)
         self._watch_steps(optimizer)
         self.events.emit("start", args.iteration, world_size=dist.get_world_size(), loop="megatron",
                          layers_per_stage=list(objects.layers_per_stage))
         if dist.get_rank() == dist.get_world_size() - 1:
-            log_line(" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place "
-                     f"{'on' if self.hooks.can_recover else 'off (--resihp-enable turns it on)'}; fail-slow "
-                     "detection runs on --resihp-loop resihp")
+            on = "on" if self.hooks.can_recover else "off (--resihp-enable turns it on)"
+            log_line(f" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place {on}; fail-slow "
+                     f"detection {'on' if self.hooks.live is not None else 'off'}, re-plans of the micro-batch "
+                     f"split {'on' if self.cfg.enable else 'off'}")
 
     def _watch_steps(self, optimizer) -> None:
         """Note when this rank's optimizer step returns: a failure after it must not redo the iteration."""
@@ -361,7 +424,8 @@ class ResilientMegatronLoop:
         self.forward_backward_func = get_forward_backward_func()
         args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
         args.data_parallel_size = parallel_state.get_data_parallel_world_size()
-        self._rebuild_iterators(args, consumed)
+        self._quotas_in_use = None  # a new world: its loaders, count and scale are made anew
+        self._follow_quotas(consumed)
 
     def _count_microbatches(self) -> None:
         """Megatron's micro-batch calculator for the re-formed world's data-parallel size (the global
@@ -376,18 +440,27 @@ class ResilientMegatronLoop:
         init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
                                          args.data_parallel_size, args.decrease_batch_size_if_needed)
 
-    def _rebuild_iterators(self, args, consumed: int) -> None:
-        """Loaders for the new data-parallel rank and size, at the samples already consumed (the
-        sampler reads both from the installed groups). The default generator is left where it was:
-        on a CPU it is also dropout's."""
+    def _rebuild_iterators(self, args, consumed: int, train_only: bool = False) -> None:
+        """Loaders for the data-parallel rank, size and quotas of the run, at the samples already
+        consumed (Megatron's sampler reads rank and size from the installed groups); the validation
+        loader too unless ``train_only``. The default generator is left where it was: on a CPU it
+        is also dropout's."""
         from megatron.core.rerun_state_machine import RerunDataIterator
 
         build = self._original["build_pretraining_data_loader"]
+        run = self.hooks.run
         state = torch.get_rng_state()
         try:
             train = self.loaders[0][0] if self.loaders else None
-            self.train_iterator = RerunDataIterator(iter(build(train, consumed))) \
-                if train is not None else None
+            if train is None:
+                self.train_iterator = None
+            elif quota_split.uneven(run.quotas):
+                self.train_iterator = RerunDataIterator(iter(quota_split.quota_loader(
+                    build, train, consumed, args.micro_batch_size, run.quotas, run.replica)))
+            else:
+                self.train_iterator = RerunDataIterator(iter(build(train, consumed)))
+            if train_only:
+                return
             valid = [d for d, _ in self.loaders[1:2] if d is not None]
             self.valid_iterators = RerunDataIterator(iter(build(valid[0], args.consumed_valid_samples))) \
                 if valid else None

@@ -62,8 +62,9 @@ class ResilienceHooks:
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
         groups (the resihp loop's ``model_builder.build_training_objects`` when None). Without
         ``detect_fail_slow`` no op timings are judged (heartbeats and fail-stop recovery run). Without
-        ``moves_state`` a fail-stop plan keeps every rank at the stage it holds, and a fallback
-        points to the last periodic checkpoint instead of assembling one from the survivors. With
+        ``moves_state`` a fail-stop plan keeps every rank at the stage it holds, a fail-slow plan
+        changes the micro-batch quotas alone, and a fallback points to the last periodic checkpoint
+        instead of assembling one from the survivors. With
         ``sharded_optimizer`` (Megatron's distributed optimizer) a dead rank's part of the optimizer
         state has no copy, so every fail-stop falls back to that checkpoint. ``cfg``: the
         ``ResiHPConfig`` (``args.resihp`` when None). Without ``stands_by`` a rank a plan leaves out

@@ -49,15 +49,17 @@ class _Candidate:
 
 def _replica_candidates(
     layout: Layout, index: int, health: Health, hw: HardwareModel, num_microbatches: int,
-    uniform_tp: bool = False,
+    uniform_tp: bool = False, stages_fixed: bool = False,
 ) -> list[_Candidate]:
     model = layout.model
     rep = layout.replicas[index]
     num_stages = rep.num_stages
     has_dead = any(r in health.dead for r in rep.ranks)
-    out: list[_Candidate] = [_Candidate("drop replica", None, None, (), True)]
-    if not has_dead:
-        out.append(_Candidate("keep layout", rep, replica_timing(rep, model, hw, health), (), False))
+    drop = _Candidate("drop replica", None, None, (), True)
+    keep = [] if has_dead else [_Candidate("keep layout", rep, replica_timing(rep, model, hw, health), (), False)]
+    if stages_fixed:
+        return keep or [drop]  # a replica with a dead rank cannot be kept
+    out: list[_Candidate] = [drop, *keep]
     per_stage: list[tuple[TpChoice, ...]] = []
     for p, st in enumerate(rep.stages):
         found = tp_candidates(st.ranks, health, model, hw, stage=p, num_stages=num_stages,
@@ -128,6 +130,7 @@ def plan_adaptation(
     current_quotas: tuple[int, ...] | None = None,
     uniform_tp_per_replica: bool = False,
     reshaped: Iterable[int] = (),
+    stages_fixed: bool = False,
 ) -> Plan:
     """Re-plan ``layout`` for ``health``: the ResiHP policy.
 
@@ -143,6 +146,8 @@ def plan_adaptation(
         reshaped: replicas an earlier plan changed for a slowdown (layers moved off a slow rank);
             they are candidates for change like the affected ones, so that once that rank is fast
             again its layers can go back.
+        stages_fixed: every replica keeps its ranks and layers; only the micro-batch quotas change
+            (what an executor that cannot rebuild stages or drop a replica in place runs).
 
     Returns:
         A Plan: "keep", "adapt" (new layout, quotas, moves) or "checkpoint-restart" with a reason.
@@ -173,7 +178,7 @@ def plan_adaptation(
     options: list[list[_Candidate]] = []
     for r, rep in enumerate(layout.replicas):
         if r in affected:
-            options.append(_replica_candidates(layout, r, health, hw, num_mb, uniform_tp_per_replica))
+            options.append(_replica_candidates(layout, r, health, hw, num_mb, uniform_tp_per_replica, stages_fixed))
             continue
         key = tuple((st.num_layers, st.tp_degree) for st in rep.stages)
         if key not in shared:
@@ -188,7 +193,7 @@ def plan_adaptation(
     # (replicas with a dead rank dropped); every affected replica dropped. The last two are what
     # the DP-only and drop-replica baselines do, so the plan never predicts worse than them.
     def pick(opts: list[_Candidate], label: str) -> _Candidate:
-        return next((c for c in opts if c.label == label), next(c for c in opts if c.replica is None))
+        return next((c for c in opts if c.label == label), next((c for c in opts if c.replica is None), opts[0]))
 
     anchors = [tuple(opts[0] for opts in per_replica),
                tuple(pick(opts, "keep layout") for opts in per_replica),
