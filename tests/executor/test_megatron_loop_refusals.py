@@ -27,6 +27,17 @@ def test_a_plain_job_with_kills_hangs_and_recovery_phase_kills_may_run():
     assert unsupported_flags(megatron_args(use_distributed_optimizer=True), cfg) == []
 
 
+@pytest.mark.parametrize("cfg", [
+    ResiHPConfig(detect_only=True),
+    ResiHPConfig(enable=True, trace="t.jsonl", verify_iters=5, verify_margin=0.1),
+    ResiHPConfig(enable=True, inject=["slow:rank=1,factor=2,at=3", "slow:rank=2,factor=3,at=4,until=9",
+                                      "slow:rank=3,factor=2,at=2,on=2,off=3", "misjudge:rank=1,factor=4,at=3"]),
+], ids=["detect-only", "trace-and-trial", "slowdowns"])
+def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
+    assert unsupported_flags(megatron_args(), cfg) == []
+    assert unsupported_flags(megatron_args(use_distributed_optimizer=True), cfg) == []
+
+
 @pytest.mark.parametrize("changes, named", [
     ({"virtual_pipeline_model_parallel_size": 2}, "--virtual-pipeline-model-parallel-size"),
     ({"context_parallel_size": 2}, "--context-parallel-size"),
@@ -37,12 +48,7 @@ def test_a_plain_job_with_kills_hangs_and_recovery_phase_kills_may_run():
     ({"decoder_first_pipeline_num_layers": 1}, "--decoder-first-pipeline-num-layers"),
     ({"pipeline_model_parallel_layout": "Et|tL"}, "--pipeline-model-parallel-layout"),
     ({"num_layers": 5}, "--num-layers 5"),
-    ({"resihp": ResiHPConfig(detect_only=True)}, "--resihp-detect-only"),
-    ({"resihp": ResiHPConfig(enable=True, trace="t.jsonl")}, "--resihp-trace"),
-    ({"resihp": ResiHPConfig(enable=True, inject=["slow:rank=1,factor=2,at=3"])}, "--resihp-inject slow"),
     ({"resihp": ResiHPConfig(enable=True, inject=["link:src=0,dst=4,factor=9,at=3"])}, "--resihp-inject link"),
-    ({"resihp": ResiHPConfig(enable=True, verify_iters=5)}, "--resihp-verify-iters"),
-    ({"resihp": ResiHPConfig(enable=True, inject=["misjudge:rank=1,factor=4,at=3"])}, "--resihp-inject misjudge"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-rename"])}, "during=save-rename"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-tracker"])}, "during=save-tracker"),
 ])

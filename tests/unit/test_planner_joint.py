@@ -222,3 +222,23 @@ def test_lost_shard_gives_restart_layout_without_bad_nodes():
     assert plan.layout is not None and sum(plan.quotas) == MODEL.num_microbatches
     bad_nodes = {r // 8 for r in dead}
     assert all(r // 8 not in bad_nodes for r in plan.layout.world_ranks)
+
+
+def test_with_stages_fixed_only_the_quotas_change_and_no_replica_is_dropped():
+    # Unconstrained, the planner reshapes the slow rank's replica or drops it; an executor that
+    # cannot rebuild stages (Megatron's loop) is offered the micro-batch split alone.
+    health = Health(speed={16: 0.2})
+    free = plan_adaptation(LAYOUT, health)
+    fixed = plan_adaptation(LAYOUT, health, stages_fixed=True)
+    assert free.layout != LAYOUT and free.spare_ranks
+    assert fixed.action == "adapt" and fixed.layout == LAYOUT and fixed.transfers == () and fixed.spare_ranks == ()
+    assert fixed.quotas[0] < min(fixed.quotas[1:]) and sum(fixed.quotas) == 64
+    assert free.iteration_s_after <= fixed.iteration_s_after < fixed.iteration_s_before
+    # Even a crawling replica keeps at least one micro-batch.
+    small = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
+                      seq_length=64, micro_batch_size=2, global_batch_size=16)
+    layout = Layout.uniform(small, 1, 1, 4)
+    hw = HardwareModel(layer_forward_s=0.002, output_forward_s=0.001, tp_efficiency=1.0, regroup_s=0.5)
+    crawling = plan_adaptation(layout, Health(speed={0: 1 / 20}), hw, horizon_iters=20, stages_fixed=True)
+    assert crawling.action == "adapt" and crawling.layout == layout and crawling.quotas[0] == 1
+    assert crawling.spare_ranks == ()
