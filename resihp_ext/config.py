@@ -113,6 +113,11 @@ class ResiHPConfig:
     hang_timeout_s: float | None = None
     """A rank alive but without progress this long while others reach recovery is hung (default: twice the collective timeout)."""
 
+    hang_iters: float = 10.0
+    """A rank working outside any collective without progress for this many of its median iterations (at least
+    5 heartbeat timeouts), while another rank waits in a collective as long, is hung: named in seconds instead of
+    after --resihp-hang-timeout-s (megatron/resihp/blocking_rank.py). 0: only the hang timeout names such a rank."""
+
     device_memory_gb: float | None = None
     """GiB of one device a stage may use; a fail-stop plan runs a stage at a smaller TP degree only if it fits (default: the CUDA device's total memory; 80e9 bytes without CUDA)."""
 
@@ -171,6 +176,8 @@ class ResiHPConfig:
                 f"--resihp-hang-timeout-s must exceed --resihp-collective-timeout-s ({self.collective_timeout_s}), "
                 f"got {self.hang_timeout_s}: ranks blocked on a hung peer must reach recovery before it is judged"
             )
+        if self.hang_iters < 0:
+            raise ValueError(f"--resihp-hang-iters must be >= 0 (0: off), got {self.hang_iters}")
         if self.enable and self.detect_only:
             raise ValueError("--resihp-enable and --resihp-detect-only exclude each other; pass one")
         self.faults  # parse now so a bad --resihp-inject fails at start-up, not at iteration 30

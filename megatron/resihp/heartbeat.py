@@ -11,7 +11,9 @@ Responsible for: a daemon watchdog thread on every rank that reads every other r
   called at each iteration boundary) stopped for ``hang_timeout_s`` while other ranks moved on,
   judged by ``judge_progress`` below, with the same allowance for a host running late;
 * **hung** at once: a rank whose beacon wrote the ``stopped`` mark (stopped by a signal; it cannot
-  progress until continued, and nobody waits for that).
+  progress until continued, and nobody waits for that);
+* **hung** in seconds: a rank working outside any collective without progress while another waits
+  in one, each rank publishing what its training thread is doing (``blocking_rank``).
 
 This rank's own heartbeat is published by its beacon (``heartbeat_beacon``), a child process
 that no lock of this one can delay; without a beacon the watchdog thread publishes it.
@@ -45,8 +47,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from megatron.resihp.heartbeat_beacon import (DEAD_MARK, FENCED_MARK, MARK_EXIT, MARK_RECOVERING, MARK_TEXT,
-                                              STOPPED_MARK, Beacon)
+from megatron.resihp import blocking_rank
+from megatron.resihp.heartbeat_beacon import (DEAD_MARK, FENCED_MARK, MARK_EXIT, MARK_IO, MARK_NONE, MARK_RECOVERING,
+                                              MARK_TEXT, MARK_WAITING, STOPPED_MARK, Beacon)
 from megatron.resihp.logging_utils import rank_name, ranks_name
 from resihp_ext.detection.host_lateness import HostLateness, judge_heartbeats_under_load
 
@@ -70,6 +73,10 @@ LATENESS_WINDOW_S = 30.0
 LATENESS_CAP_TIMEOUTS = 4.0
 _EXIT_MARK = MARK_TEXT[MARK_EXIT]
 _RECOVERING_MARK = MARK_TEXT[MARK_RECOVERING]
+_STATE_MARKS = {blocking_rank.WAITING: MARK_WAITING, blocking_rank.IO: MARK_IO, blocking_rank.WORKING: MARK_NONE}
+_MARK_STATES = {MARK_TEXT[mark]: state for state, mark in _STATE_MARKS.items()}
+# Iteration times a monitor keeps to judge how long a rank may work while others wait.
+_TIMED_ITERATIONS = 20
 
 RankCallback = Callable[[frozenset[int], float], None]
 
@@ -166,6 +173,10 @@ class HeartbeatMonitor:
         beacon: this process's ``heartbeat_beacon.Beacon``; when given (and alive), it publishes
             this rank's heartbeat and the watchdog thread only reads the others'. Without one the
             watchdog thread publishes, and a training thread holding the GIL delays it.
+        hang_iters: a rank working without progress for this many of this rank's median
+            iterations (at least ``blocking_floor_s``) while another waits in a collective is hung
+            (``blocking_rank``); 0 turns that rule off.
+        blocking_floor_s: the least time for that rule (default: 5 heartbeat timeouts).
     """
 
     def __init__(
@@ -186,6 +197,8 @@ class HeartbeatMonitor:
         clock: Callable[[], float] = time.time,
         beacon: Beacon | None = None,
         identity: Sequence[int] | None = None,
+        hang_iters: float = 0.0,
+        blocking_floor_s: float | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"heartbeat: rank must be in 0..{world_size - 1}, got {rank}")
@@ -213,6 +226,12 @@ class HeartbeatMonitor:
         self.identity = None if identity is None else tuple(identity)
         self._progress = -1  # written by the training thread, read by the watchdog (an int: atomic)
         self._recovering = False  # likewise
+        self.hang_iters = hang_iters
+        self.blocking_floor_s = 5 * timeout_s if blocking_floor_s is None else blocking_floor_s
+        self._state = blocking_rank.WORKING  # this rank's training thread, as the watchdog last saw it
+        self._mark_lock = threading.Lock()  # the beacon's mark: recovering wins over the watchdog's state
+        self._states: dict[int, tuple[str, float]] = {}  # rank -> (state, since when without a break)
+        self._iteration_s: list[float] = []  # this rank's latest iteration times in this world
         self._failure_seen_at: float | None = None
         self._recovering_ranks: set[int] = set()
         self._lock = threading.Lock()
@@ -261,9 +280,10 @@ class HeartbeatMonitor:
         From the next heartbeat on, nobody judges this rank hung (it is alive and busy recovering);
         it can still be judged dead.
         """
-        self._recovering = True
-        if self.beacon is not None:
-            self.beacon.set_mark(MARK_RECOVERING)
+        with self._mark_lock:
+            self._recovering = True
+            if self.beacon is not None:
+                self.beacon.set_mark(MARK_RECOVERING)
 
     def start(self) -> HeartbeatMonitor:
         """Publish the first heartbeat and start the watchdog thread."""
@@ -350,14 +370,27 @@ class HeartbeatMonitor:
     def _publish(self, now: float, exited: bool = False, direct: bool = False) -> None:
         if not direct and self._beacon_alive():
             return  # the beacon publishes, on time whatever holds this process's GIL
-        mark = _EXIT_MARK if exited else _RECOVERING_MARK if self._recovering else ""
+        mark = _EXIT_MARK if exited else _RECOVERING_MARK if self._recovering else MARK_TEXT[_STATE_MARKS[self._state]]
         value = f"{now:.6f}:{self._progress}" + (f":{mark}" if mark else "")
         self.store.set(self._key(self.rank), value)
+
+    def _observe_self(self) -> None:
+        """What this rank's training thread does now, for its heartbeat (not while it recovers)."""
+        if self.hang_iters <= 0:
+            return
+        state = blocking_rank.main_thread_state()
+        with self._mark_lock:
+            if state == self._state or self._recovering:
+                return
+            self._state = state
+            if self.beacon is not None:
+                self.beacon.set_mark(_STATE_MARKS[state])
 
     def _run(self) -> None:
         next_at = self._clock()
         while not self._stop.is_set():
             try:
+                self._observe_self()
                 self._publish(self._clock())
                 self._poll()
                 self._store_failing_since = None
@@ -413,6 +446,7 @@ class HeartbeatMonitor:
                 continue
             if len(parts) > 2 and parts[2] == _RECOVERING_MARK:
                 self._recovering_ranks.add(r)
+            self._note_state(r, _MARK_STATES.get(parts[2] if len(parts) > 2 else "", blocking_rank.WORKING), now)
             if len(parts) > 2 and parts[2] == STOPPED_MARK:
                 stopped.add(r)
             self._last_beat[r] = beat_at
@@ -426,7 +460,10 @@ class HeartbeatMonitor:
                 self._on_evicted()
         own = self._seen_progress.get(self.rank)
         if own is None or own[0] != self._progress:
+            if own is not None and self._progress > own[0] >= 0:
+                self._iteration_s = [*self._iteration_s[-(_TIMED_ITERATIONS - 1):], now - own[1]]
             self._seen_progress[self.rank] = (self._progress, now)
+        self._note_state(self.rank, self._state, now)
 
         # A rank never seen yet counts as having beaten at the end of its start-up grace.
         last_beat = {r: self._last_beat.get(r, self._started_at + self.startup_grace_s - self.timeout_s)
@@ -446,6 +483,15 @@ class HeartbeatMonitor:
             recovering = frozenset(self._recovering_ranks) | ({self.rank} if self._recovering else set())
             hung |= judge_progress(now, watched, self.hang_timeout_s + allowance, recovering,
                                    self._failure_seen_at, self.failure_grace_s) - {self.rank}
+        blocking = frozenset()
+        after_s = blocking_rank.blocking_after_s(self._iteration_s, self.hang_iters, self.blocking_floor_s)
+        if after_s is not None and not dead and self._failure_seen_at is None:
+            # After a death the others wait on the dead rank, not on whoever works.
+            gone = self._dead | exited | self._exited
+            training = {r: since for r, (_, since) in self._seen_progress.items()
+                        if r not in gone and r not in self._recovering_ranks and not (r == self.rank and self._recovering)}
+            blocking = blocking_rank.judge_blocking(now, training, self._states, after_s + allowance) - {self.rank}
+            hung |= blocking
 
         with self._lock:
             self._exited = self._exited | exited
@@ -467,9 +513,20 @@ class HeartbeatMonitor:
         if new_hung:
             logger.warning("heartbeat: %s sees %s hung (%s)", self._name(self.rank), self._names(new_hung), "; ".join(
                 ([f"{self._launch(new_hung & stopped)}: stopped by a signal"] if new_hung & stopped else []) +
-                ([f"{self._launch(new_hung - stopped)}: no progress for {self.hang_timeout_s + allowance:.1f} s"]
-                 if new_hung - stopped else [])))
+                ([f"{self._launch(new_hung & blocking - stopped)}: working without progress for "
+                  f"{after_s + allowance:.1f} s while {self._waiting_names(now)} waited in a collective"]
+                 if new_hung & blocking - stopped else []) +
+                ([f"{self._launch(new_hung - stopped - blocking)}: no progress for {self.hang_timeout_s + allowance:.1f} s"]
+                 if new_hung - stopped - blocking else [])))
             self._notify(self._on_hang, hung_now, now, "on_hang")
+
+    def _note_state(self, rank: int, state: str, now: float) -> None:
+        if self._states.get(rank, (None, 0.0))[0] != state:
+            self._states[rank] = (state, now)
+
+    def _waiting_names(self, now: float) -> str:
+        waiting = sorted(r for r, (state, _) in self._states.items() if state == blocking_rank.WAITING)
+        return self._names(frozenset(waiting)) if waiting else "others"
 
     def _name(self, rank: int) -> str:
         return rank_name(rank, self.identity)

@@ -36,12 +36,16 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 
 logger = logging.getLogger(__name__)
 
-MARK_NONE, MARK_RECOVERING, MARK_EXIT = 0, 1, 2
-MARK_TEXT = {MARK_NONE: "", MARK_RECOVERING: "recovering", MARK_EXIT: "exit"}
+# What the rank says of itself: recovering, exited, or what its training thread is doing now
+# (``blocking_rank.main_thread_state``: waiting in a collective, or writing a checkpoint; no mark:
+# working).
+MARK_NONE, MARK_RECOVERING, MARK_EXIT, MARK_WAITING, MARK_IO = 0, 1, 2, 3, 4
+MARK_TEXT = {MARK_NONE: "", MARK_RECOVERING: "recovering", MARK_EXIT: "exit", MARK_WAITING: "waiting", MARK_IO: "io"}
 DEAD_MARK = "dead"
 # Dead after the survivors evicted it: their decision, already made, so no news to anyone.
 FENCED_MARK = "fenced"
@@ -71,6 +75,8 @@ class Beacon:
         self._key = b""
         self._evicted_key = b""
         self._version = 0
+        # The training thread writes progress, the watchdog thread marks: one writer at a time.
+        self._lock = threading.Lock()
 
     def point_at(self, key: str, evicted_key: str) -> None:
         """Publish under ``key`` from now on (a new monitor: new generation, new rank)."""
@@ -106,12 +112,13 @@ class Beacon:
 
     def _write(self) -> None:
         # Only the rank writes these fields; the beacon retries a read that overlapped a write.
-        self._version += 2
-        struct.pack_into("<q", self._page, 0, self._version - 1)
-        struct.pack_into("<qii", self._page, 8, self._progress, self._mark, len(self._key))
-        struct.pack_into("<i", self._page, 24, len(self._evicted_key))
-        self._page[_KEYS_AT:_KEYS_AT + len(self._key) + len(self._evicted_key)] = self._key + self._evicted_key
-        struct.pack_into("<q", self._page, 0, self._version)
+        with self._lock:
+            self._version += 2
+            struct.pack_into("<q", self._page, 0, self._version - 1)
+            struct.pack_into("<qii", self._page, 8, self._progress, self._mark, len(self._key))
+            struct.pack_into("<i", self._page, 24, len(self._evicted_key))
+            self._page[_KEYS_AT:_KEYS_AT + len(self._key) + len(self._evicted_key)] = self._key + self._evicted_key
+            struct.pack_into("<q", self._page, 0, self._version)
 
 
 def current() -> Beacon | None:

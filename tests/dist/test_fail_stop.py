@@ -119,13 +119,19 @@ def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference)
 
 
 def test_hung_rank_is_named_fenced_and_survived_in_place(tmp_path, reference):
+    # Stuck in its own code (a Python sleep) while the others wait for it in their collectives,
+    # which would time out only after 900 s: the rank is named from what each rank's training
+    # thread is doing (megatron/resihp/blocking_rank.py), in seconds.
     ref_ckpt, ref_losses = reference
-    proc, log = _run_tp2pp2dp2(tmp_path, "hang:rank=5,at=4")
+    proc, log = _run_tp2pp2dp2(tmp_path, "hang:rank=5,at=4", ("--resihp-enable", "--resihp-collective-timeout-s", "900"))
     output = proc.stdout + proc.stderr
     # Alive but stuck: named hung (never dead), left behind, and it fences itself.
     verdicts = read_events(log, "verdict")
     assert {v["kind"] for v in verdicts} == {"hang"}, verdicts
     assert all(v["ranks"] == [5] for v in verdicts), verdicts
+    hung_at = read_events(log, "inject")[0]["time"]
+    assert max(v["time"] for v in verdicts) - hung_at < 20.0, verdicts
+    assert "working without progress for" in output, output[-3000:]
     # Its beacon fences it (the rank's own watchdog would too, if it got there first).
     assert ("heartbeat: beacon fences pid" in output
             or "launch rank 5 was left behind by the other ranks (judged hung); exiting" in output), output[-3000:]

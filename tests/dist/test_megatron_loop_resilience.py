@@ -193,6 +193,23 @@ def test_a_rank_stopped_from_outside_is_named_hung_and_survived_in_place(tmp_pat
     assert_same_training(output, tmp_path / "ckpt", failure_free)
 
 
+def test_a_rank_hung_in_its_own_code_is_named_in_seconds_and_survived_in_place(tmp_path, failure_free):
+    # A Python sleep before its step, under a 900 s collective timeout: the others wait for it in
+    # their collectives, and what each rank's training thread is doing names it.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), "--resihp-collective-timeout-s", "900",
+                       "--resihp-inject", "hang:rank=5,at=5"], timeout_s=400)
+    check(proc)
+    output = proc.stdout + proc.stderr
+    verdicts = read_events(events, "verdict")
+    assert verdicts and all(v["kind"] == "hang" and v["ranks"] == [5] for v in verdicts), verdicts
+    assert max(v["time"] for v in verdicts) - read_events(events, "inject")[0]["time"] < 20.0, verdicts
+    assert "([5]: working without progress for" in output, output[-3000:]
+    adapted = read_events(events, "adapted")
+    assert len(adapted) == 1 and adapted[0]["world_size"] == 4 and adapted[0]["failed_ranks"] == [5], adapted
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
+
+
 def test_a_rank_killed_as_the_job_ends_leaves_it_finished(tmp_path, failure_free):
     # After the last iteration and its save, as pretrain() returns: nothing is left to survive, and
     # the job ends as a finished one (the launcher counts the killed rank as failed, not the job).
