@@ -116,7 +116,7 @@ class ResiHPConfig:
     hang_iters: float = 10.0
     """A rank working outside any collective without progress for this many of its median iterations (at least
     5 heartbeat timeouts), while another rank waits in a collective as long, is hung: named in seconds instead of
-    after --resihp-hang-timeout-s (megatron/resihp/blocking_rank.py). 0: only the hang timeout names such a rank."""
+    after --resihp-hang-timeout-s (megatron/resihp/hang_rules.py). 0: only the hang timeout names such a rank."""
 
     device_memory_gb: float | None = None
     """GiB of one device a stage may use; a fail-stop plan runs a stage at a smaller TP degree only if it fits (default: the CUDA device's total memory; 80e9 bytes without CUDA)."""

@@ -231,6 +231,12 @@ def add_resilient_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     from megatron.resihp.arguments import add_resihp_args
 
     add_resihp_args(add_device_args(parser))
+    # Only with resilience: the schedule hooks that pad each op are installed by it.
+    parser.add_argument("--cpu-device-time-scale", type=float, default=0.0, metavar="K",
+                        help="with --device cpu: every rank acts as a dedicated device K times slower than one "
+                             "core (each forward and backward is padded with sleep to K x its CPU time), so ranks "
+                             "that share cores stop slowing each other down; timing only, numerics unchanged. "
+                             "K >= 1; 0 (default) is off")
     return parser
 
 
@@ -263,6 +269,9 @@ def resilience_config(args: argparse.Namespace):
         check_ranks_exist(cfg.faults, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as error:
         _refuse(str(error))
+    scale = args.cpu_device_time_scale
+    if scale and (args.device != "cpu" or scale < 1):
+        _refuse(f"--cpu-device-time-scale {scale:g} needs --device cpu and a value >= 1 (0 turns it off)")
     lacking = unsupported_flags(args, cfg)
     if lacking:
         _refuse("resilience on Megatron-LM's loop (--resihp-loop megatron) cannot carry yet: " + "; ".join(lacking)

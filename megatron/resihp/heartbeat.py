@@ -13,7 +13,7 @@ Responsible for: a daemon watchdog thread on every rank that reads every other r
 * **hung** at once: a rank whose beacon wrote the ``stopped`` mark (stopped by a signal; it cannot
   progress until continued, and nobody waits for that);
 * **hung** in seconds: a rank working outside any collective without progress while another waits
-  in one, each rank publishing what its training thread is doing (``blocking_rank``).
+  in one, each rank publishing what its training thread is doing (``hang_rules``).
 
 This rank's own heartbeat is published by its beacon (``heartbeat_beacon``), a child process
 that no lock of this one can delay; without a beacon the watchdog thread publishes it.
@@ -47,7 +47,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from megatron.resihp import blocking_rank
+from megatron.resihp import hang_rules
+from megatron.resihp.hang_rules import judge_progress
 from megatron.resihp.heartbeat_beacon import (DEAD_MARK, FENCED_MARK, MARK_EXIT, MARK_IO, MARK_NONE, MARK_RECOVERING,
                                               MARK_TEXT, MARK_WAITING, STOPPED_MARK, Beacon)
 from megatron.resihp.logging_utils import rank_name, ranks_name
@@ -73,56 +74,12 @@ LATENESS_WINDOW_S = 30.0
 LATENESS_CAP_TIMEOUTS = 4.0
 _EXIT_MARK = MARK_TEXT[MARK_EXIT]
 _RECOVERING_MARK = MARK_TEXT[MARK_RECOVERING]
-_STATE_MARKS = {blocking_rank.WAITING: MARK_WAITING, blocking_rank.IO: MARK_IO, blocking_rank.WORKING: MARK_NONE}
+_STATE_MARKS = {hang_rules.WAITING: MARK_WAITING, hang_rules.IO: MARK_IO, hang_rules.WORKING: MARK_NONE}
 _MARK_STATES = {MARK_TEXT[mark]: state for state, mark in _STATE_MARKS.items()}
 # Iteration times a monitor keeps to judge how long a rank may work while others wait.
 _TIMED_ITERATIONS = 20
 
 RankCallback = Callable[[frozenset[int], float], None]
-
-
-def judge_progress(now: float, progress: Mapping[int, tuple[int, float]], hang_timeout_s: float,
-                   recovering: frozenset[int] = frozenset(), failure_seen_at: float | None = None,
-                   failure_grace_s: float = 0.0) -> frozenset[int]:
-    """Ranks whose training progress stopped while the job as a whole did not.
-
-    A rank is *stalled* when its progress value has not changed for more than ``hang_timeout_s``.
-    A stalled rank is hung when another rank is still advancing or recovering, or when it is
-    behind the most advanced rank. When every rank stalled at the same progress (an evaluation, a
-    checkpoint, or a hang inside a collective that blocks everyone), nobody is named: progress
-    alone cannot tell who is at fault there. Once the others' collectives time out they reach their
-    recovery code, and the one left stalled is named.
-
-    Args:
-        now: current time, same clock as the change times.
-        progress: rank -> (latest progress value, time that value was first seen), for ranks
-            whose heartbeat is alive.
-        hang_timeout_s: how long progress may stand still; choose it above the collective
-            timeout, so ranks blocked on a hung peer have reached recovery by then.
-        recovering: ranks that announced they are in their recovery code: never hung, and ahead
-            of every rank still in training.
-        failure_seen_at: when a dead rank was first seen, if one was. A survivor blocked in a
-            collective with it only returns when the collective times out, so no stall is counted
-            from before ``failure_seen_at + failure_grace_s``.
-        failure_grace_s: how long a blocked collective may take to time out.
-
-    Returns:
-        The ranks judged hung.
-    """
-    if hang_timeout_s <= 0:
-        raise ValueError(f"--resihp-hang-timeout-s must be > 0, got {hang_timeout_s}")
-    training = {r: p for r, p in progress.items() if r not in recovering}
-    if not training:
-        return frozenset()
-    if failure_seen_at is not None:
-        restart = failure_seen_at + failure_grace_s
-        training = {r: (value, max(changed, restart)) for r, (value, changed) in training.items()}
-    stalled = {r for r, (_, changed) in training.items() if now - changed > hang_timeout_s}
-    if not stalled:
-        return frozenset()
-    someone_moving = len(stalled) < len(training) or len(training) < len(progress)
-    top = max(value for value, _ in training.values())
-    return frozenset(r for r in stalled if someone_moving or training[r][0] < top)
 
 
 def connect_store(host: str | None = None, port: int | None = None, timeout_s: float = STORE_OP_TIMEOUT_S):
@@ -175,7 +132,7 @@ class HeartbeatMonitor:
             watchdog thread publishes, and a training thread holding the GIL delays it.
         hang_iters: a rank working without progress for this many of this rank's median
             iterations (at least ``blocking_floor_s``) while another waits in a collective is hung
-            (``blocking_rank``); 0 turns that rule off.
+            (``hang_rules``); 0 turns that rule off.
         blocking_floor_s: the least time for that rule (default: 5 heartbeat timeouts).
     """
 
@@ -228,7 +185,7 @@ class HeartbeatMonitor:
         self._recovering = False  # likewise
         self.hang_iters = hang_iters
         self.blocking_floor_s = 5 * timeout_s if blocking_floor_s is None else blocking_floor_s
-        self._state = blocking_rank.WORKING  # this rank's training thread, as the watchdog last saw it
+        self._state = hang_rules.WORKING  # this rank's training thread, as the watchdog last saw it
         self._mark_lock = threading.Lock()  # the beacon's mark: recovering wins over the watchdog's state
         self._states: dict[int, tuple[str, float]] = {}  # rank -> (state, since when without a break)
         self._iteration_s: list[float] = []  # this rank's latest iteration times in this world
@@ -378,7 +335,7 @@ class HeartbeatMonitor:
         """What this rank's training thread does now, for its heartbeat (not while it recovers)."""
         if self.hang_iters <= 0:
             return
-        state = blocking_rank.main_thread_state()
+        state = hang_rules.main_thread_state()
         with self._mark_lock:
             if state == self._state or self._recovering:
                 return
@@ -446,7 +403,7 @@ class HeartbeatMonitor:
                 continue
             if len(parts) > 2 and parts[2] == _RECOVERING_MARK:
                 self._recovering_ranks.add(r)
-            self._note_state(r, _MARK_STATES.get(parts[2] if len(parts) > 2 else "", blocking_rank.WORKING), now)
+            self._note_state(r, _MARK_STATES.get(parts[2] if len(parts) > 2 else "", hang_rules.WORKING), now)
             if len(parts) > 2 and parts[2] == STOPPED_MARK:
                 stopped.add(r)
             self._last_beat[r] = beat_at
@@ -484,13 +441,13 @@ class HeartbeatMonitor:
             hung |= judge_progress(now, watched, self.hang_timeout_s + allowance, recovering,
                                    self._failure_seen_at, self.failure_grace_s) - {self.rank}
         blocking = frozenset()
-        after_s = blocking_rank.blocking_after_s(self._iteration_s, self.hang_iters, self.blocking_floor_s)
+        after_s = hang_rules.blocking_after_s(self._iteration_s, self.hang_iters, self.blocking_floor_s)
         if after_s is not None and not dead and self._failure_seen_at is None:
             # After a death the others wait on the dead rank, not on whoever works.
             gone = self._dead | exited | self._exited
             training = {r: since for r, (_, since) in self._seen_progress.items()
                         if r not in gone and r not in self._recovering_ranks and not (r == self.rank and self._recovering)}
-            blocking = blocking_rank.judge_blocking(now, training, self._states, after_s + allowance) - {self.rank}
+            blocking = hang_rules.judge_blocking(now, training, self._states, after_s + allowance) - {self.rank}
             hung |= blocking
 
         with self._lock:
@@ -525,7 +482,7 @@ class HeartbeatMonitor:
             self._states[rank] = (state, now)
 
     def _waiting_names(self, now: float) -> str:
-        waiting = sorted(r for r, (state, _) in self._states.items() if state == blocking_rank.WAITING)
+        waiting = sorted(r for r, (state, _) in self._states.items() if state == hang_rules.WAITING)
         return self._names(frozenset(waiting)) if waiting else "others"
 
     def _name(self, rank: int) -> str:

@@ -42,7 +42,7 @@ import time
 logger = logging.getLogger(__name__)
 
 # What the rank says of itself: recovering, exited, or what its training thread is doing now
-# (``blocking_rank.main_thread_state``: waiting in a collective, or writing a checkpoint; no mark:
+# (``hang_rules.main_thread_state``: waiting in a collective, or writing a checkpoint; no mark:
 # working).
 MARK_NONE, MARK_RECOVERING, MARK_EXIT, MARK_WAITING, MARK_IO = 0, 1, 2, 3, 4
 MARK_TEXT = {MARK_NONE: "", MARK_RECOVERING: "recovering", MARK_EXIT: "exit", MARK_WAITING: "waiting", MARK_IO: "io"}

@@ -301,7 +301,7 @@ class ResilientMegatronLoop:
                                   (args.num_layers // args.pipeline_model_parallel_size,) * args.pipeline_model_parallel_size)
         self.events = EventLog(self.cfg.event_log, dist.get_rank())
         install_hooks()  # the detector's timings (and injected slowdowns) of every forward and backward
-        RECORDER.use_device(args.device)
+        RECORDER.use_device(args.device, args.cpu_device_time_scale)
         self.hooks = ResilienceHooks(args, self.events, objects, build_objects=self._build_objects,
                                      detect_fail_slow=True, moves_state=False,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,

@@ -143,7 +143,8 @@ def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int, f
     log = work / f"{name}.events.jsonl"
     log.unlink(missing_ok=True)
     iters = iters or args.iters
-    launch([*MODEL, "--global-batch-size", str(args.global_batch), *device, "--train-iters", str(iters),
+    model = MEGATRON_MODEL if args.loop == "megatron" else MODEL
+    launch([*model, "--global-batch-size", str(args.global_batch), *device, "--train-iters", str(iters),
             "--resihp-event-log", str(log), *extra], launcher=launcher)
     adapted = events(log, "adapted")
     # Steady state: after the onset (and after the re-plan, when there is one) plus one iteration.
@@ -462,13 +463,16 @@ def main() -> None:
                              "by or exit), shrunk (the runs after a fail-stop, "
                              "with and without a smaller-TP replica), fail_stop (time to resume)")
     parser.add_argument("--loop", choices=("resihp", "megatron"), default="resihp",
-                        help="training loop of the fail-stop runs: resihp (the project's own) or megatron "
-                             "(Megatron-LM's own loop, --resihp-loop megatron; fail-stop only: needs --skip throughput)")
+                        help="training loop: resihp (the project's own) or megatron (Megatron-LM's own loop, "
+                             "--resihp-loop megatron: the fail-stop runs and the slow-rank runs; its re-plans move "
+                             "micro-batches only, so the other throughput parts are the resihp loop's)")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     args = parser.parse_args()
-    if args.loop == "megatron" and "throughput" not in args.skip:
-        parser.error("--loop megatron measures fail-stop only (fail-slow re-plans run on the resihp loop); "
-                     "add --skip throughput")
+    if args.loop == "megatron":
+        resihp_only = [p for p in ("link", "bursts", "recover", "standby", "shrunk") if p not in args.skip]
+        if resihp_only and "throughput" not in args.skip:
+            print(f"--loop megatron: the {', '.join(resihp_only)} runs are the resihp loop's; not run", file=sys.stderr)
+        args.skip.extend(resihp_only)
     args.kill = sorted(set(args.kill or KILL_RANKS))
     if not {"recover", "standby"} <= set(args.skip) and "throughput" not in args.skip and not (
             args.slow_at < args.recover_at <= args.iters - 12):

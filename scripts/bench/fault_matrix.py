@@ -13,7 +13,7 @@ Runs a TP2 x PP2 x DP2 job (8 gloo processes, tiny GPT, dropout off, 8 iteration
 * kills injected at named phases (``--resihp-inject kill:...,during=PHASE``): the checkpoint save's
   four phases, the end of a finished job, and a second failure in each phase of a recovery;
 * a rank hung in Python (``hang:``), named once it has worked without progress for ``--resihp-hang-iters``
-  iterations while the others wait for it (``megatron/resihp/blocking_rank.py``);
+  iterations while the others wait for it (``megatron/resihp/hang_rules.py``);
 * cascades: a second and a third kill after the first adaptation.
 
 Outcomes: ``in place, exact`` (exit 0, losses of every iteration equal the failure-free run's

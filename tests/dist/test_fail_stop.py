@@ -121,7 +121,7 @@ def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference)
 def test_hung_rank_is_named_fenced_and_survived_in_place(tmp_path, reference):
     # Stuck in its own code (a Python sleep) while the others wait for it in their collectives,
     # which would time out only after 900 s: the rank is named from what each rank's training
-    # thread is doing (megatron/resihp/blocking_rank.py), in seconds.
+    # thread is doing (megatron/resihp/hang_rules.py), in seconds.
     ref_ckpt, ref_losses = reference
     proc, log = _run_tp2pp2dp2(tmp_path, "hang:rank=5,at=4", ("--resihp-enable", "--resihp-collective-timeout-s", "900"))
     output = proc.stdout + proc.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.resihp.heartbeat import judge_progress
+from megatron.resihp.hang_rules import judge_progress
 from scripts.child_env import job_env
 
 REPO = Path(__file__).resolve().parents[2]

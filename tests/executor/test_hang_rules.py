@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from megatron.resihp.blocking_rank import (IO, WAITING, WORKING, blocking_after_s, judge_blocking,
+from megatron.resihp.hang_rules import (IO, WAITING, WORKING, blocking_after_s, judge_blocking,
                                            main_thread_state)
 
 

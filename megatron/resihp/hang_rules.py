@@ -1,16 +1,18 @@
-"""Naming the rank the others wait for: a hang inside a rank's own code, seen in seconds.
+"""Which live ranks are hung: the rules the heartbeat watchdog (``heartbeat.HeartbeatMonitor``) applies.
 
-Responsible for two things the heartbeat watchdog (``heartbeat.HeartbeatMonitor``) uses:
+Responsible for naming a rank that is alive (its heartbeat flows) but holds the job up:
 
+* ``judge_progress``: its training progress stood still for the hang timeout while the job as a
+  whole did not;
 * ``main_thread_state``: what this process's training thread is doing, read from its Python stack
   on the watchdog thread: ``waiting`` inside a collective or a pipeline transfer (torch.distributed,
   megatron-core's p2p communication), ``io`` while a checkpoint is written or read (which can take
   minutes on one rank while the others wait in the save's barrier), else ``working``. Each rank
   publishes its own state with its heartbeat;
 * ``judge_blocking``: a rank that has been ``working`` without progress for a while, while another
-  rank has been ``waiting`` as long, holds the job up: it is hung. Before, only progress was read,
-  and while every rank stood still nobody could be named until the waiting ranks' collectives
-  timed out and they reached their recovery code: twice the collective timeout, 60 s by default.
+  rank has been ``waiting`` as long, holds the job up: it is hung. With progress alone, while every
+  rank stands still nobody can be named until the waiting ranks' collectives time out and they
+  reach their recovery code: twice the collective timeout, 60 s by default.
 
 How long is "a while" follows the job: ``hang_iters`` times the rank's own median iteration, and at
 least ``floor_s`` (a few heartbeat timeouts), so that a legitimately long step is never named, and
@@ -40,6 +42,50 @@ _IO_IN = ("/megatron/training/checkpointing.py", "/megatron/core/dist_checkpoint
           "/megatron/resihp/checkpointing.py", "/megatron/resihp/resilient_save.py")
 # Iterations of a world timed before its ranks may be named this way.
 MIN_TIMED_ITERATIONS = 3
+
+
+def judge_progress(now: float, progress: Mapping[int, tuple[int, float]], hang_timeout_s: float,
+                   recovering: frozenset[int] = frozenset(), failure_seen_at: float | None = None,
+                   failure_grace_s: float = 0.0) -> frozenset[int]:
+    """Ranks whose training progress stopped while the job as a whole did not.
+
+    A rank is *stalled* when its progress value has not changed for more than ``hang_timeout_s``.
+    A stalled rank is hung when another rank is still advancing or recovering, or when it is
+    behind the most advanced rank. When every rank stalled at the same progress (an evaluation, a
+    checkpoint, or a hang inside a collective that blocks everyone), nobody is named: progress
+    alone cannot tell who is at fault there. Once the others' collectives time out they reach their
+    recovery code, and the one left stalled is named.
+
+    Args:
+        now: current time, same clock as the change times.
+        progress: rank -> (latest progress value, time that value was first seen), for ranks
+            whose heartbeat is alive.
+        hang_timeout_s: how long progress may stand still; choose it above the collective
+            timeout, so ranks blocked on a hung peer have reached recovery by then.
+        recovering: ranks that announced they are in their recovery code: never hung, and ahead
+            of every rank still in training.
+        failure_seen_at: when a dead rank was first seen, if one was. A survivor blocked in a
+            collective with it only returns when the collective times out, so no stall is counted
+            from before ``failure_seen_at + failure_grace_s``.
+        failure_grace_s: how long a blocked collective may take to time out.
+
+    Returns:
+        The ranks judged hung.
+    """
+    if hang_timeout_s <= 0:
+        raise ValueError(f"--resihp-hang-timeout-s must be > 0, got {hang_timeout_s}")
+    training = {r: p for r, p in progress.items() if r not in recovering}
+    if not training:
+        return frozenset()
+    if failure_seen_at is not None:
+        restart = failure_seen_at + failure_grace_s
+        training = {r: (value, max(changed, restart)) for r, (value, changed) in training.items()}
+    stalled = {r for r, (_, changed) in training.items() if now - changed > hang_timeout_s}
+    if not stalled:
+        return frozenset()
+    someone_moving = len(stalled) < len(training) or len(training) < len(progress)
+    top = max(value for value, _ in training.values())
+    return frozenset(r for r in stalled if someone_moving or training[r][0] < top)
 
 
 def main_thread_state() -> str:
