@@ -51,8 +51,9 @@ documents):
       relaunch with ``--load`` until the killed iteration is done again. Assumes the relaunch
       starts at once (no scheduler queue); the per-iteration saving cost is reported, not added.
 
-    With ``--loop megatron --skip throughput`` the same fail-stop runs use Megatron-LM's own loop
-    (``--resihp-loop megatron``, fixed-length mock samples, torch-format checkpoints).
+    With ``--loop megatron`` the fail-stop runs and the slow-rank throughput runs use Megatron-LM's
+    own loop (``--resihp-loop megatron``, fixed-length mock samples, torch-format checkpoints); its
+    re-plans move micro-batches between replicas only, so the other throughput parts are left out.
 
     python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0] [--slow-rank 7]
         [--link 0:4] [--link-factor 600] [--recover-at 22] [--kill 5]... [--restart-save-interval 4]
