@@ -58,3 +58,40 @@ def test_a_slow_rank_is_named_and_its_replica_given_fewer_micro_batches_in_place
     quotas = running_quotas(events)
     assert quotas[0] < quotas[1] and sum(quotas) == 8, quotas
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=range(1, ITERATIONS + 1))
+
+
+DP2_ITERATIONS = 20
+
+
+def dp2_job_args(tmp, name: str) -> list[str]:
+    """The same model as data parallelism alone on 2 ranks."""
+    return _replaced(job_args(tmp, name), {"--train-iters": str(DP2_ITERATIONS), "--tensor-model-parallel-size": "1",
+                                           "--pipeline-model-parallel-size": "1"})
+
+
+@pytest.fixture(scope="module")
+def dp2_failure_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp2_failure_free")
+    proc = run_job(2, dp2_job_args(tmp, "ckpt"), timeout_s=300)
+    check(proc)
+    return logged_losses(proc.stdout), saved_weights(tmp / "ckpt")
+
+
+def test_a_split_that_does_not_pay_goes_back_to_megatrons_own(tmp_path, dp2_failure_free):
+    # Rank 1 runs 3x slow from iteration 5 and the planner is fed a false speed for rank 0 (10x
+    # slower than measured), so it sends most micro-batches to the slow rank. The trial finds the
+    # iterations slower and the split goes back to the even one: Megatron's own loader, count and
+    # loss scale again, and training stays stock Megatron-LM's throughout.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(2, [*dp2_job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
+                       "--resihp-event-log", str(events), "--resihp-inject", "slow:rank=1,factor=3,at=5",
+                       "--resihp-inject", "misjudge:rank=0,factor=10,at=1"], timeout_s=300)
+    check(proc)
+    wrong = [p for p in read_events(events, "plan") if p["action"] == "adapt" and p["policy"] == "resihp"]
+    assert wrong and wrong[0]["quotas"][1] > wrong[0]["quotas"][0], decisions(events)
+    checks = read_events(events, "adaptation_check")
+    assert checks and all(not c["kept"] for c in checks), decisions(events)
+    back = read_events(events, "rolled_back")
+    assert back and back[0]["quotas"] == [4, 4] and len(back) == len(checks), decisions(events)
+    assert running_quotas(events) == [4, 4], decisions(events)
+    assert_same_training(proc.stdout, tmp_path / "ckpt", dp2_failure_free, iterations=range(1, DP2_ITERATIONS + 1))
