@@ -48,6 +48,9 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
     kill:rank=3,at=8,during=shutdown  rank 3 is SIGKILLed as a job that trained to iteration >= 8
                                       ends: after the last iteration and its checkpoint, before
                                       the ranks leave together
+    kill:rank=5,at=1,during=setup     rank 5 is SIGKILLed as Megatron builds the data loaders of a
+                                      launch whose first iteration is >= 1, before its first step
+                                      (Megatron's loop only)
     raise:rank=5,at=4,during=backward rank 5 raises an error of its own (as a device error would) in the
                                       backward pass of its first micro-batch of iteration >= 4;
                                       during= is forward (the default), backward or optimizer (as
@@ -90,9 +93,9 @@ RECOVERY_PHASES = ("reform", "moves", "replan", "readmission", "rendezvous")
 # Phases of a checkpoint save, in the order a save passes them.
 SAVE_PHASES = ("save", "save-write", "save-rename", "save-tracker")
 # Every phase a kill can wait for: an iteration's log, and the end of a finished job last.
-PHASES = (*RECOVERY_PHASES, *SAVE_PHASES, "optimizer", "log", "eval", "shutdown")
+PHASES = (*RECOVERY_PHASES, *SAVE_PHASES, "optimizer", "log", "eval", "shutdown", "setup")
 # Phases only Megatron-LM's loop (--resihp-loop megatron) can be struck in and survive.
-MEGATRON_LOOP_PHASES = ("optimizer", "eval")
+MEGATRON_LOOP_PHASES = ("optimizer", "eval", "setup")
 # Where in a step a rank can raise an error of its own.
 RAISE_PHASES = ("forward", "backward", "optimizer")
 _REQUIRED = {

@@ -47,9 +47,10 @@ EXIT_RANK_FAILED = 4
 REFORM_ATTEMPTS = 3
 
 
-def resume_command(argv: list[str], nproc: int, checkpoint_root: str) -> str:
-    """The launch that resumes this job from ``checkpoint_root``: same flags, minus any earlier
-    ``--load`` and any injected faults (those were tests of this run, not part of the job)."""
+def resume_command(argv: list[str], nproc: int, checkpoint_root: str | None) -> str:
+    """The launch that resumes this job from ``checkpoint_root`` (None: from scratch): same flags,
+    minus any earlier ``--load`` and any injected faults (those were tests of this run, not part of
+    the job)."""
     kept, skip = [], False
     for arg in argv:
         if skip:
@@ -60,7 +61,8 @@ def resume_command(argv: list[str], nproc: int, checkpoint_root: str) -> str:
             skip = "=" not in arg
             continue
         kept.append(arg)
-    return " ".join(["python", "scripts/launch_local.py", f"--nproc-per-node {nproc}", *kept, "--load", checkpoint_root])
+    load = [] if checkpoint_root is None else ["--load", checkpoint_root]
+    return " ".join(["python", "scripts/launch_local.py", f"--nproc-per-node {nproc}", *kept, *load])
 
 
 class FailStopRecovery:

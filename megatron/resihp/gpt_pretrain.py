@@ -347,7 +347,12 @@ def main(argv: list[str] | None = None) -> None:
             heartbeat_beacon.start_beacon(cfg.heartbeat_interval_s, stopped_after_s=cfg.heartbeat_timeout_s)
         loop = ResilientMegatronLoop(cfg, model_provider, ModelType.encoder_or_decoder)
         loop.install()
-    pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder, forward_step,
-             model_provider=model_provider)
+    try:
+        pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder, forward_step,
+                 model_provider=model_provider)
+    except RuntimeError as error:
+        if loop is not None:
+            loop.leave_before_training(error)  # a rank lost during the set-up: leaves with the command to run again
+        raise
     if loop is not None:
         loop.close()

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from megatron.resihp import megatron_loop_quotas as quota_split
 from megatron.resihp.data_samplers import even_quotas
-from megatron.resihp.logging_utils import EventLog, log_line
+from megatron.resihp.logging_utils import EventLog, log_line, ranks_name
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.raised_faults import RaisedFaults
@@ -77,8 +77,8 @@ _FAULT_KINDS = ("kill", "hang", "raise", "slow", "misjudge")
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
 # state), this rank's optimizer step, the iteration's log, an evaluation, a save as it begins and
 # once this rank's files are written (Megatron's save has no rename), and the job's end, as
-# ``pretrain()`` returns.
-_PHASES = (None, "reform", "rendezvous", "optimizer", "log", "eval", "save", "save-write", "shutdown")
+# ``pretrain()`` returns, and Megatron's set-up, as it builds the data loaders.
+_PHASES = (None, "reform", "rendezvous", "optimizer", "log", "eval", "save", "save-write", "shutdown", "setup")
 
 
 def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
@@ -183,8 +183,11 @@ class ResilientMegatronLoop:
         layout = Layout.uniform(model, margs.tensor_model_parallel_size, pp, margs.data_parallel_size,
                                 (margs.num_layers // pp,) * pp)
         install(build_groups(layout, dist.get_rank(), timeout=self.cfg.collective_timeout_s))
+        self._start_hooks(margs)
 
     def _build_data_loader(self, dataset, consumed_samples):
+        if not self.loaders:
+            self.hooks.inject(self._args().iteration + 1, "setup")
         self.loaders.append((dataset, consumed_samples))
         return self._original["build_pretraining_data_loader"](dataset, consumed_samples)
 
@@ -194,7 +197,7 @@ class ResilientMegatronLoop:
         """Megatron's ``train_step`` with the heartbeat, injected faults and in-place recovery around it."""
         from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 
-        if self.hooks is None:
+        if self.handles is None:
             self._start(model, optimizer, opt_param_scheduler)
         number = iteration + 1  # the iteration being run, as Megatron logs it
         self.phases.enter(Position(number, Phase.STEP))  # a step is never skipped: nobody is past it
@@ -291,10 +294,23 @@ class ResilientMegatronLoop:
 
         return get_args()
 
-    def _start(self, model, optimizer, opt_param_scheduler) -> None:
-        from megatron.core.utils import get_attr_wrapped_model, get_model_config
-
+    def _start_hooks(self, args) -> None:
+        """This process's executor, as soon as the launch world's groups exist: its heartbeats then
+        watch Megatron's set-up too (model build, checkpoint load, data loaders), so that a rank
+        lost before the first step is named (``leave_before_training``)."""
         from megatron.resihp.resilience import ResilienceHooks
+
+        self.events = EventLog(self.cfg.event_log, dist.get_rank())
+        install_hooks()  # the detector's timings (and injected slowdowns) of every forward and backward
+        RECORDER.use_device(args.device, args.cpu_device_time_scale)
+        self.hooks = ResilienceHooks(args, self.events, None, build_objects=self._build_objects,
+                                     detect_fail_slow=True, moves_state=False,
+                                     sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
+                                     stands_by=False)
+
+    def _start(self, model, optimizer, opt_param_scheduler) -> None:
+        """At the first step: the loop's handles and objects become the run's."""
+        from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
         args = self._args()
         self.handles = (model, optimizer, opt_param_scheduler)
@@ -302,15 +318,8 @@ class ResilientMegatronLoop:
         self.loop_groups = get_attr_wrapped_model(model[0], "pg_collection")
         objects = TrainingObjects(get_model_config(model[0]), model[0], optimizer, opt_param_scheduler,
                                   (args.num_layers // args.pipeline_model_parallel_size,) * args.pipeline_model_parallel_size)
-        self.events = EventLog(self.cfg.event_log, dist.get_rank())
-        install_hooks()  # the detector's timings (and injected slowdowns) of every forward and backward
-        RECORDER.use_device(args.device, args.cpu_device_time_scale)
-        self.hooks = ResilienceHooks(args, self.events, objects, build_objects=self._build_objects,
-                                     detect_fail_slow=True, moves_state=False,
-                                     sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
-                                     stands_by=False)
         # Megatron's loop starts with its even split, and its own loader, count and scale run it.
-        self.hooks.run = self.hooks.run.replace(quotas=tuple(even_quotas(
+        self.hooks.run = self.hooks.run.replace(objects=objects, quotas=tuple(even_quotas(
             args.global_batch_size // args.micro_batch_size, args.data_parallel_size)))
         self._quotas_in_use = self.hooks.run.quotas
         self.raised = RaisedFaults(self.hooks.faults, self.events, self.hooks.me)
@@ -390,6 +399,33 @@ class ResilientMegatronLoop:
         except StopTraining as stop:
             self._leave(number, stop)
         self._take_over(*self.handles, old_config, consumed)
+
+    def leave_before_training(self, error: Exception) -> None:
+        """``error`` ended Megatron's set-up, before its first step. When it is a peer's failure and
+        the heartbeats name a failed rank, this rank leaves with ``EXIT_NEEDS_RESTART`` and the
+        command that runs the job again (nothing of this launch was trained); else it returns, and
+        the caller re-raises ``error`` (this rank's own, or a failure nobody can name)."""
+        from megatron.resihp.failure_origin import is_peer_failure
+        from megatron.resihp.fail_stop_recovery import EXIT_NEEDS_RESTART, resume_command
+
+        hooks = self.hooks
+        if self.handles is not None or hooks is None or not hooks.can_recover or not is_peer_failure(error):
+            return
+        deadline = time.monotonic() + 2 * self.cfg.heartbeat_timeout_s
+        while not (lost := hooks.monitor.dead_ranks | hooks.monitor.hung_ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not lost:
+            return
+        hooks.abandon_world()  # the others may still wait on this rank
+        args = self._args()
+        command = resume_command(sys.argv, dist.get_world_size(), args.load)
+        if dist.get_rank() == min(set(range(dist.get_world_size())) - lost):
+            log_line(f" resihp: run again with: {command}")
+        self.events.emit("start_failed", args.iteration, failed_ranks=sorted(lost), resume_command=command,
+                         error=str(error).splitlines()[0])
+        self._leave(args.iteration, StopTraining(EXIT_NEEDS_RESTART, (
+            f"{ranks_name(lost, hooks.run.identity)} failed while Megatron set the job up, before the first "
+            "iteration; nothing of this launch was trained, so the job is run again")))
 
     def _leave(self, number: int, stop: StopTraining) -> None:
         """This rank leaves the job at iteration ``number``, as ``stop`` says."""

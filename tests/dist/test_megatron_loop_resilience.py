@@ -283,6 +283,29 @@ def test_with_no_replica_left_whole_the_job_resumes_from_megatrons_checkpoint_by
     assert_same_training(resumed.stdout, tmp_path / "ckpt", failure_free, iterations=range(5, ITERATIONS + 1))
 
 
+def test_a_rank_lost_while_megatron_sets_the_job_up_ends_it_at_once_with_the_command_to_run_it_again(
+        tmp_path, failure_free):
+    # Killed as Megatron builds the data loaders, before the first step: the heartbeats, on since the
+    # groups were formed, name it; the others leave at once (exit 3) with no traceback, and the
+    # printed command trains the whole job as stock Megatron-LM does.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), "--resihp-inject", "kill:rank=5,at=1,during=setup"],
+                   timeout_s=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 3, output[-3000:]
+    assert "Traceback" not in output and not logged_losses(proc.stdout), output[-3000:]
+    failed = read_events(events, "start_failed")
+    assert failed and {e["rank"] for e in failed} <= set(range(8)) - {5}, failed
+    assert all(e["failed_ranks"] == [5] for e in failed), failed
+    assert "failed while Megatron set the job up, before the first iteration" in output, output[-3000:]
+    again = shlex.split(failed[0]["resume_command"])
+    assert again[:2] == ["python", "scripts/launch_local.py"] and "--resihp-inject" not in again, again
+    rerun = subprocess.run([sys.executable, *again[1:]], cwd=REPO, env=job_env(), capture_output=True, text=True,
+                           timeout=420)
+    check(rerun)
+    assert_same_training(rerun.stdout, tmp_path / "ckpt", failure_free)
+
+
 def test_with_the_distributed_optimizer_a_dead_ranks_state_has_no_copy_and_the_job_resumes_from_its_checkpoint(
         tmp_path, failure_free):
     # Each data-parallel rank holds its part of the optimizer state alone: the survivors fall back at

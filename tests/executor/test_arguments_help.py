@@ -26,6 +26,7 @@ def test_help_lists_every_resihp_flag():
     # This loop's evaluation and step have no recovery around a kill aimed there: refused, not ignored.
     ("--resihp-inject", "kill:rank=0,at=3,during=eval", "--resihp-loop megatron only"),
     ("--resihp-inject", "kill:rank=0,at=3,during=optimizer", "--resihp-loop megatron only"),
+    ("--resihp-inject", "kill:rank=0,at=1,during=setup", "--resihp-loop megatron only"),
     ("--resihp-inject", "raise:rank=0,at=3", "--resihp-loop megatron only"),
 ])
 def test_a_bad_resihp_value_exits_2_naming_its_flag(monkeypatch, capsys, flag, value, says):
