@@ -423,6 +423,7 @@ class ResilientMegatronLoop:
             log_line(f" resihp: run again with: {command}")
         self.events.emit("start_failed", args.iteration, failed_ranks=sorted(lost), resume_command=command,
                          error=str(error).splitlines()[0])
+        hooks.unwatch()  # leaves cleanly: the others must not count this rank among the failed
         self._leave(args.iteration, StopTraining(EXIT_NEEDS_RESTART, (
             f"{ranks_name(lost, hooks.run.identity)} failed while Megatron set the job up, before the first "
             "iteration; nothing of this launch was trained, so the job is run again")))
