@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.launch import check, decisions, read_events, run_job, running_quotas
-from tests.dist.test_megatron_loop import logged_losses
-from tests.dist.test_megatron_loop_resilience import _replaced, assert_same_training, job_args, saved_weights
+from tests.dist.test_megatron_loop_resilience import _replaced, assert_same_training, job_args, stock_training
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -27,14 +26,17 @@ def real_job_args(tmp, name: str) -> list[str]:
             "--use-distributed-optimizer", "--sequence-parallel"]
 
 
+def resilient_run(nproc: int, args: list[str], events, *flags: str):
+    """``args`` on Megatron-LM's loop with resilience on and ``flags``, which must finish."""
+    proc = run_job(nproc, [*args, "--resihp-loop", "megatron", "--resihp-enable", "--resihp-event-log", str(events),
+                           *flags], timeout_s=480)
+    check(proc)
+    return proc
+
+
 @pytest.fixture(scope="module")
 def failure_free(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fail_slow_failure_free")
-    proc = run_job(8, real_job_args(tmp, "ckpt"), timeout_s=420)
-    check(proc)
-    losses = logged_losses(proc.stdout)
-    assert sorted(losses) == list(range(1, ITERATIONS + 1)), proc.stdout[-2000:]
-    return losses, saved_weights(tmp / "ckpt")
+    return stock_training(8, real_job_args(tmp_path_factory.mktemp("fail_slow_failure_free"), "ckpt"))
 
 
 def test_a_slow_rank_is_named_and_its_replica_given_fewer_micro_batches_in_place_exactly(tmp_path, failure_free):
@@ -42,10 +44,8 @@ def test_a_slow_rank_is_named_and_its_replica_given_fewer_micro_batches_in_place
     # rank's spinning also slows its neighbours, and whether the split then pays is the trial's
     # question (tests/dist/test_fail_slow.py); this test holds the split to Megatron's numbers.
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*real_job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
-                       "--resihp-verify-iters", "0", "--resihp-event-log", str(events),
-                       "--resihp-inject", "slow:rank=5,factor=3,at=5"], timeout_s=480)
-    check(proc)
+    proc = resilient_run(8, real_job_args(tmp_path, "ckpt"), events, "--resihp-verify-iters", "0",
+                         "--resihp-inject", "slow:rank=5,factor=3,at=5")
     assert len(read_events(events, "start")) == 8  # one start per process: nothing restarted
     named = [v for v in read_events(events, "verdict") if v["kind"] == "compute" and v["ranks"] == [5]]
     assert named and named[0]["iteration"] >= 4, decisions(events)
@@ -71,10 +71,7 @@ def dp2_job_args(tmp, name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def dp2_failure_free(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dp2_failure_free")
-    proc = run_job(2, dp2_job_args(tmp, "ckpt"), timeout_s=300)
-    check(proc)
-    return logged_losses(proc.stdout), saved_weights(tmp / "ckpt")
+    return stock_training(2, dp2_job_args(tmp_path_factory.mktemp("dp2_failure_free"), "ckpt"))
 
 
 def test_a_split_that_does_not_pay_goes_back_to_megatrons_own(tmp_path, dp2_failure_free):
@@ -83,10 +80,8 @@ def test_a_split_that_does_not_pay_goes_back_to_megatrons_own(tmp_path, dp2_fail
     # iterations slower and the split goes back to the even one: Megatron's own loader, count and
     # loss scale again, and training stays stock Megatron-LM's throughout.
     events = tmp_path / "events.jsonl"
-    proc = run_job(2, [*dp2_job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
-                       "--resihp-event-log", str(events), "--resihp-inject", "slow:rank=1,factor=3,at=5",
-                       "--resihp-inject", "misjudge:rank=0,factor=10,at=1"], timeout_s=300)
-    check(proc)
+    proc = resilient_run(2, dp2_job_args(tmp_path, "ckpt"), events, "--resihp-inject", "slow:rank=1,factor=3,at=5",
+                         "--resihp-inject", "misjudge:rank=0,factor=10,at=1")
     wrong = [p for p in read_events(events, "plan") if p["action"] == "adapt" and p["policy"] == "resihp"]
     assert wrong and wrong[0]["quotas"][1] > wrong[0]["quotas"][0], decisions(events)
     checks = read_events(events, "adaptation_check")

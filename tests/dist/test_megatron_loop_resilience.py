@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,15 +56,19 @@ def saved_weights(root) -> dict[str, torch.Tensor]:
     return weights
 
 
-@pytest.fixture(scope="module")
-def failure_free(tmp_path_factory):
-    """Stock Megatron-LM's loop, no ``--resihp-*`` flag: the losses it logs and the weights it saves."""
-    tmp = tmp_path_factory.mktemp("failure_free")
-    proc = run_job(8, job_args(tmp, "ckpt"), timeout_s=420)
+def stock_training(nproc: int, args: list[str]) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """Stock Megatron-LM's loop on ``nproc`` ranks, no ``--resihp-*`` flag: the losses it logs for
+    every iteration and the weights it saves under ``--save``."""
+    proc = run_job(nproc, args, timeout_s=420)
     check(proc)
     losses = logged_losses(proc.stdout)
-    assert sorted(losses) == list(range(1, ITERATIONS + 1)), proc.stdout[-2000:]
-    return losses, saved_weights(tmp / "ckpt")
+    assert sorted(losses) == list(range(1, int(args[args.index("--train-iters") + 1]) + 1)), proc.stdout[-2000:]
+    return losses, saved_weights(Path(args[args.index("--save") + 1]))
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory):
+    return stock_training(8, job_args(tmp_path_factory.mktemp("failure_free"), "ckpt"))
 
 
 def assert_same_training(stdout: str, root, failure_free, iterations=range(1, ITERATIONS + 1)) -> None:
