@@ -183,7 +183,8 @@ class ResilientMegatronLoop:
         layout = Layout.uniform(model, margs.tensor_model_parallel_size, pp, margs.data_parallel_size,
                                 (margs.num_layers // pp,) * pp)
         install(build_groups(layout, dist.get_rank(), timeout=self.cfg.collective_timeout_s))
-        self._start_hooks(margs)
+        if self.hooks is None:
+            self._start_hooks(margs)
 
     def _build_data_loader(self, dataset, consumed_samples):
         if not self.loaders:
