@@ -48,7 +48,7 @@ from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.raised_faults import RaisedFaults
 from megatron.resihp.run_state import StopTraining
-from megatron.resihp.schedules import RECORDER, install_hooks
+from megatron.resihp.schedules import RECORDER, StepTimings, install_hooks
 
 # Megatron flags (as parsed) whose jobs the fail-stop path cannot yet carry through a re-form, and why.
 _UNSUPPORTED = {
@@ -105,16 +105,6 @@ def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
             found.append(f"--resihp-inject {fault.spec()} (on this loop a kill can wait for the phases "
                          f"{', '.join(p for p in _PHASES if p)} only)")
     return found
-
-
-@dataclasses.dataclass
-class Timings:
-    """One step's timings as the detector reads them (``ResilienceHooks.after_iteration``)."""
-
-    iteration_s: float  # schedule start to optimizer step end, on this rank
-    ops: list  # (kind, micro-batch, start_s, end_s) of every forward and backward
-    busy: list[float]  # per op, device seconds
-    features: list
 
 
 class ResilientMegatronLoop:
@@ -262,8 +252,9 @@ class ResilientMegatronLoop:
         # packs, so every micro-batch has the same cost features: (tokens, sum of squares, samples).
         mbs, seq = args.micro_batch_size, args.seq_length
         count = self._microbatches or get_num_microbatches()
-        timings = Timings(iteration_s=time.perf_counter() - RECORDER.iteration_start_s, ops=list(RECORDER.ops),
-                          busy=list(RECORDER.busy), features=[(mbs * seq, mbs * seq * seq, mbs)] * count)
+        timings = StepTimings(ops=list(RECORDER.ops), busy=list(RECORDER.busy),
+                              features=[(mbs * seq, mbs * seq * seq, mbs)] * count,
+                              iteration_s=time.perf_counter() - RECORDER.iteration_start_s)
         self.hooks.after_iteration(number, elapsed_s, timings, self.hooks.run.objects, list(self.hooks.run.quotas))
 
     def _follow_quotas(self, consumed: int) -> None:

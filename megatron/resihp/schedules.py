@@ -210,16 +210,24 @@ def uninstall_hooks() -> None:
 
 
 @dataclasses.dataclass
-class StepResult:
+class StepTimings:
+    """One step's op timings, what the detector reads (``ResilienceHooks.after_iteration``)."""
+
+    ops: list[OpRecord]
+    busy: list[float]  # per op, device seconds (see the module docstring)
+    features: list[tuple[int, ...]]  # per micro-batch, its cost features
+    iteration_s: float  # schedule start to optimizer step end, on this rank
+
+
+@dataclasses.dataclass
+class StepResult(StepTimings):
+    """One step of the resihp loop: its timings, its loss and what the optimizer did."""
+
     loss_sum: float  # summed over this replica's micro-batches (last stage only, else 0)
     num_tokens: int
     grad_norm: float | None
     skipped: bool
-    ops: list[OpRecord]
-    busy: list[float]  # per op, device seconds (see the module docstring)
-    features: list[tuple[int, int]]
     iteration_start_s: float
-    iteration_s: float  # schedule start to optimizer step end, on this rank
 
 
 def train_step(
