@@ -9,7 +9,7 @@ Responsible for: a daemon watchdog thread on every rank that reads every other r
 * **dead** at once: a rank whose beacon wrote the ``dead`` mark (its process is gone);
 * **hung** ranks: heartbeat alive but the training progress they publish (``beat(progress)``,
   called at each iteration boundary) stopped for ``hang_timeout_s`` while other ranks moved on,
-  judged by ``judge_progress`` below, with the same allowance for a host running late;
+  judged by ``hang_rules.judge_progress``, with the same allowance for a host running late;
 * **hung** at once: a rank whose beacon wrote the ``stopped`` mark (stopped by a signal; it cannot
   progress until continued, and nobody waits for that);
 * **hung** in seconds: a rank working outside any collective without progress while another waits

@@ -24,7 +24,7 @@ only a separate process can do:
   debugger or profiler (``t``, tracing stop) is not marked.
 
 A rank that is alive but stuck keeps beating through its beacon with progress standing still: that
-is a hang, for ``judge_progress``, never a death.
+is a hang, for ``hang_rules``, never a death.
 """
 
 from __future__ import annotations
