@@ -260,7 +260,7 @@ def resilience_config(args: argparse.Namespace):
     import dataclasses
     import os
 
-    from megatron.resihp.megatron_loop_resilience import unsupported_flags
+    from megatron.resihp.megatron_loop_support import unsupported_flags
     from resihp_ext.config import ResiHPConfig
     from resihp_ext.faults import check_ranks_exist
 

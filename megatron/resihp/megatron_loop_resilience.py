@@ -29,12 +29,12 @@ scheduler already points at that object and keeps its own step count; the proces
 ``train()`` took from the first chunk for its logging is updated in place; and Megatron's global
 arguments (rank, world size, data-parallel size) and micro-batch calculator learn the new world.
 
-What the Megatron loop does not carry yet is refused before anything starts (``unsupported_flags``).
+What the Megatron loop does not carry yet is refused before anything starts
+(``megatron_loop_support.unsupported_flags``).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -49,63 +49,6 @@ from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.raised_faults import RaisedFaults
 from megatron.resihp.run_state import StopTraining
 from megatron.resihp.schedules import RECORDER, StepTimings, install_hooks
-
-# Megatron flags (as parsed) whose jobs the fail-stop path cannot yet carry through a re-form, and why.
-_UNSUPPORTED = {
-    "virtual_pipeline_model_parallel_size": ("--num-layers-per-virtual-pipeline-stage / "
-                                             "--virtual-pipeline-model-parallel-size",
-                                             "the interleaved schedule's model chunks are not rebuilt yet"),
-    "context_parallel_size": ("--context-parallel-size", "context-parallel groups are not re-formed"),
-    "expert_model_parallel_size": ("--expert-model-parallel-size", "expert-parallel groups are not re-formed"),
-    "use_megatron_fsdp": ("--use-megatron-fsdp", "sharded parameters are not re-formed"),
-    "use_torch_fsdp2": ("--use-torch-fsdp2", "sharded parameters are not re-formed"),
-}
-# Megatron flags that place ranks or layers otherwise than the launch Layout this loop builds.
-_OTHER_PLACEMENT = {
-    "use_tp_pp_dp_mapping": "--use-tp-pp-dp-mapping",
-    "pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
-    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
-    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
-    "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
-    "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
-}
-# Injected faults this loop carries out. A ``link:`` slowdown does slow this loop's pipeline
-# transfers (the hook wraps megatron-core's p2p functions), but the detector does not name it from
-# the timings of Megatron's schedule yet (measured: iterations 2.4x longer, no suspicion), so it
-# stays the resihp loop's.
-_FAULT_KINDS = ("kill", "hang", "raise", "slow", "misjudge")
-# Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
-# state), this rank's optimizer step, the iteration's log, an evaluation, a save as it begins and
-# once this rank's files are written (Megatron's save has no rename), and the job's end, as
-# ``pretrain()`` returns, and Megatron's set-up, as it builds the data loaders.
-_PHASES = (None, "reform", "rendezvous", "optimizer", "log", "eval", "save", "save-write", "shutdown", "setup")
-
-
-def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
-    """What this job asks for that resilience on Megatron's loop cannot carry yet, one reason per
-    item (empty: the job may run). ``args`` are Megatron's validated arguments, ``cfg`` the
-    ``ResiHPConfig`` of its ``--resihp-*`` flags."""
-    found = []
-    for dest, (flag, why) in _UNSUPPORTED.items():
-        value = getattr(args, dest, None)
-        if value is True or (type(value) is int and value > 1):  # a switch that is on, a size above 1
-            found.append(f"{flag} ({why})")
-    for dest, flag in _OTHER_PLACEMENT.items():
-        if getattr(args, dest, None) not in (None, False):
-            found.append(f"{flag} (the groups and stages are rebuilt in the default rank order with equal layers per stage)")
-    if args.num_layers % args.pipeline_model_parallel_size:
-        found.append(f"--num-layers {args.num_layers} over --pipeline-model-parallel-size "
-                     f"{args.pipeline_model_parallel_size} (stages are rebuilt with equal layers)")
-    if getattr(args, "dataloader_type", "single") != "single":
-        found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
-    for fault in cfg.faults:
-        if fault.kind.value not in _FAULT_KINDS:
-            found.append(f"--resihp-inject {fault.spec()} (link slowdowns are injected on --resihp-loop resihp only)")
-        elif fault.kind.value == "kill" and fault.during not in _PHASES:
-            found.append(f"--resihp-inject {fault.spec()} (on this loop a kill can wait for the phases "
-                         f"{', '.join(p for p in _PHASES if p)} only)")
-    return found
-
 
 class ResilientMegatronLoop:
     """The patches and the state they share: this process's executor and the loop's handles."""

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from megatron.resihp.megatron_loop_resilience import unsupported_flags
+from megatron.resihp.megatron_loop_support import unsupported_flags
 from resihp_ext.config import ResiHPConfig
 
 
