@@ -28,6 +28,7 @@ from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.failure_origin import is_peer_failure
 from megatron.resihp.heartbeat import STORE_LOSS_TIMEOUTS, STORE_OP_TIMEOUT_S
 from megatron.resihp.logging_utils import log_line, rank_name, ranks_name, world_numbered
+from megatron.resihp.optimizer_parts import OptimizerPartsStale
 from megatron.resihp.reconfigure import ChangeFailed, LayoutChange, World, apply
 from megatron.resihp.reshard import adam_template_of, loss_scale_state
 from megatron.resihp.run_state import StopTraining
@@ -146,6 +147,7 @@ class FailStopRecovery:
                 host.store, run.generation, old_rank, run.layout, named | failed | left, self._preferred_plan,
                 wait_s=3 * cfg.collective_timeout_s, move_state=host.moves_state, hw=self._survivor_hardware(),
                 health=host.known_health, sharded_optimizer=host.sharded_optimizer,
+                part_copies=run.part_copies is not None,
                 standbys=standbys, shared=lambda plan, run=run, left=left, answered=answered: self._shared(
                     run, plan, answered, left, iteration, consumed_samples))
             identity = tuple(published["identity"])  # this world's launch ranks, then the spares called
@@ -174,10 +176,17 @@ class FailStopRecovery:
                 new_rank=dict(plan.new_rank),
                 move_world=tuple(sorted((set(run.layout.world_ranks) - failed) | set(plan.joiners))),
                 failed=failed, watch_old_world=True, reload_own=True, identity=identity if taken else None,
-                leave=self._leave_as_spare)
+                leave=self._leave_as_spare, part_sources=plan.part_sources)
             try:
                 new = apply(change, run, host)
                 break
+            except OptimizerPartsStale as stale:
+                host.monitor.stop()
+                lost = dataclasses.replace(plan, action="checkpoint-restart", reason=f"{plan.reason}; but {stale}",
+                                           missing_shards=plan.missing_shards or tuple(sorted(
+                                               {(run.layout.stage_of(r)[1], run.layout.tp_rank_of(r)) for r in failed})))
+                self._fallback_checkpoint(old_rank, iteration, lost, consumed_samples, failed,
+                                          iteration - 1 if completed is None else completed)
             except ChangeFailed as exc:
                 # The old world's heartbeats are still watched, so a rank that died while the new
                 # world formed is named like the first; the next attempt plans without it.

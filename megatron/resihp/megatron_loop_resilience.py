@@ -46,6 +46,7 @@ from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line, ranks_name
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.model_builder import TrainingObjects
+from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers
 from megatron.resihp.raised_faults import RaisedFaults
 from megatron.resihp.run_state import StopTraining
 from megatron.resihp.schedules import RECORDER, StepTimings, install_hooks
@@ -152,6 +153,9 @@ class ResilientMegatronLoop:
             if self._microbatches is not None:
                 fb = quota_split.with_microbatches(fb, self._microbatches)
             try:
+                copies = self.hooks.run.part_copies
+                if copies is not None and copies.held is None:
+                    copies.send()  # the launch world's first copies, before its first update
                 RECORDER.start_iteration()
                 try:
                     result = step(self.raised.forward_step(forward_step_func, number),
@@ -257,6 +261,11 @@ class ResilientMegatronLoop:
         self.hooks.run = self.hooks.run.replace(objects=objects, quotas=tuple(even_quotas(
             args.global_batch_size // args.micro_batch_size, args.data_parallel_size)))
         self._quotas_in_use = self.hooks.run.quotas
+        if args.use_distributed_optimizer and self.hooks.can_recover:
+            # Each rank's part of the optimizer state is copied on the next rank of its position after
+            # every update, so that a dead rank's part survives (``optimizer_parts``).
+            self.hooks.run = self.hooks.run.replace(part_copies=PartCopies(self.hooks.run.layout, self.hooks.run.rank,
+                                                                           optimizer))
         self.raised = RaisedFaults(self.hooks.faults, self.events, self.hooks.me)
         self._watch_steps(optimizer)
         self.events.emit("start", args.iteration, world_size=dist.get_world_size(), loop="megatron",
@@ -268,17 +277,43 @@ class ResilientMegatronLoop:
                      f"split {'on' if self.cfg.enable else 'off'}")
 
     def _watch_steps(self, optimizer) -> None:
-        """Note when this rank's optimizer step returns: a failure after it must not redo the iteration."""
+        """Note when this rank's optimizer has updated its parameters: a failure after it must not
+        redo the iteration. Under the distributed optimizer that is before its step returns (the
+        parameters are gathered after the update), and the update's copies are sent there."""
         inner = type(optimizer).step
 
         def step(*args, **kwargs):
             self.raised.strike("optimizer", self.phases.position.iteration)
+            copies = self.hooks.run.part_copies
+            if copies is not None:
+                copies.step_begins()
             result = inner(optimizer, *args, **kwargs)
             self._stepped = True
+            if copies is not None:
+                copies.step_returned()
             self.hooks.inject(self.phases.position.iteration, "optimizer")
             return result
 
         optimizer.step = step
+        if self.hooks.run.part_copies is None:
+            return
+        self.hooks.run.part_copies.optimizer = optimizer
+        for sub in distributed_optimizers(optimizer):
+            self._watch_updates(sub.optimizer)
+
+    def _watch_updates(self, torch_optimizer) -> None:
+        """Under the distributed optimizer, the step is done once a parameter is updated: its
+        parameters are gathered after that, and a failure there must not redo the iteration."""
+        update = type(torch_optimizer).step
+
+        def counted_update(*args, **kwargs):
+            result = update(torch_optimizer, *args, **kwargs)
+            self._stepped = True
+            if self.hooks.run.part_copies.updating():
+                self.hooks.inject(self.phases.position.iteration, "update")
+            return result
+
+        torch_optimizer.step = counted_update
 
     def _build_objects(self, args, layers_per_stage) -> TrainingObjects:
         """Megatron's own model chunks, optimizer and LR schedule on the installed groups."""

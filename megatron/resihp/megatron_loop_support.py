@@ -36,8 +36,10 @@ _FAULT_KINDS = ("kill", "hang", "raise", "slow", "misjudge")
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
 # state), this rank's optimizer step, the iteration's log, an evaluation, a save as it begins and
 # once this rank's files are written (Megatron's save has no rename), and the job's end, as
-# ``pretrain()`` returns, and Megatron's set-up, as it builds the data loaders.
-_PHASES = (None, "reform", "rendezvous", "optimizer", "log", "eval", "save", "save-write", "shutdown", "setup")
+# ``pretrain()`` returns, and Megatron's set-up, as it builds the data loaders. Under the distributed
+# optimizer also once it has updated this rank's parameters, before the update's copies go out.
+_PHASES = (None, "reform", "rendezvous", "update", "optimizer", "log", "eval", "save", "save-write", "shutdown",
+           "setup")
 
 
 def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
@@ -55,6 +57,9 @@ def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
     if args.num_layers % args.pipeline_model_parallel_size:
         found.append(f"--num-layers {args.num_layers} over --pipeline-model-parallel-size "
                      f"{args.pipeline_model_parallel_size} (stages are rebuilt with equal layers)")
+    if cfg.enable and args.use_distributed_optimizer and getattr(args, "optimizer", "adam") != "adam":
+        found.append(f"--optimizer {args.optimizer} with --use-distributed-optimizer (the copies that let a dead "
+                     f"rank's part of the optimizer state survive carry Adam's state only)")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
     for fault in cfg.faults:
@@ -63,4 +68,7 @@ def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
         elif fault.kind.value == "kill" and fault.during not in _PHASES:
             found.append(f"--resihp-inject {fault.spec()} (on this loop a kill can wait for the phases "
                          f"{', '.join(p for p in _PHASES if p)} only)")
+        elif fault.during == "update" and not (cfg.enable and args.use_distributed_optimizer):
+            found.append(f"--resihp-inject {fault.spec()} (the update phase is the distributed optimizer's, "
+                         f"with --resihp-enable: pass --use-distributed-optimizer)")
     return found

@@ -34,6 +34,7 @@ from megatron.resihp.failure_origin import PeerFailed
 from megatron.resihp.layer_sync import LayoutGradSync
 from megatron.resihp.logging_utils import log_line, rank_name
 from megatron.resihp.model_builder import TrainingObjects
+from megatron.resihp.optimizer_parts import PartCopies, regather, stage_parts, write_parts
 from megatron.resihp.parallel_state_patch import build_groups, install, message_group, teardown
 from megatron.resihp.reshard import (
     apply_transfers, carry_schedule, load_loss_scale_state, loss_scale_state, stage_transfers, unstage_transfers,
@@ -89,6 +90,10 @@ class LayoutChange:
         adam_template, loss_scale: on a joiner: what shapes its Adam states and its loss scaler.
         leave: called on a rank the new world does not include, once it has sent what others need;
             it must raise (``StopTraining``, or ``StandingBy``).
+        part_sources: SHRINK under Megatron's distributed optimizer (``plan.part_sources``): dead
+            rank -> the live rank keeping the copy of its part of the optimizer state. Every
+            survivor then sends the kept ranks the parts they lack before leaving, and the
+            rebuilt optimizer is split anew from them (``optimizer_parts``).
     """
 
     kind: str
@@ -108,6 +113,7 @@ class LayoutChange:
     adam_template: dict | None = None
     loss_scale: list | None = None
     leave: Callable[[int], None] | None = None
+    part_sources: Mapping[int, int] | None = None
 
 
 class Executor(Protocol):
@@ -156,8 +162,9 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
     received: dict = {}
     moved = 0
     messages = run.messages
+    parts = None  # every part of this rank's position, when the optimizer's parts moved
     if change.world is World.SHRINK:
-        received = _move_out_and_reform(change, run, env, ran)
+        received, parts = _move_out_and_reform(change, run, env, ran)
         rank, layout = change.new_rank[run.rank], change.new_layout.relabel(change.new_rank)
         identity = run.renumbered(change.new_rank) if change.identity is None else \
             tuple(change.identity[old] for old in sorted(change.new_rank, key=change.new_rank.get))
@@ -168,7 +175,7 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
         rank, layout, identity = run.rank, change.new_layout, run.identity
     # Where every member stands if the change is abandoned: the old layout, in the world they are in.
     back = run if change.world is World.SAME else run.replace(sync=None, messages=None)
-    groups = new_objects = failure = sync = None
+    groups = new_objects = failure = sync = copies = None
     try:
         groups = build_groups(layout, rank, timeout=timeout_s)
         install(groups)
@@ -180,6 +187,8 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
         if change.world is not World.SHRINK:
             env.inject(change.iteration, change.kind)
         moved += _move_state(change, run, rank, new_objects, received, ran)
+        if parts is not None:
+            copies = _split_parts_anew(run, layout, rank, new_objects, parts)
     except RuntimeError as error:
         failure = error
     if change.world is World.SHRINK:
@@ -205,32 +214,43 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
     if change.world is not World.SHRINK:  # a SHRINK's moves were recorded as they ran, before the re-form
         env.record_moved(change.iteration, rank, ran, moved)
     new = RunState(layout=layout, groups=groups, rank=rank, launch_rank=run.launch_rank, identity=tuple(identity),
-                   generation=run.generation, objects=new_objects, quotas=run.quotas, messages=messages, sync=sync)
+                   generation=run.generation, objects=new_objects, quotas=run.quotas, messages=messages, sync=sync,
+                   part_copies=copies)
     if change.world is World.SHRINK:
         env.watch(new)  # the old world's watch ends here (a recovery kept it while re-forming)
     return new
 
 
-def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran: list) -> dict:
+def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran: list) -> tuple[dict, list | None]:
     """SHRINK: send what the kept ranks need while every holder is a member, let leavers go, and
-    form the smaller world. Returns what this rank received (``reshard.stage_transfers``)."""
+    form the smaller world. Returns what this rank received (``reshard.stage_transfers``) and, when
+    the optimizer's parts moved, every part of its position (``optimizer_parts.stage_parts``).
+
+    Raises:
+        OptimizerPartsStale: the survivors' parts do not make one optimizer state.
+    """
     old_rank, new_rank = run.rank, change.new_rank
-    if old_rank not in new_rank and (not change.transfers or old_rank in change.failed):
+    sends_parts = change.part_sources is not None and run.part_copies is not None
+    if old_rank not in new_rank and (not (change.transfers or sends_parts) or old_rank in change.failed):
         change.leave(old_rank)
     if change.kind == "recovery":
         env.inject(change.iteration, "reform")
     # A standby taken back watches no world's heartbeats: it waits out a world that does not form.
     joining = change.joining_rank is not None
+    parts = None
     try:
         if change.move_world is not None:
             received = {}
-            if change.transfers:
+            if change.transfers or sends_parts:
                 # Spares stay for this step: they may hold what a moved stage group needs.
                 received = recovery.stage_moves(
                     env.store, run.generation, old_rank, list(change.move_world), change.transfers,
                     change.old_layout, run.objects, env.backend, env.cfg.collective_timeout_s,
                     stop=(lambda: None) if joining else env.failure_among(change.move_world),
                     joined=lambda: env.inject(change.iteration, "moves"), ran=ran)
+            if sends_parts:
+                parts = stage_parts(run.part_copies, change.old_layout, old_rank, change.part_sources, new_rank,
+                                    peer_rank=list(change.move_world).index)
         else:
             received = stage_transfers(change.transfers, change.old_layout, old_rank, run.objects,
                                        peer_rank=lambda r: r, ran=ran)
@@ -245,7 +265,17 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
                                  met=lambda: env.inject(change.iteration, "rendezvous"))
     except (RuntimeError, TimeoutError) as error:
         raise ChangeFailed(f"world {run.generation} did not form: {error}", run) from error
-    return received
+    return received, parts
+
+
+def _split_parts_anew(run: RunState, layout: Layout, rank: int, new_objects, parts: list) -> PartCopies:
+    """The rebuilt distributed optimizer's part from every part of this rank's position, the model's
+    parameters gathered from it, and the new world's copies made (every member at once)."""
+    write_parts(new_objects.optimizer, parts)
+    regather(new_objects.optimizer)
+    copies = PartCopies(layout, rank, new_objects.optimizer, updates=run.part_copies.updates)
+    copies.send()
+    return copies
 
 
 def _form_grown_world(change: LayoutChange, run: RunState, env: Executor) -> None:

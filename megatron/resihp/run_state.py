@@ -46,6 +46,9 @@ class RunState:
             process that holds no state, such as a standby).
         quotas: micro-batches per replica.
         sync: the layer-wise gradient sync when replicas differ (None: megatron-core's DDP syncs).
+        part_copies: under Megatron's distributed optimizer with resilience on, this rank's update
+            count and the copy it keeps of another rank's part (``optimizer_parts.PartCopies``,
+            made anew for every world); None otherwise.
     """
 
     layout: Layout
@@ -58,6 +61,7 @@ class RunState:
     quotas: tuple[int, ...]
     messages: object | None = None
     sync: object | None = None
+    part_copies: object | None = None
 
     @property
     def replica(self) -> int:

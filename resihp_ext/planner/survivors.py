@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
+from resihp_ext.optimizer_parts import part_sources
 from resihp_ext.planner.cost import speed_quotas
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
@@ -60,6 +61,9 @@ class SurvivorPlan:
             executor runs exactly these.
         filled: dead rank -> the standby (a rank outside the old layout) that takes its place;
             ``kept_replicas`` index the old layout with these places filled.
+        part_sources: under the distributed optimizer with copies kept, dead rank -> the live
+            rank whose copy of its part of the optimizer state the kept ranks receive
+            (``resihp_ext.optimizer_parts``); None when the optimizer is not split.
     """
 
     action: str
@@ -73,6 +77,7 @@ class SurvivorPlan:
     reason: str = ""
     transfers: tuple[Transfer, ...] = ()
     filled: dict[int, int] = field(default_factory=dict)
+    part_sources: dict[int, int] | None = None
 
     @property
     def joiners(self) -> tuple[int, ...]:
@@ -96,6 +101,7 @@ class SurvivorPlan:
             "reason": self.reason,
             "transfers": [t.to_dict() for t in self.transfers],
             "filled": {str(k): v for k, v in self.filled.items()},
+            "part_sources": None if self.part_sources is None else {str(k): v for k, v in self.part_sources.items()},
         }
 
     @classmethod
@@ -112,6 +118,8 @@ class SurvivorPlan:
             reason=d["reason"],
             transfers=tuple(Transfer.from_dict(t) for t in d.get("transfers", [])),
             filled={int(k): int(v) for k, v in d.get("filled", {}).items()},
+            part_sources=None if d.get("part_sources") is None else
+            {int(k): int(v) for k, v in d["part_sources"].items()},
         )
 
 
@@ -318,21 +326,42 @@ def megatron_order(replicas: tuple[ReplicaSpec, ...]) -> list[int]:
     return [rank for p in range(depth) for r in replicas if p < r.num_stages for rank in r.stages[p].ranks]
 
 
-def _sharded_state_lost(layout: Layout, dead: frozenset[int]) -> SurvivorPlan:
-    """No in-place plan: each dead rank took its part of its position's optimizer state with it."""
-    lost = tuple(sorted({(layout.stage_of(r)[1], layout.tp_rank_of(r)) for r in dead}))
+def _sharded_state_lost(layout: Layout, dead: frozenset[int], lost: tuple[tuple[int, int], ...],
+                        copies: bool) -> SurvivorPlan:
+    """No in-place plan: dead ranks took parts of their positions' optimizer state with them."""
     survivors = tuple(sorted(set(layout.world_ranks) - dead))
+    without = ("and the ranks keeping their copies died too" if copies
+               else "which the distributed optimizer splits over data-parallel ranks without a copy")
     return SurvivorPlan(
         action="checkpoint-restart", kept_replicas=(), spares=survivors, missing_shards=lost,
         reason=(f"dead ranks {sorted(dead)} held parts of the optimizer state of stage/TP positions {list(lost)}, "
-                f"which the distributed optimizer splits over data-parallel ranks without a copy, so no in-place "
-                f"plan exists"),
+                f"{without}, so no in-place plan exists"),
     )
+
+
+def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: HardwareModel | None,
+                     health: Health | None) -> SurvivorPlan:
+    """Under the distributed optimizer: whole replicas go on when every dead rank's part of the
+    optimizer state has a live copy; the kept ranks then receive the parts of the replicas left out."""
+    if copies:
+        sources, lost = part_sources(layout, dead)
+    else:
+        sources, lost = {}, tuple(sorted({(layout.stage_of(r)[1], layout.tp_rank_of(r)) for r in dead}))
+    if lost:
+        return _sharded_state_lost(layout, dead, lost, copies)
+    plan = _plan_on(layout, dead, False, hw, health)
+    if plan.action != "adapt":
+        return plan
+    copied = ", ".join(f"{d}'s on rank {h}" for d, h in sorted(sources.items()))
+    return dataclasses.replace(plan, part_sources=sources, reason=(
+        f"{plan.reason}; the optimizer state is split anew over the kept replicas, the dead ranks' parts "
+        f"from their copies ({copied})"))
 
 
 def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True,
                    hw: HardwareModel | None = None, health: Health | None = None,
-                   standbys: tuple[int, ...] = (), sharded_optimizer: bool = False) -> SurvivorPlan:
+                   standbys: tuple[int, ...] = (), sharded_optimizer: bool = False,
+                   part_copies: bool = False) -> SurvivorPlan:
     """Keep every replica none of whose ranks died, rebuild what intact stage groups allow, renumber.
 
     New ranks follow megatron-core's order over the new layout (for kept whole replicas of a
@@ -354,7 +383,10 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
             the order to take them back; each may take a dead rank's place (``standby_places``),
             receiving that place's state, when state may move. Those not taken stay out.
         sharded_optimizer: whether each position's optimizer state is split over its data-parallel
-            ranks (Megatron's distributed optimizer): then a dead rank's part has no copy anywhere.
+            ranks (Megatron's distributed optimizer): then only whole replicas go on (no state
+            moves between stages), and only when every dead rank's part survives.
+        part_copies: with ``sharded_optimizer``, whether each part has a copy on the next rank of
+            its position (``resihp_ext.optimizer_parts``); without copies a dead rank's part is lost.
 
     Returns:
         A SurvivorPlan. "adapt" needs at least one replica, whole or rebuilt; otherwise
@@ -365,7 +397,7 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     if unknown:
         raise ValueError(f"dead ranks {sorted(unknown)} are not in the layout")
     if sharded_optimizer and dead:
-        return _sharded_state_lost(layout, dead)
+        return _plan_with_parts(layout, frozenset(dead), part_copies, hw, health)
     plain = _plan_on(layout, frozenset(dead), move_state, hw, health)
     places = standby_places(layout, frozenset(dead), standbys) if standbys and move_state else {}
     if not places:

@@ -311,17 +311,42 @@ def test_a_rank_lost_while_megatron_sets_the_job_up_ends_it_at_once_with_the_com
     assert_same_training(rerun.stdout, tmp_path / "ckpt", failure_free)
 
 
-def test_with_the_distributed_optimizer_a_dead_ranks_state_has_no_copy_and_the_job_resumes_from_its_checkpoint(
+# Each rank's part of the distributed optimizer's state is copied on the next rank of its position
+# after every update: the kept replica receives the dead replica's parts (rank 5's from its copy on
+# rank 7) and splits the state anew over DP 1. Killed in the step, it is redone; killed once its
+# optimizer step returned (the parts updated and copied), it is done. With sequence parallelism too.
+@pytest.mark.parametrize("kill, extra, iterations", [
+    ("kill:rank=5,at=4", [], range(1, ITERATIONS + 1)),
+    ("kill:rank=5,at=4,during=optimizer", ["--sequence-parallel"], [1, 2, 3, 5, 6, 7, 8]),
+], ids=["in-step", "after-its-update-sequence-parallel"])
+def test_with_the_distributed_optimizer_a_dead_ranks_part_comes_from_its_copy_and_training_goes_on_exact(
+        tmp_path, failure_free, kill, extra, iterations):
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), "--use-distributed-optimizer", *extra,
+                       "--resihp-inject", kill], timeout_s=420)
+    check(proc)
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [5])], adapted
+    plans = read_events(events, "plan")
+    assert plans and plans[-1]["executed"]["part_sources"] == {"5": 7}, plans
+    assert not read_events(events, "fallback_checkpoint")
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=iterations)
+
+
+def test_a_rank_killed_between_its_update_and_its_copies_ends_the_job_cleanly_at_its_last_checkpoint(
         tmp_path, failure_free):
-    # Each data-parallel rank holds its part of the optimizer state alone: the survivors fall back at
-    # once (exit 3) to the last periodic checkpoint, and its resume command trains the rest exactly.
+    # Rank 5 dies once its part is updated, before the update's copy reaches rank 7: the survivors'
+    # parts are of update 4, the copy of rank 5's of update 3. No in-place plan can be exact, so the
+    # survivors fall back (exit 3) to the last periodic checkpoint, whose resume command trains the
+    # rest exactly.
     events = tmp_path / "events.jsonl"
     proc = run_job(8, [*resilient(tmp_path, events), "--use-distributed-optimizer", "--save-interval", "2",
-                       "--resihp-inject", "kill:rank=5,at=4"], timeout_s=420)
+                       "--resihp-inject", "kill:rank=5,at=4,during=update"], timeout_s=420)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     fallback = read_events(events, "fallback_checkpoint")
     assert len(fallback) == 1 and fallback[0]["path"].endswith("iter_0000002"), fallback
-    assert "distributed optimizer" in fallback[0]["reason"], fallback
+    assert "while copies were sent" in fallback[0]["reason"], fallback
     resume = shlex.split(fallback[0]["resume_command"])
     resumed = subprocess.run([sys.executable, *resume[1:]], cwd=REPO, env=job_env(), capture_output=True, text=True,
                              timeout=420)

@@ -23,8 +23,10 @@ def test_a_plain_job_with_kills_hangs_and_recovery_phase_kills_may_run():
                                             "kill:rank=4,at=4,during=rendezvous", "kill:rank=5,at=8,during=shutdown",
                                             "raise:rank=6,at=2,during=backward", "kill:rank=7,at=1,during=setup"])
     assert unsupported_flags(megatron_args(), cfg) == []
-    # Its failures fall back to the last checkpoint (no copy of a dead rank's optimizer part).
+    # Each rank's part of Adam's state is copied on another rank, so its failures are survived too.
     assert unsupported_flags(megatron_args(use_distributed_optimizer=True), cfg) == []
+    between = ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=update"])
+    assert unsupported_flags(megatron_args(use_distributed_optimizer=True), between) == []
 
 
 @pytest.mark.parametrize("cfg", [
@@ -48,6 +50,8 @@ def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
     ({"decoder_first_pipeline_num_layers": 1}, "--decoder-first-pipeline-num-layers"),
     ({"pipeline_model_parallel_layout": "Et|tL"}, "--pipeline-model-parallel-layout"),
     ({"num_layers": 5}, "--num-layers 5"),
+    ({"use_distributed_optimizer": True, "optimizer": "sgd"}, "--optimizer sgd with --use-distributed-optimizer"),
+    ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=update"])}, "pass --use-distributed-optimizer"),
     ({"resihp": ResiHPConfig(enable=True, inject=["link:src=0,dst=4,factor=9,at=3"])}, "--resihp-inject link"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-rename"])}, "during=save-rename"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-tracker"])}, "during=save-tracker"),

@@ -1,23 +1,64 @@
-"""With the optimizer state split over data-parallel ranks, a dead rank's part has no copy: no in-place plan."""
+"""With the optimizer state split over data-parallel ranks (Megatron's distributed optimizer), a dead
+rank's part survives only as the copy the next rank of its position keeps: whole replicas go on when
+every dead rank's copy lives, and the plan says where each comes from."""
 
 from resihp_ext.layout import Layout, ModelSpec
+from resihp_ext.optimizer_parts import copied_owner, copy_holder, part_ring, part_sources, stale_parts
 from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
                   seq_length=64, micro_batch_size=1, global_batch_size=8)
 LAYOUT = Layout.uniform(MODEL, 2, 2, 2, (2, 2))  # ranks 0-3 stage 0, 4-7 stage 1; TP pairs, replicas by DP
+DP4 = Layout.uniform(MODEL, 1, 2, 4, (2, 2))  # stage 0: ranks 0-3, stage 1: ranks 4-7, one per replica
 
 
-def test_a_replicated_optimizer_goes_on_in_place_and_a_sharded_one_falls_back_naming_what_was_lost():
+def test_each_part_is_copied_on_the_next_rank_of_its_position_in_a_ring():
+    assert part_ring(LAYOUT, 5) == (5, 7) and copy_holder(LAYOUT, 5) == 7 and copy_holder(LAYOUT, 7) == 5
+    assert part_ring(DP4, 6) == (4, 5, 6, 7)
+    assert [copy_holder(DP4, r) for r in (4, 5, 6, 7)] == [5, 6, 7, 4]
+    assert [copied_owner(DP4, r) for r in (4, 5, 6, 7)] == [7, 4, 5, 6]
+    one = Layout.uniform(MODEL, 2, 2, 1, (2, 2))
+    assert copy_holder(one, 3) is None and copied_owner(one, 3) is None
+
+
+def test_a_dead_ranks_part_survives_unless_the_holder_of_its_copy_died_too():
+    assert part_sources(DP4, frozenset({5})) == ({5: 6}, ())
+    assert part_sources(DP4, frozenset({1, 5})) == ({1: 2, 5: 6}, ())
+    assert part_sources(DP4, frozenset({5, 6})) == ({6: 7}, ((1, 0),))  # 6's copy is on 7; 5's was on 6: lost
+
+
+def test_without_copies_a_sharded_optimizer_falls_back_naming_what_was_lost():
     assert plan_survivors(LAYOUT, frozenset({5})).action == "adapt"
     plan = plan_survivors(LAYOUT, frozenset({5}), sharded_optimizer=True)
     assert plan.action == "checkpoint-restart"
     assert plan.missing_shards == ((1, 1),)  # rank 5: stage 1, TP rank 1
     assert plan.spares == (0, 1, 2, 3, 4, 6, 7) and not plan.new_rank
-    assert "distributed optimizer" in plan.reason and "[5]" in plan.reason
+    assert "without a copy" in plan.reason and "[5]" in plan.reason
     assert SurvivorPlan.from_dict(plan.to_dict()) == plan  # it travels through the store unchanged
+    assert plan_survivors(LAYOUT, frozenset({2, 5, 7}), sharded_optimizer=True).missing_shards == ((0, 0), (1, 1))
 
 
-def test_two_dead_ranks_name_both_positions_once_each():
-    plan = plan_survivors(LAYOUT, frozenset({2, 5, 7}), sharded_optimizer=True)
-    assert plan.missing_shards == ((0, 0), (1, 1))
+def test_with_copies_whole_replicas_go_on_and_the_plan_names_each_copy_it_uses():
+    plan = plan_survivors(LAYOUT, frozenset({5}), sharded_optimizer=True, part_copies=True)
+    assert plan.action == "adapt" and plan.kept_replicas == (1,)
+    assert plan.part_sources == {5: 7} and not plan.transfers  # no stage moves: parts only
+    assert plan.spares == (0, 1, 4)  # replica 0's live ranks send their parts, then leave
+    assert "5's on rank 7" in plan.reason
+    assert SurvivorPlan.from_dict(plan.to_dict()) == plan
+    # DP 4, a rank of stage 0 and one of stage 1 dead: two replicas go on.
+    plan = plan_survivors(DP4, frozenset({1, 6}), sharded_optimizer=True, part_copies=True)
+    assert plan.action == "adapt" and plan.kept_replicas == (0, 3) and plan.part_sources == {1: 2, 6: 7}
+    # The holder of the copy died too: nothing left of that part.
+    plan = plan_survivors(DP4, frozenset({5, 6}), sharded_optimizer=True, part_copies=True)
+    assert plan.action == "checkpoint-restart" and plan.missing_shards == ((1, 0),)
+    assert "copies died too" in plan.reason
+    # A replicated optimizer's plans carry no part sources.
+    assert plan_survivors(LAYOUT, frozenset({5})).part_sources is None
+
+
+def test_the_parts_make_one_state_only_when_every_update_count_agrees():
+    held = {6: (5, 3), 4: (7, 3), 7: (6, 3)}
+    assert stale_parts({4: 3, 6: 3, 7: 3}, held, {5: 6}) is None
+    assert "while the optimizer stepped" in stale_parts({4: 3, 6: 2, 7: 3}, held, {5: 6})
+    assert "while copies were sent" in stale_parts({4: 3, 6: 3, 7: 3}, {**held, 6: (5, 2)}, {5: 6})
+    assert "keeps no copy" in stale_parts({4: 3, 6: 3, 7: 3}, {**held, 6: None}, {5: 6})

@@ -1,0 +1,244 @@
+"""This rank's part of Megatron's distributed optimizer state, its copy on the next rank, and the
+parts a re-formed world's ranks receive.
+
+Megatron's ``DistributedOptimizer`` gives each data-parallel rank of a (stage, TP shard) position
+one contiguous range of the position's gradient buffer, and with it the fp32 main parameters and
+Adam moments of that range. Here a part is described in model space, independent of the buffer's
+padding (which changes with the data-parallel size): pieces ``(model chunk, parameter index,
+start, end)`` over each parameter's flattened elements, and the values of ``KEYS`` over each piece.
+Read and written through the optimizer's own accessors
+(``_get_main_param_and_optimizer_states`` / ``_set_main_param_and_optimizer_states``).
+
+- ``PartCopies``: after every optimizer update, each rank sends its part to the rank that keeps its
+  copy and receives the part it keeps (``resihp_ext.optimizer_parts``: the next rank of the same
+  position, a ring), one pair of point-to-point messages per rank. The update count travels with
+  each copy, so a recovery can tell a copy that missed the last update.
+- ``stage_parts``: in the world of every survivor a recovery forms, the kept ranks receive the
+  parts of their position they do not hold, each from its owner or, for a dead owner, from the
+  rank keeping its copy; ``write_parts`` then fills the optimizer rebuilt for the new
+  data-parallel size, and ``regather`` makes the model's parameters its main parameters.
+
+What is chosen (whose copy each dead part comes from, whether the parts agree) is
+``resihp_ext.optimizer_parts``'s; this module moves tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from resihp_ext.layout import Layout
+from resihp_ext.optimizer_parts import copied_owner, copy_holder, part_ring, stale_parts
+
+# Adam's state besides its step count (restored from the optimizer's param groups, the same on
+# every rank), in the order each piece's values are laid out.
+KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+class OptimizerPartsStale(Exception):
+    """The surviving parts do not make one optimizer state (a failure struck while the optimizer
+    updated or while copies were sent): no in-place recovery. Not a ``RuntimeError``: the life
+    cycle must not take it for a member that failed part-way."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One rank's part of a position's optimizer state.
+
+    Attributes:
+        pieces: int64 ``[n, 4]``: (model chunk, parameter index in the chunk, start, end) over the
+            parameter's flattened elements.
+        values: float32: for each piece in turn, each of ``KEYS`` over ``[start, end)``.
+        updates: how many optimizer updates this state has taken since launch.
+    """
+
+    pieces: torch.Tensor
+    values: torch.Tensor
+    updates: int
+
+
+def distributed_optimizers(optimizer) -> list:
+    """The distributed optimizers behind Megatron's optimizer (a ``ChainedOptimizer`` holds one per
+    parameter group kind)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _ranges(optimizer):
+    """(distributed optimizer, model parameter, its range in this rank's part), in bucket order."""
+    for sub in distributed_optimizers(optimizer):
+        for gbuf_range_maps in getattr(sub, "gbuf_ranges", []):
+            for maps in gbuf_range_maps.values():
+                for gbuf_range_map in maps:
+                    for model_param, param_range_map in gbuf_range_map["param_map"].items():
+                        yield sub, model_param, param_range_map["param"]
+
+
+def _param_index(optimizer) -> dict:
+    # The same module structure on every rank of a position, before and after a rebuild.
+    return {p: (c, i) for c, chunk in enumerate(optimizer.model_chunks) for i, p in enumerate(chunk.parameters())}
+
+
+def read_part(optimizer, updates: int) -> Part:
+    """This rank's part as it stands (Adam's moments are zeros before its first step)."""
+    index = _param_index(optimizer)
+    pieces, values = [], []
+    for sub, model_param, span in _ranges(optimizer):
+        tensors = sub._get_main_param_and_optimizer_states(model_param)
+        for key in KEYS:
+            value = tensors.get(key)
+            values.append(torch.zeros(span.size) if value is None else value.detach().reshape(-1).float().cpu())
+        pieces.append((*index[model_param], span.start, span.end))
+    return Part(torch.tensor(pieces, dtype=torch.int64).reshape(-1, 4),
+                torch.cat(values) if values else torch.zeros(0), updates)
+
+
+@torch.no_grad()
+def write_parts(optimizer, parts: list[Part]) -> None:
+    """Fill this rank's range of every parameter from ``parts`` (which together cover it), after
+    ``load_state_dict`` made the optimizer's state (its step counts, param groups, loss scale)."""
+    sources = defaultdict(list)  # (chunk, parameter) -> [(start, end, values [len(KEYS), end - start])]
+    for part in parts:
+        offset = 0
+        for chunk, param, start, end in part.pieces.tolist():
+            size = end - start
+            sources[(chunk, param)].append((start, end, part.values[offset:offset + len(KEYS) * size].view(len(KEYS), size)))
+            offset += len(KEYS) * size
+    index = _param_index(optimizer)
+    for sub, model_param, span in _ranges(optimizer):
+        block = torch.empty(len(KEYS), span.size)
+        covered = 0
+        for start, end, values in sources[index[model_param]]:
+            lo, hi = max(start, span.start), min(end, span.end)
+            if lo < hi:
+                block[:, lo - span.start:hi - span.start] = values[:, lo - start:hi - start]
+                covered += hi - lo
+        if covered != span.size:
+            raise RuntimeError(f"the optimizer parts received cover {covered} of the {span.size} elements of "
+                               f"parameter {index[model_param]} this rank holds")
+        device = model_param.device
+        sub._set_main_param_and_optimizer_states(model_param, {k: block[j].to(device) for j, k in enumerate(KEYS)})
+
+
+def regather(optimizer) -> None:
+    """The model's parameters from the optimizer's main parameters, every rank's range gathered."""
+    for sub in distributed_optimizers(optimizer):
+        sub._copy_main_params_to_model_params()
+    for chunk in optimizer.model_chunks:
+        chunk.start_param_sync(force_sync=True)
+
+
+class PartCopies:
+    """This rank's update count, and the copy it keeps of the previous rank's part (``held``).
+
+    An optimizer step counts once its first parameter is updated (from then on the part differs
+    from its copy), and its copies are sent once the step has returned: a failure in between
+    leaves the copies an update behind, which a recovery sees (``stale_parts``)."""
+
+    def __init__(self, layout: Layout, rank: int, optimizer, updates: int = 0):
+        self.optimizer = optimizer
+        self.holder = copy_holder(layout, rank)
+        self.owner = copied_owner(layout, rank)
+        self.updates = updates
+        self.held: Part | None = None  # the owner's part, as last received
+        self._counted = False  # this step's update is counted
+
+    def step_begins(self) -> None:
+        self._counted = False
+
+    def updating(self) -> bool:
+        """One of the optimizer's parameter groups was updated (counted once per step). Returns
+        whether this was the step's first."""
+        if self._counted:
+            return False
+        self.updates += 1
+        self._counted = True
+        return True
+
+    def step_returned(self) -> None:
+        """Send the updated part's copies, if the step updated it."""
+        if self._counted:
+            self._counted = False
+            self.send()
+
+    def send(self) -> None:
+        """Send this rank's part to the rank keeping its copy and receive the part this rank keeps
+        (every rank of the world at once)."""
+        if self.holder is None:
+            return
+        own = read_part(self.optimizer, self.updates)
+        header = torch.tensor([own.pieces.shape[0], own.values.numel(), own.updates], dtype=torch.int64)
+        incoming = torch.zeros(3, dtype=torch.int64)
+        _exchange([(header, self.holder)], [(incoming, self.owner)])
+        pieces = torch.empty(int(incoming[0]), 4, dtype=torch.int64)
+        values = torch.empty(int(incoming[1]), dtype=torch.float32)
+        _exchange([(own.pieces, self.holder), (own.values, self.holder)],
+                  [(pieces, self.owner), (values, self.owner)])
+        self.held = Part(pieces, values, int(incoming[2]))
+
+    def report(self) -> tuple[int, tuple[int, int] | None]:
+        """(this rank's updates, (whose copy it keeps, that copy's updates) or None)."""
+        return self.updates, None if self.held is None else (self.owner, self.held.updates)
+
+
+def _exchange(sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]]) -> None:
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in receives if t.numel()]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+
+
+def stage_parts(copies: PartCopies, layout: Layout, rank: int, sources: Mapping[int, int],
+                kept: Mapping[int, int], peer_rank: Callable[[int], int]) -> list[Part] | None:
+    """In the world of every survivor (``peer_rank``: a ``layout`` rank's rank there): check that
+    the parts make one state, then send every kept rank of each position the parts it lacks.
+
+    Args:
+        copies: this rank's part and held copy, in ``layout``.
+        sources: dead rank -> the live rank whose copy stands for its part.
+        kept: old rank -> new rank, for the ranks that go on.
+
+    Returns:
+        On a kept rank, every part of its position (its own included); None elsewhere.
+
+    Raises:
+        OptimizerPartsStale: on every member alike, when the parts do not make one state.
+    """
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (rank, *copies.report()))
+    why = stale_parts({r: n for r, n, _ in reports}, {r: held for r, _, held in reports}, sources)
+    if why:
+        raise OptimizerPartsStale(why)
+    sends = []  # (source, receiver, owner) in one order on every member
+    for receiver in sorted(kept):
+        for owner in part_ring(layout, receiver):
+            source = sources.get(owner, owner)
+            if owner != receiver and source != receiver:
+                sends.append((source, receiver, owner))
+    own = read_part(copies.optimizer, copies.updates)
+    outgoing = {}
+    header_out, header_in = [], []
+    for i, (source, receiver, owner) in enumerate(sends):
+        if source == rank:
+            part = own if owner == rank else copies.held
+            outgoing[i] = part
+            header_out.append((torch.tensor([part.pieces.shape[0], part.values.numel()], dtype=torch.int64),
+                               peer_rank(receiver)))
+        elif receiver == rank:
+            header_in.append((i, torch.zeros(2, dtype=torch.int64)))
+    _exchange(header_out, [(t, peer_rank(sends[i][0])) for i, t in header_in])
+    data_out = [(t, peer_rank(sends[i][1])) for i, part in outgoing.items() for t in (part.pieces, part.values)]
+    received = []
+    data_in = []
+    for i, header in header_in:
+        part = Part(torch.empty(int(header[0]), 4, dtype=torch.int64), torch.empty(int(header[1])), copies.updates)
+        received.append(part)
+        data_in += [(part.pieces, peer_rank(sends[i][0])), (part.values, peer_rank(sends[i][0]))]
+    _exchange(data_out, data_in)
+    if rank not in kept:
+        return None
+    held = [copies.held] if copies.held is not None and sources.get(copies.owner) == rank else []
+    return [own, *held, *received]
