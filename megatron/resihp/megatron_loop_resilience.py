@@ -46,7 +46,7 @@ from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line, ranks_name
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.model_builder import TrainingObjects
-from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers
+from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers, read_part
 from megatron.resihp.raised_faults import RaisedFaults
 from megatron.resihp.run_state import StopTraining
 from megatron.resihp.schedules import RECORDER, StepTimings, install_hooks
@@ -138,6 +138,7 @@ class ResilientMegatronLoop:
         self.phases.enter(Position(number, Phase.STEP))  # a step is never skipped: nobody is past it
         if self._count_at == number:
             self._count_microbatches()
+        self._first_copies(number)
         try:
             self.hooks.before_iteration(number, None, None)
         except StopTraining as stop:  # the job's store is gone
@@ -153,9 +154,6 @@ class ResilientMegatronLoop:
             if self._microbatches is not None:
                 fb = quota_split.with_microbatches(fb, self._microbatches)
             try:
-                copies = self.hooks.run.part_copies
-                if copies is not None and copies.held is None:
-                    copies.send()  # the launch world's first copies, before its first update
                 RECORDER.start_iteration()
                 try:
                     result = step(self.raised.forward_step(forward_step_func, number),
@@ -185,6 +183,19 @@ class ResilientMegatronLoop:
             machine.current_iteration -= 1
         self._record(number, result, time.perf_counter() - start)
         return result
+
+    def _first_copies(self, number: int) -> None:
+        """The launch world's first copies of the optimizer's parts, before anything else of its first
+        step (a failure then finds them; later worlds make theirs as they form)."""
+        copies = self.hooks.run.part_copies
+        if copies is None or copies.held is not None or copies.holder is None:
+            return
+        try:
+            copies.send()
+        except RuntimeError as error:  # a peer lost before its first copies: no in-place plan
+            if not self.hooks.can_recover:
+                raise
+            self.recover_at(Position(number, Phase.STEP), error)
 
     def _judge(self, number: int, elapsed_s: float) -> None:
         """The detector judges iteration ``number``'s timings (every rank: it gathers them); a
@@ -268,8 +279,10 @@ class ResilientMegatronLoop:
                                                                            optimizer))
         self.raised = RaisedFaults(self.hooks.faults, self.events, self.hooks.me)
         self._watch_steps(optimizer)
+        copies = self.hooks.run.part_copies
         self.events.emit("start", args.iteration, world_size=dist.get_world_size(), loop="megatron",
-                         layers_per_stage=list(objects.layers_per_stage))
+                         layers_per_stage=list(objects.layers_per_stage),
+                         optimizer_part_bytes=None if copies is None else read_part(optimizer, 0).values.numel() * 4)
         if dist.get_rank() == dist.get_world_size() - 1:
             on = "on" if self.hooks.can_recover else "off (--resihp-enable turns it on)"
             log_line(f" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place {on}; fail-slow "

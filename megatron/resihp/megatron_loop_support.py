@@ -60,6 +60,9 @@ def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
     if cfg.enable and args.use_distributed_optimizer and getattr(args, "optimizer", "adam") != "adam":
         found.append(f"--optimizer {args.optimizer} with --use-distributed-optimizer (the copies that let a dead "
                      f"rank's part of the optimizer state survive carry Adam's state only)")
+    if cfg.enable and args.use_distributed_optimizer and getattr(args, "use_precision_aware_optimizer", False):
+        found.append("--use-precision-aware-optimizer with --use-distributed-optimizer (the copies of the optimizer's "
+                     "parts read the fp32 main parameters Megatron keeps, which this optimizer keeps in its own form)")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
     for fault in cfg.faults:

@@ -82,12 +82,23 @@ def _param_index(optimizer) -> dict:
     return {p: (c, i) for c, chunk in enumerate(optimizer.model_chunks) for i, p in enumerate(chunk.parameters())}
 
 
+def _states(sub, model_param) -> dict:
+    """The main parameter and Adam's state behind ``model_param`` (only the parameter before the
+    first step). Megatron's own accessor would look the state up in torch's ``defaultdict`` and so
+    leave an empty state behind, which its ``state_dict()`` then takes for a stepped one."""
+    group_index, group_order = sub.model_param_group_index_map[model_param]
+    main_param = sub.optimizer.param_groups[group_index]["params"][group_order]
+    if main_param not in sub.optimizer.state:
+        return {"param": main_param}
+    return sub._get_main_param_and_optimizer_states(model_param)
+
+
 def read_part(optimizer, updates: int) -> Part:
     """This rank's part as it stands (Adam's moments are zeros before its first step)."""
     index = _param_index(optimizer)
     pieces, values = [], []
     for sub, model_param, span in _ranges(optimizer):
-        tensors = sub._get_main_param_and_optimizer_states(model_param)
+        tensors = _states(sub, model_param)
         for key in KEYS:
             value = tensors.get(key)
             values.append(torch.zeros(span.size) if value is None else value.detach().reshape(-1).float().cpu())

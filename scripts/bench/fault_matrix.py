@@ -21,7 +21,8 @@ within 1e-5 and consumed samples exact), ``in place, differs``, ``fallback`` (ex
 command), or ``failed (exit N)``. Recovery time: from the fault (the signal, or the ``inject``
 event) to the first iteration finished after the last adaptation.
 
-    python scripts/bench/fault_matrix.py [--loop resihp|megatron] [--json] [--cases NAME ...] [--list]
+    python scripts/bench/fault_matrix.py [--loop resihp|megatron] [--distributed-optimizer] [--json]
+        [--cases NAME ...] [--list]
 
 ``--loop megatron`` runs the same job on Megatron-LM's own loop (``--resihp-loop megatron``,
 checkpoints in Megatron's torch format, an evaluation every 2 iterations), with the faults that
@@ -33,6 +34,10 @@ cascades (its plans keep every rank at its stage, so a failure that
 leaves no replica whole falls back). Megatron logs no loss for an iteration whose step finished
 before the failure surfaced on the logging rank: such an iteration counts as exact when every
 loss logged matches (the table says how many were not logged).
+
+``--distributed-optimizer`` (with ``--loop megatron``) runs every job with ``--use-distributed-optimizer``,
+where a dead rank's part of the optimizer state comes from its copy on another rank, and adds a
+kill between a rank's update and its copy (``during=update``), which falls back.
 
 Not covered (yet): an exception raised inside one rank's step on the resihp loop, and failures
 before the first iteration (model build, checkpoint load, the loaders' set-up). The store host's death is not a case here: the store lives in
@@ -83,9 +88,9 @@ MEGATRON_MODEL = [
 ]
 
 
-def cases(loop: str = "resihp") -> list[Case]:
+def cases(loop: str = "resihp", distributed_optimizer: bool = False) -> list[Case]:
     if loop == "megatron":
-        return megatron_cases()
+        return megatron_cases(distributed_optimizer)
     out = []
     for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP):
         for label, fraction in (("early", 0.1), ("middle", 0.5), ("late", 0.9)):
@@ -102,11 +107,12 @@ def cases(loop: str = "resihp") -> list[Case]:
     return out
 
 
-def megatron_cases() -> list[Case]:
+def megatron_cases(distributed_optimizer: bool = False) -> list[Case]:
     out = [Case(f"{sig.name} {label} in iteration 4", signal=sig, at_fraction=fraction)
            for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP)
            for label, fraction in (("early", 0.1), ("middle", 0.5), ("late", 0.9))]
-    for phase, rank in (("optimizer", 5), ("log", 5), ("eval", 5), ("save", 3), ("save-write", 2)):
+    phases = (("update", 5),) if distributed_optimizer else ()
+    for phase, rank in (*phases, ("optimizer", 5), ("log", 5), ("eval", 5), ("save", 3), ("save-write", 2)):
         out.append(Case(f"kill rank {rank} during {phase} at 4", (f"kill:rank={rank},at=4,during={phase}",)))
     for phase, rank in (("reform", 0), ("rendezvous", 4)):
         out.append(Case(f"kill 5 at 4, then rank {rank} during {phase}",
@@ -175,14 +181,21 @@ def main() -> None:
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     parser.add_argument("--loop", choices=("resihp", "megatron"), default="resihp",
                         help="the training loop the jobs run (--resihp-loop)")
+    parser.add_argument("--distributed-optimizer", action="store_true",
+                        help="with --loop megatron: every job with --use-distributed-optimizer")
     args = parser.parse_args()
+    if args.distributed_optimizer and args.loop != "megatron":
+        parser.error("--distributed-optimizer needs --loop megatron (the resihp loop refuses the distributed optimizer)")
     model = MEGATRON_MODEL if args.loop == "megatron" else MODEL
-    chosen = [c for c in cases(args.loop) if not args.cases or any(t in c.name for t in args.cases)]
+    if args.distributed_optimizer:
+        model = [*model, "--use-distributed-optimizer"]
+    every = cases(args.loop, args.distributed_optimizer)
+    chosen = [c for c in every if not args.cases or any(t in c.name for t in args.cases)]
     if args.list:
-        print("\n".join(c.name for c in cases(args.loop)))
+        print("\n".join(c.name for c in every))
         return
     if not chosen:
-        parser.error(f"--cases matched none of: {', '.join(c.name for c in cases(args.loop))}")
+        parser.error(f"--cases matched none of: {', '.join(c.name for c in every)}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fault_matrix_"))
     work.mkdir(parents=True, exist_ok=True)
     reference_run = run(None, work, 0.0, model)
@@ -200,7 +213,8 @@ def main() -> None:
             print(f"{case.name:<44} {row['outcome']:<18} {took:>8}  (adaptations {row['adaptations']}, "
                   f"world {row['world_size_after']})", flush=True)
     if args.json:
-        print(json.dumps({"loop": args.loop, "median_iteration_s": median_s, "cases": rows}, indent=1))
+        print(json.dumps({"loop": args.loop, "distributed_optimizer": args.distributed_optimizer,
+                          "median_iteration_s": median_s, "cases": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -76,9 +76,15 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model = model_args(args.hidden_size, args.iters)
     times = {"detect_only": [], "copies": []}
+    per_run = {"detect_only": [], "copies": []}
+    part_bytes = []
     for repeat in range(args.repeats):
         for name, flag in (("detect_only", "--resihp-detect-only"), ("copies", "--resihp-enable")):
-            times[name] += iteration_times(run([*model, flag], work / f"{name}{repeat}.events.jsonl"))
+            records = run([*model, flag], work / f"{name}{repeat}.events.jsonl")
+            times[name] += iteration_times(records)
+            per_run[name].append(round(statistics.median(iteration_times(records)), 4))
+            if name == "copies":
+                part_bytes = sorted({e["optimizer_part_bytes"] for e in records if e["event"] == "start"})
     medians = {name: statistics.median(values) for name, values in times.items()}
     started = time.time()
     killed = run([*model, "--resihp-enable", "--resihp-inject", f"kill:rank=5,at={args.kill_at}"],
@@ -90,6 +96,8 @@ def main() -> None:
     after = [e for e in killed if e["event"] == "iteration" and e["time"] > adapted[0]["time"]]
     result = {
         "median_iteration_s": {k: round(v, 4) for k, v in medians.items()},
+        "median_iteration_s_per_run": per_run,
+        "part_bytes_per_rank": part_bytes,
         "iterations_measured": {k: len(v) for k, v in times.items()},
         "copies_over_detect_only": round(medians["copies"] / medians["detect_only"], 4),
         "kill_to_first_iteration_after_s": round(after[0]["time"] - inject, 3),
@@ -103,8 +111,10 @@ def main() -> None:
         return
     print(f"TP2 x PP2 x DP2, --use-distributed-optimizer, hidden {args.hidden_size}, {args.iters} iterations x "
           f"{args.repeats} runs each")
+    print(f"  each rank's part (sent once per update): {', '.join(f'{b / 2**20:.2f}' for b in part_bytes)} MiB")
     print(f"  median iteration: detect-only {medians['detect_only'] * 1e3:.1f} ms, with part copies "
-          f"{medians['copies'] * 1e3:.1f} ms: ratio {result['copies_over_detect_only']:.4f}")
+          f"{medians['copies'] * 1e3:.1f} ms: ratio {result['copies_over_detect_only']:.4f} (per run: detect-only "
+          f"{per_run['detect_only']}, copies {per_run['copies']} s)")
     print(f"  rank 5 killed at iteration {args.kill_at}: in place (world {result['world_size_after']}), "
           f"{result['kill_to_first_iteration_after_s']:.3f} s from the kill to the next finished iteration "
           f"(re-form {result['adapted_duration_s']:.3f} s)")

@@ -51,6 +51,7 @@ def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
     ({"pipeline_model_parallel_layout": "Et|tL"}, "--pipeline-model-parallel-layout"),
     ({"num_layers": 5}, "--num-layers 5"),
     ({"use_distributed_optimizer": True, "optimizer": "sgd"}, "--optimizer sgd with --use-distributed-optimizer"),
+    ({"use_distributed_optimizer": True, "use_precision_aware_optimizer": True}, "--use-precision-aware-optimizer"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=update"])}, "pass --use-distributed-optimizer"),
     ({"resihp": ResiHPConfig(enable=True, inject=["link:src=0,dst=4,factor=9,at=3"])}, "--resihp-inject link"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-rename"])}, "during=save-rename"),
