@@ -22,7 +22,7 @@ class ResiHPConfig:
     """Turn on in-place adaptation: detected failures are re-planned and applied without restart."""
 
     loop: str = "resihp"
-    """The training loop a resilient job runs: resihp (the project's own: every feature) or megatron (Megatron-LM's own loop, every Megatron flag stock: fail-stop recovery in place; fail-slow detection and re-plans run on the resihp loop only, for now)."""
+    """The training loop a resilient job runs: resihp (the project's own: layer moves, TP shrinks, standbys, slow links) or megatron (Megatron-LM's own loop, every Megatron flag stock, the distributed optimizer included: fail-stop recovery in place, fail-slow detection and re-plans of the micro-batch split)."""
 
     detect_only: bool = False
     """Run detection (and log verdicts) but never adapt, so an injected slowdown stays in place."""
