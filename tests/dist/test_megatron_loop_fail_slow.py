@@ -90,3 +90,18 @@ def test_a_split_that_does_not_pay_goes_back_to_megatrons_own(tmp_path, dp2_fail
     assert back and back[0]["quotas"] == [4, 4] and len(back) == len(checks), decisions(events)
     assert running_quotas(events) == [4, 4], decisions(events)
     assert_same_training(proc.stdout, tmp_path / "ckpt", dp2_failure_free, iterations=range(1, DP2_ITERATIONS + 1))
+
+
+def test_a_slowed_pipeline_link_is_named_from_megatrons_schedule(tmp_path):
+    # Each rank acts as a device of its own (--cpu-device-time-scale): with 8 ranks on 2 cores and
+    # no emulation the detector does not judge links, since ranks sharing cores stretch every
+    # transfer. Link 0->4 (replica 0's stage boundary) 600x slow from iteration 10 is named as
+    # that link, not as a slow rank.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*_replaced(job_args(tmp_path, "ckpt"), {"--train-iters": "24"}), "--resihp-loop", "megatron",
+                       "--resihp-detect-only", "--cpu-device-time-scale", "16", "--resihp-event-log", str(events),
+                       "--resihp-inject", "link:src=0,dst=4,factor=600,at=10"], timeout_s=480)
+    check(proc)
+    links = [v for v in read_events(events, "verdict") if v["kind"] == "link"]
+    assert links and links[0]["ranks"] == [0, 4] and links[0]["iteration"] >= 10, decisions(events)
+    assert not [v for v in read_events(events, "verdict") if v["kind"] == "compute"], decisions(events)

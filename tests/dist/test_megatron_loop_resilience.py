@@ -358,9 +358,9 @@ def test_what_the_fail_stop_path_cannot_carry_is_refused_before_anything_starts(
     # One launch with three such flags: one message (from one rank) names each, exit 2, nothing written.
     proc = run_job(8, [*job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
                        "--num-layers-per-virtual-pipeline-stage", "1", "--context-parallel-size", "2",
-                       "--resihp-inject", "link:src=1,dst=3,factor=2,at=3"], timeout_s=300)
+                       "--resihp-inject", "kill:rank=1,at=3,during=save-rename"], timeout_s=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stderr.count("error:") == 1, proc.stderr[-2000:]
-    for named in ("--num-layers-per-virtual-pipeline-stage", "--context-parallel-size", "--resihp-inject link"):
+    for named in ("--num-layers-per-virtual-pipeline-stage", "--context-parallel-size", "during=save-rename"):
         assert named in proc.stderr, (named, proc.stderr[-2000:])
     assert not (tmp_path / "ckpt").exists()

@@ -33,7 +33,8 @@ def test_a_plain_job_with_kills_hangs_and_recovery_phase_kills_may_run():
     ResiHPConfig(detect_only=True),
     ResiHPConfig(enable=True, trace="t.jsonl", verify_iters=5, verify_margin=0.1),
     ResiHPConfig(enable=True, inject=["slow:rank=1,factor=2,at=3", "slow:rank=2,factor=3,at=4,until=9",
-                                      "slow:rank=3,factor=2,at=2,on=2,off=3", "misjudge:rank=1,factor=4,at=3"]),
+                                      "slow:rank=3,factor=2,at=2,on=2,off=3", "misjudge:rank=1,factor=4,at=3",
+                                      "link:src=0,dst=4,factor=9,at=3"]),
 ], ids=["detect-only", "trace-and-trial", "slowdowns"])
 def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
     assert unsupported_flags(megatron_args(), cfg) == []
@@ -53,7 +54,6 @@ def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
     ({"use_distributed_optimizer": True, "optimizer": "sgd"}, "--optimizer sgd with --use-distributed-optimizer"),
     ({"use_distributed_optimizer": True, "use_precision_aware_optimizer": True}, "--use-precision-aware-optimizer"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=update"])}, "pass --use-distributed-optimizer"),
-    ({"resihp": ResiHPConfig(enable=True, inject=["link:src=0,dst=4,factor=9,at=3"])}, "--resihp-inject link"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-rename"])}, "during=save-rename"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-tracker"])}, "during=save-tracker"),
 ])
