@@ -46,7 +46,7 @@ from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line, ranks_name
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.model_builder import TrainingObjects
-from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers, read_part
+from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers, part_bytes
 from megatron.resihp.raised_faults import RaisedFaults
 from megatron.resihp.run_state import StopTraining
 from megatron.resihp.schedules import RECORDER, StepTimings, install_hooks
@@ -282,7 +282,7 @@ class ResilientMegatronLoop:
         copies = self.hooks.run.part_copies
         self.events.emit("start", args.iteration, world_size=dist.get_world_size(), loop="megatron",
                          layers_per_stage=list(objects.layers_per_stage),
-                         optimizer_part_bytes=None if copies is None else read_part(optimizer, 0).values.numel() * 4)
+                         optimizer_part_bytes=None if copies is None else part_bytes(optimizer))
         if dist.get_rank() == dist.get_world_size() - 1:
             on = "on" if self.hooks.can_recover else "off (--resihp-enable turns it on)"
             log_line(f" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place {on}; fail-slow "

@@ -77,6 +77,17 @@ def _ranges(optimizer):
                         yield sub, model_param, param_range_map["param"]
 
 
+def device_of(optimizer) -> torch.device:
+    """Where the optimizer's state lives, and so where its parts travel from (NCCL sends device
+    tensors only; gloo host ones)."""
+    return next(p for chunk in optimizer.model_chunks for p in chunk.parameters()).device
+
+
+def part_bytes(optimizer) -> int:
+    """The bytes of this rank's part (what one copy sends), without reading it."""
+    return len(KEYS) * 4 * sum(span.size for _, _, span in _ranges(optimizer))
+
+
 def _param_index(optimizer) -> dict:
     # The same module structure on every rank of a position, before and after a rebuild.
     return {p: (c, i) for c, chunk in enumerate(optimizer.model_chunks) for i, p in enumerate(chunk.parameters())}
@@ -95,16 +106,17 @@ def _states(sub, model_param) -> dict:
 
 def read_part(optimizer, updates: int) -> Part:
     """This rank's part as it stands (Adam's moments are zeros before its first step)."""
-    index = _param_index(optimizer)
+    index, device = _param_index(optimizer), device_of(optimizer)
     pieces, values = [], []
     for sub, model_param, span in _ranges(optimizer):
         tensors = _states(sub, model_param)
         for key in KEYS:
             value = tensors.get(key)
-            values.append(torch.zeros(span.size) if value is None else value.detach().reshape(-1).float().cpu())
+            values.append(torch.zeros(span.size, device=device) if value is None
+                          else value.detach().reshape(-1).float().to(device))
         pieces.append((*index[model_param], span.start, span.end))
-    return Part(torch.tensor(pieces, dtype=torch.int64).reshape(-1, 4),
-                torch.cat(values) if values else torch.zeros(0), updates)
+    return Part(torch.tensor(pieces, dtype=torch.int64, device=device).reshape(-1, 4),
+                torch.cat(values) if values else torch.zeros(0, device=device), updates)
 
 
 @torch.no_grad()
@@ -118,9 +130,9 @@ def write_parts(optimizer, parts: list[Part]) -> None:
             size = end - start
             sources[(chunk, param)].append((start, end, part.values[offset:offset + len(KEYS) * size].view(len(KEYS), size)))
             offset += len(KEYS) * size
-    index = _param_index(optimizer)
+    index, device = _param_index(optimizer), device_of(optimizer)
     for sub, model_param, span in _ranges(optimizer):
-        block = torch.empty(len(KEYS), span.size)
+        block = torch.empty(len(KEYS), span.size, device=device)
         covered = 0
         for start, end, values in sources[index[model_param]]:
             lo, hi = max(start, span.start), min(end, span.end)
@@ -130,8 +142,7 @@ def write_parts(optimizer, parts: list[Part]) -> None:
         if covered != span.size:
             raise RuntimeError(f"the optimizer parts received cover {covered} of the {span.size} elements of "
                                f"parameter {index[model_param]} this rank holds")
-        device = model_param.device
-        sub._set_main_param_and_optimizer_states(model_param, {k: block[j].to(device) for j, k in enumerate(KEYS)})
+        sub._set_main_param_and_optimizer_states(model_param, {k: block[j] for j, k in enumerate(KEYS)})
 
 
 def regather(optimizer) -> None:
@@ -181,11 +192,12 @@ class PartCopies:
         if self.holder is None:
             return
         own = read_part(self.optimizer, self.updates)
-        header = torch.tensor([own.pieces.shape[0], own.values.numel(), own.updates], dtype=torch.int64)
-        incoming = torch.zeros(3, dtype=torch.int64)
+        device = own.values.device
+        header = torch.tensor([own.pieces.shape[0], own.values.numel(), own.updates], dtype=torch.int64, device=device)
+        incoming = torch.zeros(3, dtype=torch.int64, device=device)
         _exchange([(header, self.holder)], [(incoming, self.owner)])
-        pieces = torch.empty(int(incoming[0]), 4, dtype=torch.int64)
-        values = torch.empty(int(incoming[1]), dtype=torch.float32)
+        pieces = torch.empty(int(incoming[0]), 4, dtype=torch.int64, device=device)
+        values = torch.empty(int(incoming[1]), dtype=torch.float32, device=device)
         _exchange([(own.pieces, self.holder), (own.values, self.holder)],
                   [(pieces, self.owner), (values, self.owner)])
         self.held = Part(pieces, values, int(incoming[2]))
@@ -230,22 +242,24 @@ def stage_parts(copies: PartCopies, layout: Layout, rank: int, sources: Mapping[
             if owner != receiver and source != receiver:
                 sends.append((source, receiver, owner))
     own = read_part(copies.optimizer, copies.updates)
+    device = own.values.device
     outgoing = {}
     header_out, header_in = [], []
     for i, (source, receiver, owner) in enumerate(sends):
         if source == rank:
             part = own if owner == rank else copies.held
             outgoing[i] = part
-            header_out.append((torch.tensor([part.pieces.shape[0], part.values.numel()], dtype=torch.int64),
-                               peer_rank(receiver)))
+            header_out.append((torch.tensor([part.pieces.shape[0], part.values.numel()], dtype=torch.int64,
+                                            device=device), peer_rank(receiver)))
         elif receiver == rank:
-            header_in.append((i, torch.zeros(2, dtype=torch.int64)))
+            header_in.append((i, torch.zeros(2, dtype=torch.int64, device=device)))
     _exchange(header_out, [(t, peer_rank(sends[i][0])) for i, t in header_in])
     data_out = [(t, peer_rank(sends[i][1])) for i, part in outgoing.items() for t in (part.pieces, part.values)]
     received = []
     data_in = []
     for i, header in header_in:
-        part = Part(torch.empty(int(header[0]), 4, dtype=torch.int64), torch.empty(int(header[1])), copies.updates)
+        part = Part(torch.empty(int(header[0]), 4, dtype=torch.int64, device=device),
+                    torch.empty(int(header[1]), device=device), copies.updates)
         received.append(part)
         data_in += [(part.pieces, peer_rank(sends[i][0])), (part.values, peer_rank(sends[i][0]))]
     _exchange(data_out, data_in)
