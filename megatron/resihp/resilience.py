@@ -65,8 +65,9 @@ class ResilienceHooks:
         ``moves_state`` a fail-stop plan keeps every rank at the stage it holds, a fail-slow plan
         changes the micro-batch quotas alone, and a fallback points to the last periodic checkpoint
         instead of assembling one from the survivors. With
-        ``sharded_optimizer`` (Megatron's distributed optimizer) a dead rank's part of the optimizer
-        state has no copy, so every fail-stop falls back to that checkpoint. ``cfg``: the
+        ``sharded_optimizer`` (Megatron's distributed optimizer) whole replicas go on only when
+        every dead rank's part of the optimizer state survives as a copy (``run.part_copies``, made
+        by the loop; without them every fail-stop falls back to that checkpoint). ``cfg``: the
         ``ResiHPConfig`` (``args.resihp`` when None). Without ``stands_by`` a rank a plan leaves out
         exits, whatever ``--resihp-no-standby`` says (the loop has no place for a standby)."""
         self.args = args
