@@ -28,10 +28,6 @@ _OTHER_PLACEMENT = {
     "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
     "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
 }
-# Every kind of injected fault runs on this loop. A ``link:`` slowdown slows its pipeline transfers
-# (the hook wraps megatron-core's p2p functions), and the detector names it from the gaps in
-# Megatron's schedule where ranks have devices of their own (``--cpu-device-time-scale`` on a CPU
-# host: ranks sharing cores stretch every transfer, and links are then not judged).
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
 # state), this rank's optimizer step, the iteration's log, an evaluation, a save as it begins and
 # once this rank's files are written (Megatron's save has no rename), and the job's end, as
@@ -64,6 +60,10 @@ def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
                      "parts read the fp32 main parameters Megatron keeps, which this optimizer keeps in its own form)")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
+    # Every kind of injected fault runs on this loop. A ``link:`` slowdown slows its pipeline transfers
+    # (the hook wraps megatron-core's p2p functions), and the detector names it from the gaps in
+    # Megatron's schedule where ranks have devices of their own (``--cpu-device-time-scale`` on a CPU
+    # host: ranks sharing cores stretch every transfer, and links are then not judged).
     for fault in cfg.faults:
         if fault.kind.value == "kill" and fault.during not in _PHASES:
             found.append(f"--resihp-inject {fault.spec()} (on this loop a kill can wait for the phases "

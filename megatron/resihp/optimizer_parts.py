@@ -192,15 +192,7 @@ class PartCopies:
         if self.holder is None:
             return
         own = read_part(self.optimizer, self.updates)
-        device = own.values.device
-        header = torch.tensor([own.pieces.shape[0], own.values.numel(), own.updates], dtype=torch.int64, device=device)
-        incoming = torch.zeros(3, dtype=torch.int64, device=device)
-        _exchange([(header, self.holder)], [(incoming, self.owner)])
-        pieces = torch.empty(int(incoming[0]), 4, dtype=torch.int64, device=device)
-        values = torch.empty(int(incoming[1]), dtype=torch.float32, device=device)
-        _exchange([(own.pieces, self.holder), (own.values, self.holder)],
-                  [(pieces, self.owner), (values, self.owner)])
-        self.held = Part(pieces, values, int(incoming[2]))
+        self.held = _swap_parts([(own, self.holder)], [self.owner], own.values.device)[0]
 
     def report(self) -> tuple[int, tuple[int, int] | None]:
         """(this rank's updates, (whose copy it keeps, that copy's updates) or None)."""
@@ -212,6 +204,23 @@ def _exchange(sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in receives if t.numel()]
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
+
+
+def _swap_parts(outgoing: list[tuple[Part, int]], sources: list[int], device: torch.device) -> list[Part]:
+    """Send each ``(part, peer)`` and receive one part from each of ``sources`` (peers' ranks in the
+    current world), sizes first, so a receiver needs nothing of the sender's layout. Every member
+    lists what it exchanges with one peer in the same order as that peer does."""
+    def header(part: Part) -> torch.Tensor:
+        return torch.tensor([part.pieces.shape[0], part.values.numel(), part.updates], dtype=torch.int64,
+                            device=device)
+
+    incoming = [torch.zeros(3, dtype=torch.int64, device=device) for _ in sources]
+    _exchange([(header(part), peer) for part, peer in outgoing], list(zip(incoming, sources)))
+    received = [Part(torch.empty(int(h[0]), 4, dtype=torch.int64, device=device),
+                     torch.empty(int(h[1]), dtype=torch.float32, device=device), int(h[2])) for h in incoming]
+    _exchange([(t, peer) for part, peer in outgoing for t in (part.pieces, part.values)],
+              [(t, peer) for part, peer in zip(received, sources) for t in (part.pieces, part.values)])
+    return received
 
 
 def stage_parts(copies: PartCopies, layout: Layout, rank: int, sources: Mapping[int, int],
@@ -242,27 +251,10 @@ def stage_parts(copies: PartCopies, layout: Layout, rank: int, sources: Mapping[
             if owner != receiver and source != receiver:
                 sends.append((source, receiver, owner))
     own = read_part(copies.optimizer, copies.updates)
-    device = own.values.device
-    outgoing = {}
-    header_out, header_in = [], []
-    for i, (source, receiver, owner) in enumerate(sends):
-        if source == rank:
-            part = own if owner == rank else copies.held
-            outgoing[i] = part
-            header_out.append((torch.tensor([part.pieces.shape[0], part.values.numel()], dtype=torch.int64,
-                                            device=device), peer_rank(receiver)))
-        elif receiver == rank:
-            header_in.append((i, torch.zeros(2, dtype=torch.int64, device=device)))
-    _exchange(header_out, [(t, peer_rank(sends[i][0])) for i, t in header_in])
-    data_out = [(t, peer_rank(sends[i][1])) for i, part in outgoing.items() for t in (part.pieces, part.values)]
-    received = []
-    data_in = []
-    for i, header in header_in:
-        part = Part(torch.empty(int(header[0]), 4, dtype=torch.int64, device=device),
-                    torch.empty(int(header[1]), device=device), copies.updates)
-        received.append(part)
-        data_in += [(part.pieces, peer_rank(sends[i][0])), (part.values, peer_rank(sends[i][0]))]
-    _exchange(data_out, data_in)
+    outgoing = [(own if owner == rank else copies.held, peer_rank(receiver))
+                for source, receiver, owner in sends if source == rank]
+    received = _swap_parts(outgoing, [peer_rank(source) for source, receiver, _ in sends if receiver == rank],
+                           own.values.device)
     if rank not in kept:
         return None
     held = [copies.held] if copies.held is not None and sources.get(copies.owner) == rank else []
