@@ -4,9 +4,10 @@ Responsible for turning the verdicts of an iteration into a change: every rank c
 decision (``resihp_ext.planner.fail_slow.decide_fail_slow``, pure and deterministic, from the
 same gathered observations), so no agreement round is needed; a plan that keeps every rank asks
 the life cycle (``reconfigure.apply``) for a SAME-world change, one that leaves ranks out for a
-SHRINK change whose leavers stand by (``standby.py``) or exit. Quotas alone change in place (and
-are all an executor that moves no state, Megatron's loop, is offered). It never builds a group, a
-model or a world itself.
+SHRINK change whose leavers stand by (``standby.py``) or exit. Quotas alone change in place.
+Megatron's loop, which builds every replica from one model configuration, is offered quotas and
+one layer split for every replica (``stages_alike``). It never builds a group, a model or a world
+itself.
 
 A re-plan that kept every rank is then on trial (``resihp_ext.planner.adaptation_check``): the
 iteration times after it, the same on every rank (the slowest rank's), are judged against those
@@ -81,7 +82,8 @@ class FailSlowReplan:
         decision = decide_fail_slow(run.layout, host.known_health, verdicts, host.calibrated_hardware(),
                                     list(run.quotas), max(host.args.train_iters - iteration, 1), host.launch_shape,
                                     rejected=self.rejected, misjudge=self._misjudge(),
-                                    stages_fixed=not host.moves_state)
+                                    stages_fixed=not (host.moves_state or host.stages_alike),
+                                    stages_alike=host.stages_alike)
         plan, host.known_health = decision.plan, decision.known
         # Kept across the detector's reset below.
         host.live.detector.expect(decision.expected.slow_factors, decision.expected.bursts)

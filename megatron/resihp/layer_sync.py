@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from megatron.core.distributed.finalize_model_grads import _allreduce_word_embedding_grads
+from megatron.core.utils import unwrap_model
 
 from resihp_ext.layout import Layout
 from resihp_ext.shard_map import finest_degree, holders, replicated_sync_set, unit_range
@@ -42,7 +43,9 @@ def _item_of(global_name: str, layer: int | None) -> tuple:
 
 
 def param_slots(gpt_model: torch.nn.Module) -> list[ParamSlot]:
-    """Every local parameter with its global name and item, sorted by global name."""
+    """Every local parameter with its global name and item, sorted by global name. Under
+    --bf16/--fp16 Megatron's own builder wraps the model (``Float16Module``); names are the model's."""
+    gpt_model = unwrap_model(gpt_model)
     layers = getattr(getattr(gpt_model, "decoder", None), "layers", [])
     local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
     slots = []

@@ -11,9 +11,11 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   ``raise:`` fault strikes inside the step: ``raised_faults``), then
   runs Megatron's own step on the current objects, its forwards and backwards timed by the
   schedule hooks (``schedules.RECORDER``). After the step the detector judges the timings; a
-  fail-slow verdict is planned for with the stages kept (the planner moves micro-batches between
-  replicas, ``megatron_loop_quotas`` makes Megatron's step run them) and the re-plan is on trial
-  like on the resihp loop. When a collective fails, the survivors agree on
+  fail-slow verdict is planned for with every rank kept (the planner moves micro-batches between
+  replicas, which ``megatron_loop_quotas`` makes Megatron's step run, and layers between stages
+  with one split for every replica, ``megatron_loop_stages``) and the re-plan is on trial like on
+  the resihp loop; a rebuilt model is taken over before the next step. When a collective fails,
+  the survivors agree on
   a plan and re-form in place; the same iteration then runs again on the new world, or, when this
   rank's optimizer had already stepped, counts as done;
 - ``training.build_pretraining_data_loader``: remembers the datasets, so that a re-formed world's
@@ -45,6 +47,7 @@ from megatron.resihp import megatron_loop_quotas as quota_split
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line, ranks_name
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
+from megatron.resihp.megatron_loop_stages import build_objects, even_split, layer_moves_refused
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers, part_bytes
 from megatron.resihp.raised_faults import RaisedFaults
@@ -115,7 +118,7 @@ class ResilientMegatronLoop:
         )
         pp = margs.pipeline_model_parallel_size
         layout = Layout.uniform(model, margs.tensor_model_parallel_size, pp, margs.data_parallel_size,
-                                (margs.num_layers // pp,) * pp)
+                                even_split(margs))
         install(build_groups(layout, dist.get_rank(), timeout=self.cfg.collective_timeout_s))
         if self.hooks is None:
             self._start_hooks(margs)
@@ -163,7 +166,11 @@ class ResilientMegatronLoop:
                                   p2p_communicator=None if self.forward_backward_func else p2p_communicator)
                 finally:
                     RECORDER.active = False
+                before = self.hooks.run.objects
                 self._judge(number, time.perf_counter() - start)
+                if self.hooks.run.objects is not before:  # a re-plan moved layers: the loop runs the rebuilt model
+                    args = self._args()
+                    self._take_over(*self.handles, before.config, args.consumed_train_samples + args.global_batch_size)
                 break
             except RuntimeError as error:  # torch.distributed reports a dead or stuck peer this way
                 if not self.hooks.can_recover:
@@ -256,7 +263,7 @@ class ResilientMegatronLoop:
         self.hooks = ResilienceHooks(args, self.events, None, build_objects=self._build_objects,
                                      detect_fail_slow=True, moves_state=False,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
-                                     stands_by=False)
+                                     stands_by=False, stages_alike=layer_moves_refused(args) is None)
 
     def _start(self, model, optimizer, opt_param_scheduler) -> None:
         """At the first step: the loop's handles and objects become the run's."""
@@ -267,7 +274,7 @@ class ResilientMegatronLoop:
         self.phases.start()
         self.loop_groups = get_attr_wrapped_model(model[0], "pg_collection")
         objects = TrainingObjects(get_model_config(model[0]), model[0], optimizer, opt_param_scheduler,
-                                  (args.num_layers // args.pipeline_model_parallel_size,) * args.pipeline_model_parallel_size)
+                                  even_split(args))
         # Megatron's loop starts with its even split, and its own loader, count and scale run it.
         self.hooks.run = self.hooks.run.replace(objects=objects, quotas=tuple(even_quotas(
             args.global_batch_size // args.micro_batch_size, args.data_parallel_size)))
@@ -285,9 +292,11 @@ class ResilientMegatronLoop:
                          optimizer_part_bytes=None if copies is None else part_bytes(optimizer))
         if dist.get_rank() == dist.get_world_size() - 1:
             on = "on" if self.hooks.can_recover else "off (--resihp-enable turns it on)"
+            kept = layer_moves_refused(args)
+            replans = "off" if not self.cfg.enable else "of the micro-batch split" + (
+                f" only (layers stay on their stages: {kept})" if kept else " and of the layers per stage")
             log_line(f" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place {on}; fail-slow "
-                     f"detection {'on' if self.hooks.live is not None else 'off'}, re-plans of the micro-batch "
-                     f"split {'on' if self.cfg.enable else 'off'}")
+                     f"detection {'on' if self.hooks.live is not None else 'off'}, re-plans {replans}")
 
     def _watch_steps(self, optimizer) -> None:
         """Note when this rank's optimizer has updated its parameters: a failure after it must not
@@ -330,22 +339,7 @@ class ResilientMegatronLoop:
 
     def _build_objects(self, args, layers_per_stage) -> TrainingObjects:
         """Megatron's own model chunks, optimizer and LR schedule on the installed groups."""
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.utils import get_model_config
-        from megatron.training.global_vars import get_timers
-        from megatron.training.training import get_megatron_optimizer_config, get_model, get_optimizer_param_scheduler
-
-        launch = (args.num_layers // args.pipeline_model_parallel_size,) * args.pipeline_model_parallel_size
-        if tuple(layers_per_stage) != launch:
-            raise RuntimeError(f"layers per stage {list(layers_per_stage)} differ from the launch's {list(launch)}; "
-                               "Megatron's loop rebuilds the launch's stages only")
-        chunks = get_model(self.model_provider, self.model_type)
-        config, overrides = get_megatron_optimizer_config(args)
-        config.timers = get_timers()
-        optimizer = get_megatron_optimizer(config, chunks, config_overrides=overrides,
-                                           use_gloo_process_groups=args.use_gloo_process_groups)
-        return TrainingObjects(get_model_config(chunks[0]), chunks[0], optimizer,
-                               get_optimizer_param_scheduler(optimizer), tuple(layers_per_stage))
+        return build_objects(self.model_provider, self.model_type, args, tuple(layers_per_stage))
 
     # ------------------------------------------------------------------ recovery
     def recover_at(self, position: Position, error: Exception) -> Position:

@@ -119,17 +119,23 @@ def read_part(optimizer, updates: int) -> Part:
                 torch.cat(values) if values else torch.zeros(0, device=device), updates)
 
 
-@torch.no_grad()
-def write_parts(optimizer, parts: list[Part]) -> None:
-    """Fill this rank's range of every parameter from ``parts`` (which together cover it), after
-    ``load_state_dict`` made the optimizer's state (its step counts, param groups, loss scale)."""
-    sources = defaultdict(list)  # (chunk, parameter) -> [(start, end, values [len(KEYS), end - start])]
+def _sources(parts: list[Part]) -> dict:
+    """(chunk, parameter) -> [(start, end, values [len(KEYS), end - start])] over ``parts``."""
+    sources = defaultdict(list)
     for part in parts:
         offset = 0
         for chunk, param, start, end in part.pieces.tolist():
             size = end - start
             sources[(chunk, param)].append((start, end, part.values[offset:offset + len(KEYS) * size].view(len(KEYS), size)))
             offset += len(KEYS) * size
+    return sources
+
+
+@torch.no_grad()
+def write_parts(optimizer, parts: list[Part]) -> None:
+    """Fill this rank's range of every parameter from ``parts`` (which together cover it), after
+    ``load_state_dict`` made the optimizer's state (its step counts, param groups, loss scale)."""
+    sources = _sources(parts)
     index, device = _param_index(optimizer), device_of(optimizer)
     for sub, model_param, span in _ranges(optimizer):
         block = torch.empty(len(KEYS), span.size, device=device)
@@ -143,6 +149,49 @@ def write_parts(optimizer, parts: list[Part]) -> None:
             raise RuntimeError(f"the optimizer parts received cover {covered} of the {span.size} elements of "
                                f"parameter {index[model_param]} this rank holds")
         sub._set_main_param_and_optimizer_states(model_param, {k: block[j] for j, k in enumerate(KEYS)})
+
+
+def is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` is Megatron's distributed optimizer (each rank steps a part)."""
+    return any(hasattr(sub, "gbuf_ranges") for sub in distributed_optimizers(optimizer))
+
+
+def position_parts(optimizer, layout: Layout, rank: int, updates: int) -> list[Part]:
+    """Every part of this rank's position in ``layout``: its own, and each other rank's, which
+    they send (every rank of the world at once)."""
+    own = read_part(optimizer, updates)
+    peers = [r for r in part_ring(layout, rank) if r != rank]
+    return [own, *_swap_parts([(own, peer) for peer in peers], peers, own.values.device)]
+
+
+@torch.no_grad()
+def whole_states(optimizer, parts: list[Part] | None = None) -> dict:
+    """Model parameter -> its whole optimizer state, ``[len(KEYS), numel]`` float32, from ``parts``
+    (which must cover every parameter), or zeros to be filled when ``parts`` is None. A re-plan
+    that moves layers moves these: the model's layers change, and a part is addressed by them."""
+    index, device = _param_index(optimizer), device_of(optimizer)
+    states = {p: torch.zeros(len(KEYS), p.numel(), device=device) for p in index}
+    if parts is None:
+        return states
+    sources = _sources(parts)
+    for param, where in index.items():
+        covered = 0
+        for start, end, values in sources[where]:
+            states[param][:, start:end] = values
+            covered += end - start
+        if covered != param.numel():
+            raise RuntimeError(f"the optimizer parts of this position cover {covered} of the {param.numel()} elements "
+                               f"of parameter {where}")
+    return states
+
+
+def whole_part(optimizer, states: dict, updates: int) -> Part:
+    """``states`` (``whole_states``) as one part covering every parameter, for ``write_parts``."""
+    index, device = _param_index(optimizer), device_of(optimizer)
+    pieces = [(*where, 0, param.numel()) for param, where in index.items()]
+    return Part(torch.tensor(pieces, dtype=torch.int64, device=device).reshape(-1, 4),
+                torch.cat([states[param].reshape(-1) for param in index]) if index else torch.zeros(0, device=device),
+                updates)
 
 
 def regather(optimizer) -> None:

@@ -34,7 +34,9 @@ from megatron.resihp.failure_origin import PeerFailed
 from megatron.resihp.layer_sync import LayoutGradSync
 from megatron.resihp.logging_utils import log_line, rank_name
 from megatron.resihp.model_builder import TrainingObjects
-from megatron.resihp.optimizer_parts import PartCopies, regather, stage_parts, write_parts
+from megatron.resihp.optimizer_parts import (
+    PartCopies, is_distributed, position_parts, regather, stage_parts, whole_part, whole_states, write_parts,
+)
 from megatron.resihp.parallel_state_patch import build_groups, install, message_group, teardown
 from megatron.resihp.reshard import (
     apply_transfers, carry_schedule, load_loss_scale_state, loss_scale_state, stage_transfers, unstage_transfers,
@@ -186,7 +188,10 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
         new_objects = env.rebuild(layout, rank, sync)
         if change.world is not World.SHRINK:
             env.inject(change.iteration, change.kind)
-        moved += _move_state(change, run, rank, new_objects, received, ran)
+        if change.world is World.SAME and is_distributed(run.objects.optimizer):
+            moved, copies = _move_with_whole_states(change, run, rank, new_objects, ran)
+        else:
+            moved += _move_state(change, run, rank, new_objects, received, ran)
         if parts is not None:
             copies = _split_parts_anew(run, layout, rank, new_objects, parts)
     except RuntimeError as error:
@@ -276,6 +281,31 @@ def _split_parts_anew(run: RunState, layout: Layout, rank: int, new_objects, par
     copies = PartCopies(layout, rank, new_objects.optimizer, updates=run.part_copies.updates)
     copies.send()
     return copies
+
+
+def _move_with_whole_states(change: LayoutChange, run: RunState, rank: int, new_objects,
+                            ran: list) -> tuple[int, PartCopies | None]:
+    """SAME world under Megatron's distributed optimizer: a part is addressed by the layers of its
+    stage, which move, so every rank takes its position's whole optimizer state from the parts
+    (one exchange over the position), the plan's transfers move weights and whole states, and the
+    rebuilt optimizer takes its new part from them. Returns bytes moved and the new world's copies
+    (sent before the change commits, every member at once).
+
+    The whole state of a stage is held once per rank of it while the change runs."""
+    old = run.objects
+    updates = run.part_copies.updates if run.part_copies is not None else 0
+    whole = (whole_states(old.optimizer, position_parts(old.optimizer, change.old_layout, run.rank, updates)),
+             whole_states(new_objects.optimizer))
+    new_objects.optimizer.load_state_dict(old.optimizer.state_dict())  # step counts, param groups
+    moved = apply_transfers(change.transfers, change.old_layout, change.new_layout, rank, old, new_objects, ran=ran,
+                            whole=whole)
+    write_parts(new_objects.optimizer, [whole_part(new_objects.optimizer, whole[1], updates)])
+    carry_schedule(old, new_objects)
+    if run.part_copies is None:
+        return moved, None
+    copies = PartCopies(change.new_layout, rank, new_objects.optimizer, updates=updates)
+    copies.send()
+    return moved, copies
 
 
 def _form_grown_world(change: LayoutChange, run: RunState, env: Executor) -> None:

@@ -78,9 +78,11 @@ def _unpack(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
         offset += view.numel()
 
 
-def _unit_views(slots, optimizer, holding, t, template) -> list[torch.Tensor]:
+def _unit_views(slots, optimizer, holding, t, template, whole: dict | None = None) -> list[torch.Tensor]:
     """Canonical tensor list of one transfer on one side: per slot (by name) weight, its fp32 main
-    copy under --bf16/--fp16, then Adam moments."""
+    copy under --bf16/--fp16, then Adam moments. ``whole``: model parameter -> its whole optimizer
+    state (``optimizer_parts.whole_states``: the distributed optimizer's, gathered over its
+    position), read or written instead of the optimizer's own."""
     from resihp_ext.shard_map import unit_range
 
     from megatron.resihp.layer_sync import unit_view
@@ -89,10 +91,13 @@ def _unit_views(slots, optimizer, holding, t, template) -> list[torch.Tensor]:
     for slot in slots:
         if slot.item != t.item or (slot.partition_dim is None) != t.replicated:
             continue
-        state = _adam_state(optimizer, slot.param, template) if optimizer is not None else None
-        main = _main_param(slot.param) if optimizer is not None else None
-        tensors = ([slot.param.data] + ([main.data] if main is not None else [])
-                   + ([state["exp_avg"], state["exp_avg_sq"]] if state else []))
+        if whole is not None:
+            tensors = [slot.param.data, *(row.view_as(slot.param) for row in whole[slot.param])]
+        else:
+            state = _adam_state(optimizer, slot.param, template) if optimizer is not None else None
+            main = _main_param(slot.param) if optimizer is not None else None
+            tensors = ([slot.param.data] + ([main.data] if main is not None else [])
+                       + ([state["exp_avg"], state["exp_avg_sq"]] if state else []))
         for tensor in tensors:
             if t.replicated:
                 out.append(tensor)
@@ -214,7 +219,8 @@ def adam_template_of(objects) -> dict:
 
 @torch.no_grad()
 def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, new_objects,
-                    adam_template: dict | None = None, ran: list | None = None) -> int:
+                    adam_template: dict | None = None, ran: list | None = None,
+                    whole: tuple[dict, dict] | None = None) -> int:
     """Fill the rebuilt model and optimizer of this rank from wherever each unit lives now.
 
     Every rank passes the same ``transfers`` (the plan's: ``resihp_ext.shard_map.transfers``); each
@@ -225,6 +231,8 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
     A rank that joins the world holds nothing (``old_objects`` None); ``adam_template``
     (``adam_template_of`` on a working rank) then shapes its Adam states and gives their step.
     ``ran``, when given, collects every transfer between two ranks this rank sent or received.
+    ``whole``: under the distributed optimizer, the old and the new model's whole optimizer states
+    (``optimizer_parts.whole_states``), which the moved units are read from and written to.
 
     Returns:
         Bytes this rank sent or received.
@@ -246,10 +254,12 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
             ran.append(t)
         if t.src == rank:
             payload = _unit_views(old_slots, old_objects.optimizer,
-                                  next(h for h in old_holders[t.item] if h.rank == rank), t, template)
+                                  next(h for h in old_holders[t.item] if h.rank == rank), t, template,
+                                  whole[0] if whole else None)
         if t.dst == rank:
             target = _unit_views(new_slots, new_objects.optimizer,
-                                 next(h for h in new_holders[t.item] if h.rank == rank), t, template)
+                                 next(h for h in new_holders[t.item] if h.rank == rank), t, template,
+                                 whole[1] if whole else None)
         if t.src == rank and t.dst == rank:
             for a, b in zip(payload, target):
                 b.copy_(a)

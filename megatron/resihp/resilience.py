@@ -58,7 +58,7 @@ class ResilienceHooks:
 
     def __init__(self, args: argparse.Namespace, events: EventLog, objects=None,
                  build_objects: Callable | None = None, detect_fail_slow: bool = True, moves_state: bool = True,
-                 sharded_optimizer: bool = False, cfg=None, stands_by: bool = True):
+                 sharded_optimizer: bool = False, cfg=None, stands_by: bool = True, stages_alike: bool = False):
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
         groups (the resihp loop's ``model_builder.build_training_objects`` when None). Without
         ``detect_fail_slow`` no op timings are judged (heartbeats and fail-stop recovery run). Without
@@ -69,10 +69,14 @@ class ResilienceHooks:
         every dead rank's part of the optimizer state survives as a copy (``run.part_copies``, made
         by the loop; without them every fail-stop falls back to that checkpoint). ``cfg``: the
         ``ResiHPConfig`` (``args.resihp`` when None). Without ``stands_by`` a rank a plan leaves out
-        exits, whatever ``--resihp-no-standby`` says (the loop has no place for a standby)."""
+        exits, whatever ``--resihp-no-standby`` says (the loop has no place for a standby). With
+        ``stages_alike`` (and without ``moves_state``) a fail-slow plan may also move layers between
+        stages, with one split for every replica (what a loop that builds every replica from one
+        model configuration runs)."""
         self.args = args
         self.build_objects = build_objects or build_training_objects
         self.moves_state = moves_state
+        self.stages_alike = stages_alike and not moves_state
         self.sharded_optimizer = sharded_optimizer
         self.cfg = args.resihp if cfg is None else cfg
         self.events = events

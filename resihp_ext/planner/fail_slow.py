@@ -107,7 +107,8 @@ def misjudged(health: Health, factors: Mapping[int, float]) -> Health:
 def decide_fail_slow(layout: Layout, known: Health, verdicts: Sequence[Verdict], hw: HardwareModel,
                      quotas: Sequence[int], horizon_iters: int, launch_shape: tuple,
                      rejected: RejectedPlans = RejectedPlans(),
-                     misjudge: Mapping[int, float] | None = None, stages_fixed: bool = False) -> FailSlowDecision:
+                     misjudge: Mapping[int, float] | None = None, stages_fixed: bool = False,
+                     stages_alike: bool = False) -> FailSlowDecision:
     """Plan for ``verdicts`` on top of every slowdown already ``known``.
 
     The plan sees every slowdown found so far, not only these verdicts', so quotas moved away from
@@ -130,6 +131,8 @@ def decide_fail_slow(layout: Layout, known: Health, verdicts: Sequence[Verdict],
         misjudge: rank -> a false extra slowdown the plan is fed for it (``misjudged``); what the
             detector expects and later plans start from stay true.
         stages_fixed: only quotas may change (``plan_adaptation``'s ``stages_fixed``).
+        stages_alike: quotas and one layer split shared by every replica may change
+            (``plan_adaptation``'s ``stages_alike``).
 
     Returns:
         A ``FailSlowDecision``.
@@ -144,7 +147,7 @@ def decide_fail_slow(layout: Layout, known: Health, verdicts: Sequence[Verdict],
     plan = plan_adaptation(layout, misjudged(known, misjudge), hw, current_quotas=tuple(quotas),
                            horizon_iters=horizon_iters, uniform_tp_per_replica=True,
                            reshaped=[r for r, rep in enumerate(layout.replicas) if replica_shape(rep) != launch_shape],
-                           stages_fixed=stages_fixed)
+                           stages_fixed=stages_fixed, stages_alike=stages_alike)
     expected = known
     shares = [v.slow_share for v in verdicts if v.intermittent]
     if shares:

@@ -7,7 +7,9 @@ per stage, and the widest surviving group per stage) followed by layer repartiti
 the replica. Combinations are ranked with the affine pipeline model and DP quotas; the best few
 are scored with the exact 1F1B simulator, charging the one-time cost of moving state against the
 gain over ``horizon_iters`` iterations. When no in-place plan exists (a shard no surviving rank
-holds, or nothing fits in memory) the plan is "checkpoint-restart" with the reason.
+holds, or nothing fits in memory) the plan is "checkpoint-restart" with the reason. Executors
+that need every replica alike get quotas alone (``stages_fixed``) or one layer split shared by
+every replica (``stages_alike``, searched in ``alike_stages``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
+from resihp_ext.planner.alike_stages import best_alike_split, check_alike
 from resihp_ext.planner.cost import (
     ReplicaTiming, allreduce_time_s, boundary_transfers_s, equal_quotas, iteration_s, max_params_per_rank,
     replica_timing, timing_from_factors,
@@ -131,6 +134,7 @@ def plan_adaptation(
     uniform_tp_per_replica: bool = False,
     reshaped: Iterable[int] = (),
     stages_fixed: bool = False,
+    stages_alike: bool = False,
 ) -> Plan:
     """Re-plan ``layout`` for ``health``: the ResiHP policy.
 
@@ -148,9 +152,18 @@ def plan_adaptation(
             again its layers can go back.
         stages_fixed: every replica keeps its ranks and layers; only the micro-batch quotas change
             (what an executor that cannot rebuild stages or drop a replica in place runs).
+        stages_alike: every replica keeps its ranks per stage and TP groups, and all replicas take
+            one new layer split alike, or keep theirs; quotas change as well (what an executor
+            whose replicas share one model definition runs; ``alike_stages``). ``stages_fixed``
+            takes precedence.
 
     Returns:
         A Plan: "keep", "adapt" (new layout, quotas, moves) or "checkpoint-restart" with a reason.
+
+    Raises:
+        ValueError: bad micro-batch counts or quotas; with ``stages_alike``, replicas of different
+            shapes, a dead rank in the layout (its fail-stop is planned without the flag), or fewer
+            micro-batches than replicas.
     """
     hw = hw or HardwareModel()
     model = layout.model
@@ -162,6 +175,9 @@ def plan_adaptation(
     quotas_now = current_quotas or equal_quotas(layout.num_replicas, num_mb)
     if len(quotas_now) != layout.num_replicas or sum(quotas_now) != num_mb:
         raise ValueError(f"current_quotas {quotas_now} must have one entry per replica and sum to {num_mb}")
+    alike = stages_alike and not stages_fixed
+    if alike:
+        check_alike(layout, health, num_mb)
     before_s = iteration_s(layout, quotas_now, health, hw)
     affected = set(layout.replicas_touching(health.affected_ranks)) | set(reshaped)
     cross_links = any(
@@ -172,6 +188,12 @@ def plan_adaptation(
         return Plan("keep", layout, quotas_now, (), before_s, before_s, 0.0, f"keep: {why}")
     # With no affected replica, quotas skewed for a slowdown that has since gone are still weighed
     # against the best split of the layout as it is (a device that recovered gets its work back).
+    if alike:
+        choice = best_alike_split(layout, health, hw, affected=affected, num_microbatches=num_mb,
+                                  horizon_iters=horizon_iters)
+        return _conclude(layout, choice.layout, choice.quotas, choice.iteration_s, health, hw, before_s=before_s,
+                         quotas_now=quotas_now, horizon_iters=horizon_iters,
+                         notes=[choice.describe(layout)] if affected else [])
 
     # candidates: untouched replicas keep their layout (timings shared between identical ones)
     shared: dict[tuple, ReplicaTiming] = {}
@@ -261,16 +283,25 @@ def plan_adaptation(
         total = horizon_iters * after_s + cost_s
         if best is None or total < best[0]:
             best = (total, combo, chosen, kept, quotas, moves, cost_s, after_s)
-    total, combo, chosen, kept, quotas, _, cost_s, after_s = best
-    if not affected and tuple(quotas) == tuple(quotas_now):
-        return Plan("keep", layout, quotas_now, (), before_s, before_s, 0.0, "keep: no affected replica")
+    _, combo, chosen, kept, quotas, _, _, after_s = best
+    notes = [f"replica {r}: {_describe(layout.replicas[r], c, health)}" for r, c in zip(aff, combo)]
     new_layout = layout if not any(c.changed for c in chosen) else layout.with_replicas(c.replica for c in kept)
+    return _conclude(layout, new_layout, quotas, after_s, health, hw, before_s=before_s, quotas_now=quotas_now,
+                     horizon_iters=horizon_iters, notes=notes)
+
+
+def _conclude(layout: Layout, new_layout: Layout, quotas: tuple[int, ...], after_s: float, health: Health,
+              hw: HardwareModel, *, before_s: float, quotas_now: tuple[int, ...], horizon_iters: int,
+              notes: list[str]) -> Plan:
+    # The Plan for the best option found (``notes``: what it does to each replica it changes, empty
+    # when no replica is affected): kept unless it pays off within ``horizon_iters``.
+    if not notes and tuple(quotas) == tuple(quotas_now):
+        return Plan("keep", layout, quotas_now, (), before_s, before_s, 0.0, "keep: no affected replica")
     # The Plan carries, and its cost prices, the transfers to the whole new layout: exactly what
     # the executor runs (the candidates' own transfers ranked them).
     transfers = state_moves(layout, new_layout, health.dead, hw) if new_layout != layout else ()
-    if any(c.changed for c in chosen):
-        cost_s = hw.regroup_s + move_time_s(transfers, hw)
-        total = horizon_iters * after_s + cost_s
+    cost_s = hw.regroup_s + move_time_s(transfers, hw) if new_layout != layout else 0.0
+    total = horizon_iters * after_s + cost_s
     moves = tuple(t for t in transfers if t.crosses)
 
     if horizon_iters * before_s <= total:
@@ -279,8 +310,7 @@ def plan_adaptation(
                     f"off within {horizon_iters} iterations at {before_s:.3f} s/iter")
     used = set(new_layout.world_ranks)
     spares = tuple(r for r in layout.world_ranks if r not in used and r not in health.dead)
-    notes = [f"replica {r}: {_describe(layout.replicas[r], c, health)}" for r, c in zip(aff, combo)] \
-        or ["no affected replica, layouts kept"]
+    notes = notes or ["no affected replica, layouts kept"]
     before_txt = "stalled" if not math.isfinite(before_s) else f"{before_s:.3f} s/iter"
     gain = "" if not math.isfinite(before_s) else \
         f"; pays back in {cost_s / max(before_s - after_s, 1e-12):.0f} iterations"

@@ -136,3 +136,33 @@ def test_a_part_read_before_adams_first_step_is_its_parameters_with_zero_moments
         offset += len(KEYS) * size
     assert all(not optimizer_state for sub in optimizer.chained_optimizers for optimizer_state in [sub.optimizer.state])
     assert optimizer.state_dict()["optimizer"]["param_groups"][0]["step"] == 0  # still reads as not stepped
+
+
+def test_whole_states_from_split_parts_give_back_the_state_and_the_next_step_exactly(world):
+    # What a re-plan that moves layers does with the distributed optimizer: the position's parts
+    # become each parameter's whole state, and a rebuilt optimizer takes its part from them.
+    from megatron.resihp.optimizer_parts import KEYS, is_distributed, read_part, whole_part, whole_states, write_parts
+
+    model, optimizer = build(0)
+    assert is_distributed(optimizer)
+    for step in range(2):
+        train(model, optimizer, 10 + step)
+    whole = whole_states(optimizer, split(read_part(optimizer, updates=2), owners=3))
+    for param, state in whole.items():
+        assert state.shape == (len(KEYS), param.numel())
+        torch.testing.assert_close(state[0].view_as(param), param.detach().float(), rtol=0, atol=0)  # fp32: main == model
+    other_model, other = build(1)
+    other.load_state_dict(optimizer.state_dict())
+    moved = whole_states(other)  # zeros, filled as a move would fill them
+    for mine, theirs in zip(model.parameters(), other_model.parameters()):
+        moved[theirs].copy_(whole[mine])
+        theirs.data.copy_(mine.data)
+    write_parts(other, [whole_part(other, moved, updates=2)])
+    for mine, theirs in zip(states(optimizer), states(other)):
+        torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
+    train(model, optimizer, 99)
+    train(other_model, other, 99)
+    for mine, theirs in zip(model.parameters(), other_model.parameters()):
+        torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="cover"):
+        whole_states(optimizer, split(read_part(optimizer, updates=2), owners=2)[:1])
