@@ -211,7 +211,8 @@ class FailStopRecovery:
             host.events.emit("adapted", iteration, world_size=dist.get_world_size(), duration_s=duration,
                              data_parallel_size=new.data_parallel_size, quotas=list(quotas),
                              failed_ranks=sorted(failed), failed_launch_ranks=[identity[r] for r in sorted(failed)],
-                             taken_back_launch_ranks=taken)
+                             taken_back_launch_ranks=taken,
+                             layers_per_replica=[list(r.layers_per_stage) for r in new.layout.replicas])
         how = "redoing" if completed is None else "going on after"
         log_line(f" resihp: {rank_name(old_rank, run.identity, new.rank)}: adapted in place, world "
                  f"{dist.get_world_size()}, DP {new.data_parallel_size}, {how} iteration {iteration} "

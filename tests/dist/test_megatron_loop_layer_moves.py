@@ -4,7 +4,8 @@ TP2 x PP2 x DP2 with the distributed optimizer and sequence parallelism, checkpo
 
 Both replicas' first stage slowed 3x is named by the detector, and the re-plan moves a layer off
 that stage in every replica (one split for all: Megatron builds every replica from one model
-configuration), the distributed optimizer's parts going with the layers. Training stays what stock
+configuration), the distributed optimizer's parts going with the layers; a rank killed later is
+survived in place by the replica left whole, with the split it runs. Training stays what stock
 Megatron-LM computes: every logged loss, and every tensor of the saved checkpoint (weights, fp32
 main parameters, Adam's moments, addressed by their place in the whole model), equal a failure-free
 run with no ``--resihp-*`` flag, which saved with its even split.
@@ -63,17 +64,24 @@ def test_a_slow_first_stage_gives_a_layer_to_the_next_in_every_replica_in_place_
     events = tmp_path / "events.jsonl"
     proc = run_job(8, [*layer_job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
                        "--resihp-event-log", str(events), "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
-                       "--resihp-inject", "slow:rank=0,factor=3,at=5", "--resihp-inject", "slow:rank=2,factor=3,at=5"],
+                       "--resihp-inject", "slow:rank=0,factor=3,at=5", "--resihp-inject", "slow:rank=2,factor=3,at=5",
+                       "--resihp-inject", "kill:rank=7,at=28"],
                    timeout_s=600)
     check(proc)
     assert "re-plans of the micro-batch split and of the layers per stage" in proc.stdout, proc.stdout[-3000:]
     assert len(read_events(events, "start")) == 8  # one start per process: nothing restarted
     # The first verdict may move micro-batches alone (the other first stage not yet named).
-    moved = [a for a in read_events(events, "adapted") if a["layers_per_replica"] != [[2, 2], [2, 2]]]
+    moved = [a for a in read_events(events, "adapted") if a["world_size"] == 8 and a["layers_per_replica"] != [[2, 2], [2, 2]]]
     assert moved, decisions(events)
     layers = moved[0]["layers_per_replica"]
     assert layers[0] == layers[1] and layers[0][0] < 2 and sum(layers[0]) == 4, decisions(events)
+    assert moved[0]["iteration"] < 28, decisions(events)
     assert_moved_as_planned(events)
+    # Rank 7 (replica 1's last stage) SIGKILLed after the move: replica 0 goes on alone with the
+    # split it runs, rank 7's part of the optimizer state taken from its copy.
+    after = read_events(events, "adapted")[-1]
+    assert after["iteration"] == 28 and after["world_size"] == 4 and after["layers_per_replica"] == [layers[0]], \
+        decisions(events)
     expected, want = failure_free
     got = logged_losses(proc.stdout)
     assert sorted(got) == list(range(1, ITERATIONS + 1)), proc.stdout[-3000:]
