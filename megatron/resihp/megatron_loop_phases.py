@@ -6,7 +6,9 @@ Responsible for the patches around what ``megatron.training.train()`` runs after
 (``training_log``: the learning rate's all-reduce, the interval timer's barrier, the timers'
 all-gather), the evaluation (``evaluate_and_print_results``, between two timer barriers), and the
 checkpoint save (``save_checkpoint``, inside ``save_checkpoint_and_time``; periodic, after a change
-of the micro-batch count, and the last one). A rank that fails in any of them has stepped, so
+of the micro-batch count, and the last one), and the exit check after it
+(``checkpoint_and_decide_exit``: under --exit-duration-in-mins an all-reduce of whether any rank's
+time is up). A rank that fails in any of them has stepped, so
 the survivors re-form (``ResilientMegatronLoop.recover_at``) and go on after that iteration.
 
 A failure surfaces on different ranks in different phases: one rank may be in the save's barrier
@@ -30,9 +32,11 @@ from __future__ import annotations
 import contextlib
 import enum
 import inspect
+import time
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
 from megatron.resihp.logging_utils import log_line, rank_name
@@ -46,6 +50,7 @@ class Phase(enum.IntEnum):
     LOG = 2
     EVAL = 3
     SAVE = 4
+    EXIT_CHECK = 5  # the ranks' agreement whether --exit-duration-in-mins has passed (after the save)
 
 
 class Position(NamedTuple):
@@ -113,6 +118,7 @@ class BetweenSteps:
             "evaluate_and_print_results": training.evaluate_and_print_results,
             "save_checkpoint": training.save_checkpoint,
             "save_checkpoint_and_time": training.save_checkpoint_and_time,
+            "checkpoint_and_decide_exit": training.checkpoint_and_decide_exit,
             "Timer.start": Timer.start,
             "Timer.stop": Timer.stop,
         }
@@ -120,6 +126,7 @@ class BetweenSteps:
         training.evaluate_and_print_results = self._evaluate_and_print_results
         training.save_checkpoint = self._save_checkpoint
         training.save_checkpoint_and_time = self._save_checkpoint_and_time
+        training.checkpoint_and_decide_exit = self._checkpoint_and_decide_exit
         Timer.start = self._timer_method("Timer.start")
         Timer.stop = self._timer_method("Timer.stop")
 
@@ -350,6 +357,56 @@ class BetweenSteps:
             if not interval._started:  # stopped for the save; its restart did not come
                 interval.start()
             return None
+
+    # ------------------------------------------------------------------ the exit check
+    def _checkpoint_and_decide_exit(self, *args, **kwargs):
+        """Megatron's ``checkpoint_and_decide_exit``, whose last collective, under
+        --exit-duration-in-mins, is an all-reduce of whether any rank's time is up (its saves and
+        timers survive their own failures). A failure there is survived: the re-formed world agrees
+        again, and a time that is up ends the job as Megatron's own check would."""
+        from megatron.training import get_args, training
+
+        decide = self._original["checkpoint_and_decide_exit"]
+        limit = get_args().exit_duration_in_mins
+        if not self._recovering() or not limit:
+            return decide(*args, **kwargs)
+        call = inspect.signature(decide).bind(*args, **kwargs)
+        iteration = call.arguments["iteration"]
+        self.loop.hooks.inject(iteration, "exit-check")
+        try:
+            return decide(*args, **kwargs)
+        except RuntimeError as error:
+            if not self._recovering():
+                raise
+            self.loop.recover_at(Position(iteration, Phase.EXIT_CHECK), error)
+        while True:
+            if self.catch_up_to is not None:  # a survivor went on to the next step: nobody's time was up
+                return False
+            try:
+                # A survivor that was behind meets this all-reduce with Megatron's own, as it catches up.
+                minutes = (time.time() - training._TRAIN_START_TIME) / 60.0
+                up = torch.tensor([minutes > limit], dtype=torch.int, device=self.loop.hooks.device())
+                dist.all_reduce(up, op=dist.ReduceOp.MAX)
+                break
+            except RuntimeError as error:
+                self.loop.recover_at(Position(iteration, Phase.EXIT_CHECK), error)
+        if not up.item():
+            return False
+        margs = call.arguments
+        if get_args().save and not _saved_on_schedule(get_args(), iteration):
+            training.save_checkpoint_and_time(iteration, margs["model"], margs["optimizer"],
+                                              margs["opt_param_scheduler"], margs["num_floating_point_operations_so_far"],
+                                              margs["checkpointing_context"],
+                                              train_data_iterator=margs.get("train_data_iterator"))
+        training.print_datetime(f"exiting program after {minutes} minutes")
+        return True
+
+
+def _saved_on_schedule(args, iteration: int) -> bool:
+    """Whether Megatron's ``checkpoint_and_decide_exit`` saved ``iteration`` before its exit checks
+    (a periodic or non-persistent save), so that a time that is up needs no save of its own."""
+    return bool((args.save_interval and iteration % args.save_interval == 0)
+                or (args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0))
 
 
 def _stop_timers(*names: str) -> None:

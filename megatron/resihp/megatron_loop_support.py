@@ -29,12 +29,19 @@ _OTHER_PLACEMENT = {
     "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
 }
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
-# state), this rank's optimizer step, the iteration's log, an evaluation, a save as it begins and
-# once this rank's files are written (Megatron's save has no rename), and the job's end, as
-# ``pretrain()`` returns, and Megatron's set-up, as it builds the data loaders. Under the distributed
+# state), this rank's optimizer step, the iteration's log, an evaluation, the ranks' agreement whether
+# --exit-duration-in-mins has passed, a save as it begins and once this rank's files are written
+# (Megatron's save has no rename), and the job's end, as ``pretrain()`` returns, and Megatron's set-up,
+# as it builds the data loaders. Under the distributed
 # optimizer also once it has updated this rank's parameters, before the update's copies go out.
-_PHASES = (None, "reform", "rendezvous", "update", "optimizer", "log", "eval", "save", "save-write", "shutdown",
-           "setup")
+_PHASES = (None, "reform", "rendezvous", "update", "optimizer", "log", "eval", "exit-check", "save", "save-write",
+           "shutdown", "setup")
+# Megatron flags whose collectives between steps a failure is not survived in yet (with --resihp-enable).
+_UNSURVIVED_BETWEEN_STEPS = {
+    "check_weight_hash_across_dp_replicas_interval": ("--check-weight-hash-across-dp-replicas-interval",
+                                                      "its all-gather of weight hashes and barrier"),
+    "log_straggler": ("--log-straggler", "the straggler report's gathers"),
+}
 
 
 def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
@@ -58,6 +65,9 @@ def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
     if cfg.enable and args.use_distributed_optimizer and getattr(args, "use_precision_aware_optimizer", False):
         found.append("--use-precision-aware-optimizer with --use-distributed-optimizer (the copies of the optimizer's "
                      "parts read the fp32 main parameters Megatron keeps, which this optimizer keeps in its own form)")
+    for dest, (flag, what) in _UNSURVIVED_BETWEEN_STEPS.items():
+        if cfg.enable and getattr(args, dest, None) not in (None, False):
+            found.append(f"{flag} ({what} between steps are not survived when a rank fails there)")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
     # Every kind of injected fault runs on this loop. A ``link:`` slowdown slows its pipeline transfers

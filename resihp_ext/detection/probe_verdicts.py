@@ -35,7 +35,7 @@ def read_round(suspicion: Suspicion, probes: ProbeResults, onset: int, threshold
     # against its own baseline. Links keep the round's median: live, 2-link rounds on a shared
     # host read 1.3-1.4x apart with no link slow (a link into a compute-slowed rank among
     # them), which only a median that includes the suspect absorbs.
-    peer_reference = peer_reference_s(probes.rank_s, suspicion.ranks)
+    peer_reference = peer_reference_s(probes.rank_s, suspicion.ranks, threshold)
     loc = localise(probes, threshold, rank_reference_s=peer_reference,
                    rank_baselines_s=probe_baselines if peer_reference is None else None)
     evidence = {

@@ -93,9 +93,16 @@ def _slowest_first(factors: Mapping, threshold: float) -> list:
     return sorted((k for k, f in factors.items() if f >= threshold), key=lambda k: -factors[k])
 
 
-def peer_reference_s(times: Mapping[int, float], suspects: Sequence[int]) -> float | None:
-    """The median probe time of the probed ranks outside ``suspects`` (the healthy peers a
+def peer_reference_s(times: Mapping[int, float], suspects: Sequence[int], threshold: float) -> float | None:
+    """The median probe time of the healthy probed ranks outside ``suspects`` (the peers a
     suspicion probes beside its group), or None when there are none.
+
+    A peer may be slow itself: when a stage is slow in every replica, the group probed beside one
+    replica's slow group is the other replica's, whose slow rank is not yet suspected. So, as in
+    ``localise``'s own reference, peers ``threshold`` times the peers' median or more are left
+    out. Live (Megatron's loop, both replicas' first stage 3x slow at one rank each), the median
+    of a slow and a healthy peer sat halfway and a 3x slow suspect read 1.46-1.52x; the plan made
+    from that gave the other slow replica more micro-batches and ran slower than no plan.
 
     Suspects are compared with their peers, not with a median they take part in: with one suspect
     and one peer (TP 1), or a whole suspect group as large as its peer group (a node-wide slowdown
@@ -104,8 +111,12 @@ def peer_reference_s(times: Mapping[int, float], suspects: Sequence[int]) -> flo
     at TP 1 or a 1.4x slow TP group at TP 2 read 1.15-1.20x against it and was cleared round after
     round; against its peers it is named at 1.34-1.46x.
     """
-    peers = [t for r, t in times.items() if r not in suspects]
-    return float(np.median(peers)) if peers else None
+    peers = np.array([t for r, t in times.items() if r not in suspects], dtype=float)
+    if not peers.size:
+        return None
+    first = float(np.median(peers))
+    healthy = peers[peers < threshold * first]
+    return float(np.median(healthy)) if healthy.size else first
 
 
 def pass_normalised_times(samples: Mapping[int, Sequence[float]]) -> dict[int, float]:
@@ -142,7 +153,7 @@ def undecided(times: Mapping, threshold: float, suspects: Sequence[int] = ()) ->
     """
     if len(times) < 2:
         return False
-    _, slow, _ = _factors(times, threshold, peer_reference_s(times, suspects) if suspects else None)
+    _, slow, _ = _factors(times, threshold, peer_reference_s(times, suspects, threshold) if suspects else None)
     return not slow and max(times.values()) >= threshold * min(times.values())
 
 

@@ -96,12 +96,16 @@ def resilient(tmp, events) -> list[str]:
 
 
 # In the step, or as Megatron logs the iteration: its log runs world-wide collectives (the interval
-# timer's barrier, the timers' all-gather) after every rank's optimizer step.
-@pytest.mark.parametrize("kill", ["kill:rank=5,at=4", "kill:rank=5,at=4,during=log"], ids=["in-step", "in-log"])
+# timer's barrier, the timers' all-gather) after every rank's optimizer step; or, under
+# --exit-duration-in-mins (as Megatron-LM's example scripts run), in the all-reduce after every step
+# that asks whether any rank's time is up.
+@pytest.mark.parametrize("kill,flags", [("kill:rank=5,at=4", []), ("kill:rank=5,at=4,during=log", []),
+                                        ("kill:rank=5,at=4,during=exit-check", ["--exit-duration-in-mins", "1000"])],
+                         ids=["in-step", "in-log", "in-exit-check"])
 def test_a_sigkilled_rank_is_survived_in_place_with_the_failure_free_runs_losses_and_weights(tmp_path, failure_free,
-                                                                                             kill):
+                                                                                             kill, flags):
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*resilient(tmp_path, events), "--resihp-inject", kill], timeout_s=420)
+    proc = run_job(8, [*resilient(tmp_path, events), *flags, "--resihp-inject", kill], timeout_s=420)
     check(proc)  # the launcher reports a job that survived its failure as finished
     adapted = read_events(events, "adapted")
     assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [5])], adapted

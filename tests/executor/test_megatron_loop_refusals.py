@@ -21,7 +21,8 @@ def megatron_args(**changes) -> argparse.Namespace:
 def test_a_plain_job_with_kills_hangs_and_recovery_phase_kills_may_run():
     cfg = ResiHPConfig(enable=True, inject=["kill:rank=1,at=2", "hang:rank=2,at=3", "kill:rank=3,at=4,during=reform",
                                             "kill:rank=4,at=4,during=rendezvous", "kill:rank=5,at=8,during=shutdown",
-                                            "raise:rank=6,at=2,during=backward", "kill:rank=7,at=1,during=setup"])
+                                            "raise:rank=6,at=2,during=backward", "kill:rank=7,at=1,during=setup",
+                                            "kill:rank=2,at=5,during=exit-check"])
     assert unsupported_flags(megatron_args(), cfg) == []
     # Each rank's part of Adam's state is copied on another rank, so its failures are survived too.
     assert unsupported_flags(megatron_args(use_distributed_optimizer=True), cfg) == []
@@ -56,7 +57,15 @@ def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=update"])}, "pass --use-distributed-optimizer"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-rename"])}, "during=save-rename"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-tracker"])}, "during=save-tracker"),
+    ({"check_weight_hash_across_dp_replicas_interval": 10}, "--check-weight-hash-across-dp-replicas-interval"),
+    ({"log_straggler": True}, "--log-straggler"),
 ])
 def test_each_feature_not_carried_yet_is_named(changes, named):
     found = unsupported_flags(megatron_args(**changes), changes.get("resihp", ResiHPConfig(enable=True)))
     assert len(found) == 1 and named in found[0], found
+
+
+def test_between_step_checks_are_refused_only_when_failures_are_recovered():
+    # Without --resihp-enable a failure ends the job as in stock Megatron-LM, so nothing is refused.
+    args = megatron_args(check_weight_hash_across_dp_replicas_interval=10, log_straggler=True)
+    assert unsupported_flags(args, ResiHPConfig(detect_only=True)) == []

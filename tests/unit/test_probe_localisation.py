@@ -81,11 +81,22 @@ def test_suspects_are_compared_with_their_peers_not_a_median_they_sit_in(tp):
     assert len(suspicion.probe_ranks) == 2 * len(suspicion.ranks)
     times = {r: (0.0135 if r in suspicion.ranks else 0.0100) for r in suspicion.probe_ranks}
     assert localise(ProbeResults(iteration, times), 1.2).slow_ranks == ()
-    assert peer_reference_s(times, suspicion.ranks) == pytest.approx(0.0100)
+    assert peer_reference_s(times, suspicion.ranks, 1.2) == pytest.approx(0.0100)
     assert undecided(times, 1.2) and not undecided(times, 1.2, suspicion.ranks)
     verdict = det.conclude(suspicion, ProbeResults(iteration, times))
     assert isinstance(verdict, Verdict) and verdict.ranks == tuple(sorted(suspicion.ranks))
     assert verdict.factor == pytest.approx(1.35)
+
+
+def test_a_slow_rank_among_the_peers_does_not_drag_their_reference():
+    # A stage slow in every replica: replica 1's first stage (ranks 2, 3) is suspected, and the
+    # peers probed beside it, replica 0's first stage, hold a slow rank too (rank 0, not yet named).
+    times = {0: 0.196, 1: 0.069, 2: 0.196, 3: 0.069}
+    assert peer_reference_s(times, (2, 3), 1.2) == pytest.approx(0.069)
+    loc = localise(ProbeResults(12, times), 1.2, rank_reference_s=peer_reference_s(times, (2, 3), 1.2))
+    assert loc.rank_factors[2] == pytest.approx(0.196 / 0.069) and 2 in loc.slow_ranks
+    # Peers alike stay one reference, slow or not (a slow peer group clears healthy suspects, below).
+    assert peer_reference_s({0: 0.0135, 1: 0.0136, 2: 0.0100}, (2,), 1.2) == pytest.approx(0.01355)
 
 
 def test_a_slow_peer_clears_the_suspects_rather_than_being_named():
