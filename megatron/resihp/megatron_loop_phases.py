@@ -367,7 +367,8 @@ class BetweenSteps:
         from megatron.training import get_args, training
 
         decide = self._original["checkpoint_and_decide_exit"]
-        limit = get_args().exit_duration_in_mins
+        margs = get_args()
+        limit = margs.exit_duration_in_mins
         if not self._recovering() or not limit:
             return decide(*args, **kwargs)
         call = inspect.signature(decide).bind(*args, **kwargs)
@@ -392,12 +393,12 @@ class BetweenSteps:
                 self.loop.recover_at(Position(iteration, Phase.EXIT_CHECK), error)
         if not up.item():
             return False
-        margs = call.arguments
-        if get_args().save and not _saved_on_schedule(get_args(), iteration):
-            training.save_checkpoint_and_time(iteration, margs["model"], margs["optimizer"],
-                                              margs["opt_param_scheduler"], margs["num_floating_point_operations_so_far"],
-                                              margs["checkpointing_context"],
-                                              train_data_iterator=margs.get("train_data_iterator"))
+        given = call.arguments
+        if margs.save and not _saved_on_schedule(margs, iteration):
+            training.save_checkpoint_and_time(iteration, given["model"], given["optimizer"],
+                                              given["opt_param_scheduler"], given["num_floating_point_operations_so_far"],
+                                              given["checkpointing_context"],
+                                              train_data_iterator=given.get("train_data_iterator"))
         training.print_datetime(f"exiting program after {minutes} minutes")
         return True
 

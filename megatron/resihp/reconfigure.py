@@ -278,7 +278,13 @@ def _split_parts_anew(run: RunState, layout: Layout, rank: int, new_objects, par
     parameters gathered from it, and the new world's copies made (every member at once)."""
     write_parts(new_objects.optimizer, parts)
     regather(new_objects.optimizer)
-    copies = PartCopies(layout, rank, new_objects.optimizer, updates=run.part_copies.updates)
+    return _send_copies(layout, rank, new_objects.optimizer, run.part_copies.updates)
+
+
+def _send_copies(layout: Layout, rank: int, optimizer, updates: int) -> PartCopies:
+    """The new world's copies of the optimizer's parts, sent before the change commits (every member
+    at once), so that a failure right after it finds them."""
+    copies = PartCopies(layout, rank, optimizer, updates=updates)
     copies.send()
     return copies
 
@@ -303,9 +309,7 @@ def _move_with_whole_states(change: LayoutChange, run: RunState, rank: int, new_
     carry_schedule(old, new_objects)
     if run.part_copies is None:
         return moved, None
-    copies = PartCopies(change.new_layout, rank, new_objects.optimizer, updates=updates)
-    copies.send()
-    return moved, copies
+    return moved, _send_copies(change.new_layout, rank, new_objects.optimizer, updates)
 
 
 def _form_grown_world(change: LayoutChange, run: RunState, env: Executor) -> None:
