@@ -85,9 +85,9 @@ def forward_step(data_iterator, model):
 
 def main(argv: list[str] | None = None) -> dict | None:
     global ARGS
-    # Migration step: a job without --resihp-* flags runs Megatron-LM's own training loop (shipped in
-    # megatron-core >= 0.19, every Megatron flag stock); --resihp-* flags select the resilient front end
-    # below, with its own flag list, until the resilience layer runs inside Megatron's loop.
+    # Megatron-LM's own training loop (megatron-core >= 0.19, every Megatron flag stock) runs every job
+    # unless it names --resihp-loop resihp: the project's own front end below, with its own flag list,
+    # for what Megatron's loop does not carry yet (stage takeovers, TP shrinks, spares, standbys).
     from megatron.resihp.gpt_pretrain import main as megatron_loop_main, selects_megatron_loop
 
     if selects_megatron_loop(sys.argv[1:] if argv is None else argv):

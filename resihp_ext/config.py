@@ -21,8 +21,8 @@ class ResiHPConfig:
     enable: bool = False
     """Turn on in-place adaptation: detected failures are re-planned and applied without restart."""
 
-    loop: str = "resihp"
-    """The training loop a resilient job runs: resihp (the project's own: layer moves, TP shrinks, standbys, slow links) or megatron (Megatron-LM's own loop, every Megatron flag stock, the distributed optimizer included: fail-stop recovery in place, fail-slow detection and re-plans of the micro-batch split)."""
+    loop: str = "megatron"
+    """The training loop a resilient job runs: megatron (the default: Megatron-LM's own loop, every Megatron flag stock, the distributed optimizer included; fail-stop recovery of whole replicas, fail-slow detection and re-plans of the micro-batch split and of the layers per stage) or resihp (the project's own loop with its own flag list: also stages taken over and TP shrunk after a failure, a layer split per replica, spares and standbys)."""
 
     detect_only: bool = False
     """Run detection (and log verdicts) but never adapt, so an injected slowdown stays in place."""

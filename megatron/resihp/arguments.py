@@ -417,7 +417,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     for fault in args.resihp.faults:
         if fault.kind is FaultKind.RAISE or fault.during in MEGATRON_LOOP_PHASES:
             raise ValueError(f"--resihp-inject {fault.spec()}: a {fault.kind.value} during={fault.during} is survived "
-                             "on --resihp-loop megatron only; this loop would not strike it")
+                             "on Megatron-LM's loop only (the default: drop --resihp-loop resihp); this loop would not strike it")
     _check_inputs(args)
 
 

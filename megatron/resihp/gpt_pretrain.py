@@ -208,14 +208,13 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 
 def selects_megatron_loop(argv: list[str]) -> bool:
-    """Whether a command line runs on Megatron-LM's loop: no ``--resihp-*`` flag, or
-    ``--resihp-loop megatron``; and a megatron-core that ships the training package (0.19 on; 0.16 has
-    none, and there the resilient front end runs every job)."""
+    """Whether a command line runs on Megatron-LM's loop: every job does unless it names
+    ``--resihp-loop resihp`` (the project's own loop), given a megatron-core that ships the training
+    package (0.19 on; 0.16 has none, and there the project's own loop runs every job)."""
     from megatron.core import package_info
 
     major, minor = (int(x) for x in package_info.__version__.split(".")[:2])
-    return (major, minor) >= (0, 19) and (not any(a.startswith("--resihp-") for a in argv)
-                                          or resilience_loop(argv) == "megatron")
+    return (major, minor) >= (0, 19) and resilience_loop(argv) != "resihp"
 
 
 def resilience_loop(argv: list[str]) -> str | None:
@@ -274,7 +273,7 @@ def resilience_config(args: argparse.Namespace):
         _refuse(f"--cpu-device-time-scale {scale:g} needs --device cpu and a value >= 1 (0 turns it off)")
     lacking = unsupported_flags(args, cfg)
     if lacking:
-        _refuse("resilience on Megatron-LM's loop (--resihp-loop megatron) cannot carry yet: " + "; ".join(lacking)
+        _refuse("resilience on Megatron-LM's loop (the default, --resihp-loop megatron) cannot carry yet: " + "; ".join(lacking)
                 + ". Remove these flags, or drop the --resihp-* flags to run Megatron-LM's loop without resilience")
     return cfg
 
@@ -293,6 +292,15 @@ def refuse_ignored_flags(argv: list[str]) -> None:
         if any(a == flag or a.startswith(flag + "=") for a in argv):
             print(f"pretrain_gpt_resilient.py: error: {flag}: {fix}", file=sys.stderr)
             sys.exit(2)
+
+
+def refuse_missing_flags(args: argparse.Namespace) -> None:
+    """Exit 2 on a flag megatron-core 0.19.2 needs and does not check for, before anything starts: without
+    ``--eval-interval`` its data set-up divides by None on every rank (unless ``--full-validation`` or
+    ``--skip-train``)."""
+    if args.eval_interval is None and not args.full_validation and not args.skip_train:
+        _refuse("--eval-interval: Megatron-LM's loop sizes its validation data by it; pass --eval-interval N "
+                "(with --eval-iters 0 to evaluate never)")
 
 
 def device_of(argv: list[str]) -> str:
@@ -332,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     # The files the job reads are checked on the flags as parsed, before Megatron validates them:
     # validation already reads a checkpoint (--use-checkpoint-args) and builds the tokenizer.
     parsed = parse_args(extra_args_provider=extra_args)
+    refuse_missing_flags(parsed)
     refuse_bad_inputs(parsed, ARGS_DEFAULTS)
     sys.argv = [sys.argv[0], *with_data_cache_path(parsed, argv)]
     args = parse_and_validate_args(extra_args_provider=extra_args, args_defaults=ARGS_DEFAULTS)

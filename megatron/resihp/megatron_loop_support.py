@@ -1,4 +1,4 @@
-"""What resilience on Megatron-LM's own loop (``--resihp-loop megatron``) can carry, checked before a job starts.
+"""What resilience on Megatron-LM's own loop (``--resihp-loop megatron``, the default) can carry, checked before a job starts.
 
 Responsible for one answer, ``unsupported_flags``: the Megatron flags and ``--resihp-*`` settings of
 a job that ``megatron_loop_resilience`` cannot carry through a re-form or a re-plan yet, each with
@@ -8,6 +8,7 @@ its reason, so that the job exits 2 naming them instead of running with a reques
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 # Megatron flags (as parsed) whose jobs the fail-stop path cannot yet carry through a re-form, and why.
 _UNSUPPORTED = {
@@ -36,6 +37,14 @@ _OTHER_PLACEMENT = {
 # optimizer also once it has updated this rank's parameters, before the update's copies go out.
 _PHASES = (None, "reform", "rendezvous", "update", "optimizer", "log", "eval", "exit-check", "save", "save-write",
            "shutdown", "setup")
+# --resihp-* settings of what only the project's own loop does (``--resihp-loop resihp``), and why.
+# (--resihp-no-standby asks for what this loop always does: a rank no plan keeps exits.)
+_OWN_LOOP_SETTINGS = {
+    "standby_probe_interval_s": "standing-by ranks probe their devices on --resihp-loop resihp only; on this "
+                                "loop a rank no plan keeps exits",
+    "device_memory_gb": "it sizes the smaller TP degree a stage may run at after a failure, which "
+                        "--resihp-loop resihp only plans; this loop keeps whole replicas",
+}
 # Megatron flags whose collectives between steps a failure is not survived in yet (with --resihp-enable).
 _UNSURVIVED_BETWEEN_STEPS = {
     "check_weight_hash_across_dp_replicas_interval": ("--check-weight-hash-across-dp-replicas-interval",
@@ -68,6 +77,10 @@ def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
     for dest, (flag, what) in _UNSURVIVED_BETWEEN_STEPS.items():
         if cfg.enable and getattr(args, dest, None) not in (None, False):
             found.append(f"{flag} ({what} between steps are not survived when a rank fails there)")
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for name, why in _OWN_LOOP_SETTINGS.items():
+        if getattr(cfg, name) != defaults[name]:
+            found.append(f"--resihp-{name.replace('_', '-')} ({why})")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
     # Every kind of injected fault runs on this loop. A ``link:`` slowdown slows its pipeline transfers

@@ -85,7 +85,7 @@ KILL_RANKS = (5,)
 LINK_FACTOR = 600.0
 
 MODEL = [
-    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--resihp-loop", "resihp", "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
     "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
     "--vocab-size", "512", "--log-interval", "10", "--hidden-dropout", "0", "--attention-dropout", "0",

@@ -186,7 +186,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.distributed_optimizer and args.loop != "megatron":
         parser.error("--distributed-optimizer needs --loop megatron (the resihp loop refuses the distributed optimizer)")
-    model = MEGATRON_MODEL if args.loop == "megatron" else MODEL
+    model = MEGATRON_MODEL if args.loop == "megatron" else [*MODEL, "--resihp-loop", "resihp"]
     if args.distributed_optimizer:
         model = [*model, "--use-distributed-optimizer"]
     every = cases(args.loop, args.distributed_optimizer)

@@ -68,7 +68,7 @@ MICRO_BATCH, GLOBAL_BATCH = 2, 16
 def model_args(tp: int, pp: int, device: str = "cpu", model: str = "tiny") -> list[str]:
     hidden, heads, seq = MODELS[model]
     return [
-        "--device", device, "--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+        "--resihp-loop", "resihp", "--device", device, "--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
         "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(MICRO_BATCH),
         "--global-batch-size", str(GLOBAL_BATCH), "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "512", "--log-interval", "10",

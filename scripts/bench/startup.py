@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from scripts.child_env import job_env  # noqa: E402
-MODEL = ("--device cpu --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+MODEL = ("--resihp-loop resihp --device cpu --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
          "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 --lr 1e-3 --mock-data "
          "--tokenizer-type NullTokenizer --vocab-size 512 --log-interval 1 --train-iters 1").split()
 LAUNCHES = {

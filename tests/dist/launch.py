@@ -25,8 +25,13 @@ REPO = Path(__file__).resolve().parents[2]
 # compares its probe with its own baseline taken seconds before, so its factors carry this.
 CORE_SPEED_SPREAD = 4.24 / 2.46
 
+# The project's own loop, which the tests of its stage takeovers, TP shrinks, spares and standbys
+# run; a job with --resihp-* flags runs Megatron-LM's loop unless it names this one.
+OWN_LOOP = ["--resihp-loop", "resihp"]
+
+# A tiny GPT on the project's own loop.
 TINY_GPT = [
-    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    *OWN_LOOP, "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
     "--global-batch-size", "16", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
     "--vocab-size", "512", "--log-interval", "1",

@@ -30,13 +30,13 @@ import pytest
 
 from resihp_ext.schedule import one_f_one_b
 from resihp_ext.detection.traces import load_trace
-from tests.dist.launch import (CORE_SPEED_SPREAD, check, decisions, iteration_losses, read_events, run_job,
+from tests.dist.launch import (CORE_SPEED_SPREAD, OWN_LOOP, check, decisions, iteration_losses, read_events, run_job,
                                running_quotas)
 
 NPROC, TP, PP, DP = 8, 2, 2, 2
 MICRO_BATCH, GLOBAL_BATCH = 2, 16
 SHAPE = [
-    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    *OWN_LOOP, "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", str(MICRO_BATCH),
     "--global-batch-size", str(GLOBAL_BATCH), "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
     "--vocab-size", "512", "--log-interval", "1",

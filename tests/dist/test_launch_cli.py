@@ -5,9 +5,11 @@ import sys
 
 import pytest
 
-from tests.dist.launch import REPO, TINY_GPT, check, iteration_losses, read_events, run_job
+from tests.dist.launch import OWN_LOOP, REPO, TINY_GPT, check, iteration_losses, read_events, run_job
 
-ISSUE_LAUNCH = (
+# On the project's own loop (Megatron-LM's loop needs --eval-interval, and prints tokens per second
+# only with --log-throughput; tests/dist/test_megatron_loop.py launches it).
+ISSUE_LAUNCH = [*OWN_LOOP] + (
     "--device cpu --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 "
     "--num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
     "--train-iters 30 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 512 --log-interval 1"
@@ -97,7 +99,7 @@ def test_tensorboard_scalars_are_written(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = tmp_path / "tb"
-    # The resilient front end's own writer (a job with no --resihp-* flag runs Megatron-LM's loop).
+    # The project's own loop's writer (TINY_GPT names --resihp-loop resihp).
     check(run_job(1, [*TINY_GPT, "--train-iters", "3", "--tensorboard-dir", str(board),
                       "--resihp-event-log", str(tmp_path / "ev.jsonl")]))
     events = EventAccumulator(str(board))

@@ -12,11 +12,11 @@ import sys
 import pytest
 import torch
 
-from tests.dist.launch import REPO, assert_moved_as_planned, check, iteration_losses, main_copies, read_events
+from tests.dist.launch import OWN_LOOP, REPO, assert_moved_as_planned, check, iteration_losses, main_copies, read_events
 from scripts.child_env import job_env
 
 MODEL = [
-    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    *OWN_LOOP, "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--lr", "1e-3",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "1",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--global-batch-size", "16", "--train-iters", "6",

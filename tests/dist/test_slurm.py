@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from tests.dist import slurm_cluster
-from tests.dist.launch import iteration_losses, read_events
+from tests.dist.launch import OWN_LOOP, iteration_losses, read_events
 
 MODEL = [
-    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    *OWN_LOOP, "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--lr", "1e-3",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "1",
     "--hidden-dropout", "0", "--attention-dropout", "0",

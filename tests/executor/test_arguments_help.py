@@ -24,10 +24,10 @@ def test_help_lists_every_resihp_flag():
     ("--resihp-max-speed-drift", "0.3", "below --resihp-slowdown-threshold - 1"),
     ("--resihp-verify-margin", "1.5", "must be in [0, 1)"),
     # This loop's evaluation and step have no recovery around a kill aimed there: refused, not ignored.
-    ("--resihp-inject", "kill:rank=0,at=3,during=eval", "--resihp-loop megatron only"),
-    ("--resihp-inject", "kill:rank=0,at=3,during=optimizer", "--resihp-loop megatron only"),
-    ("--resihp-inject", "kill:rank=0,at=1,during=setup", "--resihp-loop megatron only"),
-    ("--resihp-inject", "raise:rank=0,at=3", "--resihp-loop megatron only"),
+    ("--resihp-inject", "kill:rank=0,at=3,during=eval", "drop --resihp-loop resihp"),
+    ("--resihp-inject", "kill:rank=0,at=3,during=optimizer", "drop --resihp-loop resihp"),
+    ("--resihp-inject", "kill:rank=0,at=1,during=setup", "drop --resihp-loop resihp"),
+    ("--resihp-inject", "raise:rank=0,at=3", "drop --resihp-loop resihp"),
 ])
 def test_a_bad_resihp_value_exits_2_naming_its_flag(monkeypatch, capsys, flag, value, says):
     monkeypatch.setenv("WORLD_SIZE", "1")

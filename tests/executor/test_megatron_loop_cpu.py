@@ -70,4 +70,6 @@ def test_rampup_batch_size_is_refused_before_anything_starts(capsys):
     assert stop.value.code == 2
     assert "--step-batch-size-schedule" in capsys.readouterr().err
     refuse_ignored_flags(["--step-batch-size-schedule", "0:8 64:16"])
-    assert selects_megatron_loop(["--num-layers", "2"]) and not selects_megatron_loop(["--resihp-enable"])
+    assert selects_megatron_loop(["--num-layers", "2"]) and selects_megatron_loop(["--resihp-enable"])
+    assert not selects_megatron_loop(["--resihp-enable", "--resihp-loop", "resihp"])
+    assert not selects_megatron_loop(["--resihp-loop=resihp"])

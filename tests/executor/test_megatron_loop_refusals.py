@@ -59,6 +59,8 @@ def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-tracker"])}, "during=save-tracker"),
     ({"check_weight_hash_across_dp_replicas_interval": 10}, "--check-weight-hash-across-dp-replicas-interval"),
     ({"log_straggler": True}, "--log-straggler"),
+    ({"resihp": ResiHPConfig(enable=True, standby_probe_interval_s=2.0)}, "--resihp-standby-probe-interval-s"),
+    ({"resihp": ResiHPConfig(enable=True, device_memory_gb=40.0)}, "--resihp-device-memory-gb"),
 ])
 def test_each_feature_not_carried_yet_is_named(changes, named):
     found = unsupported_flags(megatron_args(**changes), changes.get("resihp", ResiHPConfig(enable=True)))
