@@ -259,6 +259,7 @@ def resilience_config(args: argparse.Namespace):
     import dataclasses
     import os
 
+    from megatron.resihp.megatron_loop_stages import launch_split
     from megatron.resihp.megatron_loop_support import unsupported_flags
     from resihp_ext.config import ResiHPConfig
     from resihp_ext.faults import check_ranks_exist
@@ -271,7 +272,7 @@ def resilience_config(args: argparse.Namespace):
     scale = args.cpu_device_time_scale
     if scale and (args.device != "cpu" or scale < 1):
         _refuse(f"--cpu-device-time-scale {scale:g} needs --device cpu and a value >= 1 (0 turns it off)")
-    lacking = unsupported_flags(args, cfg)
+    lacking = unsupported_flags(args, cfg, launch_split(args))
     if lacking:
         _refuse("resilience on Megatron-LM's loop (the default, --resihp-loop megatron) cannot carry yet: " + "; ".join(lacking)
                 + ". Remove these flags, or drop the --resihp-* flags to run Megatron-LM's loop without resilience")
@@ -301,6 +302,22 @@ def refuse_missing_flags(args: argparse.Namespace) -> None:
     if args.eval_interval is None and not args.full_validation and not args.skip_train:
         _refuse("--eval-interval: Megatron-LM's loop sizes its validation data by it; pass --eval-interval N "
                 "(with --eval-iters 0 to evaluate never)")
+
+
+def failed_check(error: AssertionError) -> str:
+    """One line for an assertion Megatron's argument validation failed: its message, or its source line
+    when it has none, where it stands, and the flags that line reads (``args.save_interval`` is
+    ``--save-interval``)."""
+    import os
+    import re
+    import traceback
+
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    line = (frame.line or "").strip()
+    flags = sorted({"--" + name.replace("_", "-") for name in re.findall(r"\bargs\.([a-z0-9_]+)", line)})
+    reads = f"; the flags it reads: {', '.join(flags)}" if flags else ""
+    return (f"Megatron-LM's check of its arguments failed ({os.path.basename(frame.filename)}:{frame.lineno}): "
+            f"{str(error).strip() or line}{reads}")
 
 
 def device_of(argv: list[str]) -> str:
@@ -343,7 +360,10 @@ def main(argv: list[str] | None = None) -> None:
     refuse_missing_flags(parsed)
     refuse_bad_inputs(parsed, ARGS_DEFAULTS)
     sys.argv = [sys.argv[0], *with_data_cache_path(parsed, argv)]
-    args = parse_and_validate_args(extra_args_provider=extra_args, args_defaults=ARGS_DEFAULTS)
+    try:
+        args = parse_and_validate_args(extra_args_provider=extra_args, args_defaults=ARGS_DEFAULTS)
+    except AssertionError as error:  # megatron-core checks many flags with bare asserts
+        _refuse(failed_check(error))
     sys.argv = command_line  # parsed; a printed resume command repeats the user's flags, not the implied ones
     loop = None
     if resilient:

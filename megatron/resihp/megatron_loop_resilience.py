@@ -47,7 +47,7 @@ from megatron.resihp import megatron_loop_quotas as quota_split
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line, ranks_name
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
-from megatron.resihp.megatron_loop_stages import build_objects, even_split, layer_moves_refused
+from megatron.resihp.megatron_loop_stages import build_objects, launch_split, layer_moves_refused
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers, part_bytes
 from megatron.resihp.raised_faults import RaisedFaults
@@ -118,7 +118,7 @@ class ResilientMegatronLoop:
         )
         pp = margs.pipeline_model_parallel_size
         layout = Layout.uniform(model, margs.tensor_model_parallel_size, pp, margs.data_parallel_size,
-                                even_split(margs))
+                                launch_split(margs))
         install(build_groups(layout, dist.get_rank(), timeout=self.cfg.collective_timeout_s))
         if self.hooks is None:
             self._start_hooks(margs)
@@ -274,8 +274,8 @@ class ResilientMegatronLoop:
         self.phases.start()
         self.loop_groups = get_attr_wrapped_model(model[0], "pg_collection")
         objects = TrainingObjects(get_model_config(model[0]), model[0], optimizer, opt_param_scheduler,
-                                  even_split(args))
-        # Megatron's loop starts with its even split, and its own loader, count and scale run it.
+                                  launch_split(args))
+        # Megatron's loop starts with micro-batches split evenly, and its own loader, count and scale run it.
         self.hooks.run = self.hooks.run.replace(objects=objects, quotas=tuple(even_quotas(
             args.global_batch_size // args.micro_batch_size, args.data_parallel_size)))
         self._quotas_in_use = self.hooks.run.quotas

@@ -1,10 +1,13 @@
 """Layer splits between pipeline stages on Megatron-LM's own loop (``--resihp-loop megatron``).
 
-Responsible for building Megatron's own training objects for a split (``build_objects``), and for
-two answers about a fail-slow re-plan that moves layers between stages there:
+Responsible for building Megatron's own training objects for a split (``build_objects``), for the
+launch's split as megatron-core places it from the flags (``launch_split``: even, or uneven through
+``--decoder-first/last-pipeline-num-layers``, ``--account-for-embedding/loss-in-pipeline-split`` or
+``--pipeline-model-parallel-layout``), and for two answers about a fail-slow re-plan that moves
+layers between stages there:
 
 - ``split_config``: the model configuration Megatron's ``get_model`` builds a rank's chunk from
-  for a split other than the launch's even one. megatron-core places layers by
+  for a split other than the launch's. megatron-core places layers by
   ``pipeline_model_parallel_layout``, and every rank of the world reads the same configuration, so
   on this loop every replica runs one split (the planner's ``stages_alike``).
 - ``layer_moves_refused``: why a job's re-plans must keep every layer on its stage, or None.
@@ -15,7 +18,7 @@ two answers about a fail-slow re-plan that moves layers between stages there:
   the distributed optimizer, under ``--dist-ckpt-optim-fully-reshardable``), and loads whatever
   split saved it.
 
-Megatron's global arguments are never changed: a checkpoint records the launch's even split.
+Megatron's global arguments are never changed: a checkpoint records the launch's split.
 """
 
 from __future__ import annotations
@@ -23,16 +26,28 @@ from __future__ import annotations
 import argparse
 
 
-def even_split(args: argparse.Namespace) -> tuple[int, ...]:
-    """The launch's layers per stage (``megatron_loop_support`` refuses any other launch split)."""
+def launch_split(args: argparse.Namespace) -> tuple[int, ...]:
+    """The transformer layers of each pipeline stage as megatron-core builds them from the flags.
+
+    Raises:
+        AssertionError or ValueError: megatron-core's own, for flags it cannot place layers by.
+    """
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    config = core_transformer_config_from_args(args)
     pp = args.pipeline_model_parallel_size
-    return (args.num_layers // pp,) * pp
+    if config.pipeline_model_parallel_layout is not None:  # read per stage, not from this rank's groups
+        stages = config.pipeline_model_parallel_layout.layout
+        return tuple(sum(chunk.count(LayerType.decoder) for chunk in stages[p]) for p in range(pp))
+    return tuple(get_num_layers_to_build(config, pp_rank=p) for p in range(pp))
 
 
 def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...]):
     """The ``TransformerConfig`` for ``layers_per_stage``, or None for the launch's split (the model
     provider then builds it from the flags, as stock Megatron-LM does)."""
-    if tuple(layers_per_stage) == even_split(args):
+    if tuple(layers_per_stage) == launch_split(args):
         return None
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
     from megatron.training.argument_utils import core_transformer_config_from_args
@@ -40,7 +55,7 @@ def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...]):
     from megatron.resihp.model_builder import pipeline_layout
 
     config = core_transformer_config_from_args(args)
-    # Set after the configuration checked the flags: they ask for the even split, which this
+    # Set after the configuration checked the flags: they ask for the launch's split, which this
     # replaces whole (the layout is what megatron-core's layer offsets and counts read first).
     layout = PipelineParallelLayerLayout(pipeline_layout(tuple(layers_per_stage)), args.pipeline_model_parallel_size)
     layout.validate_layer_layout(num_layers=args.num_layers, mtp_num_layers=config.mtp_num_layers)
@@ -80,4 +95,18 @@ def build_objects(model_provider, model_type, args: argparse.Namespace, layers_p
     optimizer = get_megatron_optimizer(config, chunks, config_overrides=overrides,
                                        use_gloo_process_groups=args.use_gloo_process_groups)
     return TrainingObjects(get_model_config(chunks[0]), chunks[0], optimizer,
-                           get_optimizer_param_scheduler(optimizer), tuple(layers_per_stage))
+                           _scheduler(get_optimizer_param_scheduler, optimizer, args), tuple(layers_per_stage))
+
+
+def _scheduler(build, optimizer, args: argparse.Namespace):
+    """Megatron's LR schedule for ``optimizer``, asked for as the launch asked for it. Under
+    ``--train-samples`` Megatron's builder sets ``train_iters`` on its first call, so a second call
+    would take its iteration branch and count warm-up and decay in iterations that are not given
+    (0 warm-up steps against the launch's ``--lr-warmup-samples``)."""
+    if not args.train_samples:
+        return build(optimizer)
+    train_iters, args.train_iters = args.train_iters, None
+    try:
+        return build(optimizer)  # sets train_iters from the samples again, as at launch
+    finally:
+        args.train_iters = train_iters

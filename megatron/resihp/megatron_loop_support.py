@@ -20,14 +20,10 @@ _UNSUPPORTED = {
     "use_megatron_fsdp": ("--use-megatron-fsdp", "sharded parameters are not re-formed"),
     "use_torch_fsdp2": ("--use-torch-fsdp2", "sharded parameters are not re-formed"),
 }
-# Megatron flags that place ranks or layers otherwise than the launch Layout this loop builds.
+# Megatron flags that place ranks otherwise than the launch Layout this loop builds. (Layers may be
+# placed by any of Megatron's flags: ``megatron_loop_stages.launch_split`` reads where they went.)
 _OTHER_PLACEMENT = {
     "use_tp_pp_dp_mapping": "--use-tp-pp-dp-mapping",
-    "pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
-    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
-    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
-    "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
-    "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
 }
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
 # state), this rank's optimizer step, the iteration's log, an evaluation, the ranks' agreement whether
@@ -53,10 +49,11 @@ _UNSURVIVED_BETWEEN_STEPS = {
 }
 
 
-def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
+def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int, ...] | None = None) -> list[str]:
     """What this job asks for that resilience on Megatron's loop cannot carry yet, one reason per
     item (empty: the job may run). ``args`` are Megatron's validated arguments, ``cfg`` the
-    ``ResiHPConfig`` of its ``--resihp-*`` flags."""
+    ``ResiHPConfig`` of its ``--resihp-*`` flags, ``layers_per_stage`` the transformer layers
+    megatron-core puts on each pipeline stage (``megatron_loop_stages.launch_split``), when known."""
     found = []
     for dest, (flag, why) in _UNSUPPORTED.items():
         value = getattr(args, dest, None)
@@ -64,10 +61,10 @@ def unsupported_flags(args: argparse.Namespace, cfg) -> list[str]:
             found.append(f"{flag} ({why})")
     for dest, flag in _OTHER_PLACEMENT.items():
         if getattr(args, dest, None) not in (None, False):
-            found.append(f"{flag} (the groups and stages are rebuilt in the default rank order with equal layers per stage)")
-    if args.num_layers % args.pipeline_model_parallel_size:
-        found.append(f"--num-layers {args.num_layers} over --pipeline-model-parallel-size "
-                     f"{args.pipeline_model_parallel_size} (stages are rebuilt with equal layers)")
+            found.append(f"{flag} (the groups are rebuilt in megatron-core's default rank order)")
+    if layers_per_stage is not None and 0 in layers_per_stage:
+        found.append(f"a pipeline stage without transformer layers (layers per stage {list(layers_per_stage)}: "
+                     f"every stage of a re-planned pipeline holds at least one; place one on each)")
     if cfg.enable and args.use_distributed_optimizer and getattr(args, "optimizer", "adam") != "adam":
         found.append(f"--optimizer {args.optimizer} with --use-distributed-optimizer (the copies that let a dead "
                      f"rank's part of the optimizer state survive carry Adam's state only)")

@@ -101,12 +101,17 @@ def test_bad_input_is_refused_once_before_anything_is_written(tmp_path, corpus, 
     assert listing(corpus.parent) == corpus_before and listing(tmp_path / "input") == input_before
 
 
-def test_a_resilient_job_runs_megatrons_loop_which_refuses_a_missing_eval_interval(tmp_path):
-    # megatron-core 0.19.2 would divide by the missing interval on every rank as it sizes its data.
-    args = [a for i, a in enumerate(TINY_MEGATRON) if "--eval-interval" not in (a, TINY_MEGATRON[i - 1])]
+@pytest.mark.parametrize("left_out, named", [("--eval-interval", "--eval-interval"),
+                                             ("--save-interval", "assert args.save_interval is not None")])
+def test_a_resilient_job_runs_megatrons_loop_which_refuses_a_flag_megatron_needs_and_asserts_on(tmp_path, left_out,
+                                                                                                 named):
+    # Left out, megatron-core 0.19.2 stops every rank with a traceback: it divides by the missing
+    # evaluation interval as it sizes its data, and asserts a save interval without a message.
+    job = [*TINY_MEGATRON, "--save-interval", "2"]
+    args = [a for i, a in enumerate(job) if left_out not in (a, job[i - 1])]
     save = tmp_path / "save"
     proc = run_job(NPROC, [*args, "--mock-data", "--save", str(save), "--resihp-enable"], timeout_s=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "--eval-interval" in errors[0] and "Megatron-LM's loop" in errors[0], proc.stderr[-3000:]
+    assert len(errors) == 1 and named in errors[0] and left_out in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout and not save.exists()

@@ -1,6 +1,7 @@
-"""Jobs without --resihp-* flags run Megatron-LM's own training loop (megatron-core 0.19.2) on CPU ranks.
+"""Jobs run Megatron-LM's own training loop (megatron-core 0.19.2) on CPU ranks.
 
-Megatron's example scripts run with their flag sets as written, changed only where the test says;
+Megatron's example scripts run with their flag sets as written, changed only where the test says, and
+again with resilience on;
 TP2 x PP2 x DP2 trains with the distributed optimizer and sequence parallelism; checkpoints move
 between pretrain_gpt_resilient.py and a plain ``megatron.training.pretrain`` GPT script both ways,
 and resuming reproduces the uninterrupted run's losses.
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from scripts.child_env import job_env
-from tests.dist.launch import REPO, check, run_job
+from tests.dist.launch import REPO, check, read_events, run_job
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -117,6 +118,20 @@ def test_megatron_example_script_runs_to_its_last_iteration(tmp_path, flags, las
     if "--bf16" in flags(tmp_path):
         assert sorted(logged_losses(proc.stdout)) == list(range(1, last + 1))
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
+
+
+@pytest.mark.parametrize("flags", [gpt3_175b_args, llama3_8b_fp8_args], ids=["gpt3_175b_distributed", "llama3_8b_h100_fp8"])
+def test_megatron_example_script_with_resilience_survives_a_sigkilled_rank_in_place(tmp_path, flags):
+    """The same flag sets with ``--resihp-enable`` added (Megatron-LM's loop is the default for resilient jobs
+    too): rank 5, SIGKILLed in iteration 4, is survived in place, and the job runs to its last iteration."""
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*flags(tmp_path), "--resihp-enable", "--resihp-event-log", str(events),
+                       "--resihp-inject", "kill:rank=5,at=4"], timeout_s=420)
+    check(proc)
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [5])], adapted
+    assert sorted(int(i) for i in _ITERATION.findall(proc.stdout)) == list(range(1, 7)), proc.stdout[-3000:]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
 
 def test_rampup_batch_size_is_refused(tmp_path):

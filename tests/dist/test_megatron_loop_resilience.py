@@ -358,6 +358,20 @@ def test_a_rank_killed_between_its_update_and_its_copies_ends_the_job_cleanly_at
     assert_same_training(resumed.stdout, tmp_path / "ckpt", failure_free, iterations=range(3, ITERATIONS + 1))
 
 
+def test_a_launch_that_places_layers_unevenly_is_survived_in_place_on_its_own_split(tmp_path):
+    # Megatron-LM's example scripts may give a stage fewer layers (--decoder-first-pipeline-num-layers,
+    # a --pipeline-model-parallel-layout): the survivors rebuild that split, and every loss and weight
+    # equals stock Megatron-LM's run with the same flags.
+    uneven = ["--decoder-first-pipeline-num-layers", "1"]
+    stock = stock_training(8, [*job_args(tmp_path, "stock"), *uneven])
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), *uneven, "--resihp-inject", "kill:rank=5,at=4"], timeout_s=420)
+    check(proc)
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"], a["layers_per_replica"]) for a in adapted] == [(4, 4, [[1, 3]])], adapted
+    assert_same_training(proc.stdout, tmp_path / "ckpt", stock)
+
+
 def test_what_the_fail_stop_path_cannot_carry_is_refused_before_anything_starts(tmp_path):
     # One launch with three such flags: one message (from one rank) names each, exit 2, nothing written.
     proc = run_job(8, [*job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from megatron.core import package_info
 
 from tests.dist import slurm_cluster
 from tests.dist.launch import OWN_LOOP, iteration_losses, read_events
@@ -174,3 +175,60 @@ def test_whole_node_lost_is_survived_in_place(two_nodes, tmp_path):
     assert len(adapted) == 1 and adapted[0]["world_size"] == 2, output[-3000:]
     assert {r["rank"] for r in read_events(log, "finish")} == {0, 1}, output[-3000:]
     _assert_same_training(log, ours / "ckpt", iteration_losses(ref_log), ref / "ckpt")
+
+
+# The same two nodes on Megatron-LM's own loop, the loop every job runs unless it names another: TP 2 x
+# DP 2 in Megatron's flags, checkpoints in its torch format.
+MEGATRON_TWO_NODES = [
+    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--lr", "1e-3",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "1",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--split", "99,1,0", "--eval-iters", "0",
+    "--eval-interval", "1000", "--ckpt-format", "torch", "--save-interval", "1000", *TWO_NODE_SHAPE,
+]
+
+
+@pytest.mark.skipif(package_info.__version__.split("+")[0] != "0.19.2",
+                    reason="Megatron-LM's training package ships in megatron-core 0.19.2 (Python >= 3.12)")
+def test_whole_node_lost_is_survived_in_place_on_megatrons_loop(two_nodes, tmp_path):
+    """As above, with Megatron-LM's own loop: stock Megatron-LM (no --resihp-* flag) over both nodes,
+    then the resilient job losing node n2 mid-run; its losses and saved weights equal stock's."""
+    from tests.dist.test_megatron_loop import logged_losses
+    from tests.dist.test_megatron_loop_resilience import saved_weights
+
+    runs = {}
+    for name, extra in (("stock", []), ("ours", RESILIENT)):
+        folder = tmp_path / name
+        folder.mkdir()
+        log = folder / "events.jsonl"
+        events = ["--resihp-event-log", str(log)] if extra else []
+        job = slurm_cluster.submit(two_nodes, folder, 2, [*MEGATRON_TWO_NODES, "--save", str(folder / "ckpt"),
+                                                         *events, *extra], nodes=2)
+        if extra:
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            while not any(r["iteration"] >= 2 for r in read_events(log, "iteration")):
+                assert time.monotonic() < deadline, f"no iteration 2 logged:\n{job.text()[-3000:]}"
+                time.sleep(0.05)
+            slurm_cluster.lose_node("n2")
+        fields = slurm_cluster.wait(two_nodes, job, JOB_TIMEOUT_S)
+        runs[name] = (fields, job.text(), log, folder / "ckpt")
+    fields, output, _, ckpt = runs["stock"]
+    assert fields["JobState"] == "COMPLETED" and "4 ranks on 2 node(s)" in output, f"{fields}\n{output[-3000:]}"
+    want, want_weights = logged_losses(output), saved_weights(ckpt)
+    assert sorted(want) == list(range(1, ITERS + 1)), output[-3000:]
+    _, output, log, ckpt = runs["ours"]
+    assert "Node failure on n2" in output, output[-3000:]
+    adapted = read_events(log, "adapted")
+    assert len(adapted) == 1 and adapted[0]["world_size"] == 2, output[-3000:]
+    # From the event log: Megatron prints an iteration's line on the world's last rank, and what n2's
+    # ranks printed just before it was lost never reached the job's output.
+    got = iteration_losses(log)
+    assert sorted(got) == list(range(1, ITERS + 1)), output[-3000:]
+    # Megatron's second line reports the mean of its first two iterations (it does not restart its loss
+    # average after the first line); the events hold each iteration's own loss.
+    printed = {**got, 2: (got[1] + got[2]) / 2}
+    assert [printed[i] for i in printed] == pytest.approx([want[i] for i in printed], rel=1e-5)
+    have = saved_weights(ckpt)
+    assert want_weights and sorted(have) == sorted(want_weights)
+    for name, value in want_weights.items():
+        torch.testing.assert_close(have[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -1,0 +1,66 @@
+"""The launch's layers per stage on Megatron-LM's loop are where megatron-core places them from the flags, and a
+stage it leaves without transformer layers is refused before a resilient job starts."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+mcore = pytest.importorskip("megatron.core.package_info")
+pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
+                                reason="Megatron-LM's training package ships in megatron-core 0.19.2 (Python >= 3.12)")
+
+JOB = ["--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+       "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "2",
+       "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
+       "--pipeline-model-parallel-size", "2", "--eval-interval", "2"]
+
+
+def _validated(monkeypatch, *extra: str):
+    """Megatron's arguments for ``JOB`` + ``extra`` as its own parser and checks make them (4 ranks)."""
+    from megatron.resihp import cpu_training
+    from megatron.resihp.gpt_pretrain import ARGS_DEFAULTS, add_device_args
+    from megatron.training.arguments import parse_args, validate_args
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_resilient.py", *cpu_training.implied_flags(), *JOB, *extra])
+    return validate_args(parse_args(extra_args_provider=add_device_args), ARGS_DEFAULTS)
+
+
+@pytest.mark.parametrize("extra, split", [
+    ([], (2, 2)),
+    (["--decoder-first-pipeline-num-layers", "1"], (1, 3)),
+    (["--decoder-last-pipeline-num-layers", "1"], (3, 1)),
+    (["--pipeline-model-parallel-layout", "Et|tttL"], (1, 3)),
+    (["--num-layers", "3", "--account-for-embedding-in-pipeline-split"], (1, 2)),
+    (["--num-layers", "3", "--account-for-loss-in-pipeline-split"], (2, 1)),
+], ids=["even", "first-1", "last-1", "layout", "embedding-counted", "loss-counted"])
+def test_the_launch_split_is_where_megatron_core_places_the_layers(monkeypatch, extra, split):
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.resihp.megatron_loop_stages import launch_split, split_config
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args = _validated(monkeypatch, *extra)
+    assert launch_split(args) == split
+    if "--pipeline-model-parallel-layout" not in extra:  # a layout's offsets read this rank's groups
+        assert get_transformer_layer_offset(core_transformer_config_from_args(args), pp_rank=1) == split[0]
+    # The launch's split is built from the flags, as stock Megatron-LM builds it; another from a layout of its own.
+    assert split_config(args, split) is None
+    moved = (split[0] + 1, split[1] - 1)
+    stages = split_config(args, moved).pipeline_model_parallel_layout.layout
+    assert tuple(stage[0].count(LayerType.decoder) for stage in stages) == moved
+
+
+def test_a_stage_without_transformer_layers_is_refused_with_resilience(monkeypatch):
+    from megatron.resihp.megatron_loop_stages import launch_split
+    from megatron.resihp.megatron_loop_support import unsupported_flags
+    from resihp_ext.config import ResiHPConfig
+
+    args = _validated(monkeypatch, "--pipeline-model-parallel-layout", "E|ttttL")
+    found = unsupported_flags(args, ResiHPConfig(enable=True), launch_split(args))
+    assert len(found) == 1 and "a pipeline stage without transformer layers" in found[0] and "[0, 4]" in found[0]
+    uneven = _validated(monkeypatch, "--decoder-first-pipeline-num-layers", "1")
+    assert unsupported_flags(uneven, ResiHPConfig(enable=True), launch_split(uneven)) == []
