@@ -52,6 +52,14 @@ def _submit(cluster, tmp, extra):
     return job, log
 
 
+def _wait_for_iteration(job, log, iteration: int) -> None:
+    """Returns once the job's event log has ``iteration``: mid-run, for a fault from outside."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not any(r["iteration"] >= iteration for r in read_events(log, "iteration")):
+        assert time.monotonic() < deadline, f"no iteration {iteration} logged:\n{job.text()[-3000:]}"
+        time.sleep(0.05)
+
+
 def _checkpoint(path):
     shards = {}
     for file in sorted((path / f"iter_{ITERS:07d}").glob("mp_rank_*/model_optim_rng.pt")):
@@ -97,10 +105,7 @@ def test_rank_sigkilled_by_pid_is_survived_in_place(cluster, reference, tmp_path
     job, log = _submit(cluster, tmp_path, RESILIENT)
     # Mid-run: once iteration 2 is logged, SIGKILL the victim's process, found as an operator
     # would, through Slurm (scontrol listpids), from outside the job.
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not any(r["iteration"] >= 2 for r in read_events(log, "iteration")):
-        assert time.monotonic() < deadline, f"no iteration 2 logged:\n{job.text()[-3000:]}"
-        time.sleep(0.05)
+    _wait_for_iteration(job, log, 2)
     pids = slurm_cluster.task_pids(cluster, job)
     assert sorted(pids) == [0, 1, 2, 3], f"scontrol listpids gave {pids}"
     os.kill(pids[VICTIM], signal.SIGKILL)
@@ -163,10 +168,7 @@ def test_whole_node_lost_is_survived_in_place(two_nodes, tmp_path):
     ours = tmp_path / "ours"
     ours.mkdir()
     job, log = _submit_two_nodes(two_nodes, ours, RESILIENT)
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not any(r["iteration"] >= 2 for r in read_events(log, "iteration")):
-        assert time.monotonic() < deadline, f"no iteration 2 logged:\n{job.text()[-3000:]}"
-        time.sleep(0.05)
+    _wait_for_iteration(job, log, 2)
     slurm_cluster.lose_node("n2")
     fields = slurm_cluster.wait(two_nodes, job, JOB_TIMEOUT_S)
     output = job.text()
@@ -205,10 +207,7 @@ def test_whole_node_lost_is_survived_in_place_on_megatrons_loop(two_nodes, tmp_p
         job = slurm_cluster.submit(two_nodes, folder, 2, [*MEGATRON_TWO_NODES, "--save", str(folder / "ckpt"),
                                                          *events, *extra], nodes=2)
         if extra:
-            deadline = time.monotonic() + JOB_TIMEOUT_S
-            while not any(r["iteration"] >= 2 for r in read_events(log, "iteration")):
-                assert time.monotonic() < deadline, f"no iteration 2 logged:\n{job.text()[-3000:]}"
-                time.sleep(0.05)
+            _wait_for_iteration(job, log, 2)
             slurm_cluster.lose_node("n2")
         fields = slurm_cluster.wait(two_nodes, job, JOB_TIMEOUT_S)
         runs[name] = (fields, job.text(), log, folder / "ckpt")
