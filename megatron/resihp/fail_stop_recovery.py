@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import sys
 import time
 import traceback
@@ -49,9 +50,9 @@ REFORM_ATTEMPTS = 3
 
 
 def resume_command(argv: list[str], nproc: int, checkpoint_root: str | None) -> str:
-    """The launch that resumes this job from ``checkpoint_root`` (None: from scratch): same flags,
-    minus any earlier ``--load`` and any injected faults (those were tests of this run, not part of
-    the job)."""
+    """The launch that resumes this job of ``nproc`` ranks from ``checkpoint_root`` (None: from
+    scratch), through the launcher it ran under: same flags, minus any earlier ``--load`` and any
+    injected faults (those were tests of this run, not part of the job)."""
     kept, skip = [], False
     for arg in argv:
         if skip:
@@ -63,7 +64,19 @@ def resume_command(argv: list[str], nproc: int, checkpoint_root: str | None) -> 
             continue
         kept.append(arg)
     load = [] if checkpoint_root is None else ["--load", checkpoint_root]
-    return " ".join(["python", "scripts/launch_local.py", f"--nproc-per-node {nproc}", *kept, *load])
+    return shlex.join([*_launch(nproc), *kept, *load])
+
+
+def _launch(nproc: int) -> list[str]:
+    """The command that starts ``nproc`` ranks as this job's were started: under Slurm
+    (``scripts/slurm/slurm_rank.py`` says so in ``RESIHP_LAUNCHER``) a batch job of its batch script
+    on as many nodes, else the local launcher (torchrun's ranks included: it hosts the store in
+    a process that outlives none of them)."""
+    if os.environ.get("RESIHP_LAUNCHER") == "slurm":
+        nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+        tasks = f"--ntasks-per-node={nproc // nodes}" if nproc % nodes == 0 else f"--ntasks={nproc}"
+        return ["sbatch", f"--nodes={nodes}", tasks, "scripts/slurm/pretrain_resilient.sbatch"]
+    return ["python", "scripts/launch_local.py", "--nproc-per-node", str(nproc)]
 
 
 class FailStopRecovery:

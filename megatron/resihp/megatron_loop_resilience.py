@@ -51,7 +51,7 @@ from megatron.resihp.megatron_loop_stages import build_objects, launch_split, la
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers, part_bytes
 from megatron.resihp.raised_faults import RaisedFaults
-from megatron.resihp.run_state import StopTraining
+from megatron.resihp.run_state import StopTraining, leave_process
 from megatron.resihp.schedules import RECORDER, StepTimings, install_hooks
 
 class ResilientMegatronLoop:
@@ -410,7 +410,7 @@ class ResilientMegatronLoop:
         log_line(f" resihp: {self.hooks.me} leaving at iteration {number}: {stop}")
         self.events.emit("exit", number, exit_code=stop.exit_code, reason=str(stop))
         self.events.close()
-        sys.exit(stop.exit_code)
+        leave_process(stop.exit_code)
 
     def _take_over(self, model, optimizer, opt_param_scheduler, old_config, consumed: int) -> None:
         """Make the loop's handles the re-formed world's objects, and Megatron's globals its size."""

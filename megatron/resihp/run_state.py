@@ -16,7 +16,11 @@ flags, this holds the run.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import sys
 from collections.abc import Mapping
+from typing import NoReturn
 
 from resihp_ext.layout import Layout
 
@@ -27,6 +31,17 @@ class StopTraining(Exception):
     def __init__(self, exit_code: int, message: str):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def leave_process(exit_code: int) -> NoReturn:
+    """End this process now with ``exit_code``, its output flushed, without the interpreter's
+    teardown: a rank leaves a job whose peers or store are gone, and torch's C++ threads still
+    blocked on them can abort that teardown (``terminate called without an active exception``),
+    turning the exit code the launcher reports into 134."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 @dataclasses.dataclass(frozen=True)

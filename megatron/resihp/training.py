@@ -24,6 +24,7 @@ from megatron.resihp.initialize import initialize_distributed, set_random_seed
 from megatron.resihp.logging_utils import EventLog, TensorBoard, exit_with_error, iteration_line, log_line
 from megatron.resihp.model_builder import build_training_objects
 from megatron.resihp.resilience import StopTraining
+from megatron.resihp.run_state import leave_process
 from megatron.resihp.schedules import RECORDER, install_hooks, train_step, uninstall_hooks
 from megatron.resihp.standby import StandingBy
 
@@ -50,7 +51,7 @@ def _leave(stop: StopTraining, iteration: int, events: EventLog, board: TensorBo
     events.emit("exit", iteration, exit_code=stop.exit_code, reason=str(stop))
     events.close()
     board.close()
-    raise SystemExit(stop.exit_code)
+    leave_process(stop.exit_code)
 
 
 def _save(args, iteration: int, consumed_samples: int, objects, quotas, resilience, events: EventLog,

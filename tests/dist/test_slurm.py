@@ -11,6 +11,7 @@ installed or cannot start here.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import time
 
@@ -231,3 +232,42 @@ def test_whole_node_lost_is_survived_in_place_on_megatrons_loop(two_nodes, tmp_p
     assert want_weights and sorted(have) == sorted(want_weights)
     for name, value in want_weights.items():
         torch.testing.assert_close(have[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif(package_info.__version__.split("+")[0] != "0.19.2",
+                    reason="Megatron-LM's training package ships in megatron-core 0.19.2 (Python >= 3.12)")
+def test_when_the_jobs_store_dies_every_rank_leaves_with_the_sbatch_command_that_resumes_it(cluster, tmp_path):
+    """The job's store (``job_store.py``, beside the batch script on the first node) SIGKILLed mid-run:
+    no failure can be named or survived without it, so every rank leaves within seconds with exit 3
+    and the command that resumes the job from its last checkpoint as a Slurm batch job, which does."""
+    from tests.dist.launch import REPO
+
+    folder, log = tmp_path / "first", tmp_path / "first" / "events.jsonl"
+    folder.mkdir()
+    job = slurm_cluster.submit(cluster, folder, 4, [*MEGATRON_TWO_NODES, "--train-iters", "60", "--save-interval", "2",
+                                                    "--save", str(tmp_path / "ckpt"), "--resihp-event-log", str(log),
+                                                    *RESILIENT])
+    _wait_for_iteration(job, log, 3)
+    store = cluster.run("pgrep", "-f", f"job_store.py .*resihp-job-{job.job_id}[.]")
+    assert store.returncode == 0 and len(store.stdout.split()) == 1, f"no store of job {job.job_id}: {store}"
+    os.kill(int(store.stdout), signal.SIGKILL)
+    fields = slurm_cluster.wait(cluster, job, JOB_TIMEOUT_S)
+    output = job.text()
+    exits = {e["rank"]: e["exit_code"] for e in read_events(log, "exit")}
+    assert exits == {0: 3, 1: 3, 2: 3, 3: 3} and fields["ExitCode"] == "3:0", f"{fields}\n{output[-3000:]}"
+    assert "stopped answering (the process or node that hosts it is gone)" in output and "Traceback" not in output
+    lost = read_events(log, "store_lost")
+    saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    assert len(lost) == 4 and {e["last_checkpoint"] for e in lost} == {saved} and 2 <= saved < 60, lost
+    (line,) = {ln.split("resume with: ", 1)[1] for ln in output.splitlines() if "resume with: " in ln}
+    command = shlex.split(line)
+    assert command[:4] == ["sbatch", "--nodes=1", "--ntasks-per-node=4", "scripts/slurm/pretrain_resilient.sbatch"]
+    assert command[-2:] == ["--load", str(tmp_path / "ckpt")], command
+    # Run as printed, from the checkout, with this test's output file.
+    resumed_out = tmp_path / "resumed.out"
+    submitted = cluster.run("sbatch", "--parsable", f"--output={resumed_out}", f"--chdir={REPO}", *command[1:])
+    assert submitted.returncode == 0, submitted.stderr
+    resumed = slurm_cluster.Job(submitted.stdout.strip().split(";")[0], resumed_out)
+    fields = slurm_cluster.wait(cluster, resumed, JOB_TIMEOUT_S)
+    assert fields["JobState"] == "COMPLETED", f"{fields}\n{resumed.text()[-3000:]}"
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "60"
