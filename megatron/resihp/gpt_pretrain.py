@@ -272,7 +272,11 @@ def resilience_config(args: argparse.Namespace):
     scale = args.cpu_device_time_scale
     if scale and (args.device != "cpu" or scale < 1):
         _refuse(f"--cpu-device-time-scale {scale:g} needs --device cpu and a value >= 1 (0 turns it off)")
-    lacking = unsupported_flags(args, cfg, launch_split(args))
+    try:
+        split = launch_split(args)
+    except (AssertionError, ValueError) as error:
+        _refuse(f"megatron-core places this job's layers on no pipeline split it can rebuild: {error or 'an assertion'}")
+    lacking = unsupported_flags(args, cfg, split)
     if lacking:
         _refuse("resilience on Megatron-LM's loop (the default, --resihp-loop megatron) cannot carry yet: " + "; ".join(lacking)
                 + ". Remove these flags, or drop the --resihp-* flags to run Megatron-LM's loop without resilience")
