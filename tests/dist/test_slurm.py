@@ -140,8 +140,9 @@ TWO_NODE_SHAPE = ["--tensor-model-parallel-size", "2", "--global-batch-size", st
                   "--train-iters", str(ITERS)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_nodes():
+    # One cluster per test: a test loses node n2 for good (its slurmd is killed with it).
     found, reason = slurm_cluster.find_or_start(nodes=2)
     if found is None:
         pytest.skip(reason)
