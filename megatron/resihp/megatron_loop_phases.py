@@ -78,6 +78,7 @@ class BetweenSteps:
         self.latest_at_start: str | None = None  # what the tracker named before this job saved anything
         self._saved_generation = 0  # the world the checkpointing context's cached strategies belong to
         self._in_phase = False
+        self.counters: dict = {}  # the survivors' at the last agreement (``agree``)
         self._original: dict[str, object] = {}
 
     # ------------------------------------------------------------------ position
@@ -91,11 +92,14 @@ class BetweenSteps:
             return "run"
         return "skip" if position < target else "finish"
 
-    def agree(self) -> Position:
-        """After a re-form, on every survivor: the furthest position any survivor stood at."""
-        positions: list = [None] * dist.get_world_size()
-        dist.all_gather_object(positions, tuple(self.position))
-        furthest = max(Position(i, Phase(p)) for i, p in positions)
+    def agree(self, joining: bool = False) -> Position:
+        """After a re-form, on every member: the furthest position any survivor stood at. A spare
+        taken back (``joining``) also learns the survivors' counters (``counters``: Megatron's
+        sample and FLOP counts, and the micro-batch count its loop started this world with)."""
+        entries: list = [None] * dist.get_world_size()
+        dist.all_gather_object(entries, (tuple(self.position), None if joining else _loop_counters()))
+        furthest = max(Position(i, Phase(p)) for (i, p), _ in entries)
+        self.counters = next(c for _, c in entries if c is not None)
         self.catch_up_to = furthest if furthest > self.position else None
         if furthest.phase is Phase.SAVE and self._tracker_names(furthest.iteration):
             self.saved.add(furthest.iteration)
@@ -191,6 +195,10 @@ class BetweenSteps:
 
         log = self._original["training_log"]
         call = (loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag, *args)
+        if self.loop.spares.entered_again:
+            # A spare's train() entered again starts mid-job: its first iteration is logged (and its
+            # collectives run) as the survivors log theirs, not as a job's first.
+            kwargs["is_first_iteration"] = False
         if not self._recovering():
             return log(*call, **kwargs)
         mode = self.enter(Position(iteration, Phase.LOG))
@@ -246,7 +254,7 @@ class BetweenSteps:
                 if not self._recovering():
                     raise
                 self._recover(error)
-                _stop_timers("evaluate")  # started as the evaluation began, stopped as it ends
+                stop_timers("evaluate")  # started as the evaluation began, stopped as it ends
                 mode = "finish" if self.catch_up_to is None else self.enter(self.position)
         if mode == "finish":
             log_line(f" resihp: the evaluation at iteration {iteration} is lost to the failure; training goes on")
@@ -352,7 +360,7 @@ class BetweenSteps:
             if not self._recovering():
                 raise
             self._recover(error)
-            _stop_timers("save-checkpoint", "save-checkpoint-non-persistent")
+            stop_timers("save-checkpoint", "save-checkpoint-non-persistent")
             interval = get_timers()("interval-time", log_level=0)
             if not interval._started:  # stopped for the save; its restart did not come
                 interval.start()
@@ -410,7 +418,18 @@ def _saved_on_schedule(args, iteration: int) -> bool:
                 or (args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0))
 
 
-def _stop_timers(*names: str) -> None:
+def _loop_counters() -> dict:
+    """What a spare taken back needs of Megatron's counters to go on as the survivors do."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.training import get_args
+
+    args = get_args()
+    counters = {name: getattr(args, name) for name in (
+        "consumed_valid_samples", "skipped_train_samples", "num_floating_point_operations_so_far")}
+    return {**counters, "num_microbatches": get_num_microbatches()}
+
+
+def stop_timers(*names: str) -> None:
     """Stop Megatron's timers ``names`` if a phase cut short left them running (each asserts it is
     not running when it starts again)."""
     from megatron.training.global_vars import get_timers

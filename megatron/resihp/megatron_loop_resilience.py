@@ -52,6 +52,8 @@ from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers, part_bytes
 from megatron.resihp.raised_faults import RaisedFaults
 from megatron.resihp.run_state import StopTraining, leave_process
+from megatron.resihp.megatron_loop_spares import SpareReentry
+from megatron.resihp.standby import StandingBy
 from megatron.resihp.schedules import RECORDER, StepTimings, install_hooks
 
 class ResilientMegatronLoop:
@@ -72,6 +74,7 @@ class ResilientMegatronLoop:
         self.loop_groups = None  # the process-group collection train() took from the first chunk
         self.handles = None  # train()'s model list, optimizer and LR scheduler (kept valid across re-forms)
         self.phases = BetweenSteps(self)
+        self.spares = SpareReentry(self)
         self._count_at: int | None = None  # the step at which to count micro-batches anew (an iteration behind)
         self._stepped = False
         self._original: dict[str, object] = {}
@@ -85,13 +88,16 @@ class ResilientMegatronLoop:
 
         self._original = {
             "initialize_model_parallel": parallel_state.initialize_model_parallel,
+            "train": training.train,
             "train_step": training.train_step,
             "build_pretraining_data_loader": training.build_pretraining_data_loader,
         }
         parallel_state.initialize_model_parallel = self._initialize_model_parallel
+        training.train = lambda *args, **kwargs: self.spares.train(self._original["train"], *args, **kwargs)
         training.train_step = self.train_step
         training.build_pretraining_data_loader = self._build_data_loader
         self.phases.install()
+        self.spares.install()
 
     def uninstall(self) -> None:
         from megatron.core import parallel_state
@@ -101,6 +107,7 @@ class ResilientMegatronLoop:
             setattr(parallel_state if name == "initialize_model_parallel" else training, name, fn)
         self._original = {}
         self.phases.uninstall()
+        self.spares.uninstall()
 
     def _initialize_model_parallel(self, *args, **kwargs) -> None:
         """The launch Layout's groups, built by the one group builder and installed for megatron-core."""
@@ -138,6 +145,7 @@ class ResilientMegatronLoop:
         if self.handles is None:
             self._start(model, optimizer, opt_param_scheduler)
         number = iteration + 1  # the iteration being run, as Megatron logs it
+        self.spares.entering = False
         self.phases.enter(Position(number, Phase.STEP))  # a step is never skipped: nobody is past it
         if self._count_at == number:
             self._count_microbatches()
@@ -145,7 +153,9 @@ class ResilientMegatronLoop:
         try:
             self.hooks.before_iteration(number, None, None)
         except StopTraining as stop:  # the job's store is gone
-            self._leave(number, stop)
+            self.leave(number, stop)
+        # Spares standing by follow the job's iteration (no collective: this loop's standbys are spares).
+        self.hooks.readmission.check_standbys(number, self._args().consumed_train_samples)
         step = self._original["train_step"]
         start = time.perf_counter()
         while True:
@@ -170,7 +180,7 @@ class ResilientMegatronLoop:
                 self._judge(number, time.perf_counter() - start)
                 if self.hooks.run.objects is not before:  # a re-plan moved layers: the loop runs the rebuilt model
                     args = self._args()
-                    self._take_over(*self.handles, before.config, args.consumed_train_samples + args.global_batch_size)
+                    self.take_over(*self.handles, before.config, args.consumed_train_samples + args.global_batch_size)
                 break
             except RuntimeError as error:  # torch.distributed reports a dead or stuck peer this way
                 if not self.hooks.can_recover:
@@ -260,10 +270,15 @@ class ResilientMegatronLoop:
         self.events = EventLog(self.cfg.event_log, dist.get_rank())
         install_hooks()  # the detector's timings (and injected slowdowns) of every forward and backward
         RECORDER.use_device(args.device, args.cpu_device_time_scale)
+        # A rank a fail-stop plan leaves out stands by as a spare (``spares``); under the distributed
+        # optimizer a plan keeps whole replicas only, which a spare cannot make whole again.
         self.hooks = ResilienceHooks(args, self.events, None, build_objects=self._build_objects,
                                      detect_fail_slow=True, moves_state=False,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
-                                     stands_by=False, stages_alike=layer_moves_refused(args) is None)
+                                     stands_by=not args.use_distributed_optimizer,
+                                     stages_alike=layer_moves_refused(args) is None,
+                                     recovery_keeps_shape=not args.use_distributed_optimizer)
+        self.hooks.readmission.probes = False
 
     def _start(self, model, optimizer, opt_param_scheduler) -> None:
         """At the first step: the loop's handles and objects become the run's."""
@@ -361,7 +376,7 @@ class ResilientMegatronLoop:
         # at the same iteration's top, so a rank an iteration behind counts anew only as it enters
         # the step the furthest survivor stood in.
         if furthest.iteration > position.iteration:
-            self._count_at = furthest.iteration
+            self.count_anew_at(furthest.iteration)
         else:
             self._count_microbatches()
         return furthest
@@ -373,9 +388,11 @@ class ResilientMegatronLoop:
         try:
             self.hooks.recover(number, error, self.hooks.run.objects, consumed,
                                list(self.hooks.run.quotas), completed=number if stepped else None)
+        except StandingBy:  # a spare: out of train() until a later failure calls it back (``_train``)
+            raise
         except StopTraining as stop:
-            self._leave(number, stop)
-        self._take_over(*self.handles, old_config, consumed)
+            self.leave(number, stop)
+        self.take_over(*self.handles, old_config, consumed)
 
     def leave_before_training(self, error: Exception) -> None:
         """``error`` ended Megatron's set-up, before its first step. When it is a peer's failure and
@@ -401,18 +418,18 @@ class ResilientMegatronLoop:
         self.events.emit("start_failed", args.iteration, failed_ranks=sorted(lost), resume_command=command,
                          error=str(error).splitlines()[0])
         hooks.unwatch()  # leaves cleanly: the others must not count this rank among the failed
-        self._leave(args.iteration, StopTraining(EXIT_NEEDS_RESTART, (
+        self.leave(args.iteration, StopTraining(EXIT_NEEDS_RESTART, (
             f"{ranks_name(lost, hooks.run.identity)} failed while Megatron set the job up, before the first "
             "iteration; nothing of this launch was trained, so the job is run again")))
 
-    def _leave(self, number: int, stop: StopTraining) -> None:
+    def leave(self, number: int, stop: StopTraining) -> None:
         """This rank leaves the job at iteration ``number``, as ``stop`` says."""
         log_line(f" resihp: {self.hooks.me} leaving at iteration {number}: {stop}")
         self.events.emit("exit", number, exit_code=stop.exit_code, reason=str(stop))
         self.events.close()
         leave_process(stop.exit_code)
 
-    def _take_over(self, model, optimizer, opt_param_scheduler, old_config, consumed: int) -> None:
+    def take_over(self, model, optimizer, opt_param_scheduler, old_config, consumed: int) -> None:
         """Make the loop's handles the re-formed world's objects, and Megatron's globals its size."""
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -443,6 +460,11 @@ class ResilientMegatronLoop:
         args.data_parallel_size = parallel_state.get_data_parallel_world_size()
         self._quotas_in_use = None  # a new world: its loaders, count and scale are made anew
         self._follow_quotas(consumed)
+
+    def count_anew_at(self, iteration: int) -> None:
+        """Megatron's micro-batch count follows this world's data-parallel size from step
+        ``iteration`` on (a rank behind the furthest survivor, or a spare taken back)."""
+        self._count_at = iteration
 
     def _count_microbatches(self) -> None:
         """Megatron's micro-batch calculator for the re-formed world's data-parallel size (the global

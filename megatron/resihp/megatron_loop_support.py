@@ -34,10 +34,10 @@ _OTHER_PLACEMENT = {
 _PHASES = (None, "reform", "rendezvous", "update", "optimizer", "log", "eval", "exit-check", "save", "save-write",
            "shutdown", "setup")
 # --resihp-* settings of what only the project's own loop does (``--resihp-loop resihp``), and why.
-# (--resihp-no-standby asks for what this loop always does: a rank no plan keeps exits.)
+# (--resihp-no-standby holds on both: a rank a fail-stop plan leaves out exits instead of standing by.)
 _OWN_LOOP_SETTINGS = {
     "standby_probe_interval_s": "standing-by ranks probe their devices on --resihp-loop resihp only; on this "
-                                "loop a rank no plan keeps exits",
+                                "loop only spares stand by, and they come back at a failure without probing",
     "device_memory_gb": "it sizes the smaller TP degree a stage may run at after a failure, which "
                         "--resihp-loop resihp only plans; this loop keeps whole replicas",
 }

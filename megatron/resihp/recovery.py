@@ -119,7 +119,7 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
                   hw: HardwareModel | None = None, health: Health | None = None,
                   standbys: Callable[[], tuple[int, ...]] = tuple,
                   shared: Callable[[SurvivorPlan], dict] = lambda plan: {},
-                  sharded_optimizer: bool = False, part_copies: bool = False
+                  sharded_optimizer: bool = False, part_copies: bool = False, keep_tp: bool = False
                   ) -> tuple[SurvivorPlan, frozenset[int], dict]:
     """The lowest surviving rank decides and publishes; everyone reads the same plan back.
 
@@ -135,7 +135,7 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
     leader = min(set(layout.world_ranks) - failed)
     if rank == leader:
         plan = plan_survivors(layout, failed, move_state=move_state, hw=hw, health=health, standbys=standbys(),
-                              sharded_optimizer=sharded_optimizer, part_copies=part_copies)
+                              sharded_optimizer=sharded_optimizer, part_copies=part_copies, keep_tp=keep_tp)
         store.set(key, json.dumps({**shared(plan), "plan": plan.to_dict(), "failed": sorted(failed),
                                    "preferred": describe_preferred(failed)}))
     wait_for_keys(store, [key], wait_s)

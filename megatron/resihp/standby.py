@@ -121,6 +121,9 @@ class Readmission:
         self._admitted_at: int | None = None  # iteration this rank rejoined at (planned already)
         self._standby_reference_s = 0.0
         self._standby_since = 0
+        # Whether a standby times its device for ``check_standbys``; a loop whose only standbys are
+        # spares (they come back at a fail-stop, never through those reports) turns it off.
+        self.probes = True
 
     # ------------------------------------------------------------------ the standby
     def standing_by(self, old_rank: int, message: str | None = None) -> StandingBy:
@@ -130,8 +133,9 @@ class Readmission:
         rounds = [p for p in host.live.probe_rounds if p.rank_s] if host.live is not None else []
         slow = host.known_health.slow_factors
         healthy = [s for r, s in rounds[-1].rank_s.items() if r not in slow] if rounds else []
-        own = gemm_probe_s(host.device())
-        self._standby_reference_s = statistics.median(healthy) if healthy else own / slow.get(old_rank, 1.0)
+        if self.probes:
+            own = gemm_probe_s(host.device())
+            self._standby_reference_s = statistics.median(healthy) if healthy else own / slow.get(old_rank, 1.0)
         self._standby_since = host.iteration
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -147,8 +151,9 @@ class Readmission:
         host = self.host
         me = host.run.launch_rank
         store, interval = host.store, host.cfg.standby_probe_interval_s
-        log_line(f" resihp: launch rank {me} stands by from iteration {self._standby_since}, "
-                 f"probing every {interval:g} s (healthy probe {self._standby_reference_s * 1e3:.2f} ms)")
+        probing = (f", probing every {interval:g} s (healthy probe {self._standby_reference_s * 1e3:.2f} ms)"
+                   if self.probes else " for a later failure")
+        log_line(f" resihp: launch rank {me} stands by from iteration {self._standby_since}{probing}")
         host.events.emit("standby", self._standby_since, launch_rank=me,
                          reference_probe_s=self._standby_reference_s)
         applied, next_probe, seq = self._standby_since, 0.0, 0
@@ -173,7 +178,7 @@ class Readmission:
                 if rejoined is not None:
                     return rejoined
                 next_probe = 0.0
-            if time.monotonic() >= next_probe:
+            if self.probes and time.monotonic() >= next_probe:
                 factor = gemm_probe_s(host.device()) / self._standby_reference_s
                 seq += 1
                 store.set(_report_key(me), json.dumps({"factor": round(factor, 4), "seq": seq}))

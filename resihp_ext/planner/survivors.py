@@ -361,7 +361,7 @@ def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: Har
 def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True,
                    hw: HardwareModel | None = None, health: Health | None = None,
                    standbys: tuple[int, ...] = (), sharded_optimizer: bool = False,
-                   part_copies: bool = False) -> SurvivorPlan:
+                   part_copies: bool = False, keep_tp: bool = False) -> SurvivorPlan:
     """Keep every replica none of whose ranks died, rebuild what intact stage groups allow, renumber.
 
     New ranks follow megatron-core's order over the new layout (for kept whole replicas of a
@@ -387,6 +387,9 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
             moves between stages), and only when every dead rank's part survives.
         part_copies: with ``sharded_optimizer``, whether each part has a copy on the next rank of
             its position (``resihp_ext.optimizer_parts``); without copies a dead rank's part is lost.
+        keep_tp: no replica runs at a smaller TP degree (a loop that builds every replica from one
+            model configuration, Megatron-LM's, needs them alike); groups may still take another
+            stage and standbys dead ranks' places, which keep the replicas' shapes.
 
     Returns:
         A SurvivorPlan. "adapt" needs at least one replica, whole or rebuilt; otherwise
@@ -398,13 +401,14 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
         raise ValueError(f"dead ranks {sorted(unknown)} are not in the layout")
     if sharded_optimizer and dead:
         return _plan_with_parts(layout, frozenset(dead), part_copies, hw, health)
-    plain = _plan_on(layout, frozenset(dead), move_state, hw, health)
+    plain = _plan_on(layout, frozenset(dead), move_state, hw, health, keep_tp=keep_tp)
     places = standby_places(layout, frozenset(dead), standbys) if standbys and move_state else {}
     if not places:
         return plain
     taken = frozenset(places.values())
     try:
-        plan = _plan_on(filled_layout(layout, places), frozenset(dead) - set(places), move_state, hw, health, taken)
+        plan = _plan_on(filled_layout(layout, places), frozenset(dead) - set(places), move_state, hw, health, taken,
+                        keep_tp=keep_tp)
     except NoSurvivingHolder:  # a rebuilt group would need a unit only the dead held: plan without them
         return plain
     if plan.action != "adapt":
@@ -416,7 +420,7 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
 
 
 def _plan_on(layout: Layout, dead: frozenset[int], move_state: bool, hw: HardwareModel | None,
-             health: Health | None, empty: frozenset[int] = frozenset()) -> SurvivorPlan:
+             health: Health | None, empty: frozenset[int] = frozenset(), keep_tp: bool = False) -> SurvivorPlan:
     """``plan_survivors`` on ``layout``, where ``empty`` ranks are live but hold no state (standbys
     placed in it): they run where the layout puts them and receive everything they hold."""
     kept = tuple(i for i, r in enumerate(layout.replicas) if not set(r.ranks) & dead)
@@ -430,7 +434,7 @@ def _plan_on(layout: Layout, dead: frozenset[int], move_state: bool, hw: Hardwar
     if move_state:
         rebuilt += repack_replicas(layout, lost, dead, (*(layout.replicas[i] for i in kept), *rebuilt), empty)
         base = (*(layout.replicas[i] for i in kept), *rebuilt)
-        shrunk = shrink_replicas(layout, lost, dead, base, hw, empty) if sized else ()
+        shrunk = shrink_replicas(layout, lost, dead, base, hw, empty) if sized and not keep_tp else ()
         if shrunk:
             shrunk, quotas = worth_adding(base, shrunk, layout.model, hw, known)
             rebuilt += shrunk

@@ -20,8 +20,9 @@ class Job:
     """A job's ranks through a sequence of kills, as the executor renumbers them: ``layout`` in this
     world's ranks, ``identity`` their launch ranks, ``standbys`` the launch ranks standing by."""
 
-    def __init__(self, tp, pp, dp):
-        self.layout = Layout.uniform(MODEL, tp, pp, dp)
+    def __init__(self, tp, pp, dp, keep_tp=False, model=MODEL):
+        self.layout = Layout.uniform(model, tp, pp, dp)
+        self.keep_tp = keep_tp
         self.identity = list(range(self.layout.world_size))
         self.standbys: list[int] = []
 
@@ -29,7 +30,8 @@ class Job:
         dead = frozenset({self.identity.index(launch_rank)})
         n = len(self.identity)
         extended = [*self.identity, *self.standbys]  # standbys numbered after this world's ranks
-        plan = plan_survivors(self.layout, dead, hw=HW, standbys=tuple(range(n, n + len(self.standbys))))
+        plan = plan_survivors(self.layout, dead, hw=HW, standbys=tuple(range(n, n + len(self.standbys))),
+                              keep_tp=self.keep_tp)
         if plan.action != "adapt":
             return plan
         new = continuing_layout(self.layout, plan)
@@ -125,6 +127,46 @@ def test_five_kills_on_tp2_pp2_dp2_are_survived_when_spares_stand_by():
         assert plan.action == "adapt", (launch, plan.reason)
     assert sorted(job.identity + job.standbys) == [1, 3, 5]
     assert job.layout.world_size >= 2
+
+
+# TP1 x PP2 x DP4 with a global batch of 12: launch rank = replica + 4 * stage.
+DP4_MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
+                      seq_length=64, micro_batch_size=1, global_batch_size=12)
+
+
+def test_with_replicas_kept_alike_spares_carry_four_kills_on_dp4():
+    # Kill 7: replicas 0-2 go on, rank 3 stands by. Kill 6: rank 3 takes its place (stage 1, from a
+    # live holder), DP stays 3. Kill 0: rank 4 stands by. Kill 5: rank 4 takes its place, DP 2.
+    job = Job(1, 2, 4, keep_tp=True, model=DP4_MODEL)
+    dps = []
+    for launch in (7, 6, 0, 5):
+        plan = job.kill(launch)
+        assert plan.action == "adapt", (launch, plan.reason)
+        assert job.layout.replicas_alike() and {s.tp_degree for r in job.layout.replicas for s in r.stages} == {1}
+        dps.append(job.layout.num_replicas)
+    assert dps == [3, 3, 2, 2] and job.standbys == []
+    assert sorted(job.identity) == [1, 2, 3, 4]
+
+
+def test_the_same_four_kills_end_the_job_when_spares_leave():
+    layout = Layout.uniform(DP4_MODEL, 1, 2, 4)
+    identity = list(range(8))
+    for launch in (7, 6, 0, 5):
+        plan = plan_survivors(layout, frozenset({identity.index(launch)}), hw=HW, keep_tp=True)
+        if plan.action != "adapt":
+            break
+        layout = surviving_layout(layout, plan)
+        identity = [identity[old] for old in sorted(plan.new_rank, key=plan.new_rank.get)]
+    assert launch == 5 and plan.action == "checkpoint-restart"
+
+
+def test_keep_tp_never_plans_a_smaller_tp_replica():
+    # Kill 7 of TP2 x PP2 x DP2: without keep_tp ranks 2 and 6 run a TP-1 replica; with it replica 0
+    # goes on alone and ranks 2, 3 and 6 become spares.
+    layout = Layout.uniform(MODEL, 2, 2, 2)
+    assert plan_survivors(layout, frozenset({7}), hw=HW).rebuilt_replicas
+    kept = plan_survivors(layout, frozenset({7}), hw=HW, keep_tp=True)
+    assert kept.action == "adapt" and kept.rebuilt_replicas == () and kept.spares == (2, 3, 6)
 
 
 @settings(max_examples=60, deadline=None)

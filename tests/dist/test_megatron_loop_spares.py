@@ -1,0 +1,67 @@
+"""Spares on Megatron-LM's own loop: real processes, real SIGKILLs, 8 CPU ranks TP1 x PP2 x DP4.
+
+Launch rank = replica + 4 * stage. A rank a fail-stop plan leaves out stands by outside Megatron's
+``train()`` instead of exiting, and a later recovery gives it a dead rank's place: it receives that
+place's state from a live holder and enters the loop again at the iteration the survivors redo.
+Four kills, one per iteration: with spares leaving, the fourth finds no replica left whole and the
+job can only be resumed from a checkpoint; with them standing by, it finishes in place, its losses
+and saved weights equal to stock Megatron-LM's failure-free run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.launch import check, read_events, run_job
+from tests.dist.test_megatron_loop_resilience import assert_same_training, job_args, stock_training
+
+mcore = pytest.importorskip("megatron.core.package_info")
+pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
+                                reason="Megatron-LM's training package ships in megatron-core 0.19.2 (Python >= 3.12)")
+
+# A global batch of 12 micro-batches splits evenly over 4, 3 and 2 replicas.
+SHAPE = {"--tensor-model-parallel-size": "1", "--global-batch-size": "12"}
+# Kill 7 (stage 1 of replica 3): replicas 0-2 go on, rank 3 stands by. Kill 6: rank 3 takes its place,
+# receiving stage 1 from a live holder, and DP stays 3. Kill 0: replicas (1 | 5) and (2 | 3) go on,
+# rank 4 stands by. Kill 5: rank 4 takes its place; DP 2 to the end.
+KILLS = [(7, 3), (6, 4), (0, 5), (5, 6)]
+
+
+def _args(tmp, name):
+    args = job_args(tmp, name)
+    for flag, value in SHAPE.items():
+        args[args.index(flag) + 1] = value
+    return args
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory):
+    return stock_training(8, _args(tmp_path_factory.mktemp("failure_free"), "ckpt"))
+
+
+def _resilient(tmp_path, *extra):
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*_args(tmp_path, "ckpt"), "--resihp-enable", "--resihp-event-log", str(events), *extra,
+                       *(f"--resihp-inject=kill:rank={r},at={at}" for r, at in KILLS)], timeout_s=600)
+    return proc, events
+
+
+def test_four_kills_finish_in_place_with_spares_taken_back_into_megatrons_loop(tmp_path, failure_free):
+    proc, events = _resilient(tmp_path)
+    check(proc)
+    out = proc.stdout + proc.stderr
+    assert len(read_events(events, "start")) == 8  # nothing restarted
+    recoveries = [(a["iteration"], a["failed_launch_ranks"], a["taken_back_launch_ranks"], a["data_parallel_size"])
+                  for a in read_events(events, "adapted") if "failed_ranks" in a]
+    assert recoveries == [(3, [7], [], 3), (4, [6], [3], 3), (5, [0], [], 2), (6, [5], [4], 2)], out[-4000:]
+    assert "launch rank 3 enters Megatron's loop again at iteration 4" in out
+    assert "launch rank 4 enters Megatron's loop again at iteration 6" in out
+    assert not read_events(events, "fallback_checkpoint")
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
+
+
+def test_the_same_kills_end_in_a_checkpoint_restart_when_spares_leave(tmp_path):
+    proc, events = _resilient(tmp_path, "--resihp-no-standby")
+    assert proc.returncode == 3, (proc.stdout + proc.stderr)[-3000:]
+    assert [a["data_parallel_size"] for a in read_events(events, "adapted") if "failed_ranks" in a] == [3, 2, 1]
+    assert read_events(events, "fallback_checkpoint")
