@@ -71,9 +71,18 @@ def failure_free(tmp_path_factory):
     return stock_training(8, job_args(tmp_path_factory.mktemp("failure_free"), "ckpt"))
 
 
-def assert_same_training(stdout: str, root, failure_free, iterations=range(1, ITERATIONS + 1)) -> None:
+HEADS = 4  # job_args' attention heads (no query groups): a QKV bias is (head, q/k/v, head dim)
+
+
+def assert_same_training(stdout: str, root, failure_free, iterations=range(1, ITERATIONS + 1),
+                         key_bias_atol: float | None = None) -> None:
     """Every iteration in ``iterations`` logged once with the failure-free loss, and the weights saved
-    under ``root`` equal the failure-free run's."""
+    under ``root`` equal the failure-free run's.
+
+    ``key_bias_atol``: the bound for the key third of each QKV bias, when the data-parallel size
+    changed more than once. Its true gradient is zero (softmax ignores what is added to every
+    score of a query alike), so what it gets is rounding noise of the reduction order, which Adam
+    scales up to steps of the learning rate's size."""
     expected, want = failure_free
     expected = dict(expected)
     if iterations[0] > 1:
@@ -88,7 +97,13 @@ def assert_same_training(stdout: str, root, failure_free, iterations=range(1, IT
     have = saved_weights(root)
     assert want and sorted(have) == sorted(want)
     for name, value in want.items():
-        torch.testing.assert_close(have[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        got_value = have[name]
+        if key_bias_atol is not None and name.endswith("linear_qkv.bias"):
+            keys = (slice(None), 1)
+            torch.testing.assert_close(got_value.view(HEADS, 3, -1)[keys], value.view(HEADS, 3, -1)[keys],
+                                       rtol=0, atol=key_bias_atol, msg=name)
+            got_value, value = got_value.view(HEADS, 3, -1)[:, 0::2], value.view(HEADS, 3, -1)[:, 0::2]
+        torch.testing.assert_close(got_value, value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def resilient(tmp, events) -> list[str]:
