@@ -160,9 +160,18 @@ class Readmission:
         progress, last_progress = applied, time.monotonic()
         abandoned_s = max(_ABANDONED_S, 10 * host.cfg.collective_timeout_s)
         while True:
-            if store.check([_DONE]):
+            try:
+                done = store.check([_DONE])
+                now_at = int(store.get(_PROGRESS)) if store.check([_PROGRESS]) else progress
+                call = json.loads(store.get(_call_key(me))) if store.check([_call_key(me)]) else None
+                if call is not None:
+                    store.delete_key(_call_key(me))
+            except (RuntimeError, TimeoutError) as error:  # torch's store reports a lost server so
+                raise StopTraining(0, f"the job's store stopped answering while launch rank {me} stood by "
+                                      f"({str(error).splitlines()[0][:120]}); the working ranks leave with the "
+                                      f"cause, and this rank held nothing they need") from error
+            if done:
                 raise StopTraining(0, f"the job finished while launch rank {me} stood by")
-            now_at = int(store.get(_PROGRESS)) if store.check([_PROGRESS]) else progress
             if now_at != progress:
                 progress, last_progress = now_at, time.monotonic()
                 # Faults follow the job's iterations; the one it is starting is applied on joining.
@@ -171,9 +180,7 @@ class Readmission:
                     applied = iteration
             if time.monotonic() - last_progress > abandoned_s:
                 raise StopTraining(0, f"no iteration started for {abandoned_s:.0f} s while launch rank {me} stood by")
-            if store.check([_call_key(me)]):
-                call = json.loads(store.get(_call_key(me)))
-                store.delete_key(_call_key(me))
+            if call is not None:
                 rejoined = self._answer_recovery(call) if call.get("kind") == "recovery" else self._answer_call(call)
                 if rejoined is not None:
                     return rejoined
@@ -324,7 +331,12 @@ class Readmission:
         if not self.standbys or self._admitted_at == iteration:
             return
         if host.run.rank == 0:
-            host.store.set(_PROGRESS, str(iteration))  # every standby follows the job's iteration
+            try:
+                host.store.set(_PROGRESS, str(iteration))  # every standby follows the job's iteration
+            except (RuntimeError, TimeoutError):
+                # The store is failing: the heartbeats judge whether it is lost, which ends the job
+                # with its cause (``leave_without_store``); a standby without progress waits that out.
+                pass
         order = sorted(self.standbys - self.spares)  # spares come back at a fail-stop
         if not order:
             return

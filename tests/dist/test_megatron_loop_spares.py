@@ -10,10 +10,14 @@ and saved weights equal to stock Megatron-LM's failure-free run.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.dist.launch import assert_moved_as_planned, check, read_events, run_job
-from tests.dist.test_megatron_loop_resilience import assert_same_training, job_args, stock_training
+from scripts.child_env import job_env
+from tests.dist.launch import REPO, assert_moved_as_planned, check, read_events, run_job
+from tests.dist.test_megatron_loop_resilience import _wait_for, assert_same_training, job_args, stock_training
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -82,3 +86,46 @@ def test_a_stage_group_takes_a_stage_that_is_short_with_its_state(tmp_path, fail
     # The same global batch over 4 replicas (the reference) and over 3, then 2: equal to rounding,
     # which in the key biases (no true gradient) Adam makes 1.1e-6 (measured; elsewhere 4e-9).
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, key_bias_atol=5e-6)
+
+
+def test_a_spare_standing_by_when_the_jobs_store_dies_leaves_cleanly(tmp_path):
+    # TP1 x PP2 x DP2, each rank its own process and the job's store another
+    # (scripts/slurm/job_store.py, as under Slurm): launch rank 3 killed at iteration 2 leaves rank 1
+    # standing by; then the store is SIGKILLed. The working ranks leave with exit 3 and the cause;
+    # the spare, which holds nothing, with exit 0.
+    events, port_file = tmp_path / "events.jsonl", tmp_path / "store.port"
+    args = [*_args(tmp_path, "ckpt"), "--resihp-enable", "--resihp-event-log", str(events),
+            "--resihp-inject=kill:rank=3,at=2"]
+    args[args.index("--train-iters") + 1] = "60"
+    args[args.index("--save-interval") + 1] = "2"
+    logs = [open(tmp_path / "store.log", "w")]
+    store = subprocess.Popen([sys.executable, str(REPO / "scripts/slurm/job_store.py"), "--port-file", str(port_file)],
+                             cwd=REPO, env=job_env(), stdout=logs[0], stderr=subprocess.STDOUT)
+    sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package; launch_local imports its siblings
+    from launch_local import rank_vars  # the variables every launcher gives a rank
+
+    ranks = []
+    try:
+        _wait_for(port_file.exists, 60, tmp_path / "store.log")
+        port = int(port_file.read_text())
+        for rank in range(4):
+            logs.append(open(tmp_path / f"rank{rank}.log", "w"))
+            ranks.append(subprocess.Popen(
+                [sys.executable, "-u", str(REPO / "pretrain_gpt_resilient.py"), *args], cwd=REPO,
+                env=job_env(rank_vars(rank, 4, "127.0.0.1", port)), stdout=logs[-1], stderr=subprocess.STDOUT))
+        _wait_for(lambda: any(r["iteration"] >= 4 for r in read_events(events, "iteration")), 300,
+                  tmp_path / "rank0.log")
+        store.kill()
+        codes = [proc.wait(timeout=120) for proc in ranks]
+    finally:
+        for proc in [store, *ranks]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+    output = "\n".join((tmp_path / f"rank{r}.log").read_text() for r in range(4))
+    assert codes == [3, 0, 3, -9], output[-3000:]
+    assert [e["launch_rank"] for e in read_events(events, "standby")] == [1], output[-3000:]
+    assert "the job's store stopped answering while launch rank 1 stood by" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
