@@ -18,6 +18,8 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   the survivors agree on
   a plan and re-form in place; the same iteration then runs again on the new world, or, when this
   rank's optimizer had already stepped, counts as done;
+- ``training.train``: a rank a fail-stop plan leaves out stands by outside it, and enters it again
+  when a later recovery gives it a dead rank's place (``megatron_loop_spares``);
 - ``training.build_pretraining_data_loader``: remembers the datasets, so that a re-formed world's
   loaders are rebuilt at the samples already consumed, for the new data-parallel rank and size;
 - the phases between two steps (the log, the evaluation, the save) and the timers' barriers
@@ -70,6 +72,8 @@ class ResilientMegatronLoop:
         self.loaders: list[tuple[object, int]] = []  # (dataset, consumed) in the order Megatron built them
         self.train_iterator = None  # rebuilt by a re-form; None: the loop's own
         self.valid_iterators = None
+        self.test_iterator = None
+        self._loop_valid = None  # the validation iterator Megatron's train() was given
         self.forward_backward_func = None
         self.loop_groups = None  # the process-group collection train() took from the first chunk
         self.handles = None  # train()'s model list, optimizer and LR scheduler (kept valid across re-forms)
@@ -93,7 +97,7 @@ class ResilientMegatronLoop:
             "build_pretraining_data_loader": training.build_pretraining_data_loader,
         }
         parallel_state.initialize_model_parallel = self._initialize_model_parallel
-        training.train = lambda *args, **kwargs: self.spares.train(self._original["train"], *args, **kwargs)
+        training.train = self._train
         training.train_step = self.train_step
         training.build_pretraining_data_loader = self._build_data_loader
         self.phases.install()
@@ -129,6 +133,23 @@ class ResilientMegatronLoop:
         install(build_groups(layout, dist.get_rank(), timeout=self.cfg.collective_timeout_s))
         if self.hooks is None:
             self._start_hooks(margs)
+
+    def _train(self, *args, **kwargs):
+        """Megatron's ``train()``, entered again by a spare taken back (``megatron_loop_spares``); the
+        validation iterator it is given is noted, to tell its evaluations from the test set's."""
+        import inspect
+
+        original = self._original["train"]
+        self._loop_valid = inspect.signature(original).bind(*args, **kwargs).arguments.get("valid_data_iterator")
+        return self.spares.train(original, *args, **kwargs)
+
+    def eval_iterator(self, given):
+        """What an evaluation Megatron runs on ``given`` (its validation or test iterator) reads: after
+        a re-form, the loader of that set rebuilt for the new data-parallel rank and size."""
+        if self.valid_iterators is None and self.test_iterator is None:  # no re-form yet
+            return given
+        rebuilt = self.valid_iterators if given is self._loop_valid else self.test_iterator
+        return given if rebuilt is None else rebuilt
 
     def _build_data_loader(self, dataset, consumed_samples):
         if not self.loaders:
@@ -482,7 +503,7 @@ class ResilientMegatronLoop:
     def _rebuild_iterators(self, args, consumed: int, train_only: bool = False) -> None:
         """Loaders for the data-parallel rank, size and quotas of the run, at the samples already
         consumed (Megatron's sampler reads rank and size from the installed groups); the validation
-        loader too unless ``train_only``. The default generator is left where it was: on a CPU it
+        and test loaders too unless ``train_only``. The default generator is left where it was: on a CPU it
         is also dropout's."""
         from megatron.core.rerun_state_machine import RerunDataIterator
 
@@ -503,6 +524,8 @@ class ResilientMegatronLoop:
             valid = [d for d, _ in self.loaders[1:2] if d is not None]
             self.valid_iterators = RerunDataIterator(iter(build(valid[0], args.consumed_valid_samples))) \
                 if valid else None
+            test = [d for d, _ in self.loaders[2:3] if d is not None]  # Megatron reads it from its start
+            self.test_iterator = RerunDataIterator(iter(build(test[0], 0))) if test else None
         finally:
             torch.set_rng_state(state)
 

@@ -92,6 +92,14 @@ class SpareReentry:
         args.iteration = number - 1
         args.curr_iteration = number - 1
         args.consumed_train_samples = rejoined.consumed_samples
+        # Where the loop stands, and Megatron's counters, from the survivors (before the take-over:
+        # the rebuilt validation loader starts at their validation samples).
+        loop.phases.position = Position(number - 1, Phase.EXIT_CHECK)
+        furthest = loop.phases.agree(joining=True)
+        counters = dict(loop.phases.counters)
+        started_with = counters.pop("num_microbatches")
+        for name, value in counters.items():
+            setattr(args, name, value)
         rebuilt_scheduler = hooks.run.objects.scheduler
         loop.take_over(model, optimizer, scheduler, old_config, rejoined.consumed_samples)
         # The train() entered now takes its logging's process groups from this model; later
@@ -100,12 +108,6 @@ class SpareReentry:
         # The loop's scheduler handle counts steps on; it learns the job's count from the rebuilt one.
         scheduler.num_steps = 0
         scheduler.load_state_dict(rebuilt_scheduler.state_dict())
-        loop.phases.position = Position(number - 1, Phase.EXIT_CHECK)
-        furthest = loop.phases.agree(joining=True)
-        counters = dict(loop.phases.counters)
-        started_with = counters.pop("num_microbatches")
-        for name, value in counters.items():
-            setattr(args, name, value)
         _count_as(args, started_with)  # what the survivors' train() started with
         loop.count_anew_at(furthest.iteration)
         stop_timers("interval-time")  # left running by the train() this rank left

@@ -10,6 +10,7 @@ and saved weights equal to stock Megatron-LM's failure-free run.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -38,9 +39,29 @@ def _args(tmp, name):
     return args
 
 
+def _evaluated_losses(stdout: str) -> dict[str, float]:
+    """Megatron's evaluated lm loss, by what its line says was evaluated: ``iteration 4``, and at the
+    end ``iteration 8 on validation set`` and ``iteration 8 on test set``."""
+    return {what: float(v) for what, v in re.findall(r"validation loss at (iteration [^|]*?) \| lm loss value: (\S+)",
+                                                     stdout)}
+
+
+# An evaluation every 2 iterations: the spare that comes back at 4 reads the validation samples
+# the survivors have reached.
+EVAL = ["--eval-iters", "1", "--eval-interval", "2"]
+
+
 @pytest.fixture(scope="module")
 def failure_free(tmp_path_factory):
     return stock_training(8, _args(tmp_path_factory.mktemp("failure_free"), "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def failure_free_evaluated(tmp_path_factory):
+    args = [*_args(tmp_path_factory.mktemp("failure_free_evaluated"), "ckpt"), *EVAL]
+    proc = run_job(8, args, timeout_s=420)
+    check(proc)
+    return _evaluated_losses(proc.stdout)
 
 
 def _resilient(tmp_path, *extra):
@@ -50,8 +71,9 @@ def _resilient(tmp_path, *extra):
     return proc, events
 
 
-def test_four_kills_finish_in_place_with_spares_taken_back_into_megatrons_loop(tmp_path, failure_free):
-    proc, events = _resilient(tmp_path)
+def test_four_kills_finish_in_place_with_spares_taken_back_into_megatrons_loop(tmp_path, failure_free,
+                                                                                failure_free_evaluated):
+    proc, events = _resilient(tmp_path, *EVAL)
     check(proc)
     out = proc.stdout + proc.stderr
     assert len(read_events(events, "start")) == 8  # nothing restarted
@@ -63,6 +85,12 @@ def test_four_kills_finish_in_place_with_spares_taken_back_into_megatrons_loop(t
     assert not read_events(events, "fallback_checkpoint")
     assert_moved_as_planned(events, at_least=2)  # each spare received exactly what its plan priced
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
+    # Every evaluation on the re-formed worlds' rebuilt loaders: the periodic ones, and the validation
+    # and test sets' as the job ends.
+    evaluated = _evaluated_losses(proc.stdout)
+    assert sorted(evaluated) == sorted(failure_free_evaluated) and len(evaluated) == 6, proc.stdout[-3000:]
+    for what, loss in failure_free_evaluated.items():
+        assert evaluated[what] == pytest.approx(loss, rel=1e-5), (what, evaluated[what], loss)
 
 
 def test_the_same_kills_end_in_a_checkpoint_restart_when_spares_leave(tmp_path):
