@@ -240,7 +240,7 @@ class BetweenSteps:
     def _evaluate_and_print_results(self, prefix, forward_step_func, data_iterator, model, iteration, *args,
                                     **kwargs):
         evaluate = self._original["evaluate_and_print_results"]
-        data_iterator = self.loop.eval_iterator(data_iterator)
+        data_iterator = self.loop.data.eval_iterator(data_iterator)
         if not self._recovering():
             return evaluate(prefix, forward_step_func, data_iterator, model, iteration, *args, **kwargs)
         mode = self.enter(Position(iteration, Phase.EVAL))

@@ -42,12 +42,12 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-import torch
 import torch.distributed as dist
 
 from megatron.resihp import megatron_loop_quotas as quota_split
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line, ranks_name
+from megatron.resihp.megatron_loop_data import LoopData
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.megatron_loop_stages import build_objects, launch_split, layer_moves_refused
 from megatron.resihp.model_builder import TrainingObjects
@@ -69,11 +69,7 @@ class ResilientMegatronLoop:
         self.model_type = model_type
         self.hooks = None  # ResilienceHooks, made at the first step (groups and objects exist then)
         self.events: EventLog | None = None
-        self.loaders: list[tuple[object, int]] = []  # (dataset, consumed) in the order Megatron built them
-        self.train_iterator = None  # rebuilt by a re-form; None: the loop's own
-        self.valid_iterators = None
-        self.test_iterator = None
-        self._loop_valid = None  # the validation iterator Megatron's train() was given
+        self.data: LoopData | None = None  # made as the patches go in (it builds with Megatron's builder)
         self.forward_backward_func = None
         self.loop_groups = None  # the process-group collection train() took from the first chunk
         self.handles = None  # train()'s model list, optimizer and LR scheduler (kept valid across re-forms)
@@ -96,6 +92,7 @@ class ResilientMegatronLoop:
             "train_step": training.train_step,
             "build_pretraining_data_loader": training.build_pretraining_data_loader,
         }
+        self.data = LoopData(training.build_pretraining_data_loader)
         parallel_state.initialize_model_parallel = self._initialize_model_parallel
         training.train = self._train
         training.train_step = self.train_step
@@ -140,21 +137,13 @@ class ResilientMegatronLoop:
         import inspect
 
         original = self._original["train"]
-        self._loop_valid = inspect.signature(original).bind(*args, **kwargs).arguments.get("valid_data_iterator")
+        self.data.loop_valid = inspect.signature(original).bind(*args, **kwargs).arguments.get("valid_data_iterator")
         return self.spares.train(original, *args, **kwargs)
 
-    def eval_iterator(self, given):
-        """What an evaluation Megatron runs on ``given`` (its validation or test iterator) reads: after
-        a re-form, the loader of that set rebuilt for the new data-parallel rank and size."""
-        if self.valid_iterators is None and self.test_iterator is None:  # no re-form yet
-            return given
-        rebuilt = self.valid_iterators if given is self._loop_valid else self.test_iterator
-        return given if rebuilt is None else rebuilt
-
     def _build_data_loader(self, dataset, consumed_samples):
-        if not self.loaders:
+        if not self.data.datasets:
             self.hooks.inject(self._args().iteration + 1, "setup")
-        self.loaders.append((dataset, consumed_samples))
+        self.data.built(dataset)
         return self._original["build_pretraining_data_loader"](dataset, consumed_samples)
 
     # ------------------------------------------------------------------ the step
@@ -191,7 +180,7 @@ class ResilientMegatronLoop:
                 RECORDER.start_iteration()
                 try:
                     result = step(self.raised.forward_step(forward_step_func, number),
-                                  data_iterator if self.train_iterator is None else self.train_iterator,
+                                  data_iterator if self.data.train_iterator is None else self.data.train_iterator,
                                   model, optimizer, opt_param_scheduler, config, fb, iteration=iteration,
                                   pg_collection=pg_collection,
                                   p2p_communicator=None if self.forward_backward_func else p2p_communicator)
@@ -264,7 +253,7 @@ class ResilientMegatronLoop:
         factor = quota_split.loss_factor(run.quotas, run.replica, config.calculate_per_token_loss) if uneven else 1.0
         config.grad_scale_func = quota_split.scaled_loss(self.handles[1].scale_loss, factor)
         self._microbatches = run.quotas[run.replica] if uneven else None
-        self._rebuild_iterators(self._args(), consumed, train_only=self._quotas_in_use is not None)
+        self.data.rebuild(self._args(), run, consumed, train_only=self._quotas_in_use is not None)
         self._quotas_in_use = run.quotas
 
     def _record(self, number: int, result, elapsed_s: float) -> None:
@@ -499,35 +488,6 @@ class ResilientMegatronLoop:
         destroy_num_microbatches_calculator()
         init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
                                          args.data_parallel_size, args.decrease_batch_size_if_needed)
-
-    def _rebuild_iterators(self, args, consumed: int, train_only: bool = False) -> None:
-        """Loaders for the data-parallel rank, size and quotas of the run, at the samples already
-        consumed (Megatron's sampler reads rank and size from the installed groups); the validation
-        and test loaders too unless ``train_only``. The default generator is left where it was: on a CPU it
-        is also dropout's."""
-        from megatron.core.rerun_state_machine import RerunDataIterator
-
-        build = self._original["build_pretraining_data_loader"]
-        run = self.hooks.run
-        state = torch.get_rng_state()
-        try:
-            train = self.loaders[0][0] if self.loaders else None
-            if train is None:
-                self.train_iterator = None
-            elif quota_split.uneven(run.quotas):
-                self.train_iterator = RerunDataIterator(iter(quota_split.quota_loader(
-                    build, train, consumed, args.micro_batch_size, run.quotas, run.replica)))
-            else:
-                self.train_iterator = RerunDataIterator(iter(build(train, consumed)))
-            if train_only:
-                return
-            valid = [d for d, _ in self.loaders[1:2] if d is not None]
-            self.valid_iterators = RerunDataIterator(iter(build(valid[0], args.consumed_valid_samples))) \
-                if valid else None
-            test = [d for d, _ in self.loaders[2:3] if d is not None]  # Megatron reads it from its start
-            self.test_iterator = RerunDataIterator(iter(build(test[0], 0))) if test else None
-        finally:
-            torch.set_rng_state(state)
 
     def close(self) -> None:
         """As ``pretrain()`` returns: training, its last save and evaluation are done."""

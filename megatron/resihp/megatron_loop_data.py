@@ -1,0 +1,69 @@
+"""The data iterators Megatron-LM's loop reads, rebuilt for a re-formed world.
+
+Responsible for: noting the datasets Megatron builds its loaders from (training, validation, test,
+in that order) and the validation iterator ``train()`` is given; after a re-form, building each
+set's loader again with Megatron's own ``build_pretraining_data_loader`` for the new data-parallel
+rank and size (its sampler reads them from the installed groups) at the samples already read:
+training at the job's consumed samples and this replica's quota of the global batch
+(``megatron_loop_quotas``), validation at Megatron's validation count, test from its start (Megatron
+reads it once, as the job ends). An evaluation then reads the rebuilt loader of the set it was
+given. The training iterator is handed to Megatron's step in place of the loop's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.resihp import megatron_loop_quotas as quota_split
+
+
+class LoopData:
+    """``build``: Megatron's ``build_pretraining_data_loader``."""
+
+    def __init__(self, build):
+        self._build = build
+        self.datasets: list = []  # in the order Megatron built their loaders: training, validation, test
+        self.train_iterator = None  # None until a re-form: the loop's own
+        self.valid_iterator = None
+        self.test_iterator = None
+        self.loop_valid = None  # the validation iterator Megatron's train() was given
+
+    def built(self, dataset) -> None:
+        """Megatron built a loader of ``dataset`` (None for a set the job has not)."""
+        self.datasets.append(dataset)
+
+    def eval_iterator(self, given):
+        """What an evaluation Megatron runs on ``given`` (its validation or test iterator) reads."""
+        if self.valid_iterator is None and self.test_iterator is None:  # no re-form yet
+            return given
+        rebuilt = self.valid_iterator if given is self.loop_valid else self.test_iterator
+        return given if rebuilt is None else rebuilt
+
+    def rebuild(self, args, run, consumed: int, train_only: bool = False) -> None:
+        """Loaders for the data-parallel rank, size and quotas of ``run`` at ``consumed`` training
+        samples; the validation and test loaders too unless ``train_only``. The default generator
+        is left where it was: on a CPU it is also dropout's."""
+        from megatron.core.rerun_state_machine import RerunDataIterator
+
+        def dataset(index: int):
+            return self.datasets[index] if len(self.datasets) > index else None
+
+        build = self._build
+        state = torch.get_rng_state()
+        try:
+            train = dataset(0)
+            if train is None:
+                self.train_iterator = None
+            elif quota_split.uneven(run.quotas):
+                self.train_iterator = RerunDataIterator(iter(quota_split.quota_loader(
+                    build, train, consumed, args.micro_batch_size, run.quotas, run.replica)))
+            else:
+                self.train_iterator = RerunDataIterator(iter(build(train, consumed)))
+            if train_only:
+                return
+            valid, test = dataset(1), dataset(2)
+            self.valid_iterator = None if valid is None else \
+                RerunDataIterator(iter(build(valid, args.consumed_valid_samples)))
+            self.test_iterator = None if test is None else RerunDataIterator(iter(build(test, 0)))
+        finally:
+            torch.set_rng_state(state)
