@@ -30,8 +30,8 @@ loop takes: the signals, kills as a rank's optimizer step returns, as the iterat
 an evaluation and a save begin and once a rank's checkpoint files are written, as the job ends, a
 second failure in a recovery's re-form and rendezvous, an error of one rank's own raised in its forward, backward or optimizer step
 (``raise:``: that rank leaves, exit 4, and the others go on as after a kill), a hang, and the
-cascades (its plans keep every rank at its stage, so a failure that
-leaves no replica whole falls back). Megatron logs no loss for an iteration whose step finished
+cascades (after the first kill one replica goes on and the other's ranks stand by as spares; a
+second kill then takes a shard no live rank holds, spares or not, so it falls back). Megatron logs no loss for an iteration whose step finished
 before the failure surfaced on the logging rank: such an iteration counts as exact when every
 loss logged matches (the table says how many were not logged).
 
