@@ -1,0 +1,57 @@
+"""The Megatron loop's data iterators after a re-form (``megatron_loop_data.LoopData``): each set is
+read from its own loader, rebuilt where the job stands."""
+
+import types
+
+import pytest
+
+pytest.importorskip("megatron.core.rerun_state_machine", reason="megatron-core is not installed")
+
+from megatron.resihp.megatron_loop_data import LoopData  # noqa: E402
+
+
+def _loop_data(datasets, built):
+    def build(dataset, consumed):  # stands in for Megatron's builder: (dataset, consumed) -> a loader
+        built.append((dataset, consumed))
+        return [f"{dataset}@{consumed}"]
+
+    data = LoopData(build)
+    for dataset in datasets:
+        data.built(dataset)
+    return data
+
+
+ARGS = types.SimpleNamespace(micro_batch_size=2, consumed_valid_samples=24)
+EVEN = types.SimpleNamespace(quotas=(4, 4), replica=0)
+
+
+def test_before_a_re_form_every_evaluation_reads_megatrons_own_iterator():
+    data = _loop_data(["train", "valid", "test"], [])
+    valid, test = iter([]), iter([])
+    data.loop_valid = valid
+    assert data.eval_iterator(valid) is valid and data.eval_iterator(test) is test
+    assert data.train_iterator is None
+
+
+def test_after_a_re_form_each_set_is_read_from_its_own_rebuilt_loader():
+    built = []
+    data = _loop_data(["train", "valid", "test"], built)
+    valid, test = iter([]), iter([])
+    data.loop_valid = valid
+    data.rebuild(ARGS, EVEN, consumed=96)
+    # Training at the job's samples, validation at Megatron's validation count, test from its start.
+    assert built == [("train", 96), ("valid", 24), ("test", 0)]
+    assert next(data.train_iterator) == "train@96"
+    assert next(data.eval_iterator(valid)) == "valid@24"
+    assert next(data.eval_iterator(test)) == "test@0"
+
+
+def test_a_quota_change_rebuilds_training_only_and_a_missing_set_stays_megatrons():
+    built = []
+    data = _loop_data(["train", "valid", None], built)
+    valid, test = iter([]), iter([])
+    data.loop_valid = valid
+    data.rebuild(ARGS, EVEN, consumed=96)
+    data.rebuild(ARGS, EVEN, consumed=112, train_only=True)
+    assert built == [("train", 96), ("valid", 24), ("train", 112)]
+    assert data.eval_iterator(test) is test  # the job has no test set: nothing was rebuilt for it
