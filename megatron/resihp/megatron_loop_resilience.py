@@ -40,8 +40,10 @@ What the Megatron loop does not carry yet is refused before anything starts
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import time
+
 import torch.distributed as dist
 
 from megatron.resihp import megatron_loop_quotas as quota_split
@@ -49,14 +51,14 @@ from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line, ranks_name
 from megatron.resihp.megatron_loop_data import LoopData
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
+from megatron.resihp.megatron_loop_spares import SpareReentry
 from megatron.resihp.megatron_loop_stages import build_objects, launch_split, layer_moves_refused
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers, part_bytes
 from megatron.resihp.raised_faults import RaisedFaults
 from megatron.resihp.run_state import StopTraining, leave_process
-from megatron.resihp.megatron_loop_spares import SpareReentry
-from megatron.resihp.standby import StandingBy
 from megatron.resihp.schedules import RECORDER, StepTimings, install_hooks
+from megatron.resihp.standby import StandingBy
 
 class ResilientMegatronLoop:
     """The patches and the state they share: this process's executor and the loop's handles."""
@@ -134,8 +136,6 @@ class ResilientMegatronLoop:
     def _train(self, *args, **kwargs):
         """Megatron's ``train()``, entered again by a spare taken back (``megatron_loop_spares``); the
         validation iterator it is given is noted, to tell its evaluations from the test set's."""
-        import inspect
-
         original = self._original["train"]
         self.data.loop_valid = inspect.signature(original).bind(*args, **kwargs).arguments.get("valid_data_iterator")
         return self.spares.train(original, *args, **kwargs)
