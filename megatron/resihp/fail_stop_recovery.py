@@ -190,7 +190,7 @@ class FailStopRecovery:
                 new_rank=dict(plan.new_rank),
                 move_world=tuple(sorted((set(run.layout.world_ranks) - failed) | set(plan.joiners))),
                 failed=failed, watch_old_world=True, reload_own=True, identity=identity if taken else None,
-                leave=self._leave_as_spare, part_sources=plan.part_sources)
+                leave=self._leave_as_spare, part_sources=plan.part_sources, filled=plan.filled)
             try:
                 new = apply(change, run, host)
                 break

@@ -280,13 +280,12 @@ class ResilientMegatronLoop:
         self.events = EventLog(self.cfg.event_log, dist.get_rank())
         install_hooks()  # the detector's timings (and injected slowdowns) of every forward and backward
         RECORDER.use_device(args.device, args.cpu_device_time_scale)
-        # A rank a fail-stop plan leaves out stands by as a spare (``spares``); under the distributed
-        # optimizer a plan keeps whole replicas only, which a spare cannot make whole again.
+        # A rank a fail-stop plan leaves out stands by as a spare (``spares``). Under the distributed
+        # optimizer fail-stop plans move no weights (the parts and their copies carry the state).
         self.hooks = ResilienceHooks(args, self.events, None, build_objects=self._build_objects,
                                      detect_fail_slow=True, moves_state=False,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
-                                     stands_by=not args.use_distributed_optimizer,
-                                     stages_alike=layer_moves_refused(args) is None,
+                                     stands_by=True, stages_alike=layer_moves_refused(args) is None,
                                      recovery_keeps_shape=not args.use_distributed_optimizer)
         self.hooks.readmission.probes = False
 

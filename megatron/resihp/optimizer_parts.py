@@ -15,8 +15,9 @@ Read and written through the optimizer's own accessors
   each copy, so a recovery can tell a copy that missed the last update.
 - ``stage_parts``: in the world of every survivor a recovery forms, the kept ranks receive the
   parts of their position they do not hold, each from its owner or, for a dead owner, from the
-  rank keeping its copy; ``write_parts`` then fills the optimizer rebuilt for the new
-  data-parallel size, and ``regather`` makes the model's parameters its main parameters.
+  rank keeping its copy (a spare taken back into a dead rank's place receives every part of that
+  position); ``write_parts`` then fills the optimizer rebuilt for the new data-parallel size, and
+  ``regather`` makes the model's parameters its main parameters.
 
 What is chosen (whose copy each dead part comes from, whether the parts agree) is
 ``resihp_ext.optimizer_parts``'s; this module moves tensors.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -272,39 +274,69 @@ def _swap_parts(outgoing: list[tuple[Part, int]], sources: list[int], device: to
     return received
 
 
-def stage_parts(copies: PartCopies, layout: Layout, rank: int, sources: Mapping[int, int],
-                kept: Mapping[int, int], peer_rank: Callable[[int], int]) -> list[Part] | None:
+class StagedParts(NamedTuple):
+    """What ``stage_parts`` leaves a rank of the new world with.
+
+    Attributes:
+        parts: every part of its position, its own included (a standby: what it received).
+        optimizer_state: on a standby taken back, a live rank of its position's optimizer
+            ``state_dict()`` (step counts, parameter groups, loss scaler), which shapes the state
+            its parts are written into; None on every other rank, and before the first update.
+    """
+
+    parts: list[Part]
+    optimizer_state: dict | None = None
+
+
+def stage_parts(copies: PartCopies | None, layout: Layout, rank: int, sources: Mapping[int, int],
+                kept: Mapping[int, int], peer_rank: Callable[[int], int], places: Mapping[int, int] | None = None,
+                device: torch.device | None = None) -> StagedParts | None:
     """In the world of every survivor (``peer_rank``: a ``layout`` rank's rank there): check that
     the parts make one state, then send every kept rank of each position the parts it lacks.
 
     Args:
-        copies: this rank's part and held copy, in ``layout``.
+        copies: this rank's part and held copy, in ``layout``; None on a standby taken back.
         sources: dead rank -> the live rank whose copy stands for its part.
-        kept: old rank -> new rank, for the ranks that go on.
+        kept: old rank -> new rank, for the ranks that go on (standbys taken back included, numbered
+            after ``layout``'s ranks).
+        places: dead rank -> the standby taking its place: a standby receives every part of that
+            position, and the lowest live rank of it sends the optimizer's other state.
+        device: where a standby receives its parts (it has no optimizer yet).
 
     Returns:
-        On a kept rank, every part of its position (its own included); None elsewhere.
+        On a kept rank, every part of its position (``StagedParts``); None elsewhere.
 
     Raises:
         OptimizerPartsStale: on every member alike, when the parts do not make one state.
     """
+    places = dict(places or {})
+    seat = {standby: dead for dead, standby in places.items()}  # a standby's place in ``layout``
+    # Each standby taken back learns the optimizer's other state from the lowest live rank of its place.
+    giver = {standby: min(r for r in part_ring(layout, dead) if r not in sources)
+             for dead, standby in places.items() if standby in kept}
+    # (Before the first update there is none to give: the standby's fresh optimizer is the same.)
+    gives = copies is not None and rank in giver.values() and copies.updates > 0
+    state = copies.optimizer.state_dict() if gives else None
     reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, (rank, *copies.report()))
-    why = stale_parts({r: n for r, n, _ in reports}, {r: held for r, _, held in reports}, sources)
+    dist.all_gather_object(reports, (rank, None, None, state) if copies is None else (rank, *copies.report(), state))
+    holders = [r for r in reports if r[1] is not None]  # a standby holds no part
+    why = stale_parts({r: n for r, n, _, _ in holders}, {r: held for r, _, held, _ in holders}, sources)
     if why:
         raise OptimizerPartsStale(why)
     sends = []  # (source, receiver, owner) in one order on every member
     for receiver in sorted(kept):
-        for owner in part_ring(layout, receiver):
+        for owner in part_ring(layout, seat.get(receiver, receiver)):
             source = sources.get(owner, owner)
             if owner != receiver and source != receiver:
                 sends.append((source, receiver, owner))
-    own = read_part(copies.optimizer, copies.updates)
+    own = read_part(copies.optimizer, copies.updates) if copies is not None else None
     outgoing = [(own if owner == rank else copies.held, peer_rank(receiver))
                 for source, receiver, owner in sends if source == rank]
     received = _swap_parts(outgoing, [peer_rank(source) for source, receiver, _ in sends if receiver == rank],
-                           own.values.device)
+                           own.values.device if own is not None else device)
     if rank not in kept:
         return None
+    if copies is None:
+        return StagedParts(received, next(s for r, _, _, s in reports if r == giver[rank]))
     held = [copies.held] if copies.held is not None and sources.get(copies.owner) == rank else []
-    return [own, *held, *received]
+    return StagedParts([own, *held, *received])

@@ -35,7 +35,8 @@ from megatron.resihp.layer_sync import LayoutGradSync
 from megatron.resihp.logging_utils import log_line, rank_name
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.optimizer_parts import (
-    PartCopies, is_distributed, position_parts, regather, stage_parts, whole_part, whole_states, write_parts,
+    PartCopies, StagedParts, is_distributed, position_parts, regather, stage_parts, whole_part, whole_states,
+    write_parts,
 )
 from megatron.resihp.parallel_state_patch import build_groups, install, message_group, teardown
 from megatron.resihp.reshard import (
@@ -96,6 +97,8 @@ class LayoutChange:
             rank -> the live rank keeping the copy of its part of the optimizer state. Every
             survivor then sends the kept ranks the parts they lack before leaving, and the
             rebuilt optimizer is split anew from them (``optimizer_parts``).
+        filled: SHRINK: dead rank -> the standby taking its place (``plan.filled``); under the
+            distributed optimizer a standby receives every part of that place's position.
     """
 
     kind: str
@@ -116,6 +119,7 @@ class LayoutChange:
     loss_scale: list | None = None
     leave: Callable[[int], None] | None = None
     part_sources: Mapping[int, int] | None = None
+    filled: Mapping[int, int] | None = None
 
 
 class Executor(Protocol):
@@ -145,6 +149,9 @@ class Executor(Protocol):
 
     def record_moved(self, iteration: int, rank: int, ran: list, num_bytes: int) -> None:
         """Say which transfers this rank ran (ranks of the world they ran in)."""
+
+    def device(self):
+        """This process's device (where a standby receives its state)."""
 
     def rebuild(self, layout: Layout, rank: int, sync: LayoutGradSync | None) -> TrainingObjects:
         """Model chunks, DDP, optimizer and LR schedule for ``rank``'s replica of the installed
@@ -235,13 +242,14 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
         OptimizerPartsStale: the survivors' parts do not make one optimizer state.
     """
     old_rank, new_rank = run.rank, change.new_rank
-    sends_parts = change.part_sources is not None and run.part_copies is not None
+    # A standby taken back watches no world's heartbeats: it waits out a world that does not form.
+    joining = change.joining_rank is not None
+    # A standby holds no part, but receives every part of its place's position.
+    sends_parts = change.part_sources is not None and (run.part_copies is not None or joining)
     if old_rank not in new_rank and (not (change.transfers or sends_parts) or old_rank in change.failed):
         change.leave(old_rank)
     if change.kind == "recovery":
         env.inject(change.iteration, "reform")
-    # A standby taken back watches no world's heartbeats: it waits out a world that does not form.
-    joining = change.joining_rank is not None
     parts = None
     try:
         if change.move_world is not None:
@@ -255,7 +263,8 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
                     joined=lambda: env.inject(change.iteration, "moves"), ran=ran)
             if sends_parts:
                 parts = stage_parts(run.part_copies, change.old_layout, old_rank, change.part_sources, new_rank,
-                                    peer_rank=list(change.move_world).index)
+                                    peer_rank=list(change.move_world).index, places=change.filled,
+                                    device=env.device())
         else:
             received = stage_transfers(change.transfers, change.old_layout, old_rank, run.objects,
                                        peer_rank=lambda r: r, ran=ran)
@@ -273,12 +282,16 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
     return received, parts
 
 
-def _split_parts_anew(run: RunState, layout: Layout, rank: int, new_objects, parts: list) -> PartCopies:
+def _split_parts_anew(run: RunState, layout: Layout, rank: int, new_objects, staged: StagedParts) -> PartCopies:
     """The rebuilt distributed optimizer's part from every part of this rank's position, the model's
-    parameters gathered from it, and the new world's copies made (every member at once)."""
-    write_parts(new_objects.optimizer, parts)
+    parameters gathered from it, and the new world's copies made (every member at once). A standby
+    taken back first takes the position's step counts and parameter groups (``staged``)."""
+    if staged.optimizer_state is not None:
+        new_objects.optimizer.load_state_dict(staged.optimizer_state)
+    write_parts(new_objects.optimizer, staged.parts)
     regather(new_objects.optimizer)
-    return _send_copies(layout, rank, new_objects.optimizer, run.part_copies.updates)
+    updates = run.part_copies.updates if run.part_copies is not None else max(p.updates for p in staged.parts)
+    return _send_copies(layout, rank, new_objects.optimizer, updates)
 
 
 def _send_copies(layout: Layout, rank: int, optimizer, updates: int) -> PartCopies:

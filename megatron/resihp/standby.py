@@ -266,7 +266,7 @@ class Readmission:
             move_world=tuple(sorted((set(old_layout.world_ranks) - failed) | set(plan.joiners))), failed=failed,
             watch_old_world=True, reload_own=True, identity=identity, joining_rank=place,
             scheduler_state=published["scheduler"], adam_template=published["adam"],
-            loss_scale=published["loss_scale"])
+            loss_scale=published["loss_scale"], part_sources=plan.part_sources, filled=plan.filled)
         try:
             new = apply(change, run, host)
         except ChangeFailed as error:  # the survivors plan again, without whoever failed

@@ -340,9 +340,13 @@ def _sharded_state_lost(layout: Layout, dead: frozenset[int], lost: tuple[tuple[
 
 
 def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: HardwareModel | None,
-                     health: Health | None) -> SurvivorPlan:
+                     health: Health | None, standbys: tuple[int, ...] = ()) -> SurvivorPlan:
     """Under the distributed optimizer: whole replicas go on when every dead rank's part of the
-    optimizer state has a live copy; the kept ranks then receive the parts of the replicas left out."""
+    optimizer state has a live copy; the kept ranks then receive the parts of the replicas left out.
+
+    Standbys may take dead ranks' places (``standby_places``), making their replicas whole again.
+    Such a plan moves no weights: a standby receives every part of its place's position like a
+    kept rank does, and its model parameters are gathered from the main parameters in them."""
     if copies:
         sources, lost = part_sources(layout, dead)
     else:
@@ -352,6 +356,15 @@ def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: Har
     plan = _plan_on(layout, dead, False, hw, health)
     if plan.action != "adapt":
         return plan
+    places = standby_places(layout, dead, standbys) if standbys else {}
+    if places:
+        filled = _plan_on(filled_layout(layout, places), dead - set(places), False, hw, health,
+                          frozenset(places.values()))
+        if filled.action == "adapt":
+            joined = sorted(r for r in places.values() if r in filled.new_rank)
+            plan = dataclasses.replace(filled, filled=places, transfers=(), reason=(
+                f"dead ranks {sorted(dead)}; standing-by ranks {joined} take the places of dead ranks "
+                f"{sorted(d for d, r in places.items() if r in joined)}; {filled.reason}"))
     copied = ", ".join(f"{d}'s on rank {h}" for d, h in sorted(sources.items()))
     return dataclasses.replace(plan, part_sources=sources, reason=(
         f"{plan.reason}; the optimizer state is split anew over the kept replicas, the dead ranks' parts "
@@ -400,7 +413,7 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     if unknown:
         raise ValueError(f"dead ranks {sorted(unknown)} are not in the layout")
     if sharded_optimizer and dead:
-        return _plan_with_parts(layout, frozenset(dead), part_copies, hw, health)
+        return _plan_with_parts(layout, frozenset(dead), part_copies, hw, health, tuple(standbys))
     plain = _plan_on(layout, frozenset(dead), move_state, hw, health, keep_tp=keep_tp)
     places = standby_places(layout, frozenset(dead), standbys) if standbys and move_state else {}
     if not places:

@@ -71,9 +71,12 @@ def _resilient(tmp_path, *extra):
     return proc, events
 
 
+# With the distributed optimizer a spare receives no weights: every part of its place's position
+# (the dead rank's from its copy), and its parameters are gathered from their main parameters.
+@pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]], ids=["replicated", "distributed"])
 def test_four_kills_finish_in_place_with_spares_taken_back_into_megatrons_loop(tmp_path, failure_free,
-                                                                                failure_free_evaluated):
-    proc, events = _resilient(tmp_path, *EVAL)
+                                                                                failure_free_evaluated, optimizer):
+    proc, events = _resilient(tmp_path, *EVAL, *optimizer)
     check(proc)
     out = proc.stdout + proc.stderr
     assert len(read_events(events, "start")) == 8  # nothing restarted
@@ -83,7 +86,11 @@ def test_four_kills_finish_in_place_with_spares_taken_back_into_megatrons_loop(t
     assert "launch rank 3 enters Megatron's loop again at iteration 4" in out
     assert "launch rank 4 enters Megatron's loop again at iteration 6" in out
     assert not read_events(events, "fallback_checkpoint")
-    assert_moved_as_planned(events, at_least=2)  # each spare received exactly what its plan priced
+    if optimizer:  # parts only: the plans that took spares back move no weights and name the copies used
+        taking = [p["executed"] for p in read_events(events, "plan") if p["executed"].get("filled")]
+        assert len(taking) == 2 and all(p["part_sources"] and not p["transfers"] for p in taking), taking
+    else:
+        assert_moved_as_planned(events, at_least=2)  # each spare received exactly what its plan priced
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
     # Every evaluation on the re-formed worlds' rebuilt loaders: the periodic ones, and the validation
     # and test sets' as the job ends.

@@ -62,3 +62,20 @@ def test_the_parts_make_one_state_only_when_every_update_count_agrees():
     assert "while the optimizer stepped" in stale_parts({4: 3, 6: 2, 7: 3}, held, {5: 6})
     assert "while copies were sent" in stale_parts({4: 3, 6: 3, 7: 3}, {**held, 6: (5, 2)}, {5: 6})
     assert "keeps no copy" in stale_parts({4: 3, 6: 3, 7: 3}, {**held, 6: None}, {5: 6})
+
+
+def test_a_standby_takes_a_dead_ranks_place_and_receives_parts_only():
+    # DP 3 (stage 0: ranks 0-2, stage 1: 3-5) and a standby, numbered 6 after this world's ranks.
+    # Rank 5 dies: the standby takes its place, replica 2 is whole again, and 5's part comes from
+    # its copy on the next rank of its position's ring.
+    three = Layout.uniform(MODEL, 1, 2, 3, (2, 2))  # stage 0: 0-2, stage 1: 3-5
+    plan = plan_survivors(three, frozenset({5}), sharded_optimizer=True, part_copies=True, standbys=(6,))
+    assert plan.action == "adapt" and plan.filled == {5: 6} and plan.joiners == (6,)
+    assert len(plan.kept_replicas) == 3 and plan.spares == ()
+    assert plan.part_sources == {5: copy_holder(three, 5)}
+    assert plan.transfers == ()  # no weights move: the standby's parameters come from the parts
+    assert "standing-by ranks [6] take the places of dead ranks [5]" in plan.reason
+    assert SurvivorPlan.from_dict(plan.to_dict()) == plan
+    # Without a live copy of the dead rank's part, no standby helps.
+    lost = plan_survivors(three, frozenset({4, 5}), sharded_optimizer=True, part_copies=True, standbys=(6, 7))
+    assert lost.action == "checkpoint-restart"
