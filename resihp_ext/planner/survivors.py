@@ -354,17 +354,20 @@ def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: Har
     if lost:
         return _sharded_state_lost(layout, dead, lost, copies)
     plan = _plan_on(layout, dead, False, hw, health)
-    if plan.action != "adapt":
-        return plan
     places = standby_places(layout, dead, standbys) if standbys else {}
     if places:
-        filled = _plan_on(filled_layout(layout, places), dead - set(places), False, hw, health,
-                          frozenset(places.values()))
-        if filled.action == "adapt":
+        try:
+            filled = _plan_on(filled_layout(layout, places), dead - set(places), False, hw, health,
+                              frozenset(places.values()))
+        except NoSurvivingHolder:  # (``standby_places`` found a live holder of every unit it fills)
+            filled = None
+        if filled is not None and filled.action == "adapt":
             joined = sorted(r for r in places.values() if r in filled.new_rank)
             plan = dataclasses.replace(filled, filled=places, transfers=(), reason=(
                 f"dead ranks {sorted(dead)}; standing-by ranks {joined} take the places of dead ranks "
                 f"{sorted(d for d, r in places.items() if r in joined)}; {filled.reason}"))
+    if plan.action != "adapt":
+        return plan
     copied = ", ".join(f"{d}'s on rank {h}" for d, h in sorted(sources.items()))
     return dataclasses.replace(plan, part_sources=sources, reason=(
         f"{plan.reason}; the optimizer state is split anew over the kept replicas, the dead ranks' parts "

@@ -79,3 +79,15 @@ def test_a_standby_takes_a_dead_ranks_place_and_receives_parts_only():
     # Without a live copy of the dead rank's part, no standby helps.
     lost = plan_survivors(three, frozenset({4, 5}), sharded_optimizer=True, part_copies=True, standbys=(6, 7))
     assert lost.action == "checkpoint-restart"
+
+
+def test_a_standby_can_make_a_replica_whole_where_none_is_left():
+    # TP 2 x DP 2 (replicas (0, 1) and (2, 3)): ranks 0 and 3 die, one of each replica's TP pair, so
+    # no replica is whole and no TP group is intact. A standby in 0's place makes (4, 1) whole;
+    # without it the job falls back. 0's part comes from its copy on 2, 3's from its copy on 1.
+    tp2 = Layout.uniform(MODEL, 2, 1, 2, (4,))
+    assert plan_survivors(tp2, frozenset({0, 3}), sharded_optimizer=True, part_copies=True).action == \
+        "checkpoint-restart"
+    plan = plan_survivors(tp2, frozenset({0, 3}), sharded_optimizer=True, part_copies=True, standbys=(4,))
+    assert plan.action == "adapt" and plan.filled == {0: 4} and plan.joiners == (4,), plan.reason
+    assert plan.part_sources == {0: 2, 3: 1} and plan.transfers == ()
