@@ -354,18 +354,9 @@ def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: Har
     if lost:
         return _sharded_state_lost(layout, dead, lost, copies)
     plan = _plan_on(layout, dead, False, hw, health)
-    places = standby_places(layout, dead, standbys) if standbys else {}
-    if places:
-        try:
-            filled = _plan_on(filled_layout(layout, places), dead - set(places), False, hw, health,
-                              frozenset(places.values()))
-        except NoSurvivingHolder:  # (``standby_places`` found a live holder of every unit it fills)
-            filled = None
-        if filled is not None and filled.action == "adapt":
-            joined = sorted(r for r in places.values() if r in filled.new_rank)
-            plan = dataclasses.replace(filled, filled=places, transfers=(), reason=(
-                f"dead ranks {sorted(dead)}; standing-by ranks {joined} take the places of dead ranks "
-                f"{sorted(d for d, r in places.items() if r in joined)}; {filled.reason}"))
+    filled = _with_standbys(layout, dead, standbys, False, hw, health) if standbys else None
+    if filled is not None:  # their state is the parts: no weights move
+        plan = dataclasses.replace(filled, transfers=())
     if plan.action != "adapt":
         return plan
     copied = ", ".join(f"{d}'s on rank {h}" for d, h in sorted(sources.items()))
@@ -418,17 +409,26 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     if sharded_optimizer and dead:
         return _plan_with_parts(layout, frozenset(dead), part_copies, hw, health, tuple(standbys))
     plain = _plan_on(layout, frozenset(dead), move_state, hw, health, keep_tp=keep_tp)
-    places = standby_places(layout, frozenset(dead), standbys) if standbys and move_state else {}
-    if not places:
+    if not (standbys and move_state):
         return plain
+    return _with_standbys(layout, frozenset(dead), standbys, move_state, hw, health, keep_tp) or plain
+
+
+def _with_standbys(layout: Layout, dead: frozenset[int], standbys: tuple[int, ...], move_state: bool,
+                   hw: HardwareModel | None, health: Health | None, keep_tp: bool = False) -> SurvivorPlan | None:
+    """The plan with ``standbys`` in the places of dead ranks (``standby_places``), or None when no
+    place can be filled or the filled layout has no in-place plan."""
+    places = standby_places(layout, dead, standbys)
+    if not places:
+        return None
     taken = frozenset(places.values())
     try:
-        plan = _plan_on(filled_layout(layout, places), frozenset(dead) - set(places), move_state, hw, health, taken,
+        plan = _plan_on(filled_layout(layout, places), dead - set(places), move_state, hw, health, taken,
                         keep_tp=keep_tp)
     except NoSurvivingHolder:  # a rebuilt group would need a unit only the dead held: plan without them
-        return plain
+        return None
     if plan.action != "adapt":
-        return plain
+        return None
     joined = sorted(r for r in taken if r in plan.new_rank)
     reason = (f"dead ranks {sorted(dead)}; standing-by ranks {joined} take the places of dead ranks "
               f"{sorted(d for d, r in places.items() if r in joined)} and receive their state; {plan.reason}")
