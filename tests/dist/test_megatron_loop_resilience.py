@@ -61,6 +61,12 @@ def stock_training(nproc: int, args: list[str]) -> tuple[dict[int, float], dict[
     every iteration and the weights it saves under ``--save``."""
     proc = run_job(nproc, args, timeout_s=420)
     check(proc)
+    return training_of(proc, args)
+
+
+def training_of(proc, args: list[str]) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """What a finished run of ``args`` trained: the loss logged for every iteration and the weights
+    saved under ``--save``."""
     losses = logged_losses(proc.stdout)
     assert sorted(losses) == list(range(1, int(args[args.index("--train-iters") + 1]) + 1)), proc.stdout[-2000:]
     return losses, saved_weights(Path(args[args.index("--save") + 1]))

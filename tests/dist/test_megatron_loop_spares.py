@@ -18,7 +18,7 @@ import pytest
 
 from scripts.child_env import job_env
 from tests.dist.launch import REPO, assert_moved_as_planned, check, read_events, run_job
-from tests.dist.test_megatron_loop_resilience import _wait_for, assert_same_training, job_args, stock_training
+from tests.dist.test_megatron_loop_resilience import _wait_for, assert_same_training, job_args, training_of
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -52,16 +52,23 @@ EVAL = ["--eval-iters", "1", "--eval-interval", "2"]
 
 
 @pytest.fixture(scope="module")
-def failure_free(tmp_path_factory):
-    return stock_training(8, _args(tmp_path_factory.mktemp("failure_free"), "ckpt"))
+def stock_run(tmp_path_factory):
+    """Stock Megatron-LM, failure-free, evaluating every 2 iterations (which changes no training):
+    (its losses and saved weights, its evaluated losses)."""
+    args = [*_args(tmp_path_factory.mktemp("failure_free"), "ckpt"), *EVAL]
+    proc = run_job(8, args, timeout_s=420)
+    check(proc)
+    return training_of(proc, args), _evaluated_losses(proc.stdout)
 
 
 @pytest.fixture(scope="module")
-def failure_free_evaluated(tmp_path_factory):
-    args = [*_args(tmp_path_factory.mktemp("failure_free_evaluated"), "ckpt"), *EVAL]
-    proc = run_job(8, args, timeout_s=420)
-    check(proc)
-    return _evaluated_losses(proc.stdout)
+def failure_free(stock_run):
+    return stock_run[0]
+
+
+@pytest.fixture(scope="module")
+def failure_free_evaluated(stock_run):
+    return stock_run[1]
 
 
 def _resilient(tmp_path, *extra):
