@@ -8,16 +8,15 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   ``parallel_state_patch.build_groups`` (their memberships equal megatron-core's), so that a later
   re-form can replace them;
 - ``training.train_step``: every iteration beats the heartbeat and applies injected faults (a
-  ``raise:`` fault strikes inside the step: ``raised_faults``), then
-  runs Megatron's own step on the current objects, its forwards and backwards timed by the
-  schedule hooks (``schedules.RECORDER``). After the step the detector judges the timings; a
-  fail-slow verdict is planned for with every rank kept (the planner moves micro-batches between
-  replicas, which ``megatron_loop_quotas`` makes Megatron's step run, and layers between stages
-  with one split for every replica, ``megatron_loop_stages``) and the re-plan is on trial like on
-  the resihp loop; a rebuilt model is taken over before the next step. When a collective fails,
-  the survivors agree on
-  a plan and re-form in place; the same iteration then runs again on the new world, or, when this
-  rank's optimizer had already stepped, counts as done;
+  ``raise:`` fault strikes inside the step: ``raised_faults``), then runs Megatron's own step on
+  the current objects, its forwards and backwards timed by the schedule hooks
+  (``schedules.RECORDER``). After the step the detector judges the timings; a fail-slow verdict
+  is planned for with every rank kept (micro-batches move between replicas, which
+  ``megatron_loop_quotas`` makes Megatron's step run, and layers between stages with one split
+  for every replica, ``megatron_loop_stages``) and the re-plan is on trial like on the resihp
+  loop; a rebuilt model is taken over before the next step. When a collective fails, the
+  survivors agree on a plan and re-form in place; the same iteration then runs again on the new
+  world, or, when this rank's optimizer had already stepped, counts as done;
 - ``training.train``: a rank a fail-stop plan leaves out stands by outside it, and enters it again
   when a later recovery gives it a dead rank's place (``megatron_loop_spares``);
 - ``training.build_pretraining_data_loader``: remembers the datasets, so that a re-formed world's
@@ -475,18 +474,26 @@ class ResilientMegatronLoop:
         ``iteration`` on (a rank behind the furthest survivor, or a spare taken back)."""
         self._count_at = iteration
 
-    def _count_microbatches(self) -> None:
-        """Megatron's micro-batch calculator for the re-formed world's data-parallel size (the global
-        batch is kept)."""
+    def _count_microbatches(self, data_parallel_size: int | None = None) -> None:
+        """Megatron's micro-batch calculator for the re-formed world's data-parallel size, or for
+        ``data_parallel_size`` (the global batch is kept)."""
         from megatron.core.num_microbatches_calculator import (
             destroy_num_microbatches_calculator, init_num_microbatches_calculator,
         )
 
         args = self._args()
-        self._count_at = None
+        if data_parallel_size is None:
+            self._count_at = None
         destroy_num_microbatches_calculator()
         init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
-                                         args.data_parallel_size, args.decrease_batch_size_if_needed)
+                                         data_parallel_size or args.data_parallel_size,
+                                         args.decrease_batch_size_if_needed)
+
+    def count_as_before(self, microbatches: int) -> None:
+        """Megatron's micro-batch calculator at ``microbatches`` per replica: the count the
+        survivors' ``train()`` started this world with (a spare taken back enters it with that)."""
+        args = self._args()
+        self._count_microbatches(args.global_batch_size // (args.micro_batch_size * microbatches))
 
     def close(self) -> None:
         """As ``pretrain()`` returns: training, its last save and evaluation are done."""

@@ -108,7 +108,7 @@ class SpareReentry:
         # The loop's scheduler handle counts steps on; it learns the job's count from the rebuilt one.
         scheduler.num_steps = 0
         scheduler.load_state_dict(rebuilt_scheduler.state_dict())
-        _count_as(args, started_with)  # what the survivors' train() started with
+        loop.count_as_before(started_with)
         loop.count_anew_at(furthest.iteration)
         stop_timers("interval-time")  # left running by the train() this rank left
         machine = get_rerun_state_machine()
@@ -117,14 +117,3 @@ class SpareReentry:
         log_line(f" resihp: launch rank {hooks.run.launch_rank} enters Megatron's loop again at iteration {number} "
                  f"as world rank {dist.get_rank()} of {dist.get_world_size()}")
 
-
-def _count_as(args, count: int) -> None:
-    """Megatron's micro-batch calculator, set to give ``count`` micro-batches per replica."""
-    from megatron.core.num_microbatches_calculator import (
-        destroy_num_microbatches_calculator, init_num_microbatches_calculator,
-    )
-
-    destroy_num_microbatches_calculator()
-    init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
-                                     args.global_batch_size // (args.micro_batch_size * count),
-                                     args.decrease_batch_size_if_needed)
