@@ -482,8 +482,7 @@ class ResilientMegatronLoop:
         )
 
         args = self._args()
-        if data_parallel_size is None:
-            self._count_at = None
+        self._count_at = None
         destroy_num_microbatches_calculator()
         init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
                                          data_parallel_size or args.data_parallel_size,

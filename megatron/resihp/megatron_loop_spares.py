@@ -90,7 +90,6 @@ class SpareReentry:
         number = rejoined.iteration  # the iteration the survivors redo, this rank's first
         args = get_args()
         args.iteration = number - 1
-        args.curr_iteration = number - 1
         args.consumed_train_samples = rejoined.consumed_samples
         # Where the loop stands, and Megatron's counters, from the survivors (before the take-over:
         # the rebuilt validation loader starts at their validation samples).
