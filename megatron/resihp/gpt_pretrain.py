@@ -178,7 +178,7 @@ def _batch(data_iterator, vp_stage: int | None):
         broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
         tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
         mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+        is_pipeline_first_stage=first, is_pipeline_last_stage=last,
     )
     batch.setdefault("cu_seqlens", None)
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
@@ -201,7 +201,10 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """One micro-batch through ``model``: the output and the loss function the schedule applies to it."""
-    vp_stage = getattr(model, "vp_stage", None)
+    from megatron.core.utils import get_attr_wrapped_model
+
+    # The schedule hands over a chunk wrapped in DDP (and Float16Module): the stage is the GPT model's.
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids = _batch(data_iterator, vp_stage)
     output = model(tokens, position_ids, attention_mask, labels=labels)
     return output, partial(loss_func, loss_mask)

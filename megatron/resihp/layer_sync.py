@@ -42,12 +42,15 @@ def _item_of(global_name: str, layer: int | None) -> tuple:
     return ("last",)  # decoder.final_layernorm.*, output_layer.*
 
 
-def param_slots(gpt_model: torch.nn.Module) -> list[ParamSlot]:
+def param_slots(gpt_model: torch.nn.Module, layout_layer_of: tuple[int, ...] | None = None) -> list[ParamSlot]:
     """Every local parameter with its global name and item, sorted by global name. Under
-    --bf16/--fp16 Megatron's own builder wraps the model (``Float16Module``); names are the model's."""
+    --bf16/--fp16 Megatron's own builder wraps the model (``Float16Module``); names are the model's.
+    ``layout_layer_of``: the Layout's number of each of megatron-core's layers, where they differ
+    (``TrainingObjects.layout_layer_of``)."""
     gpt_model = unwrap_model(gpt_model)
     layers = getattr(getattr(gpt_model, "decoder", None), "layers", [])
-    local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+    renumber = (lambda g: g) if layout_layer_of is None else layout_layer_of.__getitem__
+    local_to_global = {i: renumber(layer.layer_number - 1) for i, layer in enumerate(layers)}
     slots = []
     for name, param in gpt_model.named_parameters():
         parts = name.split(".")
@@ -59,6 +62,12 @@ def param_slots(gpt_model: torch.nn.Module) -> list[ParamSlot]:
         global_name = ".".join(parts)
         partition_dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
         slots.append(ParamSlot(global_name, _item_of(global_name, layer), partition_dim, param))
+    return sorted(slots, key=lambda s: s.name)
+
+
+def objects_slots(objects) -> list[ParamSlot]:
+    """``param_slots`` of every model chunk of a rank's ``TrainingObjects``, sorted by global name."""
+    slots = [s for chunk in objects.chunks for s in param_slots(chunk.module, objects.layout_layer_of)]
     return sorted(slots, key=lambda s: s.name)
 
 

@@ -1,13 +1,15 @@
 """The data iterators Megatron-LM's loop reads, rebuilt for a re-formed world.
 
 Responsible for: noting the datasets Megatron builds its loaders from (training, validation, test,
-in that order) and the validation iterator ``train()`` is given; after a re-form, building each
+in that order, once per model chunk under the interleaved schedule, whose chunks each read the
+batch) and the validation iterator ``train()`` is given; after a re-form, building each
 set's loader again with Megatron's own ``build_pretraining_data_loader`` for the new data-parallel
 rank and size (its sampler reads them from the installed groups) at the samples already read:
 training at the job's consumed samples and this replica's quota of the global batch
 (``megatron_loop_quotas``), validation at Megatron's validation count, test from its start (Megatron
 reads it once, as the job ends). An evaluation then reads the rebuilt loader of the set it was
-given. The training iterator is handed to Megatron's step in place of the loop's own.
+given. The training iterator is handed to Megatron's step in place of the loop's own. Under the
+interleaved schedule each of them is a list, one per model chunk, as Megatron's own are.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ class LoopData:
 
     def __init__(self, build):
         self._build = build
-        self.datasets: list = []  # in the order Megatron built their loaders: training, validation, test
+        # In the order Megatron built their loaders: training, validation, test, for each model chunk.
+        self.datasets: list = []
         self.train_iterator = None  # None until a re-form: the loop's own
         self.valid_iterator = None
         self.test_iterator = None
@@ -45,25 +48,36 @@ class LoopData:
         is left where it was: on a CPU it is also dropout's."""
         from megatron.core.rerun_state_machine import RerunDataIterator
 
-        def dataset(index: int):
+        chunks = len(run.objects.chunks)
+
+        def dataset(chunk: int, index: int):
+            index += 3 * chunk
             return self.datasets[index] if len(self.datasets) > index else None
+
+        def train(chunk: int):
+            found = dataset(chunk, 0)
+            if found is None:
+                return None
+            if quota_split.uneven(run.quotas):
+                return RerunDataIterator(iter(quota_split.quota_loader(
+                    build, found, consumed, args.micro_batch_size, run.quotas, run.replica)))
+            return RerunDataIterator(iter(build(found, consumed)))
+
+        def evaluated(chunk: int, index: int, consumed_samples: int):
+            found = dataset(chunk, index)
+            return None if found is None else RerunDataIterator(iter(build(found, consumed_samples)))
+
+        def per_chunk(make):  # one iterator, or under the interleaved schedule one per chunk
+            made = [make(chunk) for chunk in range(chunks)]
+            return made[0] if chunks == 1 else made
 
         build = self._build
         state = torch.get_rng_state()
         try:
-            train = dataset(0)
-            if train is None:
-                self.train_iterator = None
-            elif quota_split.uneven(run.quotas):
-                self.train_iterator = RerunDataIterator(iter(quota_split.quota_loader(
-                    build, train, consumed, args.micro_batch_size, run.quotas, run.replica)))
-            else:
-                self.train_iterator = RerunDataIterator(iter(build(train, consumed)))
+            self.train_iterator = per_chunk(train)
             if train_only:
                 return
-            valid, test = dataset(1), dataset(2)
-            self.valid_iterator = None if valid is None else \
-                RerunDataIterator(iter(build(valid, args.consumed_valid_samples)))
-            self.test_iterator = None if test is None else RerunDataIterator(iter(build(test, 0)))
+            self.valid_iterator = per_chunk(lambda chunk: evaluated(chunk, 1, args.consumed_valid_samples))
+            self.test_iterator = per_chunk(lambda chunk: evaluated(chunk, 2, 0))
         finally:
             torch.set_rng_state(state)

@@ -51,13 +51,15 @@ from megatron.resihp.logging_utils import EventLog, log_line, ranks_name
 from megatron.resihp.megatron_loop_data import LoopData
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.megatron_loop_spares import SpareReentry
-from megatron.resihp.megatron_loop_stages import build_objects, launch_split, layer_moves_refused
+from megatron.resihp.megatron_loop_support import fail_slow_refused
+from megatron.resihp.megatron_loop_stages import build_objects, launch_split, layer_moves_refused, layout_layer_of
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers, part_bytes
 from megatron.resihp.raised_faults import RaisedFaults
 from megatron.resihp.run_state import StopTraining, leave_process
 from megatron.resihp.schedules import RECORDER, StepTimings, install_hooks
 from megatron.resihp.standby import StandingBy
+from megatron.resihp.world_abort import forget_rank_sockets
 
 class ResilientMegatronLoop:
     """The patches and the state they share: this process's executor and the loop's handles."""
@@ -93,7 +95,7 @@ class ResilientMegatronLoop:
             "train_step": training.train_step,
             "build_pretraining_data_loader": training.build_pretraining_data_loader,
         }
-        self.data = LoopData(training.build_pretraining_data_loader)
+        self.data = LoopData(self._loader)
         parallel_state.initialize_model_parallel = self._initialize_model_parallel
         training.train = self._train
         training.train_step = self.train_step
@@ -129,6 +131,11 @@ class ResilientMegatronLoop:
         layout = Layout.uniform(model, margs.tensor_model_parallel_size, pp, margs.data_parallel_size,
                                 launch_split(margs))
         install(build_groups(layout, dist.get_rank(), timeout=self.cfg.collective_timeout_s))
+        if margs.virtual_pipeline_model_parallel_size is not None:  # as megatron-core's own initialization
+            from megatron.core import parallel_state
+
+            parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+            parallel_state.set_virtual_pipeline_model_parallel_world_size(margs.virtual_pipeline_model_parallel_size)
         if self.hooks is None:
             self._start_hooks(margs)
 
@@ -143,7 +150,11 @@ class ResilientMegatronLoop:
         if not self.data.datasets:
             self.hooks.inject(self._args().iteration + 1, "setup")
         self.data.built(dataset)
-        return self._original["build_pretraining_data_loader"](dataset, consumed_samples)
+        return self._loader(dataset, consumed_samples)
+
+    def _loader(self, dataset, consumed_samples):
+        """Megatron's loader, its workers holding no copy of this rank's connections (``world_abort``)."""
+        return forget_rank_sockets(self._original["build_pretraining_data_loader"](dataset, consumed_samples))
 
     # ------------------------------------------------------------------ the step
     def train_step(self, forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
@@ -277,12 +288,14 @@ class ResilientMegatronLoop:
         from megatron.resihp.resilience import ResilienceHooks
 
         self.events = EventLog(self.cfg.event_log, dist.get_rank())
-        install_hooks()  # the detector's timings (and injected slowdowns) of every forward and backward
-        RECORDER.use_device(args.device, args.cpu_device_time_scale)
+        judged = fail_slow_refused(args) is None
+        if judged:
+            install_hooks()  # the detector's timings (and injected slowdowns) of every forward and backward
+            RECORDER.use_device(args.device, args.cpu_device_time_scale)
         # A rank a fail-stop plan leaves out stands by as a spare (``spares``). Under the distributed
         # optimizer fail-stop plans move no weights (the parts and their copies carry the state).
         self.hooks = ResilienceHooks(args, self.events, None, build_objects=self._build_objects,
-                                     detect_fail_slow=True, moves_state=False,
+                                     detect_fail_slow=judged, moves_state=False,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
                                      stands_by=True, stages_alike=layer_moves_refused(args) is None,
                                      recovery_keeps_shape=not args.use_distributed_optimizer)
@@ -296,8 +309,8 @@ class ResilientMegatronLoop:
         self.handles = (model, optimizer, opt_param_scheduler)
         self.phases.start()
         self.loop_groups = get_attr_wrapped_model(model[0], "pg_collection")
-        objects = TrainingObjects(get_model_config(model[0]), model[0], optimizer, opt_param_scheduler,
-                                  launch_split(args))
+        objects = TrainingObjects(get_model_config(model[0]), tuple(model), optimizer, opt_param_scheduler,
+                                  launch_split(args), layout_layer_of(args))
         # Megatron's loop starts with micro-batches split evenly, and its own loader, count and scale run it.
         self.hooks.run = self.hooks.run.replace(objects=objects, quotas=tuple(even_quotas(
             args.global_batch_size // args.micro_batch_size, args.data_parallel_size)))
@@ -318,8 +331,10 @@ class ResilientMegatronLoop:
             kept = layer_moves_refused(args)
             replans = "off" if not self.cfg.enable else "of the micro-batch split" + (
                 f" only (layers stay on their stages: {kept})" if kept else " and of the layers per stage")
+            unjudged = fail_slow_refused(args)
+            detection = "on" if self.hooks.live is not None else f"off ({unjudged})" if unjudged else "off"
             log_line(f" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place {on}; fail-slow "
-                     f"detection {'on' if self.hooks.live is not None else 'off'}, re-plans {replans}")
+                     f"detection {detection}" + (f", re-plans {replans}" if self.hooks.live is not None else ""))
 
     def _watch_steps(self, optimizer) -> None:
         """Note when this rank's optimizer has updated its parameters: a failure after it must not
@@ -449,17 +464,22 @@ class ResilientMegatronLoop:
         optimizer.__class__ = type(new.optimizer)
         optimizer.__dict__ = dict(new.optimizer.__dict__)
         self._watch_steps(optimizer)
-        model[:] = [new.model]
+        model[:] = new.chunks
         config = new.config
         for name in ("timers", "finalize_model_grads_func"):
             setattr(config, name, getattr(old_config, name))
         config.grad_scale_func = optimizer.scale_loss
+
+        def per_chunk(method: str):  # as train() sets them: one for one chunk, a list for several
+            found = [getattr(chunk, method) for chunk in model]
+            return found[0] if len(found) == 1 else found
+
         if args.overlap_grad_reduce:
-            config.no_sync_func = model[0].no_sync
+            config.no_sync_func = per_chunk("no_sync")
             if args.align_grad_reduce:
-                config.grad_sync_func = model[0].start_grad_sync
+                config.grad_sync_func = per_chunk("start_grad_sync")
         if args.overlap_param_gather and args.align_param_gather:
-            config.param_sync_func = model[0].start_param_sync
+            config.param_sync_func = per_chunk("start_param_sync")
         self.hooks.run = self.hooks.run.replace(
             objects=dataclasses.replace(new, optimizer=optimizer, scheduler=opt_param_scheduler))
         vars(self.loop_groups).update(vars(get_attr_wrapped_model(model[0], "pg_collection")))

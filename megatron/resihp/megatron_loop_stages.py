@@ -41,7 +41,41 @@ def launch_split(args: argparse.Namespace) -> tuple[int, ...]:
     if config.pipeline_model_parallel_layout is not None:  # read per stage, not from this rank's groups
         stages = config.pipeline_model_parallel_layout.layout
         return tuple(sum(chunk.count(LayerType.decoder) for chunk in stages[p]) for p in range(pp))
-    return tuple(get_num_layers_to_build(config, pp_rank=p) for p in range(pp))
+    return tuple(sum(get_num_layers_to_build(config, vp_stage=v, pp_rank=p) for v in _virtual_stages(config))
+                 for p in range(pp))
+
+
+def _virtual_stages(config) -> range | tuple[None]:
+    """The virtual stages of every pipeline stage (the model chunks of each rank), as megatron-core's
+    layer-placing functions take them: None without the interleaved schedule."""
+    vp = config.virtual_pipeline_model_parallel_size
+    return (None,) if vp is None else range(vp)
+
+
+def layout_layer_of(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """The Layout's number of each of megatron-core's layers at the launch's split, or None where they
+    are the same. A Layout numbers a stage's layers consecutively, stage by stage; under the
+    interleaved schedule megatron-core places them apart (with 2 stages of 2 chunks of one layer,
+    stage 0 holds layers 0 and 2), and the Layout's numbering is what every rank addresses a layer by
+    when state moves between ranks."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    config = core_transformer_config_from_args(args)
+    if config.virtual_pipeline_model_parallel_size is None:
+        return None
+    if config.pipeline_model_parallel_layout is not None:
+        raise ValueError("--pipeline-model-parallel-layout with the interleaved schedule")
+    order = []  # megatron-core's layers in the Layout's order
+    for p in range(args.pipeline_model_parallel_size):
+        for v in _virtual_stages(config):
+            first = get_transformer_layer_offset(config, vp_stage=v, pp_rank=p)
+            order.extend(range(first, first + get_num_layers_to_build(config, vp_stage=v, pp_rank=p)))
+    layout_of = [0] * len(order)
+    for position, layer in enumerate(order):
+        layout_of[layer] = position
+    return tuple(layout_of)
 
 
 def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...]):
@@ -67,6 +101,9 @@ def layer_moves_refused(args: argparse.Namespace) -> str | None:
     """Why this job's fail-slow re-plans keep every layer on its stage (None: layers may move)."""
     if args.pipeline_model_parallel_size == 1:
         return "one pipeline stage"
+    if args.virtual_pipeline_model_parallel_size is not None:
+        return ("the interleaved schedule places each stage's layers in chunks that megatron-core sizes "
+                "from the flags alike for every stage")
     if args.save is None:
         return None
     if args.ckpt_format != "torch_dist":
@@ -94,8 +131,9 @@ def build_objects(model_provider, model_type, args: argparse.Namespace, layers_p
     config.timers = get_timers()
     optimizer = get_megatron_optimizer(config, chunks, config_overrides=overrides,
                                        use_gloo_process_groups=args.use_gloo_process_groups)
-    return TrainingObjects(get_model_config(chunks[0]), chunks[0], optimizer,
-                           _scheduler(get_optimizer_param_scheduler, optimizer, args), tuple(layers_per_stage))
+    return TrainingObjects(get_model_config(chunks[0]), tuple(chunks), optimizer,
+                           _scheduler(get_optimizer_param_scheduler, optimizer, args), tuple(layers_per_stage),
+                           layout_layer_of(args))
 
 
 def _scheduler(build, optimizer, args: argparse.Namespace):

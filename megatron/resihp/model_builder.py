@@ -33,10 +33,22 @@ class TrainingObjects:
     """What a rank holds for training; replaced whole on every rebuild."""
 
     config: TransformerConfig
-    model: DistributedDataParallel
+    chunks: tuple[DistributedDataParallel, ...]  # the model's chunks on this rank: one per virtual stage
     optimizer: Any
     scheduler: OptimizerParamScheduler
     layers_per_stage: tuple[int, ...]
+    # The Layout's number of each of megatron-core's layers (by its ``layer_number - 1``), where they
+    # differ: the interleaved schedule places a stage's layers apart, and a Layout numbers them stage
+    # by stage. None: the same numbers.
+    layout_layer_of: tuple[int, ...] | None = None
+
+    @property
+    def model(self) -> DistributedDataParallel:
+        """The one model chunk of a rank that runs one (every rank of the project's own loop)."""
+        if len(self.chunks) != 1:
+            raise ValueError(f"this rank runs {len(self.chunks)} model chunks (the interleaved schedule): "
+                             f"address them through TrainingObjects.chunks")
+        return self.chunks[0]
 
 
 def pipeline_layout(layers_per_stage: tuple[int, ...]) -> list[list[str]]:
@@ -200,4 +212,4 @@ def build_training_objects(args: argparse.Namespace, layers_per_stage: tuple[int
         wd_incr_steps=args.train_iters * gbs,
         wd_incr_style="constant",
     )
-    return TrainingObjects(config, ddp, optimizer, scheduler, tuple(layers_per_stage))
+    return TrainingObjects(config, (ddp,), optimizer, scheduler, tuple(layers_per_stage))

@@ -34,11 +34,14 @@ factory, the 1F1B schedule, p2p communication and ``finalize_model_grads`` eithe
   ``_EXPERT_MODEL_PARALLEL_RANKS``;
 - overrides, reset to None so the getters derive sizes and ranks from the groups:
   ``_MPU_{TENSOR,PIPELINE}_MODEL_PARALLEL_{WORLD_SIZE,RANK}``, ``_MPU_DATA_PARALLEL_*``,
-  ``_MPU_EXPERT_*``, ``_VIRTUAL_PIPELINE_MODEL_PARALLEL_*``;
+  ``_MPU_EXPERT_*``;
 - 0.16 only: ``_DATA_PARALLEL_GROUP_WITH_CP_AG`` (None); 0.19 only: the generalized-TP weight
   rematerialisation groups (size 1: this rank alone) and the ``*_WITH_GTP_REMAT`` / ``*_WITH_EGTP``
   data-parallel groups, which alias the plain ones and are what the default DP getters read;
 - ``_GLOBAL_MEMORY_BUFFER`` is created if missing.
+
+The interleaved schedule's virtual stages (``_VIRTUAL_PIPELINE_MODEL_PARALLEL_*``) are the job's,
+not a world's: set once as Megatron's initialization sets them, they outlive every re-form.
 
 Context parallelism and expert parallelism are 1: their groups are this rank alone or alias the
 TP / DP groups, exactly as ``initialize_model_parallel(tp, pp)`` lays them out. For a uniform
@@ -279,7 +282,6 @@ _GLOBALS = (
     "_MPU_DATA_PARALLEL_WORLD_SIZE", "_MPU_DATA_PARALLEL_RANK", "_MPU_TENSOR_MODEL_PARALLEL_RANK",
     "_MPU_PIPELINE_MODEL_PARALLEL_RANK", "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE", "_MPU_EXPERT_MODEL_PARALLEL_RANK",
     "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE", "_MPU_EXPERT_TENSOR_PARALLEL_RANK",
-    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK", "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
     "_GLOBAL_MEMORY_BUFFER",
 ) + {
     "0.16": ("_DATA_PARALLEL_GROUP_WITH_CP_AG",),

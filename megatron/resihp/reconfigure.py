@@ -360,7 +360,8 @@ def _move_state(change: LayoutChange, run: RunState, rank: int, new_objects, rec
         if change.reload_own and old is not None and \
                 not any(t.dst == run.rank and t.src != run.rank for t in change.transfers):
             # A rank at the stage it held before: its own state, same shapes, is all it needs.
-            new_objects.model.load_state_dict(old.model.state_dict())
+            for new_chunk, old_chunk in zip(new_objects.chunks, old.chunks, strict=True):
+                new_chunk.load_state_dict(old_chunk.state_dict())
             new_objects.optimizer.load_state_dict(old.optimizer.state_dict())
         else:
             unstage_transfers(change.transfers, change.old_layout, change.new_layout, run.rank, old, new_objects,

@@ -121,9 +121,9 @@ def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank, ra
     """
     from resihp_ext.shard_map import holders
 
-    from megatron.resihp.layer_sync import param_slots
+    from megatron.resihp.layer_sync import objects_slots
 
-    old_slots = param_slots(old_objects.model.module) if old_objects is not None else []
+    old_slots = objects_slots(old_objects) if old_objects is not None else []
     old_holders = holders(old_layout)
     template = _adam_template(old_objects, old_slots) if old_objects is not None else None
     payloads, sizes, incoming = {}, [], {}
@@ -164,10 +164,10 @@ def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects,
     (``old_objects`` None on a rank that held nothing: ``adam_template`` shapes its Adam states)."""
     from resihp_ext.shard_map import holders
 
-    from megatron.resihp.layer_sync import param_slots
+    from megatron.resihp.layer_sync import objects_slots
 
-    old_slots = param_slots(old_objects.model.module) if old_objects is not None else []
-    new_slots = param_slots(new_objects.model.module)
+    old_slots = objects_slots(old_objects) if old_objects is not None else []
+    new_slots = objects_slots(new_objects)
     old_holders, new_holders = holders(old_layout), holders(new_layout)
     template = _template_of(old_objects, old_slots, adam_template)
     for i, t in enumerate(transfers):
@@ -211,9 +211,9 @@ def carry_schedule(old_objects, new_objects) -> None:
 
 def adam_template_of(objects) -> dict:
     """``_adam_template`` JSON-ready: its keys and step count (empty before the first step)."""
-    from megatron.resihp.layer_sync import param_slots
+    from megatron.resihp.layer_sync import objects_slots
 
-    template = _adam_template(objects, param_slots(objects.model.module)) or {}
+    template = _adam_template(objects, objects_slots(objects)) or {}
     return {k: (float(v) if k == "step" else None) for k, v in template.items()}
 
 
@@ -239,10 +239,10 @@ def apply_transfers(transfers, old_layout, new_layout, rank: int, old_objects, n
     """
     from resihp_ext.shard_map import holders
 
-    from megatron.resihp.layer_sync import param_slots
+    from megatron.resihp.layer_sync import objects_slots
 
-    old_slots = param_slots(old_objects.model.module) if old_objects is not None else []
-    new_slots = param_slots(new_objects.model.module)
+    old_slots = objects_slots(old_objects) if old_objects is not None else []
+    new_slots = objects_slots(new_objects)
     old_holders, new_holders = holders(old_layout), holders(new_layout)
     template = _template_of(old_objects, old_slots, adam_template)
 

@@ -47,12 +47,15 @@ def job_args(tmp, name: str) -> list[str]:
 
 
 def saved_weights(root) -> dict[str, torch.Tensor]:
-    """Every (TP, PP) shard's model tensors of the last checkpoint under ``root``, by file and name."""
+    """Every (TP, PP) shard's model tensors of the last checkpoint under ``root``, by file, model chunk
+    (``model``, or under the interleaved schedule ``model0``, ``model1``, ...) and name."""
     iteration = (root / "latest_checkpointed_iteration.txt").read_text().strip()
     weights = {}
     for path in sorted((root / f"iter_{int(iteration):07d}").glob("mp_rank_*/model_optim_rng.pt")):
-        state = torch.load(path, map_location="cpu", weights_only=False)["model"]
-        weights.update({f"{path.parent.name}/{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        for chunk in (key for key in saved if key == "model" or (key.startswith("model") and key[5:].isdigit())):
+            weights.update({f"{path.parent.name}/{chunk}/{k}": v for k, v in saved[chunk].items()
+                            if isinstance(v, torch.Tensor)})
     return weights
 
 
@@ -396,10 +399,12 @@ def test_a_launch_that_places_layers_unevenly_is_survived_in_place_on_its_own_sp
 def test_what_the_fail_stop_path_cannot_carry_is_refused_before_anything_starts(tmp_path):
     # One launch with three such flags: one message (from one rank) names each, exit 2, nothing written.
     proc = run_job(8, [*job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
-                       "--num-layers-per-virtual-pipeline-stage", "1", "--context-parallel-size", "2",
-                       "--resihp-inject", "kill:rank=1,at=3,during=save-rename"], timeout_s=300)
+                       "--num-layers-per-virtual-pipeline-stage", "1", "--resihp-inject", "slow:rank=2,factor=2,at=3",
+                       "--context-parallel-size", "2", "--resihp-inject", "kill:rank=1,at=3,during=save-rename"],
+                   timeout_s=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stderr.count("error:") == 1, proc.stderr[-2000:]
-    for named in ("--num-layers-per-virtual-pipeline-stage", "--context-parallel-size", "during=save-rename"):
+    for named in ("slow:rank=2,factor=2,at=3 (fail-slow detection is off: the detector models the non-interleaved",
+                  "--context-parallel-size", "during=save-rename"):
         assert named in proc.stderr, (named, proc.stderr[-2000:])
     assert not (tmp_path / "ckpt").exists()

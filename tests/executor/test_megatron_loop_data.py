@@ -22,7 +22,7 @@ def _loop_data(datasets, built):
 
 
 ARGS = types.SimpleNamespace(micro_batch_size=2, consumed_valid_samples=24)
-EVEN = types.SimpleNamespace(quotas=(4, 4), replica=0)
+EVEN = types.SimpleNamespace(quotas=(4, 4), replica=0, objects=types.SimpleNamespace(chunks=("chunk",)))
 
 
 def test_before_a_re_form_every_evaluation_reads_megatrons_own_iterator():
@@ -55,3 +55,17 @@ def test_a_quota_change_rebuilds_training_only_and_a_missing_set_stays_megatrons
     data.rebuild(ARGS, EVEN, consumed=112, train_only=True)
     assert built == [("train", 96), ("valid", 24), ("train", 112)]
     assert data.eval_iterator(test) is test  # the job has no test set: nothing was rebuilt for it
+
+
+def test_under_the_interleaved_schedule_each_model_chunk_reads_its_own_rebuilt_loaders():
+    # Megatron builds the three loaders once per model chunk, and hands train() a list per set.
+    built = []
+    data = _loop_data(["train0", "valid0", "test0", "train1", "valid1", "test1"], built)
+    valid, test = [iter([]), iter([])], [iter([]), iter([])]
+    data.loop_valid = valid
+    two_chunks = types.SimpleNamespace(quotas=(4, 4), replica=1, objects=types.SimpleNamespace(chunks=("c0", "c1")))
+    data.rebuild(ARGS, two_chunks, consumed=96)
+    assert built == [("train0", 96), ("train1", 96), ("valid0", 24), ("valid1", 24), ("test0", 0), ("test1", 0)]
+    assert [next(it) for it in data.train_iterator] == ["train0@96", "train1@96"]
+    assert [next(it) for it in data.eval_iterator(valid)] == ["valid0@24", "valid1@24"]
+    assert [next(it) for it in data.eval_iterator(test)] == ["test0@0", "test1@0"]

@@ -64,3 +64,23 @@ def test_a_stage_without_transformer_layers_is_refused_with_resilience(monkeypat
     assert len(found) == 1 and "a pipeline stage without transformer layers" in found[0] and "[0, 4]" in found[0]
     uneven = _validated(monkeypatch, "--decoder-first-pipeline-num-layers", "1")
     assert unsupported_flags(uneven, ResiHPConfig(enable=True), launch_split(uneven)) == []
+
+
+@pytest.mark.parametrize("extra, split, layout_of", [
+    (["--num-layers-per-virtual-pipeline-stage", "1"], (2, 2), (0, 2, 1, 3)),
+    (["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2"], (4, 4), (0, 1, 4, 5, 2, 3, 6, 7)),
+    ([], (2, 2), None),
+], ids=["vp-1-layer", "vp-2-layers", "not-interleaved"])
+def test_under_the_interleaved_schedule_a_stage_holds_its_chunks_layers_and_the_layout_numbers_them_in_a_row(
+        monkeypatch, extra, split, layout_of):
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.resihp.megatron_loop_stages import launch_split, layout_layer_of
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args = _validated(monkeypatch, *extra)
+    assert launch_split(args) == split
+    assert layout_layer_of(args) == layout_of
+    if layout_of is not None:
+        # Stage 0's second chunk starts where megatron-core puts it, and the Layout counts it right after the first.
+        second = get_transformer_layer_offset(core_transformer_config_from_args(args), vp_stage=1, pp_rank=0)
+        assert layout_of[second] == split[0] // 2
