@@ -2,7 +2,10 @@
 
 megatron-core's non-interleaved 1F1B schedule (``forward_backward_pipelining_without_interleaving``)
 executes exactly the order produced here; the iteration simulator walks this description and a
-live test asserts the order recorded by the schedule hooks equals it. Nothing here executes ops.
+live test asserts the order recorded by the schedule hooks equals it. For the interleaved schedule
+(``forward_backward_pipelining_with_interleaving``) it says which micro-batch counts a replica can
+run (``interleaved_runs``); its op order is not described yet. Nothing here
+executes ops.
 """
 
 from __future__ import annotations
@@ -69,3 +72,12 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
         ops.extend(Op(OpKind.BACKWARD, m) for m in range(num_microbatches - warmup, num_microbatches))
         stages.append(tuple(ops))
     return tuple(stages)
+
+
+def interleaved_runs(num_microbatches: int, num_stages: int, group_size: int) -> bool:
+    """Whether megatron-core's interleaved schedule runs ``num_microbatches`` on a replica of
+    ``num_stages`` stages: it takes micro-batches in groups of ``group_size`` (at least
+    ``num_stages``; megatron-core's default is ``num_stages``) through each model chunk, and refuses a
+    count below one group, or whose last group holds fewer than ``num_stages``."""
+    rest = num_microbatches % group_size
+    return num_microbatches >= group_size and (rest == 0 or rest >= num_stages)

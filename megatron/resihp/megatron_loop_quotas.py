@@ -15,6 +15,9 @@ Responsible for making the run's quotas (``RunState.quotas``, one per replica) w
   ``build_pretraining_data_loader`` chose (``quota_loader``).
 
 Equal quotas keep Megatron's own count, scale and loader.
+
+After a failure Megatron's loop keeps its even split: ``replica_counts`` says how many replicas
+that allows (8 micro-batches: 4, 2 or 1 replicas, not 3), and fail-stop plans keep to it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,19 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron.resihp.data_samplers import QuotaPretrainingSampler
+from resihp_ext.schedule import interleaved_runs
+
+
+def replica_counts(args) -> frozenset[int]:
+    """How many replicas, up to the launch's, Megatron's loop can run the global batch on after a
+    failure: its micro-batch calculator splits the batch evenly (a count that divides it), and under
+    the interleaved schedule each replica's share must be one the schedule runs (in groups of the
+    pipeline's size, megatron-core's default, which Megatron-LM's flags keep)."""
+    total = args.global_batch_size // args.micro_batch_size
+    stages = args.pipeline_model_parallel_size
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    return frozenset(r for r in range(1, args.data_parallel_size + 1)
+                     if total % r == 0 and (not interleaved or interleaved_runs(total // r, stages, stages)))
 
 
 def uneven(quotas: Sequence[int]) -> bool:

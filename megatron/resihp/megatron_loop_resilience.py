@@ -298,7 +298,8 @@ class ResilientMegatronLoop:
                                      detect_fail_slow=judged, moves_state=False,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
                                      stands_by=True, stages_alike=layer_moves_refused(args) is None,
-                                     recovery_keeps_shape=not args.use_distributed_optimizer)
+                                     recovery_keeps_shape=not args.use_distributed_optimizer,
+                                     replica_counts=quota_split.replica_counts(args))
         self.hooks.readmission.probes = False
 
     def _start(self, model, optimizer, opt_param_scheduler) -> None:

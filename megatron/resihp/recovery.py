@@ -119,8 +119,8 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
                   hw: HardwareModel | None = None, health: Health | None = None,
                   standbys: Callable[[], tuple[int, ...]] = tuple,
                   shared: Callable[[SurvivorPlan], dict] = lambda plan: {},
-                  sharded_optimizer: bool = False, part_copies: bool = False, keep_tp: bool = False
-                  ) -> tuple[SurvivorPlan, frozenset[int], dict]:
+                  sharded_optimizer: bool = False, part_copies: bool = False, keep_tp: bool = False,
+                  replica_counts: frozenset[int] | None = None) -> tuple[SurvivorPlan, frozenset[int], dict]:
     """The lowest surviving rank decides and publishes; everyone reads the same plan back.
 
     ``health``: the fail-slow verdicts acted on so far (``layout``'s ranks); the quotas follow them.
@@ -135,7 +135,8 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
     leader = min(set(layout.world_ranks) - failed)
     if rank == leader:
         plan = plan_survivors(layout, failed, move_state=move_state, hw=hw, health=health, standbys=standbys(),
-                              sharded_optimizer=sharded_optimizer, part_copies=part_copies, keep_tp=keep_tp)
+                              sharded_optimizer=sharded_optimizer, part_copies=part_copies, keep_tp=keep_tp,
+                              replica_counts=replica_counts)
         store.set(key, json.dumps({**shared(plan), "plan": plan.to_dict(), "failed": sorted(failed),
                                    "preferred": describe_preferred(failed)}))
     wait_for_keys(store, [key], wait_s)

@@ -59,7 +59,7 @@ class ResilienceHooks:
     def __init__(self, args: argparse.Namespace, events: EventLog, objects=None,
                  build_objects: Callable | None = None, detect_fail_slow: bool = True, moves_state: bool = True,
                  sharded_optimizer: bool = False, cfg=None, stands_by: bool = True, stages_alike: bool = False,
-                 recovery_keeps_shape: bool = False):
+                 recovery_keeps_shape: bool = False, replica_counts: frozenset[int] | None = None):
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
         groups (the resihp loop's ``model_builder.build_training_objects`` when None). Without
         ``detect_fail_slow`` no op timings are judged (heartbeats and fail-stop recovery run). Without
@@ -76,12 +76,14 @@ class ResilienceHooks:
         model configuration runs). With ``recovery_keeps_shape`` (and without ``moves_state``) a
         fail-stop plan may move state as long as every replica keeps its shape: an intact stage
         group takes a stage that is short, a standby takes a dead rank's place; no replica runs
-        at a smaller TP degree."""
+        at a smaller TP degree. ``replica_counts``: how many replicas the loop can split the global
+        batch over (None: any), which a fail-stop plan keeps to."""
         self.args = args
         self.build_objects = build_objects or build_training_objects
         self.moves_state = moves_state
         self.stages_alike = stages_alike and not moves_state
         self.recovery_keeps_shape = recovery_keeps_shape and not moves_state
+        self.replica_counts = replica_counts
         self.sharded_optimizer = sharded_optimizer
         self.cfg = args.resihp if cfg is None else cfg
         self.events = events

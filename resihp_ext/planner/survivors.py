@@ -340,7 +340,8 @@ def _sharded_state_lost(layout: Layout, dead: frozenset[int], lost: tuple[tuple[
 
 
 def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: HardwareModel | None,
-                     health: Health | None, standbys: tuple[int, ...] = ()) -> SurvivorPlan:
+                     health: Health | None, standbys: tuple[int, ...] = (),
+                     replica_counts: frozenset[int] | None = None) -> SurvivorPlan:
     """Under the distributed optimizer: whole replicas go on when every dead rank's part of the
     optimizer state has a live copy; the kept ranks then receive the parts of the replicas left out.
 
@@ -353,8 +354,9 @@ def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: Har
         sources, lost = {}, tuple(sorted({(layout.stage_of(r)[1], layout.tp_rank_of(r)) for r in dead}))
     if lost:
         return _sharded_state_lost(layout, dead, lost, copies)
-    plan = _plan_on(layout, dead, False, hw, health)
-    filled = _with_standbys(layout, dead, standbys, False, hw, health) if standbys else None
+    plan = _plan_on(layout, dead, False, hw, health, replica_counts=replica_counts)
+    filled = _with_standbys(layout, dead, standbys, False, hw, health, replica_counts=replica_counts) \
+        if standbys else None
     if filled is not None:  # their state is the parts: no weights move
         plan = dataclasses.replace(filled, transfers=())
     if plan.action != "adapt":
@@ -368,7 +370,8 @@ def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: Har
 def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True,
                    hw: HardwareModel | None = None, health: Health | None = None,
                    standbys: tuple[int, ...] = (), sharded_optimizer: bool = False,
-                   part_copies: bool = False, keep_tp: bool = False) -> SurvivorPlan:
+                   part_copies: bool = False, keep_tp: bool = False,
+                   replica_counts: frozenset[int] | None = None) -> SurvivorPlan:
     """Keep every replica none of whose ranks died, rebuild what intact stage groups allow, renumber.
 
     New ranks follow megatron-core's order over the new layout (for kept whole replicas of a
@@ -397,6 +400,10 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
         keep_tp: no replica runs at a smaller TP degree (a loop that builds every replica from one
             model configuration, Megatron-LM's, needs them alike); groups may still take another
             stage and standbys dead ranks' places, which keep the replicas' shapes.
+        replica_counts: how many replicas the executor can run the global batch on (None: any). A
+            plan keeps the most of those it can, leaving out rebuilt replicas first, then the last
+            whole ones (their ranks become spares): Megatron-LM's loop splits the batch evenly, so
+            the count must divide it.
 
     Returns:
         A SurvivorPlan. "adapt" needs at least one replica, whole or rebuilt; otherwise
@@ -407,15 +414,16 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     if unknown:
         raise ValueError(f"dead ranks {sorted(unknown)} are not in the layout")
     if sharded_optimizer and dead:
-        return _plan_with_parts(layout, frozenset(dead), part_copies, hw, health, tuple(standbys))
-    plain = _plan_on(layout, frozenset(dead), move_state, hw, health, keep_tp=keep_tp)
+        return _plan_with_parts(layout, frozenset(dead), part_copies, hw, health, tuple(standbys), replica_counts)
+    plain = _plan_on(layout, frozenset(dead), move_state, hw, health, keep_tp=keep_tp, replica_counts=replica_counts)
     if not (standbys and move_state):
         return plain
-    return _with_standbys(layout, frozenset(dead), standbys, move_state, hw, health, keep_tp) or plain
+    return _with_standbys(layout, frozenset(dead), standbys, move_state, hw, health, keep_tp, replica_counts) or plain
 
 
 def _with_standbys(layout: Layout, dead: frozenset[int], standbys: tuple[int, ...], move_state: bool,
-                   hw: HardwareModel | None, health: Health | None, keep_tp: bool = False) -> SurvivorPlan | None:
+                   hw: HardwareModel | None, health: Health | None, keep_tp: bool = False,
+                   replica_counts: frozenset[int] | None = None) -> SurvivorPlan | None:
     """The plan with ``standbys`` in the places of dead ranks (``standby_places``), or None when no
     place can be filled or the filled layout has no in-place plan."""
     places = standby_places(layout, dead, standbys)
@@ -424,7 +432,7 @@ def _with_standbys(layout: Layout, dead: frozenset[int], standbys: tuple[int, ..
     taken = frozenset(places.values())
     try:
         plan = _plan_on(filled_layout(layout, places), dead - set(places), move_state, hw, health, taken,
-                        keep_tp=keep_tp)
+                        keep_tp=keep_tp, replica_counts=replica_counts)
     except NoSurvivingHolder:  # a rebuilt group would need a unit only the dead held: plan without them
         return None
     if plan.action != "adapt":
@@ -435,8 +443,19 @@ def _with_standbys(layout: Layout, dead: frozenset[int], standbys: tuple[int, ..
     return dataclasses.replace(plan, filled=places, reason=reason)
 
 
+def _within_counts(kept: tuple[int, ...], rebuilt: tuple, counts: frozenset[int]) -> tuple[tuple, tuple, int]:
+    """``kept`` and ``rebuilt`` cut to the largest of ``counts`` there are replicas for, rebuilt
+    replicas left out first (they moved state), then the last whole ones; and how many were left out."""
+    have = len(kept) + len(rebuilt)
+    keep = max((c for c in counts if c <= have), default=0)
+    rebuilt = rebuilt[:max(0, keep - len(kept))]
+    kept = kept[:keep - len(rebuilt)]
+    return kept, rebuilt, have - keep
+
+
 def _plan_on(layout: Layout, dead: frozenset[int], move_state: bool, hw: HardwareModel | None,
-             health: Health | None, empty: frozenset[int] = frozenset(), keep_tp: bool = False) -> SurvivorPlan:
+             health: Health | None, empty: frozenset[int] = frozenset(), keep_tp: bool = False,
+             replica_counts: frozenset[int] | None = None) -> SurvivorPlan:
     """``plan_survivors`` on ``layout``, where ``empty`` ranks are live but hold no state (standbys
     placed in it): they run where the layout puts them and receive everything they hold."""
     kept = tuple(i for i, r in enumerate(layout.replicas) if not set(r.ranks) & dead)
@@ -454,6 +473,9 @@ def _plan_on(layout: Layout, dead: frozenset[int], move_state: bool, hw: Hardwar
         if shrunk:
             shrunk, quotas = worth_adding(base, shrunk, layout.model, hw, known)
             rebuilt += shrunk
+    left_out = 0
+    if replica_counts is not None:
+        kept, rebuilt, left_out = _within_counts(kept, rebuilt, replica_counts)
     continuing = (*(layout.replicas[i] for i in kept), *rebuilt)
     slowed = sorted(r for rep in continuing for r in rep.ranks if r in known.affected_ranks)
     # Standbys may restore a replica beside others reshaped before: the batch follows their speeds.
@@ -489,6 +511,9 @@ def _plan_on(layout: Layout, dead: frozenset[int], move_state: bool, hw: Hardwar
     if rebuilt:
         pieces = "; ".join("[" + " | ".join(",".join(map(str, s.ranks)) for s in r.stages) + "]" for r in rebuilt)
         how += f"{' plus ' if kept else ' on '}{len(rebuilt)} rebuilt from stage groups of broken replicas ({pieces})"
+    if left_out:
+        how += (f" ({left_out} more left out: the global batch of {layout.model.num_microbatches} micro-batches "
+                f"splits evenly over {len(kept) + len(rebuilt)} replicas)")
     if quotas and len(set(quotas)) == 1:
         quotas = ()  # replicas alike: Megatron's even split
     if quotas:

@@ -195,3 +195,36 @@ def test_every_plan_with_standbys_is_executable(tp, pp, dp, keep_tp, data):
     assert all(t.src not in standbys and t.src not in dead for t in plan.transfers)
     assert sorted(plan.new_rank.values()) == list(range(new.world_size))
     assert set(plan.spares) == set(layout.world_ranks) - dead - set(new.world_ranks)
+
+
+def test_a_plan_keeps_a_number_of_replicas_the_batch_splits_evenly_over():
+    # TP1 x PP2 x DP4, 8 micro-batches, rank 7 dead: Megatron-LM's loop splits the batch evenly, so 2
+    # replicas go on (replicas 0 and 1) and the live ranks of replica 2 stand by with rank 3.
+    layout = Layout.uniform(MODEL, 1, 2, 4)
+    free = plan_survivors(layout, frozenset({7}), hw=HW, keep_tp=True)
+    assert free.kept_replicas == (0, 1, 2)
+    even = plan_survivors(layout, frozenset({7}), hw=HW, keep_tp=True, replica_counts=frozenset({1, 2, 4}))
+    assert even.action == "adapt" and even.kept_replicas == (0, 1) and even.spares == (2, 3, 6)
+    assert "1 more left out: the global batch of 8 micro-batches splits evenly over 2 replicas" in even.reason
+    # The same under the distributed optimizer, whose plans keep whole replicas only.
+    parts = plan_survivors(layout, frozenset({7}), hw=HW, sharded_optimizer=True, part_copies=True,
+                           replica_counts=frozenset({1, 2, 4}))
+    assert parts.kept_replicas == (0, 1) and parts.spares == (2, 3, 6) and 7 in parts.part_sources
+    # A spare taken back may make a left-out replica whole again only if the count allows it.
+    with_spare = plan_survivors(layout, frozenset({7}), hw=HW, keep_tp=True, standbys=(8,),
+                                replica_counts=frozenset({1, 2, 4}))
+    assert continuing_layout(layout, with_spare).num_replicas == 4 and with_spare.filled == {7: 8}
+
+
+@settings(max_examples=60, deadline=None)
+@given(dp=st.integers(2, 4), data=st.data())
+def test_every_plan_keeps_an_allowed_number_of_replicas(dp, data):
+    layout = Layout.uniform(MODEL, 1, 2, dp)
+    counts = frozenset(data.draw(st.sets(st.integers(1, dp), min_size=1)) | {1})
+    dead = frozenset(data.draw(st.sets(st.sampled_from(layout.world_ranks), min_size=1, max_size=layout.world_size)))
+    plan = plan_survivors(layout, dead, hw=HW, keep_tp=True, replica_counts=counts)
+    if plan.action == "adapt":
+        assert continuing_layout(layout, plan).num_replicas in counts
+        unrestricted = plan_survivors(layout, dead, hw=HW, keep_tp=True)
+        kept = continuing_layout(layout, plan).num_replicas
+        assert kept == max(c for c in counts if c <= continuing_layout(layout, unrestricted).num_replicas)
