@@ -82,3 +82,10 @@ def test_the_interleaved_schedule_survives_failures_but_refuses_what_asks_for_fa
     assert all("the interleaved schedule's" in item for item in found), found
     assert [item.split(" (")[0] for item in unsupported_flags(interleaved, ResiHPConfig(detect_only=True))] == \
         ["--resihp-detect-only"]
+
+
+def test_an_interleaved_job_placed_by_a_layout_is_refused():
+    found = unsupported_flags(megatron_args(virtual_pipeline_model_parallel_size=2,
+                                            pipeline_model_parallel_layout="Et|t|t|tL"), ResiHPConfig(enable=True))
+    assert len(found) == 1 and found[0].startswith("--pipeline-model-parallel-layout with the interleaved"), found
+    assert unsupported_flags(megatron_args(pipeline_model_parallel_layout="Et|tttL"), ResiHPConfig(enable=True)) == []
