@@ -48,6 +48,7 @@ import torch.distributed as dist
 from megatron.resihp import megatron_loop_quotas as quota_split
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line, ranks_name
+from megatron.resihp.megatron_loop_counts import MicrobatchCount
 from megatron.resihp.megatron_loop_data import LoopData
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.megatron_loop_spares import SpareReentry
@@ -78,7 +79,7 @@ class ResilientMegatronLoop:
         self.handles = None  # train()'s model list, optimizer and LR scheduler (kept valid across re-forms)
         self.phases = BetweenSteps(self)
         self.spares = SpareReentry(self)
-        self._count_at: int | None = None  # the step at which to count micro-batches anew (an iteration behind)
+        self.counts = MicrobatchCount()
         self._stepped = False
         self._original: dict[str, object] = {}
         self._quotas_in_use: tuple[int, ...] | None = None  # what the loader, count and loss scale follow
@@ -167,8 +168,7 @@ class ResilientMegatronLoop:
         number = iteration + 1  # the iteration being run, as Megatron logs it
         self.spares.entering = False
         self.phases.enter(Position(number, Phase.STEP))  # a step is never skipped: nobody is past it
-        if self._count_at == number:
-            self._count_microbatches()
+        self.counts.at_step(number)
         self._first_copies(number)
         try:
             self.hooks.before_iteration(number, None, None)
@@ -395,14 +395,12 @@ class ResilientMegatronLoop:
         consumed = args.consumed_train_samples + (args.global_batch_size if position.phase is Phase.STEPPED else 0)
         self._recover(position.iteration, error, position.phase >= Phase.STEPPED, consumed)
         furthest = self.phases.agree()
-        # Megatron's loop saves a checkpoint at the top of the first iteration that sees the
-        # micro-batch count change, and the re-form changes it: every survivor must see the change
-        # at the same iteration's top, so a rank an iteration behind counts anew only as it enters
-        # the step the furthest survivor stood in.
+        # The re-form changes Megatron's micro-batch count: a rank an iteration behind takes it up
+        # as it enters the step the furthest survivor stood in (``megatron_loop_counts``).
         if furthest.iteration > position.iteration:
-            self.count_anew_at(furthest.iteration)
+            self.counts.count_anew_at(furthest.iteration)
         else:
-            self._count_microbatches()
+            self.counts.count_now()
         return furthest
 
     def _recover(self, number: int, error: Exception, stepped: bool, consumed: int) -> None:
@@ -489,31 +487,6 @@ class ResilientMegatronLoop:
         args.data_parallel_size = parallel_state.get_data_parallel_world_size()
         self._quotas_in_use = None  # a new world: its loaders, count and scale are made anew
         self._follow_quotas(consumed)
-
-    def count_anew_at(self, iteration: int) -> None:
-        """Megatron's micro-batch count follows this world's data-parallel size from step
-        ``iteration`` on (a rank behind the furthest survivor, or a spare taken back)."""
-        self._count_at = iteration
-
-    def _count_microbatches(self, data_parallel_size: int | None = None) -> None:
-        """Megatron's micro-batch calculator for the re-formed world's data-parallel size, or for
-        ``data_parallel_size`` (the global batch is kept)."""
-        from megatron.core.num_microbatches_calculator import (
-            destroy_num_microbatches_calculator, init_num_microbatches_calculator,
-        )
-
-        args = self._args()
-        self._count_at = None
-        destroy_num_microbatches_calculator()
-        init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
-                                         data_parallel_size or args.data_parallel_size,
-                                         args.decrease_batch_size_if_needed)
-
-    def count_as_before(self, microbatches: int) -> None:
-        """Megatron's micro-batch calculator at ``microbatches`` per replica: the count the
-        survivors' ``train()`` started this world with (a spare taken back enters it with that)."""
-        args = self._args()
-        self._count_microbatches(args.global_batch_size // (args.micro_batch_size * microbatches))
 
     def close(self) -> None:
         """As ``pretrain()`` returns: training, its last save and evaluation are done."""

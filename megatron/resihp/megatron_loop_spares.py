@@ -107,8 +107,8 @@ class SpareReentry:
         # The loop's scheduler handle counts steps on; it learns the job's count from the rebuilt one.
         scheduler.num_steps = 0
         scheduler.load_state_dict(rebuilt_scheduler.state_dict())
-        loop.count_as_before(started_with)
-        loop.count_anew_at(furthest.iteration)
+        loop.counts.as_before(started_with)
+        loop.counts.count_anew_at(furthest.iteration)
         stop_timers("interval-time")  # left running by the train() this rank left
         machine = get_rerun_state_machine()
         machine.state = RerunState.NOT_RUNNING_YET
