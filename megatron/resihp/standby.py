@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.resihp import recovery
+from megatron.resihp import heartbeat_beacon, recovery
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.detection import gemm_probe_s
 from megatron.resihp.logging_utils import log_line, rank_name, ranks_name
@@ -103,6 +103,29 @@ def _here_key(generation: int, launch_rank: int) -> str:
     return f"resihp/gen{generation}/standby/{launch_rank}"
 
 
+def _beat_key(launch_rank: int) -> str:
+    return f"{_PREFIX}beat/{launch_rank}"
+
+
+def beat_as_standby(launch_rank: int) -> None:
+    """Point this process's heartbeat beacon (if it has one) at its standby key: the beacon marks it
+    there the moment it dies or has stood stopped, so a recovery that calls it plans without it at
+    once instead of waiting out the call."""
+    beacon = heartbeat_beacon.current()
+    if beacon is not None:
+        key = _beat_key(launch_rank)
+        beacon.point_at(key, key + "/evicted")  # nobody evicts a standby: the key is never set
+
+
+def marked_gone(store, launch_rank: int) -> bool:
+    """Whether the beacon of standby ``launch_rank`` said it died or stands stopped by a signal."""
+    key = _beat_key(launch_rank)
+    if not store.check([key]):
+        return False
+    parts = store.get(key).decode().split(":")
+    return len(parts) > 2 and parts[2] in (heartbeat_beacon.DEAD_MARK, heartbeat_beacon.STOPPED_MARK)
+
+
 class Readmission:
     """Both sides of readmission; ``host`` is the process's ``ResilienceHooks`` (its run state,
     store, heartbeats, detector and injected faults)."""
@@ -154,6 +177,7 @@ class Readmission:
         probing = (f", probing every {interval:g} s (healthy probe {self._standby_reference_s * 1e3:.2f} ms)"
                    if self.probes else " for a later failure")
         log_line(f" resihp: launch rank {me} stands by from iteration {self._standby_since}{probing}")
+        beat_as_standby(me)
         host.events.emit("standby", self._standby_since, launch_rank=me,
                          reference_probe_s=self._standby_reference_s)
         applied, next_probe, seq = self._standby_since, 0.0, 0
@@ -303,16 +327,27 @@ class Readmission:
         order = sorted(launch_ranks)
         for launch in order:
             host.store.set(_call_key(launch), json.dumps({"kind": "recovery", "generation": generation}))
-        keys = [_here_key(generation, launch) for launch in order]
-        # A standby polls for calls every 50 ms; one that does not answer in this time is gone (or
-        # stopped), and the plan is made without it.
+        # A standby polls for calls every 50 ms; one its beacon marked dead or stopped, or that does
+        # not answer in this time (its beacon went too: a lost node), is gone, and the plan is made
+        # without it.
         deadline = time.monotonic() + max(2.0, 2 * host.cfg.heartbeat_timeout_s)
-        while order and not host.store.check(keys) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        here = [launch for launch in order if host.store.check([_here_key(generation, launch)])]
+        here, gone, waiting = [], [], list(order)
+        while waiting and time.monotonic() < deadline:
+            for launch in list(waiting):
+                if host.store.check([_here_key(generation, launch)]):
+                    here.append(launch)
+                    waiting.remove(launch)
+                elif marked_gone(host.store, launch):
+                    gone.append(launch)
+                    waiting.remove(launch)
+            if waiting:
+                time.sleep(0.02)
+        if gone:
+            log_line(f" resihp: spare launch ranks {sorted(gone)} called by world {generation}: dead or stopped "
+                     f"by their heartbeat beacons; planning without them")
         for launch in set(order) - set(here):
             host.store.delete_key(_call_key(launch))  # one that answers late reads the plan and stands by
-        return here
+        return sorted(here)
 
     def after_recovery(self, published: dict) -> None:
         """Every member of a recovered world, spares taken back included: who stands by now (the
