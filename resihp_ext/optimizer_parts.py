@@ -18,6 +18,7 @@ a position with one data-parallel rank has no copy (nor needs one while its repl
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from resihp_ext.layout import Layout
 
@@ -57,27 +58,80 @@ def part_sources(layout: Layout, dead: frozenset[int]) -> tuple[dict[int, int], 
     return sources, tuple(sorted(lost))
 
 
-def stale_parts(updates: Mapping[int, int], held: Mapping[int, tuple[int, int] | None],
-                sources: Mapping[int, int]) -> str | None:
-    """Why the surviving parts cannot make one optimizer state, or None when they can.
+@dataclass(frozen=True)
+class HeldCopy:
+    """The copy a live rank keeps of another rank's part.
+
+    Attributes:
+        owner: whose part it is.
+        updates: how many optimizer updates the copy has taken.
+        earlier: the update count of the copy it replaced (kept until the next one arrives), or
+            None when it replaced none.
+    """
+
+    owner: int
+    updates: int
+    earlier: int | None = None
+
+
+@dataclass(frozen=True)
+class PartsAgreement:
+    """The optimizer update that every surviving part, and the copy of every dead rank's, is
+    brought to: the lowest one any of them stands at.
+
+    Attributes:
+        update: the update count the re-formed world's optimizer state is of.
+        undone: live ranks whose part took one update more; they take back their part as it was
+            before that update (and their Adam step counts), and the iteration runs again.
+        earlier_copies: dead ranks whose part is the copy its holder kept before the last one.
+    """
+
+    update: int
+    undone: tuple[int, ...] = ()
+    earlier_copies: tuple[int, ...] = ()
+
+
+def agree_on_update(updates: Mapping[int, int], before: Mapping[int, int | None],
+                    held: Mapping[int, HeldCopy | None], sources: Mapping[int, int]) -> PartsAgreement | str:
+    """The update every surviving part can be brought to, or why none can.
+
+    A failure can strike between two ranks' updates (while the optimizer steps) or between a rank's
+    update and its copy reaching the holder; the parts then stand at two neighbouring updates. The
+    ranks ahead go back one update (each keeps its part as it was before its last update), and a dead
+    rank's copy is the one its holder kept before the last one when that one is ahead.
 
     Args:
         updates: live rank -> how many optimizer updates its own part has taken.
-        held: live rank -> (whose part it keeps a copy of, how many updates that copy has taken),
-            or None when it keeps none yet.
+        before: live rank -> the update count of its part as kept from before its last update, or
+            None when it keeps none.
+        held: live rank -> the copy it keeps, or None when it keeps none yet.
         sources: dead rank -> the live rank whose copy stands for its part (``part_sources``).
     """
-    counts = set(updates.values())
-    if len(counts) > 1:
-        behind = sorted(r for r, n in updates.items() if n == min(counts))
-        return (f"the live ranks' parts of the optimizer state are at different updates ({sorted(counts)}; "
-                f"ranks {behind} behind): a failure struck while the optimizer stepped")
-    count = next(iter(counts), 0)
+    copies = {}
     for dead, holder in sorted(sources.items()):
         copy = held.get(holder)
-        if copy is None or copy[0] != dead:
+        if copy is None or copy.owner != dead:
             return f"rank {holder} keeps no copy of dead rank {dead}'s part of the optimizer state"
-        if copy[1] != count:
-            return (f"the copy of dead rank {dead}'s part of the optimizer state (on rank {holder}) is of update "
-                    f"{copy[1]}, the survivors' parts of update {count}: the failure struck while copies were sent")
-    return None
+        copies[dead] = copy
+    counts = [*updates.values(), *(copy.updates for copy in copies.values())]
+    if not counts:
+        return PartsAgreement(0)
+    update = min(counts)
+    undone = []
+    for rank, count in sorted(updates.items()):
+        if count == update:
+            continue
+        if before.get(rank) != update:
+            return (f"rank {rank}'s part of the optimizer state is of update {count} and keeps none of update "
+                    f"{update}, where the others stand: the failure struck while the optimizer stepped")
+        undone.append(rank)
+    earlier = []
+    for dead, copy in copies.items():
+        if copy.updates == update:
+            continue
+        if copy.earlier != update:
+            return (f"the copy of dead rank {dead}'s part of the optimizer state (on rank {sources[dead]}) is of "
+                    f"update {copy.updates}, none of update {update}, where the survivors' parts stand: the failure "
+                    f"struck while copies were sent")
+        earlier.append(dead)
+    return PartsAgreement(update, tuple(undone), tuple(earlier))

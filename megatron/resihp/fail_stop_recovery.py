@@ -210,6 +210,11 @@ class FailStopRecovery:
                 log_line(f" resihp: {rank_name(old_rank, run.identity)}: re-forming world {run.generation} failed "
                          f"({str(exc.__cause__ or exc).splitlines()[0][:120]}); planning again with the ranks "
                          f"the heartbeats name")
+        if completed is not None and run.part_copies is not None and new.part_copies is not None \
+                and new.part_copies.updates < run.part_copies.updates:
+            completed = None  # this rank's update was taken back with the others' (``agree_on_update``)
+            log_line(f" resihp: {rank_name(old_rank, run.identity, new.rank)}: the optimizer's parts went back to "
+                     f"update {new.part_copies.updates}, where every part stood; iteration {iteration} runs again")
         host.known_health = host.known_health.relabel(plan.new_rank)
         host.readmission.after_recovery(published)
         quotas = run.quotas

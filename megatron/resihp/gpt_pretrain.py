@@ -376,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     if resilient:
         from megatron.resihp import heartbeat_beacon
         from megatron.resihp.megatron_loop_resilience import ResilientMegatronLoop
+        from megatron.resihp.megatron_loop_setup import leave_before_training
 
         cfg = resilience_config(args)
         if cfg.detection_on:
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
                  model_provider=model_provider)
     except RuntimeError as error:
         if loop is not None:
-            loop.leave_before_training(error)  # a rank lost during the set-up: leaves with the command to run again
+            leave_before_training(loop, error)  # a rank lost during the set-up: leaves with the command to run again
         raise
     if loop is not None:
         loop.close()

@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import sys
 import time
 
 import torch.distributed as dist
 
 from megatron.resihp import megatron_loop_quotas as quota_split
 from megatron.resihp.data_samplers import even_quotas
-from megatron.resihp.logging_utils import EventLog, log_line, ranks_name
+from megatron.resihp.logging_utils import EventLog, log_line
 from megatron.resihp.megatron_loop_counts import MicrobatchCount
 from megatron.resihp.megatron_loop_data import LoopData
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
@@ -205,8 +204,12 @@ class ResilientMegatronLoop:
             except RuntimeError as error:  # torch.distributed reports a dead or stuck peer this way
                 if not self.hooks.can_recover:
                     raise
-                stepped = self._stepped
-                self.recover_at(Position(number, Phase.STEPPED if stepped else Phase.STEP), error)
+                self.recover_at(Position(number, Phase.STEPPED if self._stepped else Phase.STEP), error)
+            # A recovery that took this rank's update back (``stage_parts``) runs the iteration again.
+            stepped = self._stepped
+            if not stepped and opt_param_scheduler.num_steps != scheduler_steps:
+                opt_param_scheduler.num_steps = scheduler_steps
+                opt_param_scheduler.step(increment=0)  # the learning rate of the step not taken
             if stepped:
                 # This rank's replica stepped before the failure surfaced (in its loss reduction, or
                 # while the detector judged the step): the iteration is done; its loss may be lost to
@@ -218,6 +221,8 @@ class ResilientMegatronLoop:
             machine = get_rerun_state_machine()  # the failed attempt left it mid-iteration
             machine.state = RerunState.NOT_RUNNING_YET
             machine.current_iteration -= 1
+        if self.hooks.run.part_copies is not None:
+            self.hooks.run.part_copies.step_done()
         self._record(number, result, time.perf_counter() - start)
         return result
 
@@ -284,7 +289,7 @@ class ResilientMegatronLoop:
     def _start_hooks(self, args) -> None:
         """This process's executor, as soon as the launch world's groups exist: its heartbeats then
         watch Megatron's set-up too (model build, checkpoint load, data loaders), so that a rank
-        lost before the first step is named (``leave_before_training``)."""
+        lost before the first step is named (``megatron_loop_setup.leave_before_training``)."""
         from megatron.resihp.resilience import ResilienceHooks
 
         self.events = EventLog(self.cfg.event_log, dist.get_rank())
@@ -392,8 +397,11 @@ class ResilientMegatronLoop:
         args = self._args()
         # Megatron counts an iteration's samples once its train_step returns: inside the step, after
         # this rank's optimizer stepped, they are consumed but not yet counted.
-        consumed = args.consumed_train_samples + (args.global_batch_size if position.phase is Phase.STEPPED else 0)
-        self._recover(position.iteration, error, position.phase >= Phase.STEPPED, consumed)
+        uncounted = args.global_batch_size if position.phase is Phase.STEPPED else 0
+        if self._recover(position.iteration, error, position.phase >= Phase.STEPPED, args.consumed_train_samples,
+                         uncounted):
+            self._stepped = False
+            self.phases.position = Position(position.iteration, Phase.STEP)
         furthest = self.phases.agree()
         # The re-form changes Megatron's micro-batch count: a rank an iteration behind takes it up
         # as it enters the step the furthest survivor stood in (``megatron_loop_counts``).
@@ -403,10 +411,17 @@ class ResilientMegatronLoop:
             self.counts.count_now()
         return furthest
 
-    def _recover(self, number: int, error: Exception, stepped: bool, consumed: int) -> None:
-        """Recover from ``error`` at iteration ``number`` (done when this rank had ``stepped``; the
-        job has consumed ``consumed`` samples), or leave."""
+    def _recover(self, number: int, error: Exception, stepped: bool, counted: int, uncounted: int) -> bool:
+        """Recover from ``error`` at iteration ``number`` (done when this rank had ``stepped``; Megatron
+        has counted ``counted`` samples, and the step consumed ``uncounted`` more), or leave.
+
+        Returns:
+            Whether the recovery took this rank's optimizer update back (only ever inside the step,
+            ``PartCopies.step_done``): the iteration runs again.
+        """
+        consumed = counted + uncounted
         old_config = self.hooks.run.objects.config
+        updates = self.hooks.run.part_copies.updates if self.hooks.run.part_copies is not None else None
         try:
             self.hooks.recover(number, error, self.hooks.run.objects, consumed,
                                list(self.hooks.run.quotas), completed=number if stepped else None)
@@ -414,35 +429,10 @@ class ResilientMegatronLoop:
             raise
         except StopTraining as stop:
             self.leave(number, stop)
-        self.take_over(*self.handles, old_config, consumed)
-
-    def leave_before_training(self, error: Exception) -> None:
-        """``error`` ended Megatron's set-up, before its first step. When it is a peer's failure and
-        the heartbeats name a failed rank, this rank leaves with ``EXIT_NEEDS_RESTART`` and the
-        command that runs the job again (nothing of this launch was trained); else it returns, and
-        the caller re-raises ``error`` (this rank's own, or a failure nobody can name)."""
-        from megatron.resihp.failure_origin import is_peer_failure
-        from megatron.resihp.fail_stop_recovery import EXIT_NEEDS_RESTART, resume_command
-
-        hooks = self.hooks
-        if self.handles is not None or hooks is None or not hooks.can_recover or not is_peer_failure(error):
-            return
-        deadline = time.monotonic() + 2 * self.cfg.heartbeat_timeout_s
-        while not (lost := hooks.monitor.dead_ranks | hooks.monitor.hung_ranks) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not lost:
-            return
-        hooks.abandon_world()  # the others may still wait on this rank
-        args = self._args()
-        command = resume_command(sys.argv, dist.get_world_size(), args.load)
-        if dist.get_rank() == min(set(range(dist.get_world_size())) - lost):
-            log_line(f" resihp: run again with: {command}")
-        self.events.emit("start_failed", args.iteration, failed_ranks=sorted(lost), resume_command=command,
-                         error=str(error).splitlines()[0])
-        hooks.unwatch()  # leaves cleanly: the others must not count this rank among the failed
-        self.leave(args.iteration, StopTraining(EXIT_NEEDS_RESTART, (
-            f"{ranks_name(lost, hooks.run.identity)} failed while Megatron set the job up, before the first "
-            "iteration; nothing of this launch was trained, so the job is run again")))
+        copies = self.hooks.run.part_copies
+        undone = stepped and updates is not None and copies is not None and copies.updates < updates
+        self.take_over(*self.handles, old_config, consumed - uncounted if undone else consumed)
+        return undone
 
     def leave(self, number: int, stop: StopTraining) -> None:
         """This rank leaves the job at iteration ``number``, as ``stop`` says."""

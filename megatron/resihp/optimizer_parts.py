@@ -12,7 +12,10 @@ Read and written through the optimizer's own accessors
 - ``PartCopies``: after every optimizer update, each rank sends its part to the rank that keeps its
   copy and receives the part it keeps (``resihp_ext.optimizer_parts``: the next rank of the same
   position, a ring), one pair of point-to-point messages per rank. The update count travels with
-  each copy, so a recovery can tell a copy that missed the last update.
+  each copy, so a recovery can tell a copy that missed the last update. Each rank also keeps its
+  own part as it was before its latest update, and the copy it held before the latest one: a
+  failure between two ranks' updates, or between an update and its copy, then leaves every part
+  one update back within reach, and the survivors go back to it and run the iteration again.
 - ``stage_parts``: in the world of every survivor a recovery forms, the kept ranks receive the
   parts of their position they do not hold, each from its owner or, for a dead owner, from the
   rank keeping its copy (a spare taken back into a dead rank's place receives every part of that
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from resihp_ext.layout import Layout
-from resihp_ext.optimizer_parts import copied_owner, copy_holder, part_ring, stale_parts
+from resihp_ext.optimizer_parts import HeldCopy, agree_on_update, copied_owner, copy_holder, part_ring
 
 # Adam's state besides its step count (restored from the optimizer's param groups, the same on
 # every rank), in the order each piece's values are laid out.
@@ -205,22 +208,27 @@ def regather(optimizer) -> None:
 
 
 class PartCopies:
-    """This rank's update count, and the copy it keeps of the previous rank's part (``held``).
+    """This rank's update count, its part as it was before its latest update (``before``), and the
+    copy it keeps of the previous rank's part (``held``, and ``held_earlier``, the one before).
 
     An optimizer step counts once its first parameter is updated (from then on the part differs
     from its copy), and its copies are sent once the step has returned: a failure in between
-    leaves the copies an update behind, which a recovery sees (``stale_parts``)."""
+    leaves the copies an update behind, which a recovery sees and undoes (``agree_on_update``)."""
 
     def __init__(self, layout: Layout, rank: int, optimizer, updates: int = 0):
         self.optimizer = optimizer
         self.holder = copy_holder(layout, rank)
         self.owner = copied_owner(layout, rank)
         self.updates = updates
+        self.before: Part | None = None  # this rank's part before the update of the step in progress
         self.held: Part | None = None  # the owner's part, as last received
+        self.held_earlier: Part | None = None  # the one received before it
         self._counted = False  # this step's update is counted
 
     def step_begins(self) -> None:
+        """The optimizer is about to step: keep the part as it stands, in case the update is undone."""
         self._counted = False
+        self.before = read_part(self.optimizer, self.updates)
 
     def updating(self) -> bool:
         """One of the optimizer's parameter groups was updated (counted once per step). Returns
@@ -237,17 +245,52 @@ class PartCopies:
             self._counted = False
             self.send()
 
+    def step_done(self) -> None:
+        """Megatron's loop has counted the step's iteration: its update can no longer be undone."""
+        self.before = None
+
     def send(self) -> None:
         """Send this rank's part to the rank keeping its copy and receive the part this rank keeps
         (every rank of the world at once)."""
         if self.holder is None:
             return
         own = read_part(self.optimizer, self.updates)
-        self.held = _swap_parts([(own, self.holder)], [self.owner], own.values.device)[0]
+        received = _swap_parts([(own, self.holder)], [self.owner], own.values.device)[0]
+        self.held_earlier, self.held = self.held, received
 
-    def report(self) -> tuple[int, tuple[int, int] | None]:
-        """(this rank's updates, (whose copy it keeps, that copy's updates) or None)."""
-        return self.updates, None if self.held is None else (self.owner, self.held.updates)
+    def report(self) -> tuple[int, int | None, HeldCopy | None]:
+        """(this rank's updates, those of its part kept from before its latest update, the copy it keeps)."""
+        held = None if self.held is None else HeldCopy(
+            self.owner, self.held.updates, None if self.held_earlier is None else self.held_earlier.updates)
+        before = None if self.before is None or self.before.updates != self.updates - 1 else self.before.updates
+        return self.updates, before, held
+
+    def part_at(self, update: int) -> Part:
+        """This rank's part of ``update``: as it stands, or as it was before its latest update."""
+        if update == self.updates:
+            return read_part(self.optimizer, self.updates)
+        assert self.before is not None and self.before.updates == update, (update, self.updates)
+        return self.before
+
+    def held_at(self, update: int) -> Part:
+        """The copy this rank keeps, of ``update``: the latest, or the one before it."""
+        for part in (self.held, self.held_earlier):
+            if part is not None and part.updates == update:
+                return part
+        raise AssertionError(f"no copy of update {update} kept")
+
+
+def set_back_adam_steps(optimizer, steps: int) -> None:
+    """Take ``steps`` off every Adam step count of ``optimizer``'s parts (an update undone)."""
+    if steps <= 0:
+        return
+    for sub in distributed_optimizers(optimizer):
+        for state in sub.optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.sub_(steps)
+            elif step is not None:
+                state["step"] = step - steps
 
 
 def _exchange(sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]]) -> None:
@@ -278,21 +321,28 @@ class StagedParts(NamedTuple):
     """What ``stage_parts`` leaves a rank of the new world with.
 
     Attributes:
-        parts: every part of its position, its own included (a standby: what it received).
+        parts: every part of its position, its own included (a standby: what it received), all of
+            ``update``.
         optimizer_state: on a standby taken back, a live rank of its position's optimizer
             ``state_dict()`` (step counts, parameter groups, loss scaler), which shapes the state
             its parts are written into; None on every other rank, and before the first update.
+        update: the update count the parts are of (every member's alike).
+        steps_back: how many updates the Adam step counts this rank's rebuilt optimizer takes (its
+            own, or on a standby ``optimizer_state``'s) are ahead of ``update``.
     """
 
     parts: list[Part]
     optimizer_state: dict | None = None
+    update: int = 0
+    steps_back: int = 0
 
 
 def stage_parts(copies: PartCopies | None, layout: Layout, rank: int, sources: Mapping[int, int],
                 kept: Mapping[int, int], peer_rank: Callable[[int], int], places: Mapping[int, int] | None = None,
                 device: torch.device | None = None) -> StagedParts | None:
-    """In the world of every survivor (``peer_rank``: a ``layout`` rank's rank there): check that
-    the parts make one state, then send every kept rank of each position the parts it lacks.
+    """In the world of every survivor (``peer_rank``: a ``layout`` rank's rank there): agree on the
+    update the parts are brought to, then send every kept rank of each position the parts it lacks,
+    of that update.
 
     Args:
         copies: this rank's part and held copy, in ``layout``; None on a standby taken back.
@@ -307,7 +357,7 @@ def stage_parts(copies: PartCopies | None, layout: Layout, rank: int, sources: M
         On a kept rank, every part of its position (``StagedParts``); None elsewhere.
 
     Raises:
-        OptimizerPartsStale: on every member alike, when the parts do not make one state.
+        OptimizerPartsStale: on every member alike, when the parts cannot make one state.
     """
     places = dict(places or {})
     seat = {standby: dead for dead, standby in places.items()}  # a standby's place in ``layout``
@@ -318,25 +368,30 @@ def stage_parts(copies: PartCopies | None, layout: Layout, rank: int, sources: M
     gives = copies is not None and rank in giver.values() and copies.updates > 0
     state = copies.optimizer.state_dict() if gives else None
     reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, (rank, None, None, state) if copies is None else (rank, *copies.report(), state))
+    dist.all_gather_object(reports, (rank, None, None, None, state) if copies is None
+                           else (rank, *copies.report(), state))
     holders = [r for r in reports if r[1] is not None]  # a standby holds no part
-    why = stale_parts({r: n for r, n, _, _ in holders}, {r: held for r, _, held, _ in holders}, sources)
-    if why:
-        raise OptimizerPartsStale(why)
+    agreed = agree_on_update({r: n for r, n, _, _, _ in holders}, {r: b for r, _, b, _, _ in holders},
+                             {r: held for r, _, _, held, _ in holders}, sources)
+    if isinstance(agreed, str):
+        raise OptimizerPartsStale(agreed)
     sends = []  # (source, receiver, owner) in one order on every member
     for receiver in sorted(kept):
         for owner in part_ring(layout, seat.get(receiver, receiver)):
             source = sources.get(owner, owner)
             if owner != receiver and source != receiver:
                 sends.append((source, receiver, owner))
-    own = read_part(copies.optimizer, copies.updates) if copies is not None else None
-    outgoing = [(own if owner == rank else copies.held, peer_rank(receiver))
+    own = copies.part_at(agreed.update) if copies is not None else None
+    held = copies.held_at(agreed.update) if copies is not None and copies.owner in agreed.earlier_copies else \
+        copies.held if copies is not None else None
+    outgoing = [(own if owner == rank else held, peer_rank(receiver))
                 for source, receiver, owner in sends if source == rank]
     received = _swap_parts(outgoing, [peer_rank(source) for source, receiver, _ in sends if receiver == rank],
                            own.values.device if own is not None else device)
     if rank not in kept:
         return None
     if copies is None:
-        return StagedParts(received, next(s for r, _, _, s in reports if r == giver[rank]))
-    held = [copies.held] if copies.held is not None and sources.get(copies.owner) == rank else []
-    return StagedParts([own, *held, *received])
+        given = next(r for r in reports if r[0] == giver[rank])
+        return StagedParts(received, given[4], agreed.update, steps_back=given[1] - agreed.update if given[4] else 0)
+    mine = [held] if held is not None and sources.get(copies.owner) == rank else []
+    return StagedParts([own, *mine, *received], None, agreed.update, steps_back=copies.updates - agreed.update)

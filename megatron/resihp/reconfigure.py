@@ -35,8 +35,8 @@ from megatron.resihp.layer_sync import LayoutGradSync
 from megatron.resihp.logging_utils import log_line, rank_name
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.optimizer_parts import (
-    PartCopies, StagedParts, is_distributed, position_parts, regather, stage_parts, whole_part, whole_states,
-    write_parts,
+    PartCopies, StagedParts, is_distributed, position_parts, regather, set_back_adam_steps, stage_parts, whole_part,
+    whole_states, write_parts,
 )
 from megatron.resihp.parallel_state_patch import build_groups, install, message_group, teardown
 from megatron.resihp.reshard import (
@@ -289,9 +289,9 @@ def _split_parts_anew(run: RunState, layout: Layout, rank: int, new_objects, sta
     if staged.optimizer_state is not None:
         new_objects.optimizer.load_state_dict(staged.optimizer_state)
     write_parts(new_objects.optimizer, staged.parts)
+    set_back_adam_steps(new_objects.optimizer, staged.steps_back)  # an update undone (``agree_on_update``)
     regather(new_objects.optimizer)
-    updates = run.part_copies.updates if run.part_copies is not None else max(p.updates for p in staged.parts)
-    return _send_copies(layout, rank, new_objects.optimizer, updates)
+    return _send_copies(layout, rank, new_objects.optimizer, staged.update)
 
 
 def _send_copies(layout: Layout, rank: int, optimizer, updates: int) -> PartCopies:

@@ -37,7 +37,8 @@ loss logged matches (the table says how many were not logged).
 
 ``--distributed-optimizer`` (with ``--loop megatron``) runs every job with ``--use-distributed-optimizer``,
 where a dead rank's part of the optimizer state comes from its copy on another rank, and adds a
-kill between a rank's update and its copy (``during=update``), which falls back.
+kill between a rank's update and its copy (``during=update``), which the survivors undo: every part goes back
+to the update before, and the iteration runs again.
 
 Not covered (yet): an exception raised inside one rank's step on the resihp loop, and failures
 before the first iteration (model build, checkpoint load, the loaders' set-up). The store host's death is not a case here: the store lives in

@@ -3,7 +3,8 @@ rank's part survives only as the copy the next rank of its position keeps: whole
 every dead rank's copy lives, and the plan says where each comes from."""
 
 from resihp_ext.layout import Layout, ModelSpec
-from resihp_ext.optimizer_parts import copied_owner, copy_holder, part_ring, part_sources, stale_parts
+from resihp_ext.optimizer_parts import (HeldCopy, PartsAgreement, agree_on_update, copied_owner, copy_holder,
+                                        part_ring, part_sources)
 from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
@@ -56,12 +57,24 @@ def test_with_copies_whole_replicas_go_on_and_the_plan_names_each_copy_it_uses()
     assert plan_survivors(LAYOUT, frozenset({5})).part_sources is None
 
 
-def test_the_parts_make_one_state_only_when_every_update_count_agrees():
-    held = {6: (5, 3), 4: (7, 3), 7: (6, 3)}
-    assert stale_parts({4: 3, 6: 3, 7: 3}, held, {5: 6}) is None
-    assert "while the optimizer stepped" in stale_parts({4: 3, 6: 2, 7: 3}, held, {5: 6})
-    assert "while copies were sent" in stale_parts({4: 3, 6: 3, 7: 3}, {**held, 6: (5, 2)}, {5: 6})
-    assert "keeps no copy" in stale_parts({4: 3, 6: 3, 7: 3}, {**held, 6: None}, {5: 6})
+def test_the_parts_are_brought_to_the_lowest_update_any_of_them_stands_at():
+    # Ranks 4, 6, 7 live; rank 5 dead, its copy on rank 6.
+    held = {6: HeldCopy(5, 3, 2), 4: HeldCopy(7, 3, 2), 7: HeldCopy(6, 3, 2)}
+    before = {4: 2, 6: 2, 7: 2}
+    assert agree_on_update({4: 3, 6: 3, 7: 3}, before, held, {5: 6}) == PartsAgreement(3)
+    # Rank 5 died after its update, before its copy reached rank 6: every survivor goes back one update.
+    behind = {**held, 6: HeldCopy(5, 2, 1)}
+    assert agree_on_update({4: 3, 6: 3, 7: 3}, before, behind, {5: 6}) == PartsAgreement(2, (4, 6, 7))
+    # The failure struck between ranks' updates: those ahead go back, and so does rank 5's copy.
+    assert agree_on_update({4: 3, 6: 2, 7: 3}, {4: 2, 6: 1, 7: 2}, held, {5: 6}) == PartsAgreement(2, (4, 7), (5,))
+    # A rank ahead that keeps nothing from before (Megatron's loop had counted its iteration): no state.
+    assert "while the optimizer stepped" in agree_on_update({4: 3, 6: 2, 7: 3}, {4: None, 6: 1, 7: 2}, held, {5: 6})
+    # A copy ahead by one without the one before it, or two behind: no state.
+    assert "while copies were sent" in agree_on_update({4: 2, 6: 2, 7: 2}, {}, {**held, 6: HeldCopy(5, 3, None)},
+                                                       {5: 6})
+    assert "keeps no copy" in agree_on_update({4: 3, 6: 3, 7: 3}, before, {**held, 6: None}, {5: 6})
+    assert "keeps no copy" in agree_on_update({4: 3, 6: 3, 7: 3}, before, {**held, 6: HeldCopy(4, 3)}, {5: 6})
+    assert agree_on_update({}, {}, {}, {}) == PartsAgreement(0)
 
 
 def test_a_standby_takes_a_dead_ranks_place_and_receives_parts_only():
