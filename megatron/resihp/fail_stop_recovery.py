@@ -150,7 +150,12 @@ class FailStopRecovery:
             host.run = run
             answered: list[int] = []  # launch ranks of the spares that answered the leader's call
 
-            def standbys(run=run, left=left, answered=answered) -> tuple[int, ...]:
+            # An earlier attempt's spare is called only once it stands by (its heartbeat says it left
+            # cleanly): one that died, or that is still in this recovery (the attempt failed before it
+            # left), would not answer, and the plan would wait for it in vain.
+            standing = (left & host.monitor.exited_ranks) - named
+
+            def standbys(run=run, left=standing, answered=answered) -> tuple[int, ...]:
                 if take_back:
                     calling = host.readmission.spares | {run.identity[r] for r in left}
                     answered.extend(host.readmission.call_spares(run.generation, calling))
