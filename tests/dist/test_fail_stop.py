@@ -13,36 +13,10 @@ import sys
 import pytest
 import torch
 
-from tests.dist.launch import (OWN_LOOP, REPO, assert_moved_as_planned, check, iteration_losses, main_copies,
-                               read_events, run_job)
+from tests.dist.launch import REPO, assert_moved_as_planned, check, iteration_losses, main_copies, read_events, run_job
+from tests.dist.own_loop_jobs import MODEL, RESILIENT, assert_same_params, assert_same_training, saved_params
 from scripts.child_env import job_env
 from scripts.signal_rank import run_and_signal
-
-MODEL = [
-    *OWN_LOOP, "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--lr", "1e-3",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "1",
-    "--hidden-dropout", "0", "--attention-dropout", "0",
-]
-RESILIENT = ["--resihp-enable", "--resihp-collective-timeout-s", "5"]
-
-
-def _params(checkpoint, iteration):
-    shards = {}
-    for path in sorted((checkpoint / f"iter_{iteration:07d}").glob("mp_rank_*/model_optim_rng.pt")):
-        state = torch.load(path, weights_only=False)
-        shards[path.parent.name] = state
-    return shards
-
-
-def _assert_same_params(a, b, tol=1e-5):
-    assert a.keys() == b.keys() and a
-    for shard in a:
-        assert a[shard]["consumed_samples"] == b[shard]["consumed_samples"]
-        for name, value in a[shard]["model"].items():
-            if torch.is_tensor(value) and value.is_floating_point():
-                torch.testing.assert_close(b[shard]["model"][name], value, rtol=0, atol=tol, msg=f"{shard} {name}")
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
@@ -65,16 +39,6 @@ def pp2_reference(tmp_path_factory):
     log = tmp / "events.jsonl"
     check(run_job(2, [*MODEL, *PP2_SHAPE, "--resihp-event-log", str(log), "--save", str(tmp / "ckpt")]))
     return tmp / "ckpt", iteration_losses(log)
-
-
-def _assert_same_training(log, checkpoint, reference, global_batch, param_tol=1e-5):
-    """Losses of iterations 1-8, parameters and consumed samples after 8 equal the reference's."""
-    ref_ckpt, ref_losses = reference
-    losses = iteration_losses(log)
-    assert [losses[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
-    ours = _params(checkpoint, 8)
-    assert {s["consumed_samples"] for s in ours.values()} == {8 * global_batch}
-    _assert_same_params(_params(ref_ckpt, 8), ours, tol=param_tol)
 
 
 def _run_tp2pp2dp2(tmp_path, fault: str, resilient=tuple(RESILIENT)):
@@ -115,7 +79,7 @@ def test_sigkill_is_survived_in_place_with_exact_parameters(tmp_path, reference)
     assert adapted[0]["data_parallel_size"] == 2
     # Same iterations, same losses, same parameters, exact consumed samples.
     assert sorted(iteration_losses(log)) == list(range(1, 9))
-    _assert_same_training(log, tmp_path / "ckpt", reference, 16)
+    assert_same_training(log, tmp_path / "ckpt", reference, 16)
 
 
 def test_hung_rank_is_named_fenced_and_survived_in_place(tmp_path, reference):
@@ -140,7 +104,7 @@ def test_hung_rank_is_named_fenced_and_survived_in_place(tmp_path, reference):
     assert len(adapted) == 1 and adapted[0]["world_size"] == 6 and adapted[0]["failed_ranks"] == [5]
     losses = iteration_losses(log)
     assert [losses[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
-    _assert_same_params(_params(ref_ckpt, 8), _params(tmp_path / "ckpt", 8))
+    assert_same_params(saved_params(ref_ckpt, 8), saved_params(tmp_path / "ckpt", 8))
 
 
 def test_second_failure_after_an_adaptation_is_survived(tmp_path, pp2_reference):
@@ -178,7 +142,7 @@ def test_broken_replicas_are_rebuilt_in_place_with_exact_parameters(tmp_path, re
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 4)], adapted
     assert not read_events(log, "fallback_checkpoint")
-    _assert_same_training(log, tmp_path / "ckpt", reference, 16)
+    assert_same_training(log, tmp_path / "ckpt", reference, 16)
 
 
 def test_intact_stage_group_takes_a_lost_stage_and_receives_its_state(tmp_path, pp2_reference):
@@ -194,7 +158,7 @@ def test_intact_stage_group_takes_a_lost_stage_and_receives_its_state(tmp_path, 
     assert_moved_as_planned(log)  # rank 0 sent rank 4 exactly the transfers the plan carried
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["data_parallel_size"]) for a in adapted] == [(4, 4, 2)], adapted
-    _assert_same_training(log, tmp_path / "ckpt", pp2_reference, 12)
+    assert_same_training(log, tmp_path / "ckpt", pp2_reference, 12)
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +184,8 @@ def test_a_lost_stage_taken_over_in_bf16_keeps_the_fp32_main_copies(tmp_path, pp
     ref_ckpt, ref_losses = pp2_reference_bf16
     losses = iteration_losses(log)
     assert [losses[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
-    ours, ref = _params(tmp_path / "ckpt", 8), _params(ref_ckpt, 8)
-    _assert_same_params(ref, ours)
+    ours, ref = saved_params(tmp_path / "ckpt", 8), saved_params(ref_ckpt, 8)
+    assert_same_params(ref, ours)
     ours_main, ref_main = main_copies(ours), main_copies(ref)
     for shard in ref_main:
         torch.testing.assert_close(ours_main[shard], ref_main[shard], rtol=0, atol=1e-6, msg=shard)
@@ -253,7 +217,7 @@ def test_no_in_place_plan_saves_from_survivors_and_resumes(tmp_path, reference):
     resumed = iteration_losses(resumed_log)
     assert sorted(resumed) == list(range(4, 9))
     assert [resumed[i] for i in range(4, 9)] == pytest.approx([ref_losses[i] for i in range(4, 9)], rel=1e-5)
-    _assert_same_params(_params(ref_ckpt, 8), _params(ckpt, 8))
+    assert_same_params(saved_params(ref_ckpt, 8), saved_params(ckpt, 8))
 
 
 def test_every_holder_of_a_shard_dead_points_to_the_last_periodic_checkpoint(tmp_path):
@@ -317,7 +281,7 @@ def test_receiver_killed_while_state_moves_to_a_lost_stage_is_survived(tmp_path,
     assert plans[-1]["executed"]["spares"] == [5]
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 2, [1, 2, 4])], adapted
-    _assert_same_training(log, tmp_path / "ckpt", pp2_reference, 12)
+    assert_same_training(log, tmp_path / "ckpt", pp2_reference, 12)
 
 
 def test_sender_killed_while_state_moves_ends_at_the_last_periodic_checkpoint(tmp_path):
@@ -362,7 +326,7 @@ def test_tp_group_that_lost_a_rank_goes_on_at_a_smaller_tp_degree(tmp_path):
     # reductions sum in another order, and Adam turns such rounding in near-zero gradients into
     # update differences of its own: on an AVX-512 host one fc1 weight ends 1.6e-5 away (the next
     # largest 3.5e-6), so this comparison allows 5e-5.
-    _assert_same_training(log, tmp_path / "ckpt", (tmp_path / "ref", iteration_losses(ref_log)), 16,
+    assert_same_training(log, tmp_path / "ckpt", (tmp_path / "ref", iteration_losses(ref_log)), 16,
                           param_tol=5e-5)
 
 
@@ -385,7 +349,7 @@ def test_a_tp_group_that_lost_a_rank_is_split_over_two_smaller_replicas(tmp_path
     assert sum(quotas) == 8 and quotas[0] > quotas[1] >= quotas[2] >= 1, quotas
     adapted = read_events(log, "adapted")
     assert [(a["iteration"], a["world_size"], a["data_parallel_size"]) for a in adapted] == [(4, 7, 3)], adapted
-    _assert_same_training(log, tmp_path / "ckpt", (tmp_path / "ref", iteration_losses(ref_log)), 16)
+    assert_same_training(log, tmp_path / "ckpt", (tmp_path / "ref", iteration_losses(ref_log)), 16)
 
 
 def test_a_rank_stopped_from_outside_is_named_hung_at_once_and_survived_in_place(tmp_path, reference):
@@ -405,4 +369,4 @@ def test_a_rank_stopped_from_outside_is_named_hung_at_once_and_survived_in_place
     assert verdicts and all(v["kind"] == "hang" and v["ranks"] == [5] for v in verdicts), verdicts
     adapted = read_events(log, "adapted")
     assert len(adapted) == 1 and adapted[0]["world_size"] == 6 and adapted[0]["failed_ranks"] == [5]
-    _assert_same_training(log, tmp_path / "ckpt", reference, 16)
+    assert_same_training(log, tmp_path / "ckpt", reference, 16)

@@ -19,22 +19,18 @@ import pytest
 
 from scripts.child_env import job_env
 from tests.dist.launch import REPO, check, read_events, run_job
+from tests.dist.megatron_jobs import logged_losses
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
                                 reason="Megatron-LM's training package ships in megatron-core 0.19.2 (Python >= 3.12)")
 
 # Megatron prints one line per logged iteration: "iteration  N/  M | ... | lm loss: X | ...".
-_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
 _ITERATION = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|")
 # What --device cpu stands for, spelled out for a script that has no --device flag.
 CPU_FLAGS = ["--distributed-backend", "gloo", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
              "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion",
              "--no-rope-fusion", "--no-masked-softmax-fusion", "--transformer-impl", "local"]
-
-
-def logged_losses(stdout: str) -> dict[int, float]:
-    return {int(i): float(v) for i, v in _LOSS.findall(stdout)}
 
 
 def run_script(nproc: int, script: Path, args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.launch import check, decisions, read_events, run_job, running_quotas
-from tests.dist.test_megatron_loop_resilience import _replaced, assert_same_training, job_args, stock_training
+from tests.dist.megatron_jobs import assert_same_training, job_args, replaced, stock_training
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -22,7 +22,7 @@ ITERATIONS = 16
 
 
 def real_job_args(tmp, name: str) -> list[str]:
-    return [*_replaced(job_args(tmp, name), {"--train-iters": str(ITERATIONS)}),
+    return [*replaced(job_args(tmp, name), {"--train-iters": str(ITERATIONS)}),
             "--use-distributed-optimizer", "--sequence-parallel"]
 
 
@@ -65,7 +65,7 @@ DP2_ITERATIONS = 20
 
 def dp2_job_args(tmp, name: str) -> list[str]:
     """The same model as data parallelism alone on 2 ranks."""
-    return _replaced(job_args(tmp, name), {"--train-iters": str(DP2_ITERATIONS), "--tensor-model-parallel-size": "1",
+    return replaced(job_args(tmp, name), {"--train-iters": str(DP2_ITERATIONS), "--tensor-model-parallel-size": "1",
                                            "--pipeline-model-parallel-size": "1"})
 
 
@@ -98,7 +98,7 @@ def test_a_slowed_pipeline_link_is_named_from_megatrons_schedule(tmp_path):
     # transfer. Link 0->4 (replica 0's stage boundary) 600x slow from iteration 10 is named as
     # that link, not as a slow rank.
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*_replaced(job_args(tmp_path, "ckpt"), {"--train-iters": "24"}), "--resihp-loop", "megatron",
+    proc = run_job(8, [*replaced(job_args(tmp_path, "ckpt"), {"--train-iters": "24"}), "--resihp-loop", "megatron",
                        "--resihp-detect-only", "--cpu-device-time-scale", "16", "--resihp-event-log", str(events),
                        "--resihp-inject", "link:src=0,dst=4,factor=600,at=10"], timeout_s=480)
     check(proc)

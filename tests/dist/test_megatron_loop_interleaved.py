@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.launch import check, read_events, run_job
-from tests.dist.test_megatron_loop_resilience import assert_same_training, job_args, stock_training
+from tests.dist.megatron_jobs import assert_same_training, job_args, stock_training
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",

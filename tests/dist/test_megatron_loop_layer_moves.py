@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from tests.dist.launch import assert_moved_as_planned, check, decisions, read_events, run_job
-from tests.dist.test_megatron_loop import logged_losses
-from tests.dist.test_megatron_loop_resilience import _replaced, job_args
+from tests.dist.megatron_jobs import job_args, logged_losses, replaced
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -28,7 +27,7 @@ ITERATIONS = 36
 
 
 def layer_job_args(tmp, name: str) -> list[str]:
-    return [*_replaced(job_args(tmp, name), {"--train-iters": str(ITERATIONS), "--ckpt-format": "torch_dist"}),
+    return [*replaced(job_args(tmp, name), {"--train-iters": str(ITERATIONS), "--ckpt-format": "torch_dist"}),
             "--dist-ckpt-optim-fully-reshardable", "--use-distributed-optimizer", "--sequence-parallel"]
 
 
@@ -102,7 +101,7 @@ def test_layers_stay_on_their_stages_when_the_checkpoint_format_numbers_them_per
     # --ckpt-format torch numbers each stage's layers from 0: a checkpoint saved after a move would
     # not load in a stock run, so the job says at start that re-plans keep the stages.
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*_replaced(layer_job_args(tmp_path, "ckpt"), {"--ckpt-format": "torch", "--train-iters": "2"}),
+    proc = run_job(8, [*replaced(layer_job_args(tmp_path, "ckpt"), {"--ckpt-format": "torch", "--train-iters": "2"}),
                        "--resihp-loop", "megatron", "--resihp-enable", "--resihp-event-log", str(events)],
                    timeout_s=420)
     check(proc)

@@ -18,7 +18,7 @@ import pytest
 
 from scripts.child_env import job_env
 from tests.dist.launch import REPO, assert_moved_as_planned, check, read_events, run_job
-from tests.dist.test_megatron_loop_resilience import _wait_for, assert_same_training, job_args, training_of
+from tests.dist.megatron_jobs import assert_same_training, job_args, training_of, wait_for
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -148,14 +148,14 @@ def test_a_spare_standing_by_when_the_jobs_store_dies_leaves_cleanly(tmp_path):
 
     ranks = []
     try:
-        _wait_for(port_file.exists, 60, tmp_path / "store.log")
+        wait_for(port_file.exists, 60, tmp_path / "store.log")
         port = int(port_file.read_text())
         for rank in range(4):
             logs.append(open(tmp_path / f"rank{rank}.log", "w"))
             ranks.append(subprocess.Popen(
                 [sys.executable, "-u", str(REPO / "pretrain_gpt_resilient.py"), *args], cwd=REPO,
                 env=job_env(rank_vars(rank, 4, "127.0.0.1", port)), stdout=logs[-1], stderr=subprocess.STDOUT))
-        _wait_for(lambda: any(r["iteration"] >= 4 for r in read_events(events, "iteration")), 300,
+        wait_for(lambda: any(r["iteration"] >= 4 for r in read_events(events, "iteration")), 300,
                   tmp_path / "rank0.log")
         store.kill()
         codes = [proc.wait(timeout=120) for proc in ranks]

@@ -21,6 +21,7 @@ from megatron.core import package_info
 
 from tests.dist import slurm_cluster
 from tests.dist.launch import OWN_LOOP, iteration_losses, read_events
+from tests.dist.megatron_jobs import logged_losses, saved_weights
 
 MODEL = [
     *OWN_LOOP, "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -197,9 +198,7 @@ MEGATRON_TWO_NODES = [
 def test_whole_node_lost_is_survived_in_place_on_megatrons_loop(two_nodes, tmp_path):
     """As above, with Megatron-LM's own loop: stock Megatron-LM (no --resihp-* flag) over both nodes,
     then the resilient job losing node n2 mid-run; its losses and saved weights equal stock's."""
-    from tests.dist.test_megatron_loop import logged_losses
-    from tests.dist.test_megatron_loop_resilience import saved_weights
-
+        
     runs = {}
     for name, extra in (("stock", []), ("ours", RESILIENT)):
         folder = tmp_path / name

@@ -10,7 +10,7 @@ rank holds. Parameters, losses and consumed samples after 8 iterations equal a f
 import pytest
 
 from tests.dist.launch import assert_moved_as_planned, check, decisions, iteration_losses, read_events, run_job
-from tests.dist.test_fail_stop import MODEL, RESILIENT, _assert_same_training
+from tests.dist.own_loop_jobs import MODEL, RESILIENT, assert_same_training
 
 RUN = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16", "--train-iters", "8"]
 SHAPE = [*RUN, "--tensor-model-parallel-size", "2"]
@@ -61,7 +61,7 @@ def test_three_kills_finish_in_place_with_the_spares_taken_back(tmp_path, refere
     assert not read_events(log, "fallback_checkpoint")
     # What each recovery moved is what its plan carried (the spare's state included).
     assert_moved_as_planned(log, at_least=2)
-    _assert_same_training(log, tmp_path / "ckpt", reference, 16, param_tol=PARAM_TOL)
+    assert_same_training(log, tmp_path / "ckpt", reference, 16, param_tol=PARAM_TOL)
 
 
 def test_five_kills_finish_in_place_on_the_last_ranks_that_hold_every_shard(tmp_path, reference):
@@ -77,7 +77,7 @@ def test_five_kills_finish_in_place_on_the_last_ranks_that_hold_every_shard(tmp_
     # The one rank left standing by leaves as the job ends.
     assert [(e["rank"], e["exit_code"]) for e in read_events(log, "exit")] == [(5, 0)], decisions(log)
     assert_moved_as_planned(log, at_least=4)
-    _assert_same_training(log, tmp_path / "ckpt", reference, 16, param_tol=PARAM_TOL)
+    assert_same_training(log, tmp_path / "ckpt", reference, 16, param_tol=PARAM_TOL)
 
 
 def test_without_standby_the_third_kill_ends_the_job_with_no_holder_of_a_shard(tmp_path):

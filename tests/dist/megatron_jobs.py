@@ -1,0 +1,122 @@
+"""Helpers for the tests that run Megatron-LM's own loop: a small GPT job, stock Megatron-LM's
+failure-free run of it, and the comparison of a resilient run's losses and saved weights with it."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist.launch import check, run_job
+
+_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
+
+
+def logged_losses(stdout: str) -> dict[int, float]:
+    """The lm loss Megatron logged for each iteration."""
+    return {int(i): float(v) for i, v in _LOSS.findall(stdout)}
+
+
+ITERATIONS = 8
+
+
+def job_args(tmp, name: str) -> list[str]:
+    """A small GPT on TP2 x PP2 x DP2, dropout off (so that parameters can be compared exactly)."""
+    return [
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "8",
+        "--train-iters", str(ITERATIONS), "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--weight-decay", "0.1", "--init-method-std", "0.02",
+        "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--split", "99,1,0",
+        "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--device", "cpu",
+        "--save", str(tmp / name), "--save-interval", "1000", "--ckpt-format", "torch",
+    ]
+
+
+def saved_weights(root) -> dict[str, torch.Tensor]:
+    """Every (TP, PP) shard's model tensors of the last checkpoint under ``root``, by file, model chunk
+    (``model``, or under the interleaved schedule ``model0``, ``model1``, ...) and name."""
+    iteration = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+    weights = {}
+    for path in sorted((root / f"iter_{int(iteration):07d}").glob("mp_rank_*/model_optim_rng.pt")):
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        for chunk in (key for key in saved if key == "model" or (key.startswith("model") and key[5:].isdigit())):
+            weights.update({f"{path.parent.name}/{chunk}/{k}": v for k, v in saved[chunk].items()
+                            if isinstance(v, torch.Tensor)})
+    return weights
+
+
+def stock_training(nproc: int, args: list[str]) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """Stock Megatron-LM's loop on ``nproc`` ranks, no ``--resihp-*`` flag: the losses it logs for
+    every iteration and the weights it saves under ``--save``."""
+    proc = run_job(nproc, args, timeout_s=420)
+    check(proc)
+    return training_of(proc, args)
+
+
+def training_of(proc, args: list[str]) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """What a finished run of ``args`` trained: the loss logged for every iteration and the weights
+    saved under ``--save``."""
+    losses = logged_losses(proc.stdout)
+    assert sorted(losses) == list(range(1, int(args[args.index("--train-iters") + 1]) + 1)), proc.stdout[-2000:]
+    return losses, saved_weights(Path(args[args.index("--save") + 1]))
+
+
+HEADS = 4  # job_args' attention heads (no query groups): a QKV bias is (head, q/k/v, head dim)
+
+
+def assert_same_training(stdout: str, root, failure_free, iterations=range(1, ITERATIONS + 1),
+                         key_bias_atol: float | None = None) -> None:
+    """Every iteration in ``iterations`` logged once with the failure-free loss, and the weights saved
+    under ``root`` equal the failure-free run's.
+
+    ``key_bias_atol``: the bound for the key third of each QKV bias, when the data-parallel size
+    changed more than once. Its true gradient is zero (softmax ignores what is added to every
+    score of a query alike), so what it gets is rounding noise of the reduction order, which Adam
+    scales up to steps of the learning rate's size."""
+    expected, want = failure_free
+    expected = dict(expected)
+    if iterations[0] > 1:
+        # A resumed Megatron-LM logs its first iteration without restarting its loss average, so the
+        # second line reports the mean of both (megatron.training.training_log, is_first_iteration).
+        first, second = iterations[0], iterations[1]
+        expected[second] = (expected[first] + expected[second]) / 2
+    got = logged_losses(stdout)
+    assert sorted(got) == list(iterations), stdout[-3000:]
+    for i in iterations:
+        assert got[i] == pytest.approx(expected[i], rel=1e-5), (i, got[i], expected[i])
+    have = saved_weights(root)
+    assert want and sorted(have) == sorted(want)
+    for name, value in want.items():
+        got_value = have[name]
+        if key_bias_atol is not None and name.endswith("linear_qkv.bias"):
+            keys = (slice(None), 1)
+            torch.testing.assert_close(got_value.view(HEADS, 3, -1)[keys], value.view(HEADS, 3, -1)[keys],
+                                       rtol=0, atol=key_bias_atol, msg=name)
+            got_value, value = got_value.view(HEADS, 3, -1)[:, 0::2], value.view(HEADS, 3, -1)[:, 0::2]
+        torch.testing.assert_close(got_value, value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def resilient(tmp, events) -> list[str]:
+    return [*job_args(tmp, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable", "--resihp-event-log", str(events)]
+
+
+def replaced(args: list[str], values: dict[str, str]) -> list[str]:
+    """``args`` with the value after each flag in ``values`` replaced."""
+    out = list(args)
+    for flag, value in values.items():
+        out[out.index(flag) + 1] = value
+    return out
+
+
+def wait_for(condition, timeout_s: float, log) -> None:
+    """Poll ``condition`` until it holds; past ``timeout_s``, fail with the end of ``log``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
