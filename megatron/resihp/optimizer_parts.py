@@ -11,7 +11,8 @@ Read and written through the optimizer's own accessors
 
 - ``PartCopies``: after every optimizer update, each rank sends its part to the rank that keeps its
   copy and receives the part it keeps (``resihp_ext.optimizer_parts``: the next rank of the same
-  position, a ring), one pair of point-to-point messages per rank. The update count travels with
+  position, a ring), one pair of point-to-point messages per rank, then waits for every rank's
+  (a world-wide all-reduce of one element). The update count travels with
   each copy, so a recovery can tell a copy that missed the last update. Each rank also keeps its
   own part as it was before its latest update, and the copy it held before the latest one: a
   failure between two ranks' updates, or between an update and its copy, then leaves every part
@@ -240,10 +241,14 @@ class PartCopies:
         return True
 
     def step_returned(self) -> None:
-        """Send the updated part's copies, if the step updated it."""
+        """Send the updated part's copies, if the step updated it, and wait until every rank's have
+        landed (one world-wide all-reduce of one element). Until then no rank leaves its step, so a
+        failure finds every rank still able to take its update back (``before``); after it,
+        Megatron's loop counts the iteration, and every part and copy is of the new update."""
         if self._counted:
             self._counted = False
             self.send()
+            dist.all_reduce(torch.zeros(1, device=device_of(self.optimizer)))
 
     def step_done(self) -> None:
         """Megatron's loop has counted the step's iteration: its update can no longer be undone."""
