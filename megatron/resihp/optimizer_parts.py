@@ -11,12 +11,12 @@ Read and written through the optimizer's own accessors
 
 - ``PartCopies``: after every optimizer update, each rank sends its part to the rank that keeps its
   copy and receives the part it keeps (``resihp_ext.optimizer_parts``: the next rank of the same
-  position, a ring), one pair of point-to-point messages per rank, then waits for every rank's
-  (a world-wide all-reduce of one element). The update count travels with
-  each copy, so a recovery can tell a copy that missed the last update. Each rank also keeps its
-  own part as it was before its latest update, and the copy it held before the latest one: a
-  failure between two ranks' updates, or between an update and its copy, then leaves every part
-  one update back within reach, and the survivors go back to it and run the iteration again.
+  position, a ring), one pair of point-to-point messages per rank, then waits for every rank's (a
+  world-wide all-reduce of one element). The update count travels with each copy, so a recovery
+  can tell a copy that missed the last update. While its step runs, each rank also keeps its own
+  part as it was before the update, and it keeps the copy it held before the latest one: a failure
+  between two ranks' updates, or between an update and its copy, then leaves every part one update
+  back within reach, and the survivors go back to it and run the iteration again.
 - ``stage_parts``: in the world of every survivor a recovery forms, the kept ranks receive the
   parts of their position they do not hold, each from its owner or, for a dead owner, from the
   rank keeping its copy (a spare taken back into a dead rank's place receives every part of that
@@ -209,8 +209,9 @@ def regather(optimizer) -> None:
 
 
 class PartCopies:
-    """This rank's update count, its part as it was before its latest update (``before``), and the
-    copy it keeps of the previous rank's part (``held``, and ``held_earlier``, the one before).
+    """This rank's update count, its part as it was before the update of the step in progress
+    (``before``), and the copy it keeps of the previous rank's part (``held``, and ``held_earlier``,
+    the one before).
 
     An optimizer step counts once its first parameter is updated (from then on the part differs
     from its copy), and its copies are sent once the step has returned: a failure in between
