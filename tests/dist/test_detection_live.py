@@ -229,30 +229,35 @@ def _busy_ms(trace: Path) -> dict[int, list[float]]:
             for iteration, obs in load_trace(str(trace)).iterations.items()}
 
 
-BURST_ITERS = 50
+BURST_ITERS = 60
+BURST_ON, BURST_OFF, CONFIRM_AFTER = 4, 8, 6
 
 
 def test_a_rank_slow_in_bursts_is_named_once_its_dropped_verdicts_recur(tmp_path):
-    """PP2 x DP2 at TP 1, rank 3 1.5x slow for 3 iterations in every 6: a burst raises a
-    suspicion after 2 of them, its first probe round comes one iteration later, on the burst's
-    last iteration, and its second round 2 iterations after that, in the calm, so each verdict
-    is dropped; the third names the rank.
+    """PP2 x DP2 at TP 1, rank 3 1.5x slow for 4 iterations in every 12: a burst raises a
+    suspicion after 2 of them, its first probe round comes one iteration later, inside the burst,
+    and its second round 6 iterations after that, in the calm, so each verdict is dropped; the
+    third names the rank.
 
     Two suspect iterations are asked for even when the 4 ranks count as sharing the 2 cores (3
-    by default). With 3 a burst's first round came after it, and a verdict was never held (seen
-    in CI: 2 of 4 bursts probed in their calm). A suspicion one iteration late still loses a
-    burst, and 7 bursts leave room for that. Bursts of 4 were tried, and a suspicion one iteration
-    early, from a noisy iteration before a burst, then had both rounds inside it: a plain verdict
-    (3 of 14 runs here)."""
+    by default). The burst and the wait leave slack on both sides, as this host's noise moves a
+    suspicion by an iteration or two: a first round still lands in the burst when the suspicion
+    comes up to 2 iterations late (seen in CI with bursts of 3 and the default wait of 2: from the
+    third burst on, each suspicion came late, its first round found the rank fast, and no verdict
+    was dropped twice more), and a second round stays in the calm when a noisy iteration before
+    a burst raises it early (bursts of 4 with a wait of 2 had both rounds inside: a plain
+    verdict). 60 iterations hold 5 bursts, room for one lost."""
     log = tmp_path / "events.jsonl"
     tp1 = list(SHAPE)
     tp1[tp1.index("--tensor-model-parallel-size") + 1] = "1"
+    period = BURST_ON + BURST_OFF
     check(run_job(4, [*tp1, "--train-iters", str(BURST_ITERS), "--resihp-detect-only", "--resihp-event-log", str(log),
-                      "--resihp-shared-host-persistence-iters", "2",
-                      "--resihp-inject", f"slow:rank=3,factor=1.5,at={ONSET},on=3,off=3"], timeout_s=240))
-    # The injection follows the bursts: on at 10, 16, 22, ..., off at 13, 19, 25, ...
-    assert [e["iteration"] for e in read_events(log, "inject")] == list(range(ONSET, BURST_ITERS + 1, 6))
-    assert [e["iteration"] for e in read_events(log, "inject_end")] == list(range(ONSET + 3, BURST_ITERS + 1, 6))
+                      "--resihp-shared-host-persistence-iters", "2", "--resihp-confirm-after-iters", str(CONFIRM_AFTER),
+                      "--resihp-inject", f"slow:rank=3,factor=1.5,at={ONSET},on={BURST_ON},off={BURST_OFF}"],
+                  timeout_s=300))
+    # The injection follows the bursts: on at 10, 22, 34, ..., off at 14, 26, 38, ...
+    assert [e["iteration"] for e in read_events(log, "inject")] == list(range(ONSET, BURST_ITERS + 1, period))
+    assert [e["iteration"] for e in read_events(log, "inject_end")] == list(range(ONSET + BURST_ON, BURST_ITERS + 1, period))
     context = [e for e in read_events(log) if e["event"] in ("suspicion", "cleared", "verdict")]
     verdicts = read_events(log, "verdict")
     assert verdicts, f"no verdict: {context}"
