@@ -7,7 +7,8 @@ set's loader again with Megatron's own ``build_pretraining_data_loader`` for the
 rank and size (its sampler reads them from the installed groups) at the samples already read:
 training at the job's consumed samples and this replica's quota of the global batch
 (``megatron_loop_quotas``), validation at Megatron's validation count, test from its start (Megatron
-reads it once, as the job ends). An evaluation then reads the rebuilt loader of the set it was
+reads it once, as the job ends), each at this replica's share of the evaluation batch when the
+replicas do not split it evenly (``megatron_loop_replicas``). An evaluation then reads the rebuilt loader of the set it was
 given. The training iterator is handed to Megatron's step in place of the loop's own. Under the
 interleaved schedule each of them is a list, one per model chunk, as Megatron's own are.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatron.resihp import megatron_loop_quotas as quota_split
+from megatron.resihp.megatron_loop_replicas import eval_quotas
 
 
 class LoopData:
@@ -65,13 +67,19 @@ class LoopData:
 
         def evaluated(chunk: int, index: int, consumed_samples: int):
             found = dataset(chunk, index)
-            return None if found is None else RerunDataIterator(iter(build(found, consumed_samples)))
+            if found is None:
+                return None
+            if eval_split is not None and quota_split.uneven(eval_split):
+                return RerunDataIterator(iter(quota_split.quota_loader(
+                    build, found, consumed_samples, args.eval_micro_batch_size, eval_split, run.replica)))
+            return RerunDataIterator(iter(build(found, consumed_samples)))
 
         def per_chunk(make):  # one iterator, or under the interleaved schedule one per chunk
             made = [make(chunk) for chunk in range(chunks)]
             return made[0] if chunks == 1 else made
 
         build = self._build
+        eval_split = eval_quotas(args, len(run.quotas))
         state = torch.get_rng_state()
         try:
             self.train_iterator = per_chunk(train)

@@ -16,8 +16,11 @@ Responsible for making the run's quotas (``RunState.quotas``, one per replica) w
 
 Equal quotas keep Megatron's own count, scale and loader.
 
-After a failure Megatron's loop keeps its even split: ``replica_counts`` says how many replicas
-that allows (8 micro-batches: 4, 2 or 1 replicas, not 3), and fail-stop plans keep to it.
+After a failure every live replica goes on, also when their count does not divide the global batch
+(8 micro-batches on 3 replicas: quotas [3, 3, 2]). Megatron's arithmetic is then given a
+data-parallel size that does divide it, and what it counts otherwise is corrected
+(``megatron_loop_replicas``). Under the interleaved schedule, and with ``--full-validation``, only
+counts Megatron splits evenly are kept (``replica_counts``).
 """
 
 from __future__ import annotations
@@ -33,14 +36,24 @@ from resihp_ext.schedule import interleaved_runs
 
 def replica_counts(args) -> frozenset[int]:
     """How many replicas, up to the launch's, Megatron's loop can run the global batch on after a
-    failure: its micro-batch calculator splits the batch evenly (a count that divides it), and under
-    the interleaved schedule each replica's share must be one the schedule runs (in groups of the
-    pipeline's size, megatron-core's default, which Megatron-LM's flags keep)."""
+    failure. Any count, its micro-batches split as evenly as they go (``megatron_loop_replicas``);
+    except that under the interleaved schedule each replica's share must be one the schedule runs
+    (in groups of the pipeline's size, megatron-core's default, which Megatron-LM's flags keep), so
+    the split is Megatron's even one; and ``--full-validation`` samples the validation set by the
+    real data-parallel size, so its count must divide the evaluation batch too."""
     total = args.global_batch_size // args.micro_batch_size
     stages = args.pipeline_model_parallel_size
-    interleaved = args.virtual_pipeline_model_parallel_size is not None
-    return frozenset(r for r in range(1, args.data_parallel_size + 1)
-                     if total % r == 0 and (not interleaved or interleaved_runs(total // r, stages, stages)))
+    launch = range(1, args.data_parallel_size + 1)
+    if args.virtual_pipeline_model_parallel_size is not None:
+        return frozenset(r for r in launch if total % r == 0 and interleaved_runs(total // r, stages, stages))
+    if getattr(args, "full_validation", False):
+        return frozenset(r for r in launch if total % r == 0 and eval_total(args) % r == 0)
+    return frozenset(launch)
+
+
+def eval_total(args) -> int:
+    """The micro-batches of one evaluation iteration (Megatron's evaluation batch)."""
+    return args.eval_global_batch_size // args.eval_micro_batch_size
 
 
 def uneven(quotas: Sequence[int]) -> bool:

@@ -30,7 +30,8 @@ re-form they stay valid handles: the list's chunks are replaced; the optimizer o
 rebuilt optimizer's class and attributes (so every reference to it sees the new state); the
 scheduler already points at that object and keeps its own step count; the process-group collection
 ``train()`` took from the first chunk for its logging is updated in place; and Megatron's global
-arguments (rank, world size, data-parallel size) and micro-batch calculator learn the new world.
+arguments (rank, world size, data-parallel size) and micro-batch calculator learn the new world
+(a data-parallel size that divides the global batch: ``megatron_loop_replicas``).
 
 What the Megatron loop does not carry yet is refused before anything starts
 (``megatron_loop_support.unsupported_flags``).
@@ -50,6 +51,7 @@ from megatron.resihp.logging_utils import EventLog, log_line
 from megatron.resihp.megatron_loop_counts import MicrobatchCount
 from megatron.resihp.megatron_loop_data import LoopData
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
+from megatron.resihp.megatron_loop_replicas import CountedSplit
 from megatron.resihp.megatron_loop_spares import SpareReentry
 from megatron.resihp.megatron_loop_support import fail_slow_refused
 from megatron.resihp.megatron_loop_stages import build_objects, launch_split, layer_moves_refused, layout_layer_of
@@ -79,6 +81,7 @@ class ResilientMegatronLoop:
         self.phases = BetweenSteps(self)
         self.spares = SpareReentry(self)
         self.counts = MicrobatchCount()
+        self.split = CountedSplit(lambda: (self.hooks.run.replica, self.hooks.run.data_parallel_size))
         self._stepped = False
         self._original: dict[str, object] = {}
         self._quotas_in_use: tuple[int, ...] | None = None  # what the loader, count and loss scale follow
@@ -102,6 +105,7 @@ class ResilientMegatronLoop:
         training.build_pretraining_data_loader = self._build_data_loader
         self.phases.install()
         self.spares.install()
+        self.split.install()
 
     def uninstall(self) -> None:
         from megatron.core import parallel_state
@@ -112,6 +116,7 @@ class ResilientMegatronLoop:
         self._original = {}
         self.phases.uninstall()
         self.spares.uninstall()
+        self.split.uninstall()
 
     def _initialize_model_parallel(self, *args, **kwargs) -> None:
         """The launch Layout's groups, built by the one group builder and installed for megatron-core."""
@@ -224,6 +229,7 @@ class ResilientMegatronLoop:
         if self.hooks.run.part_copies is not None:
             self.hooks.run.part_copies.step_done()
         self._record(number, result, time.perf_counter() - start)
+        self.split.after_step(self._args())
         return result
 
     def _first_copies(self, number: int) -> None:
@@ -319,7 +325,7 @@ class ResilientMegatronLoop:
                                   launch_split(args), layout_layer_of(args))
         # Megatron's loop starts with micro-batches split evenly, and its own loader, count and scale run it.
         self.hooks.run = self.hooks.run.replace(objects=objects, quotas=tuple(even_quotas(
-            args.global_batch_size // args.micro_batch_size, args.data_parallel_size)))
+            args.global_batch_size // args.micro_batch_size, self.hooks.run.data_parallel_size)))
         self._quotas_in_use = self.hooks.run.quotas
         if args.use_distributed_optimizer and self.hooks.can_recover:
             # Each rank's part of the optimizer state is copied on the next rank of its position after
@@ -474,7 +480,7 @@ class ResilientMegatronLoop:
         vars(self.loop_groups).update(vars(get_attr_wrapped_model(model[0], "pg_collection")))
         self.forward_backward_func = get_forward_backward_func()
         args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
-        args.data_parallel_size = parallel_state.get_data_parallel_world_size()
+        self.split.set_world(args, parallel_state.get_data_parallel_world_size())
         self._quotas_in_use = None  # a new world: its loaders, count and scale are made anew
         self._follow_quotas(consumed)
 

@@ -224,8 +224,8 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
             stage and standbys dead ranks' places, which keep the replicas' shapes.
         replica_counts: how many replicas the executor can run the global batch on (None: any). A
             plan keeps the most of those it can, leaving out rebuilt replicas first, then the last
-            whole ones (their ranks become spares): Megatron-LM's loop splits the batch evenly, so
-            the count must divide it.
+            whole ones (their ranks become spares): under Megatron-LM's interleaved schedule, for
+            one, each replica's share must be one the schedule runs.
 
     Returns:
         A SurvivorPlan. "adapt" needs at least one replica, whole or rebuilt; otherwise

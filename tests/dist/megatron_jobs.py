@@ -20,6 +20,15 @@ def logged_losses(stdout: str) -> dict[int, float]:
     return {int(i): float(v) for i, v in _LOSS.findall(stdout)}
 
 
+_EVALUATED = re.compile(r"validation loss at (iteration [^|]*?) \| lm loss value: (\S+)")
+
+
+def evaluated_losses(stdout: str) -> dict[str, float]:
+    """Megatron's evaluated lm loss, by what its line says was evaluated: ``iteration 4``, and at the
+    end ``iteration 8 on validation set`` and ``iteration 8 on test set``."""
+    return {what: float(v) for what, v in _EVALUATED.findall(stdout)}
+
+
 ITERATIONS = 8
 
 

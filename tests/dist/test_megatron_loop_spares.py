@@ -10,7 +10,6 @@ and saved weights equal to stock Megatron-LM's failure-free run.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ import pytest
 
 from scripts.child_env import job_env
 from tests.dist.launch import REPO, assert_moved_as_planned, check, read_events, run_job
-from tests.dist.megatron_jobs import assert_same_training, job_args, training_of, wait_for
+from tests.dist.megatron_jobs import assert_same_training, evaluated_losses, job_args, training_of, wait_for
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -39,13 +38,6 @@ def _args(tmp, name):
     return args
 
 
-def _evaluated_losses(stdout: str) -> dict[str, float]:
-    """Megatron's evaluated lm loss, by what its line says was evaluated: ``iteration 4``, and at the
-    end ``iteration 8 on validation set`` and ``iteration 8 on test set``."""
-    return {what: float(v) for what, v in re.findall(r"validation loss at (iteration [^|]*?) \| lm loss value: (\S+)",
-                                                     stdout)}
-
-
 # An evaluation every 2 iterations: the spare that comes back at 4 reads the validation samples
 # the survivors have reached.
 EVAL = ["--eval-iters", "1", "--eval-interval", "2"]
@@ -58,7 +50,7 @@ def stock_run(tmp_path_factory):
     args = [*_args(tmp_path_factory.mktemp("failure_free"), "ckpt"), *EVAL]
     proc = run_job(8, args, timeout_s=420)
     check(proc)
-    return training_of(proc, args), _evaluated_losses(proc.stdout)
+    return training_of(proc, args), evaluated_losses(proc.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +93,7 @@ def test_four_kills_finish_in_place_with_spares_taken_back_into_megatrons_loop(t
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
     # Every evaluation on the re-formed worlds' rebuilt loaders: the periodic ones, and the validation
     # and test sets' as the job ends.
-    evaluated = _evaluated_losses(proc.stdout)
+    evaluated = evaluated_losses(proc.stdout)
     assert sorted(evaluated) == sorted(failure_free_evaluated) and len(evaluated) == 6, proc.stdout[-3000:]
     for what, loss in failure_free_evaluated.items():
         assert evaluated[what] == pytest.approx(loss, rel=1e-5), (what, evaluated[what], loss)

@@ -21,7 +21,8 @@ def _loop_data(datasets, built):
     return data
 
 
-ARGS = types.SimpleNamespace(micro_batch_size=2, consumed_valid_samples=24)
+ARGS = types.SimpleNamespace(micro_batch_size=2, consumed_valid_samples=24, data_parallel_size=2, global_batch_size=16,
+                             eval_global_batch_size=16, eval_micro_batch_size=2)
 EVEN = types.SimpleNamespace(quotas=(4, 4), replica=0, objects=types.SimpleNamespace(chunks=("chunk",)))
 
 
@@ -69,3 +70,30 @@ def test_under_the_interleaved_schedule_each_model_chunk_reads_its_own_rebuilt_l
     assert [next(it) for it in data.train_iterator] == ["train0@96", "train1@96"]
     assert [next(it) for it in data.eval_iterator(valid)] == ["valid0@24", "valid1@24"]
     assert [next(it) for it in data.eval_iterator(test)] == ["test0@0", "test1@0"]
+
+
+def test_replicas_that_do_not_split_the_evaluation_batch_evenly_each_read_their_share_of_it():
+    # 3 replicas live, Megatron's arithmetic given 2 (8 micro-batches of 1): each validation loader
+    # reads its quota of every evaluation batch, together every sample of it once, from Megatron's
+    # validation count on; the test set likewise from its start.
+    import torch
+
+    def build(dataset, consumed):
+        return torch.utils.data.DataLoader(dataset, batch_size=1)
+
+    args = types.SimpleNamespace(micro_batch_size=1, consumed_valid_samples=24, data_parallel_size=2,
+                                 global_batch_size=8, eval_global_batch_size=8, eval_micro_batch_size=1)
+    read = {}
+    for replica in range(3):
+        data = LoopData(build)
+        for dataset in (list(range(100)), list(range(1000, 1100)), list(range(2000, 2100))):
+            data.built(dataset)
+        valid, test = iter([]), iter([])
+        data.loop_valid = valid
+        run = types.SimpleNamespace(quotas=(3, 3, 2), replica=replica, objects=types.SimpleNamespace(chunks=("c",)))
+        data.rebuild(args, run, consumed=48)
+        quota = run.quotas[replica]
+        read[replica] = {name: [int(next(it)) for _ in range(quota)]
+                         for name, it in (("valid", data.eval_iterator(valid)), ("test", data.eval_iterator(test)))}
+    assert sorted(v for r in read.values() for v in r["valid"]) == list(range(1024, 1032))
+    assert sorted(v for r in read.values() for v in r["test"]) == list(range(2000, 2008))

@@ -17,9 +17,10 @@ RUN_FIELDS = {"layout", "groups", "rank", "world_size", "replica_index", "data_p
 # Start-up: parsing the flags (world size, DP size from them) and forming the first world.
 START_UP = {"arguments.py", "initialize.py"}
 # Megatron-LM's own global arguments, which its training loop reads for the world's size: after a
-# re-form the one hand-over to Megatron's loop tells them (and keeps no run of its own there).
+# re-form the one hand-over to Megatron's loop tells them (and keeps no run of its own there); the
+# data-parallel size it is told is the one its arithmetic can split the batch by.
 MEGATRON_GLOBALS = {("megatron_loop_resilience.py", "rank"), ("megatron_loop_resilience.py", "world_size"),
-                    ("megatron_loop_resilience.py", "data_parallel_size")}
+                    ("megatron_loop_replicas.py", "data_parallel_size")}
 
 
 def _sources():
