@@ -12,7 +12,7 @@ from tests.dist.launch import OWN_LOOP, REPO, TINY_GPT, check, iteration_losses,
 ISSUE_LAUNCH = [*OWN_LOOP] + (
     "--device cpu --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 "
     "--num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
-    "--train-iters 30 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 512 --log-interval 1"
+    "--train-iters 12 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 512 --log-interval 1"
 ).split()
 
 
@@ -21,11 +21,11 @@ def test_tp2_pp2_dp2_launch_trains(tmp_path):
     proc = run_job(8, [*ISSUE_LAUNCH, "--resihp-event-log", str(log)], launcher="torchrun")
     check(proc)
     lines = [line for line in proc.stdout.splitlines() if " iteration " in line and "lm loss:" in line]
-    assert len(lines) == 30
-    assert "consumed samples:          480" in lines[-1] and "tokens per second:" in lines[-1]
+    assert len(lines) == 12
+    assert "consumed samples:          192" in lines[-1] and "tokens per second:" in lines[-1]
     assert "| loss scale: 1.0 |" in lines[-1] and "number of skipped iterations:   0 |" in lines[-1]
     losses = iteration_losses(log)
-    assert losses[30] < losses[1]
+    assert losses[12] < losses[1]
 
 
 def test_a_log_line_reports_its_intervals_mean_loss(tmp_path):

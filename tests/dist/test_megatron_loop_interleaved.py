@@ -2,8 +2,9 @@
 model chunks per rank (``--num-layers-per-virtual-pipeline-stage 1``), global batch 8.
 
 Stock Megatron-LM runs the same flags through ``pretrain_gpt_resilient.py`` as the reference. Two kills:
-the first breaks a replica; Megatron's loop splits the 8 micro-batches evenly, so the survivors go on
-as 2 replicas, not 3, and the ranks left out stand by as spares. The second takes a spare of stage 0
+the first breaks a replica; the interleaved schedule runs a replica's share in whole groups of the
+pipeline's size (2), which 8 micro-batches over 3 replicas are not, so the survivors go on as 2
+replicas, and the ranks left out stand by as spares. The second takes a spare of stage 0
 back in a dead rank's place on stage 1, where it receives that stage's layers, which megatron-core
 places apart (stage 1 holds layers 1 and 3). Every logged loss and the saved weights of both chunks
 equal the failure-free run's.

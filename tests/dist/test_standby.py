@@ -37,24 +37,12 @@ def reference(tmp_path_factory) -> dict[int, float]:
     return iteration_losses(log)
 
 
-@pytest.fixture(scope="module")
-def reference_bf16(tmp_path_factory) -> dict[int, float]:
-    log = tmp_path_factory.mktemp("reference_bf16") / "events.jsonl"
-    check(run_job(1, [*RUN, "--bf16", "--resihp-event-log", str(log)]))
-    return iteration_losses(log)
-
-
-# bf16: the standby receives its shards' bf16 weights with the optimizer's fp32 main copies. In
-# bf16 a TP split rounds differently from one process (the row-parallel partial sums are added in
-# bf16), and this job changes replica 1's TP degree twice, so its losses match the reference to
-# 1e-3, not 1e-5 (measured: 3e-6 at iteration 1, 1.7e-4 at most over 80); a standby that received
-# nothing would be off by far more. Exact bf16 moves: test_fail_stop.py and test_layout_change.py.
-@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
-def test_a_rank_left_out_for_a_slowdown_stands_by_through_a_failure_and_rejoins_when_healthy(tmp_path, precision,
-                                                                                            request):
-    reference = request.getfixturevalue("reference_bf16" if precision else "reference")
+# fp32: the standby's received shards are checked exactly. bf16 moves (the weights with the
+# optimizer's fp32 main copies) run the same transfers, and are checked exactly in test_fail_stop.py
+# and test_layout_change.py.
+def test_a_rank_left_out_for_a_slowdown_stands_by_through_a_failure_and_rejoins_when_healthy(tmp_path, reference):
     log = tmp_path / "events.jsonl"
-    proc = run_job(4, [*SHAPE, *precision, "--resihp-enable", "--resihp-event-log", str(log), "--resihp-inject", SLOW,
+    proc = run_job(4, [*SHAPE, "--resihp-enable", "--resihp-event-log", str(log), "--resihp-inject", SLOW,
                        "--resihp-inject", "kill:rank=0,at=14"], launcher="local")
     check(proc)
     assert len(read_events(log, "start")) == 4  # nothing restarted
@@ -82,7 +70,7 @@ def test_a_rank_left_out_for_a_slowdown_stands_by_through_a_failure_and_rejoins_
     assert not read_events(log, "exit"), decisions(log)  # every live process finished the job
     # The TP shrink that left rank 3 out and its readmission each moved exactly what their plans priced.
     assert_moved_as_planned(log, at_least=2)
-    assert_same_losses(log, reference, ITERS, rel=1e-3 if precision else 1e-5)
+    assert_same_losses(log, reference, ITERS)
 
 
 def test_a_working_rank_killed_while_the_world_grows_is_recovered_and_the_standby_rejoins_later(tmp_path,
