@@ -8,9 +8,10 @@ rank and size (its sampler reads them from the installed groups) at the samples 
 training at the job's consumed samples and this replica's quota of the global batch
 (``megatron_loop_quotas``), validation at Megatron's validation count, test from its start (Megatron
 reads it once, as the job ends), each at this replica's share of the evaluation batch when the
-replicas do not split it evenly (``megatron_loop_replicas``). An evaluation then reads the rebuilt loader of the set it was
-given. The training iterator is handed to Megatron's step in place of the loop's own. Under the
-interleaved schedule each of them is a list, one per model chunk, as Megatron's own are.
+replicas do not split it evenly (``megatron_loop_replicas``). An evaluation then reads the rebuilt
+loader of the set it was given. The training iterator is handed to Megatron's step in place of the
+loop's own. Under the interleaved schedule each of them is a list, one per model chunk, as
+Megatron's own are.
 """
 
 from __future__ import annotations
