@@ -64,7 +64,8 @@ def test_three_of_four_replicas_go_on_with_uneven_quotas_and_the_training_is_sto
     assert not read_events(events, "fallback_checkpoint")
     # Megatron counted every sample once, 8 per iteration whatever the replicas' split, and the
     # FLOPs of those samples.
-    assert _counted(tmp_path / "ckpt") == counted and {c[0] for c in counted} == {64}, (_counted(tmp_path / "ckpt"), counted)
+    ours = _counted(tmp_path / "ckpt")
+    assert ours == counted and {c[0] for c in counted} == {64}, (ours, counted)
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
     evaluated = evaluated_losses(proc.stdout)
     assert sorted(evaluated) == sorted(failure_free_evaluated) and len(evaluated) == 6, proc.stdout[-3000:]
