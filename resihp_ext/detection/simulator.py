@@ -6,10 +6,11 @@ iteration, by walking the schedule description in ``resihp_ext.schedule`` (never
 encoding of it). It must never execute ops, read clocks or import ``torch.distributed``: it is
 called inside the planner's search and by the detector, on plain numbers.
 
-DAG edges:
+DAG edges, over virtual stages ``v = c P + s`` (chunk ``c`` of stage ``s``; ``v = s`` without the
+interleaved schedule):
     * program order within a stage (a stage runs one op at a time, in schedule order);
-    * ``F(s, m) -> F(s+1, m)`` plus the one-way transfer of boundary ``s`` (activations);
-    * ``B(s+1, m) -> B(s, m)`` plus the one-way transfer of boundary ``s`` (gradients);
+    * ``F(v, m) -> F(v+1, m)`` plus the one-way transfer between their stages (activations);
+    * ``B(v+1, m) -> B(v, m)`` plus the same transfer (gradients);
     * ``F(last, m) -> B(last, m)`` (the loss needs the last forward).
 Each stage then spends ``allreduce_s`` on data-parallel gradient sync after its last op.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from resihp_ext.schedule import OpKind, Schedule, one_f_one_b
+from resihp_ext.schedule import OpKind, Schedule, pipeline_schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,11 +90,16 @@ def simulate_iteration(
     """Predict one replica's iteration time as the longest path through the schedule's DAG.
 
     Args:
-        schedule: per-stage op tuples, e.g. ``one_f_one_b(num_stages, num_microbatches)``.
-        forward_s: ``forward_s[stage][microbatch]`` seconds (nested sequences or a 2-D array).
-        backward_s: ``backward_s[stage][microbatch]`` seconds.
+        schedule: per-stage op tuples, e.g. ``one_f_one_b(num_stages, num_microbatches)`` or
+            ``interleaved(...)``.
+        forward_s: ``forward_s[stage][k]`` seconds of the stage's ``k``-th forward (nested
+            sequences or a 2-D array): under 1F1B micro-batch ``k``'s, under the interleaved
+            schedule virtual micro-batch ``k``'s (what the timing hooks record in that place).
+        backward_s: ``backward_s[stage][k]``, likewise for the ``k``-th backward.
         p2p_s: one-way transfer seconds, a float or one value per boundary (``num_stages - 1``);
-            boundary ``s`` sits between stages ``s`` and ``s + 1``.
+            boundary ``s`` sits between stages ``s`` and ``s + 1``. Under the interleaved schedule
+            the transfer from the last stage back to the first (from one chunk to the next) is
+            not measured on its own; it is priced as the mean boundary's.
         allreduce_s: gradient-sync seconds after each stage's last op (float or per stage). It is
             charged even to a stage with no ops: the replica still joins the collective.
         keep_ops: also return every op's finish time (slightly slower).
@@ -109,75 +115,88 @@ def simulate_iteration(
     if num_stages < 1:
         raise ValueError("schedule must have at least one stage; build it with one_f_one_b(P, M)")
     num_microbatches = 1 + max((op.microbatch for ops in schedule for op in ops), default=-1)
-    fwd = _durations(forward_s, num_stages, num_microbatches, "forward_s")
-    bwd = _durations(backward_s, num_stages, num_microbatches, "backward_s")
+    num_chunks = 1 + max((op.chunk for ops in schedule for op in ops), default=0)
+    columns = max((sum(op.kind is OpKind.FORWARD for op in ops) for ops in schedule), default=0)
+    fwd = _durations(forward_s, num_stages, columns, "forward_s")
+    bwd = _durations(backward_s, num_stages, columns, "backward_s")
     link = _per_boundary(p2p_s, num_stages)
+    # index v of the virtual stage before v = c P + s: boundary s - 1, or the wrap from the last stage
+    link.append(sum(link) / len(link) if link and num_chunks > 1 else 0.0)
     sync = _per_stage(allreduce_s, num_stages, "allreduce_s")
 
-    # Per-stage flattened op lists: (is_forward, microbatch), to keep enum lookups out of the loop.
-    kinds = [[op.kind is OpKind.FORWARD for op in ops] for ops in schedule]
-    mbs = [[op.microbatch for op in ops] for ops in schedule]
+    # Per-stage flattened ops: (is_forward, virtual stage, micro-batch, column), to keep enum
+    # lookups and index arithmetic out of the loop.
+    flat = []
+    for s, ops in enumerate(schedule):
+        seen = {OpKind.FORWARD: 0, OpKind.BACKWARD: 0}
+        row = []
+        for op in ops:
+            row.append((op.kind is OpKind.FORWARD, op.chunk * num_stages + s, op.microbatch, seen[op.kind]))
+            seen[op.kind] += 1
+        flat.append(row)
     nan = float("nan")
-    f_end = [[nan] * num_microbatches for _ in range(num_stages)]
-    b_end = [[nan] * num_microbatches for _ in range(num_stages)]
+    num_virtual = num_chunks * num_stages
+    f_end = [[nan] * num_microbatches for _ in range(num_virtual)]
+    b_end = [[nan] * num_microbatches for _ in range(num_virtual)]
     op_end = [[0.0] * len(ops) for ops in schedule] if keep_ops else None
     ptr = [0] * num_stages
     clock = [0.0] * num_stages
-    last = num_stages - 1
+    last_virtual = num_virtual - 1
 
     # Work-list over stages: advance a stage as far as its dependencies allow; finishing an op can
-    # only unblock the neighbour it feeds, so each op is visited O(1) times.
+    # only unblock the stage it feeds (the next one, or the first after the last one's forward of
+    # a chunk; backwards the other way), so each op is visited O(1) times.
     pending = list(range(num_stages - 1, -1, -1))
     while pending:
         s = pending.pop()
-        ops_kind, ops_mb = kinds[s], mbs[s]
-        n = len(ops_kind)
+        ops = flat[s]
+        n = len(ops)
         i = ptr[s]
         t = clock[s]
         advanced_f = advanced_b = False
         while i < n:
-            m = ops_mb[i]
-            if ops_kind[i]:
-                if s > 0:
-                    dep = f_end[s - 1][m]
+            forward, v, m, k = ops[i]
+            if forward:
+                if v > 0:
+                    dep = f_end[v - 1][m]
                     if dep != dep:  # NaN: upstream forward not done yet
                         break
                     dep += link[s - 1]
                     if dep > t:
                         t = dep
-                t += fwd[s][m]
-                f_end[s][m] = t
+                t += fwd[s][k]
+                f_end[v][m] = t
                 advanced_f = True
             else:
-                if s < last:
-                    dep = b_end[s + 1][m]
+                if v < last_virtual:
+                    dep = b_end[v + 1][m]
                     if dep != dep:
                         break
-                    dep += link[s]
+                    dep += link[s if s < num_stages - 1 else -1]
                 else:
-                    dep = f_end[s][m]
+                    dep = f_end[v][m]
                     if dep != dep:
                         break
                 if dep > t:
                     t = dep
-                t += bwd[s][m]
-                b_end[s][m] = t
+                t += bwd[s][k]
+                b_end[v][m] = t
                 advanced_b = True
             if op_end is not None:
                 op_end[s][i] = t
             i += 1
         ptr[s] = i
         clock[s] = t
-        if advanced_f and s < last:
-            pending.append(s + 1)
-        if advanced_b and s > 0:
-            pending.append(s - 1)
+        if advanced_f and (s < num_stages - 1 or num_chunks > 1):
+            pending.append((s + 1) % num_stages)
+        if advanced_b and (s > 0 or num_chunks > 1):
+            pending.append((s - 1) % num_stages)
 
-    stuck = [s for s in range(num_stages) if ptr[s] < len(kinds[s])]
+    stuck = [s for s in range(num_stages) if ptr[s] < len(flat[s])]
     if stuck:
         raise ValueError(
             f"schedule deadlocks: stages {stuck} wait on ops that never run; "
-            "build the schedule with resihp_ext.schedule.one_f_one_b"
+            "build the schedule with resihp_ext.schedule.one_f_one_b or interleaved"
         )
     finish = tuple(clock[s] + sync[s] for s in range(num_stages))
     return IterationPrediction(
@@ -193,8 +212,14 @@ def pipeline_time_s(
     stage_forward_s: float | Sequence[float],
     stage_backward_s: float | Sequence[float],
     p2p_s: float | Sequence[float] = 0.0,
+    num_chunks: int = 1,
+    group_size: int | None = None,
 ) -> float:
     """1F1B iteration time when every micro-batch costs the same on a given stage.
+
+    With ``num_chunks`` above 1, the interleaved schedule's time (``resihp_ext.schedule.interleaved``,
+    micro-batches in groups of ``group_size``, default ``num_stages``), each chunk's op taking an
+    equal share of the stage's time per micro-batch.
 
     Equal to ``simulate_iteration(one_f_one_b(P, M), ...)`` with each stage's time repeated over
     micro-batches (a unit test checks this). Identical stages without transfer cost use the closed
@@ -220,14 +245,15 @@ def pipeline_time_s(
     link = tuple(_per_boundary(p2p_s, num_stages))
     if num_microbatches == 0:
         return 0.0
-    if len(set(fwd)) == 1 and len(set(bwd)) == 1 and all(v == 0.0 for v in link):
+    if num_chunks == 1 and len(set(fwd)) == 1 and len(set(bwd)) == 1 and all(v == 0.0 for v in link):
         return (num_microbatches + num_stages - 1) * (fwd[0] + bwd[0])
-    return _walk_uniform(num_stages, num_microbatches, fwd, bwd, link)
+    return _walk_uniform(num_stages, num_microbatches, fwd, bwd, link, num_chunks, group_size or num_stages)
 
 
 @functools.lru_cache(maxsize=65536)
-def _walk_uniform(num_stages, num_microbatches, fwd, bwd, link) -> float:
-    table_f = [[f] * num_microbatches for f in fwd]
-    table_b = [[b] * num_microbatches for b in bwd]
-    schedule = one_f_one_b(num_stages, num_microbatches)
+def _walk_uniform(num_stages, num_microbatches, fwd, bwd, link, num_chunks, group_size) -> float:
+    columns = num_chunks * num_microbatches
+    table_f = [[f / num_chunks] * columns for f in fwd]
+    table_b = [[b / num_chunks] * columns for b in bwd]
+    schedule = pipeline_schedule(num_stages, num_microbatches, num_chunks, group_size)
     return simulate_iteration(schedule, table_f, table_b, list(link), keep_ops=False).total_s
