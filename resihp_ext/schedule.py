@@ -159,6 +159,47 @@ def pipeline_schedule(num_stages: int, num_microbatches: int, num_chunks: int = 
     return interleaved(num_stages, num_chunks, num_microbatches, group_size or num_stages)
 
 
+@dataclass(frozen=True)
+class Interleaving:
+    """How a job's replicas run their pipeline: ``num_chunks`` model chunks per stage (1: 1F1B),
+    micro-batches in groups of ``group_size`` through each (None: the pipeline's size, as
+    megatron-core's default). The detector and the planner read op timings and price plans by it.
+
+    Op timings come in *columns*, one per forward (and backward) a stage runs: ``num_chunks``
+    per micro-batch, in virtual micro-batch order.
+    """
+
+    num_chunks: int = 1
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_chunks < 1 or (self.group_size is not None and self.group_size < 1):
+            raise ValueError(f"num_chunks and group_size must be >= 1, got {self.num_chunks} and {self.group_size}")
+
+    def schedule(self, num_stages: int, num_microbatches: int) -> Schedule:
+        return pipeline_schedule(num_stages, num_microbatches, self.num_chunks, self.group_size)
+
+    def microbatches(self, columns: int) -> int:
+        """Micro-batches behind ``columns`` op columns."""
+        if columns % self.num_chunks:
+            raise ValueError(f"{columns} op columns are not {self.num_chunks} per micro-batch")
+        return columns // self.num_chunks
+
+    def column_microbatch(self, num_stages: int, num_microbatches: int) -> tuple[int, ...]:
+        """Each op column's micro-batch (forwards and backwards alike: the ``k``-th backward runs
+        the ``k``-th forward's micro-batch)."""
+        if self.num_chunks == 1:
+            return tuple(range(num_microbatches))
+        return tuple(m for m, _ in virtual_microbatches(num_microbatches, self.num_chunks,
+                                                        self.group_size or num_stages))
+
+    def runs(self, num_microbatches: int, num_stages: int) -> bool:
+        """Whether a replica of ``num_stages`` stages runs ``num_microbatches`` (any count under 1F1B)."""
+        if self.num_chunks == 1 or num_stages == 1:
+            return True
+        return interleaved_runs(num_microbatches, num_stages, self.group_size or num_stages)
+
+
 def interleaved_runs(num_microbatches: int, num_stages: int, group_size: int) -> bool:
     """Whether megatron-core's interleaved schedule runs ``num_microbatches`` on a replica of
     ``num_stages`` stages: it takes micro-batches in groups of ``group_size`` (at least

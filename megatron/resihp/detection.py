@@ -54,6 +54,7 @@ from resihp_ext.detection.observation_wire import packed
 from resihp_ext.detection.op_signals import op_tables
 from resihp_ext.planner.calibration import FIT_WINDOW, ComputeCosts, fit_compute_costs, pooled_costs
 from resihp_ext.detection.validation import Cleared, ProbeResults, Verdict, pass_normalised_times, undecided
+from resihp_ext.schedule import Interleaving
 
 _OBSERVATION_TAG, _COMMAND_TAG = 7301, 7302
 
@@ -237,8 +238,10 @@ class LiveDetector:
     steps are collective over the world group)."""
 
     def __init__(self, config, rank: int, replica: int, stage: int, tp_rank: int, device: torch.device,
-                 layout_getter, link_probe_bytes: int = _MIN_LINK_PROBE_BYTES, group=None):
+                 layout_getter, link_probe_bytes: int = _MIN_LINK_PROBE_BYTES, group=None,
+                 interleaving: Interleaving = Interleaving()):
         self.config = config
+        self.interleaving = interleaving
         self.link_probe_bytes = link_probe_bytes
         self.rank, self.replica, self.stage, self.tp_rank = rank, replica, stage, tp_rank
         self.device = device
@@ -248,7 +251,7 @@ class LiveDetector:
             # Stages that run the same number of layers at the same TP degree share one cost fit.
             return (stage, tp_degree, layout_getter().replicas[replica].stages[stage].num_layers)
 
-        self.detector = FailSlowDetector(config, stage_signature=signature)
+        self.detector = FailSlowDetector(config, stage_signature=signature, interleaving=interleaving)
         # Time spent in the pure decision logic (for the overhead figures): wall and CPU.
         self.decision_s = self.decision_cpu_s = 0.0
         self.clock_offset_s = job_clock_offset()
@@ -403,7 +406,7 @@ class LiveDetector:
         tables = op_tables(gathered)  # built once, for the detector and the cost fit
         suspicion = self.detector.observe(iteration, gathered, tables)
         self._plan = self.pending.plan_probes(iteration + 1, suspicion)
-        fit = fit_compute_costs(iteration, gathered, self.layout_getter(), tables)
+        fit = fit_compute_costs(iteration, gathered, self.layout_getter(), tables, self.interleaving)
         if fit is not None:
             if not self._fits and self.costs is not None:  # a new decider starts from what it was handed
                 self._fits.append(self.costs)

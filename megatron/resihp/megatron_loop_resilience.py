@@ -54,7 +54,8 @@ from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.megatron_loop_replicas import CountedSplit
 from megatron.resihp.megatron_loop_spares import SpareReentry
 from megatron.resihp.megatron_loop_support import fail_slow_refused
-from megatron.resihp.megatron_loop_stages import build_objects, launch_split, layer_moves_refused, layout_layer_of
+from megatron.resihp.megatron_loop_stages import (build_objects, interleaving, launch_split, layer_moves_refused,
+                                                  layout_layer_of)
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers, part_bytes
 from megatron.resihp.raised_faults import RaisedFaults
@@ -255,11 +256,12 @@ class ResilientMegatronLoop:
         RECORDER.collect()
         args = self._args()
         # Megatron's attention costs the square of the sequence per sample whatever documents it
-        # packs, so every micro-batch has the same cost features: (tokens, sum of squares, samples).
+        # packs, so every micro-batch has the same cost features: (tokens, sum of squares, samples),
+        # one per op column (under the interleaved schedule, one per model chunk's op).
         mbs, seq = args.micro_batch_size, args.seq_length
-        count = self._microbatches or get_num_microbatches()
+        columns = (self._microbatches or get_num_microbatches()) * self.hooks.interleaving.num_chunks
         timings = StepTimings(ops=list(RECORDER.ops), busy=list(RECORDER.busy),
-                              features=[(mbs * seq, mbs * seq * seq, mbs)] * count,
+                              features=[(mbs * seq, mbs * seq * seq, mbs)] * columns,
                               iteration_s=time.perf_counter() - RECORDER.iteration_start_s)
         self.hooks.after_iteration(number, elapsed_s, timings, self.hooks.run.objects, list(self.hooks.run.quotas))
 
@@ -310,7 +312,7 @@ class ResilientMegatronLoop:
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
                                      stands_by=True, stages_alike=layer_moves_refused(args) is None,
                                      recovery_keeps_shape=not args.use_distributed_optimizer,
-                                     replica_counts=quota_split.replica_counts(args))
+                                     replica_counts=quota_split.replica_counts(args), interleaving=interleaving(args))
         self.hooks.readmission.probes = False
 
     def _start(self, model, optimizer, opt_param_scheduler) -> None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 
+from resihp_ext.schedule import Interleaving
+
 
 def launch_split(args: argparse.Namespace) -> tuple[int, ...]:
     """The transformer layers of each pipeline stage as megatron-core builds them from the flags.
@@ -43,6 +45,13 @@ def launch_split(args: argparse.Namespace) -> tuple[int, ...]:
         return tuple(sum(chunk.count(LayerType.decoder) for chunk in stages[p]) for p in range(pp))
     return tuple(sum(get_num_layers_to_build(config, vp_stage=v, pp_rank=p) for v in _virtual_stages(config))
                  for p in range(pp))
+
+
+def interleaving(args: argparse.Namespace) -> Interleaving:
+    """The job's pipeline schedule as the detector and the planner read it: its model chunks per
+    stage (megatron-core's group size is its default, the pipeline's size: Megatron-LM's loop sets
+    no other)."""
+    return Interleaving(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
 
 
 def _virtual_stages(config) -> range | tuple[None]:

@@ -46,6 +46,7 @@ from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.detection.traces import observation_to_dict, probe_baselines_to_dict, probe_to_dict
 from resihp_ext.detection.validation import Verdict, fail_stop_verdict
+from resihp_ext.schedule import Interleaving
 
 
 class ResilienceHooks:
@@ -59,7 +60,8 @@ class ResilienceHooks:
     def __init__(self, args: argparse.Namespace, events: EventLog, objects=None,
                  build_objects: Callable | None = None, detect_fail_slow: bool = True, moves_state: bool = True,
                  sharded_optimizer: bool = False, cfg=None, stands_by: bool = True, stages_alike: bool = False,
-                 recovery_keeps_shape: bool = False, replica_counts: frozenset[int] | None = None):
+                 recovery_keeps_shape: bool = False, replica_counts: frozenset[int] | None = None,
+                 interleaving: Interleaving = Interleaving()):
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
         groups (the resihp loop's ``model_builder.build_training_objects`` when None). Without
         ``detect_fail_slow`` no op timings are judged (heartbeats and fail-stop recovery run). Without
@@ -77,13 +79,15 @@ class ResilienceHooks:
         fail-stop plan may move state as long as every replica keeps its shape: an intact stage
         group takes a stage that is short, a standby takes a dead rank's place; no replica runs
         at a smaller TP degree. ``replica_counts``: how many replicas the loop can split the global
-        batch over (None: any), which a fail-stop plan keeps to."""
+        batch over (None: any), which a fail-stop plan keeps to. ``interleaving``: the replicas'
+        pipeline schedule, which op timings are read by and plans are priced under."""
         self.args = args
         self.build_objects = build_objects or build_training_objects
         self.moves_state = moves_state
         self.stages_alike = stages_alike and not moves_state
         self.recovery_keeps_shape = recovery_keeps_shape and not moves_state
         self.replica_counts = replica_counts
+        self.interleaving = interleaving
         self.sharded_optimizer = sharded_optimizer
         self.cfg = args.resihp if cfg is None else cfg
         self.events = events
@@ -112,7 +116,7 @@ class ResilienceHooks:
         if self.cfg.detection_on and detect_fail_slow:
             self.live = LiveDetector(
                 self.cfg, rank, self.run.replica, self.run.stage, self.run.tp_rank, self.device(),
-                lambda: self.layout, link_probe_bytes(args), group=self.run.messages,
+                lambda: self.layout, link_probe_bytes(args), group=self.run.messages, interleaving=interleaving,
             )
             self.live.measure_probe_baselines()
         self.store = self.heartbeat_store = None
@@ -180,7 +184,8 @@ class ResilienceHooks:
         if self.live is not None and world_changed:
             costs = self.live.costs  # per layer: they outlive the world, and plan its survivors
             self.live = LiveDetector(self.cfg, run.rank, run.replica, run.stage, run.tp_rank, self.live.device,
-                                     lambda: self.layout, self.live.link_probe_bytes, group=run.messages)
+                                     lambda: self.layout, self.live.link_probe_bytes, group=run.messages,
+                                     interleaving=self.interleaving)
             self.live.costs = costs
             self.live.detector.expect(self.known_health.slow_factors, self.known_health.bursts)
             self._trace_follows_decider()
@@ -359,7 +364,7 @@ class ResilienceHooks:
         if link_rounds:
             bandwidth = healthy_link_bandwidth_Bps(link_rounds[-1], set(self.known_health.slow_links),
                                                    self.live.link_probe_bytes)
-        return live_hardware(self.costs, bool(self.args.bf16 or self.args.fp16), bandwidth)
+        return live_hardware(self.costs, bool(self.args.bf16 or self.args.fp16), bandwidth, self.interleaving)
 
     # ------------------------------------------------------------------ what the life cycle uses
     @property

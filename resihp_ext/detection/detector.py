@@ -59,6 +59,7 @@ from resihp_ext.detection import probe_verdicts
 from resihp_ext.detection.iteration_estimate import IterationEstimate
 from resihp_ext.detection.predictor import MicrobatchPredictor, as_feature_array
 from resihp_ext.detection.speed_level import SpeedLevels
+from resihp_ext.schedule import Interleaving
 from resihp_ext.detection.suspicions import (
     bursts_ended_suspicion,
     compute_suspicion,
@@ -101,6 +102,11 @@ class FailSlowDetector:
         stage_signature: ``(replica, stage, tp_degree) -> hashable`` naming the stage
             configuration whose cost model a group uses; default ``(stage, tp_degree)``, so
             replicas with the same configuration share (and cross-check) one fit.
+        interleaving: the replicas' pipeline schedule. Under the interleaved one an observation's
+            ops and features come one per model chunk's op (``Interleaving``): groups and links
+            are judged op by op as under 1F1B (a column is the same micro-batch and chunk on every
+            stage, so a link's gaps stay within a chunk; the wrap from the last stage to the first
+            is not judged), and the iteration is predicted by walking the interleaved schedule.
     """
 
     def __init__(
@@ -108,8 +114,10 @@ class FailSlowDetector:
         config: ResiHPConfig | None = None,
         predictor: MicrobatchPredictor | None = None,
         stage_signature: Callable[[int, int, int], Hashable] | None = None,
+        interleaving: Interleaving = Interleaving(),
     ) -> None:
         self.config = config or ResiHPConfig()
+        self.interleaving = interleaving
         self.predictor = predictor or MicrobatchPredictor()
         self._signature = stage_signature or (lambda replica, stage, tp: (stage, tp))
         self.last_report: DetectorReport | None = None
@@ -241,7 +249,8 @@ class FailSlowDetector:
         predicted_iter = None
         if fitted:
             predicted_iter = self._iteration.predict(self.predictor, keys, feats, self.levels.level, self._transfer_s,
-                                                     observed_iter, contention, self.config.slowdown_threshold)
+                                                     observed_iter, contention, self.config.slowdown_threshold,
+                                                     self.interleaving)
         self.last_report = DetectorReport(
             iteration, judged, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter, sibling_ratio
         )

@@ -1,7 +1,7 @@
 """What a whole iteration should take: the iteration predictor the detector reports.
 
 Responsible for turning the micro-batch predictor's per-op busy seconds into an iteration's wall
-time. Each replica's 1F1B schedule is simulated (``predict_replica``): its ops are scaled from busy
+time. Each replica's schedule (1F1B, or the interleaved one) is simulated (``predict_replica``): its ops are scaled from busy
 to wall seconds by the recent contention (1 on a dedicated device, more where ranks share CPU
 cores), and its pipeline transfers take their healthy baselines. The work outside the schedule (DP
 gradient sync, optimizer step) is added as the median residual of recent healthy iterations.
@@ -19,6 +19,7 @@ import numpy as np
 
 from resihp_ext.detection.observations import GroupId
 from resihp_ext.detection.predictor import MicrobatchPredictor, predict_replica
+from resihp_ext.schedule import Interleaving
 
 # Healthy iterations the overhead and contention estimates need before they are trusted.
 _SETTLED = 3
@@ -50,6 +51,7 @@ class IterationEstimate:
         observed_s: float,
         contention: float,
         threshold: float,
+        interleaving: Interleaving = Interleaving(),
     ) -> float | None:
         """The iteration's predicted wall seconds, or None when a replica misses a stage.
 
@@ -58,11 +60,12 @@ class IterationEstimate:
 
         Args:
             keys: per group ``(replica, stage)`` its predictor keys (forward, backward).
-            feats: per replica, its micro-batches' features.
+            feats: per replica, its op columns' features (``predict_replica``).
             level: a group's speed level (``SpeedLevels.level``).
             transfer_s: the healthy seconds of one transfer from a stage group to the next.
             observed_s: the iteration's observed wall seconds.
             contention: this iteration's wall seconds per busy second over all ops.
+            interleaving: the replicas' schedule.
         """
         scale = self.typical_contention(contention)
         spans = []
@@ -75,7 +78,7 @@ class IterationEstimate:
                 return None  # a replica with missing stages cannot be simulated
             p2p = [transfer_s((r, s), (r, s + 1)) for s in stages[:-1]]
             pred = predict_replica(predictor, [keys[(r, s)] for s in stages], feats[r], p2p,
-                                   op_scale=[scale * level((r, s)) for s in stages])
+                                   op_scale=[scale * level((r, s)) for s in stages], interleaving=interleaving)
             spans.append(pred.total_s)
         span = max(spans)
         overhead = statistics.median(self._overhead_s) if self._overhead_s else 0.0

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from resihp_ext.schedule import one_f_one_b
+from resihp_ext.schedule import Interleaving
 from resihp_ext.detection.simulator import IterationPrediction, simulate_iteration
 
 # Observations are rescaled before fitting so that the 2x2 normal equations are well conditioned
@@ -320,19 +320,24 @@ def predict_replica(
     allreduce_s: float | Sequence[float] = 0.0,
     overhead_s: float = 0.0,
     op_scale: float | Sequence[float] = 1.0,
+    interleaving: Interleaving = Interleaving(),
 ) -> ReplicaPrediction:
-    """Predict one replica's iteration from its micro-batch features under 1F1B.
+    """Predict one replica's iteration from its micro-batch features under its schedule (1F1B, or
+    the interleaved one).
 
     Args:
         predictor: fitted micro-batch predictor.
         stage_keys: per stage, ``(forward_key, backward_key)`` into ``predictor``.
-        features: per micro-batch ``(num_tokens, sum_sq[, num_docs])``, the same on every stage.
+        features: per op column ``(num_tokens, sum_sq[, num_docs])``, the same on every stage: one
+            per micro-batch under 1F1B, one per virtual micro-batch under the interleaved schedule
+            (``Interleaving``), each op then a model chunk's.
         p2p_s: one-way transfer seconds (float or per boundary).
         allreduce_s: gradient-sync seconds (float or per stage).
         overhead_s: seconds added to the total for work outside the schedule (optimizer step).
         op_scale: wall seconds per predicted op second (1 on a dedicated device; more when ranks
             share cores, so an op's wall time exceeds the busy time the predictor fits), one for
             all stages or one per stage (e.g. times each stage group's speed level).
+        interleaving: the replica's schedule.
 
     Returns:
         A ``ReplicaPrediction``.
@@ -349,7 +354,8 @@ def predict_replica(
             raise KeyError(f"stage keys {fkey!r}/{bkey!r} are not fitted yet")
         fwd.append(tuple(ops[0]))
         bwd.append(tuple(ops[1]))
-    sim = simulate_iteration(one_f_one_b(num_stages, len(feats)), fwd, bwd, p2p_s, allreduce_s, keep_ops=False)
+    schedule = interleaving.schedule(num_stages, interleaving.microbatches(len(feats)))
+    sim = simulate_iteration(schedule, fwd, bwd, p2p_s, allreduce_s, keep_ops=False)
     if overhead_s:
         sim = IterationPrediction(sim.total_s + overhead_s, tuple(t + overhead_s for t in sim.stage_finish_s))
     busy = tuple(float(sum(f) + sum(b)) for f, b in zip(fwd, bwd))

@@ -21,7 +21,8 @@ header is optional (the layout is then inferred from the rows), and malformed ro
 ``Trace.skipped`` instead of aborting the load.
 
 The synthetic generator draws document lengths from ``resihp_ext.workload``, costs micro-batches
-with a true ``alpha``/``beta``, adds multiplicative noise, walks the 1F1B schedule with
+with a true ``alpha``/``beta``, adds multiplicative noise, walks the 1F1B schedule (or the
+interleaved one, ``SyntheticSpec.num_chunks``) with
 ``resihp_ext.detection.simulator`` and injects ``resihp_ext.faults.Fault`` values. Ranks are numbered
 Megatron's default way: ``rank = tp_rank + tp * (replica + dp * stage)``.
 
@@ -39,7 +40,7 @@ import numpy as np
 
 from resihp_ext.detection.detector import RankObservation
 from resihp_ext.faults import Fault, FaultKind, parse_fault
-from resihp_ext.schedule import OpKind, one_f_one_b
+from resihp_ext.schedule import Interleaving, OpKind
 from resihp_ext.detection.simulator import simulate_iteration
 from resihp_ext.detection.validation import ProbeResults
 from resihp_ext.workload import LengthDistribution, microbatch_features, sample_packed_workload
@@ -254,6 +255,7 @@ class SyntheticSpec:
     gemm_probe_s: float = 0.010
     link_probe_s: float = 0.005
     probe_noise_cv: float = 0.01
+    num_chunks: int = 1  # model chunks per stage: above 1, the interleaved schedule
 
     def __post_init__(self) -> None:
         if min(self.tp_degree, self.pp_degree, self.dp_degree) < 1 or self.num_microbatches < 1:
@@ -316,7 +318,7 @@ def synthetic_trace(
     deviant = [bool(rng.random() < spec.replica_deviation) for _ in range(spec.dp_degree)]
     switch = 1.0 / spec.block_iters
     P, M = spec.pp_degree, spec.num_microbatches
-    schedule = one_f_one_b(P, M)
+    schedule = Interleaving(spec.num_chunks).schedule(P, M)
     for iteration in range(1, num_iterations + 1):
         active = [f for f in faults if f.active(iteration)]
         silent = {f.rank for f in active if f.kind in (FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG)}
@@ -335,6 +337,8 @@ def synthetic_trace(
             samples = sample_packed_workload(rng, dist, M * spec.micro_batch_size, spec.seq_length)
             per_mb = [samples[m * spec.micro_batch_size:(m + 1) * spec.micro_batch_size] for m in range(M)]
             feats = np.array([microbatch_features(mb) for mb in per_mb], dtype=float)
+            # one row per op column: a micro-batch's under 1F1B, each chunk's op's when interleaved
+            feats = feats[list(Interleaving(spec.num_chunks).column_microbatch(P, M))]
             num_docs = feats[:, 2]
             replicas.append(_simulate_replica(spec, rng, r, feats, num_docs, schedule, slow, slow_links, iteration))
         iteration_s = max(span for span, _, _ in replicas) + spec.allreduce_s + spec.optimizer_s
@@ -352,46 +356,55 @@ def synthetic_trace(
 
 
 def _simulate_replica(spec, rng, r, feats, num_docs, schedule, slow, slow_links, iteration):
-    P, M, T = spec.pp_degree, spec.num_microbatches, spec.tp_degree
-    base = spec.alpha_s * feats[:, 0] + spec.beta_s * feats[:, 1] + spec.per_document_s * num_docs
+    P, T, V = spec.pp_degree, spec.tp_degree, spec.num_chunks
+    columns = len(feats)  # V per micro-batch, each a chunk's share of the stage's work
+    base = (spec.alpha_s * feats[:, 0] + spec.beta_s * feats[:, 1] + spec.per_document_s * num_docs) / V
     warm = spec.warmup_factor if iteration == 1 else 1.0
-    fwd = np.empty((P, M))
-    bwd = np.empty((P, M))
+    fwd = np.empty((P, columns))
+    bwd = np.empty((P, columns))
     for s in range(P):
         group_slow = max(slow[spec.rank(r, s, t)] for t in range(T)) if slow else 1.0
         scale = spec.stage_multiplier(s) * group_slow * warm
-        fwd[s] = base * scale * rng.lognormal(0.0, spec.noise_cv, M)
-        bwd[s] = base * scale * spec.backward_factor * rng.lognormal(0.0, spec.noise_cv, M)
+        fwd[s] = base * scale * rng.lognormal(0.0, spec.noise_cv, columns)
+        bwd[s] = base * scale * spec.backward_factor * rng.lognormal(0.0, spec.noise_cv, columns)
     # Per TP pair transfer time across each boundary; the group proceeds when its last rank has
-    # its input, so the group-level walk uses the slowest pair.
+    # its input, so the group-level walk uses the slowest pair. Under the interleaved schedule the
+    # wrap from the last stage to the first takes the mean boundary's (as the simulator prices it).
     pair_p2p = np.full((max(P - 1, 0), T), spec.p2p_s)
     for s in range(P - 1):
         for t in range(T):
             key = frozenset((spec.rank(r, s, t), spec.rank(r, s + 1, t)))
             pair_p2p[s, t] *= slow_links.get(key, 1.0)
         pair_p2p[s] *= rng.lognormal(0.0, spec.noise_cv, T)
-    sim = simulate_iteration(schedule, fwd, bwd, pair_p2p.max(axis=1) if P > 1 else 0.0)
+    group_p2p = pair_p2p.max(axis=1) if P > 1 else 0.0
+    sim = simulate_iteration(schedule, fwd, bwd, group_p2p)
+    wrap = float(np.mean(group_p2p)) if P > 1 else 0.0
+    last = V * P - 1
     f_end, b_end = {}, {}
     for s in range(P):
         for op, end in zip(schedule[s], sim.op_finish_s[s]):
-            (f_end if op.kind is OpKind.FORWARD else b_end)[(s, op.microbatch)] = end
+            (f_end if op.kind is OpKind.FORWARD else b_end)[(op.chunk * P + s, op.microbatch)] = end
     rank_ops = {}
     for s in range(P):
         for t in range(T):
             ops = []
             prev_end = 0.0
+            column = {OpKind.FORWARD: 0, OpKind.BACKWARD: 0}
             for op, end in zip(schedule[s], sim.op_finish_s[s]):
-                m = op.microbatch
+                m, v, k = op.microbatch, op.chunk * P + s, column[op.kind]
+                column[op.kind] += 1
                 if op.kind is OpKind.FORWARD:
-                    dur = fwd[s, m]
-                    arrival = f_end[(s - 1, m)] + pair_p2p[s - 1, t] if s > 0 else 0.0
+                    dur = fwd[s, k]
+                    arrival = 0.0 if v == 0 else f_end[(v - 1, m)] + (pair_p2p[s - 1, t] if s > 0 else wrap)
                 else:
-                    dur = bwd[s, m]
-                    arrival = b_end[(s + 1, m)] + pair_p2p[s, t] if s < P - 1 else f_end[(s, m)]
+                    dur = bwd[s, k]
+                    arrival = f_end[(v, m)] if v == last else \
+                        b_end[(v + 1, m)] + (pair_p2p[s, t] if s < P - 1 else wrap)
                 # This rank starts once its own input is in and its previous op is done; it ends
-                # with its TP group (collectives), i.e. at the group's finish time.
+                # with its TP group (collectives), i.e. at the group's finish time. Ops are
+                # recorded by their column: the k-th forward (backward) of the stage.
                 start = min(max(prev_end, arrival), end - dur)
-                ops.append((op.kind.value, m, float(start), float(end)))
+                ops.append((op.kind.value, k, float(start), float(end)))
                 prev_end = end
             rank_ops[(s, t)] = tuple(ops)
     return sim.total_s, rank_ops, feats

@@ -27,6 +27,7 @@ from resihp_ext.layout import Layout
 from resihp_ext.detection.observations import RankObservation
 from resihp_ext.detection.op_signals import op_tables
 from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.schedule import Interleaving
 
 # Fits the pooled costs are the median of: enough that a few disturbed iterations move nothing,
 # few enough that a lasting change of this job's speed shows within half of them.
@@ -65,15 +66,38 @@ class ComputeCosts:
         return HardwareModel(**{**costs, **facts})
 
 
+def per_microbatch_busy(observations: Sequence[RankObservation], layout: Layout, tables: np.ndarray,
+                        interleaving: Interleaving) -> np.ndarray:
+    """Each observation's busy seconds per micro-batch ``[observation, F | B, micro-batch]``: its op
+    columns' under 1F1B, and under the interleaved schedule the sum of each micro-batch's chunk
+    ops (a stage's layers are split over its chunks; the output layer sits in the last one)."""
+    busy = tables[:, 4:6]
+    if interleaving.num_chunks == 1:
+        return busy
+    folded = np.full((len(observations), 2, busy.shape[2] // interleaving.num_chunks), np.nan)
+    for i, obs in enumerate(observations):
+        count = interleaving.microbatches(len(obs.features))
+        owner = np.array(interleaving.column_microbatch(len(layout.replicas[obs.replica].stages), count), dtype=int)
+        columns = busy[i, :, :len(owner)]
+        if not np.isfinite(columns).all():
+            continue  # an op missing: no micro-batch of this rank is whole
+        sums = np.zeros((2, count))
+        np.add.at(sums, (slice(None), owner), columns)
+        folded[i, :, :count] = sums
+    return folded
+
+
 def fit_compute_costs(iteration: int, observations: Sequence[RankObservation], layout: Layout,
-                      tables: np.ndarray | None = None) -> ComputeCosts | None:
+                      tables: np.ndarray | None = None, interleaving: Interleaving = Interleaving()) -> ComputeCosts | None:
     """Fit ``ComputeCosts`` to one iteration's observations, which ran on ``layout``.
 
     Per-layer forward seconds come from the healthiest stage that holds only transformer layers'
     work (not the last one); the output layer + loss from what the healthiest last stage spends
     beyond its layers. Each rank's op time is the median of its forwards (backwards), the upper
     one of an even count, so one disturbed micro-batch moves nothing. ``tables`` are the
-    observations' ``op_tables`` when the caller has them (the detector built them already).
+    observations' ``op_tables`` when the caller has them (the detector built them already). Under
+    the interleaved schedule an op is one chunk's, and a micro-batch's ops on a stage are summed
+    first (``per_microbatch_busy``).
 
     Returns:
         The fit, or None when no rank ran both a forward and a backward.
@@ -82,7 +106,7 @@ def fit_compute_costs(iteration: int, observations: Sequence[RankObservation], l
         tables = op_tables(observations)
     if not tables.size:  # no micro-batch anywhere
         return None
-    busy = tables[:, 4:6]  # [observation, F | B, micro-batch]
+    busy = per_microbatch_busy(observations, layout, tables, interleaving)  # [observation, F | B, micro-batch]
     counts = np.isfinite(busy).sum(axis=2)
     # Sorted, NaN last: each observation's median op is at half its count of ops.
     medians = np.take_along_axis(np.sort(busy, axis=2), (counts // 2)[..., None], axis=2)[..., 0]

@@ -2,8 +2,9 @@
 
 Responsible for turning a replica's stages (layers, TP group) plus health into per-stage forward,
 backward and transfer seconds, the affine fill + per-micro-batch model used inside the search,
-the exact 1F1B time from ``resihp_ext.detection.simulator`` used for final scoring, and the gradient
-all-reduce time. It decides nothing.
+the exact time of the replicas' schedule (1F1B, or the interleaved one) from
+``resihp_ext.detection.simulator`` used for final scoring, and the gradient all-reduce time. It
+decides nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.tp import group_time_factor
 from resihp_ext.detection.simulator import pipeline_time_s
+from resihp_ext.schedule import Interleaving
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class ReplicaTiming:
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
     p2p_s: tuple[float, ...]
+    interleaving: Interleaving = Interleaving()
 
     @property
     def feasible(self) -> bool:
@@ -46,11 +49,13 @@ class ReplicaTiming:
 
     @property
     def fill_s(self) -> float:
-        """Intercept of the affine model: one micro-batch's full trip minus one steady step."""
+        """Intercept of the affine model: one micro-batch's full trip minus one steady step (over
+        the chunks per stage under the interleaved schedule, whose chunk ops fill the pipeline in
+        that share of the time)."""
         if not self.feasible:
             return math.inf
         trip = sum(self.forward_s) + sum(self.backward_s) + 2 * sum(self.p2p_s)
-        return trip - self.per_microbatch_s
+        return (trip - self.per_microbatch_s) / self.interleaving.num_chunks
 
     def estimate_s(self, num_microbatches: int) -> float:
         """Affine estimate ``fill + m * per_microbatch`` (0 when idle)."""
@@ -59,13 +64,22 @@ class ReplicaTiming:
         return self.fill_s + num_microbatches * self.per_microbatch_s
 
     def simulate_s(self, num_microbatches: int) -> float:
-        """Exact 1F1B time from the schedule simulator."""
+        """Exact time of the replica's schedule from the schedule simulator."""
         if num_microbatches == 0:
             return 0.0
         if not self.feasible:
             return math.inf
         return pipeline_time_s(len(self.forward_s), num_microbatches, self.forward_s, self.backward_s,
-                               self.p2p_s)
+                               self.p2p_s, self.interleaving.num_chunks, self.interleaving.group_size)
+
+
+def quota_step(hw: HardwareModel, num_stages: int) -> int:
+    """The micro-batches a replica's quota is a multiple of: 1 under 1F1B; under the interleaved
+    schedule its group size (the pipeline's by default). Multiples of a group are counts the
+    schedule runs (``Interleaving.runs``); with megatron-core's default group they are all of them."""
+    if hw.interleaving.num_chunks == 1 or num_stages == 1:
+        return 1
+    return hw.interleaving.group_size or num_stages
 
 
 def layer_costs(model: ModelSpec, hw: HardwareModel) -> tuple[float, ...]:
@@ -89,14 +103,21 @@ def timing_from_factors(
         for p, (n, factor) in enumerate(zip(layers_per_stage, s_per_tp1_s))
     ]
     bwd = [hw.backward_factor * f for f in fwd]
+    schedule = hw.interleaving
     if hw.overlap_p2p:
-        return ReplicaTiming(tuple(fwd), tuple(bwd), tuple(max(pair) for pair in transfers_s))
+        return ReplicaTiming(tuple(fwd), tuple(bwd), tuple(max(pair) for pair in transfers_s), schedule)
     # The sender waits for its transfer before its next op: activations after a forward,
-    # gradients after a backward. The receiver's wait is already the DAG edge from that op.
+    # gradients after a backward. The receiver's wait is already the DAG edge from that op. Under
+    # the interleaved schedule every chunk's op sends, and the last stage sends each micro-batch
+    # on to the first stage's next chunk (a transfer priced as the mean boundary's).
+    chunks = schedule.num_chunks
     for s, (activation_s, gradient_s) in enumerate(transfers_s):
-        fwd[s] += activation_s
-        bwd[s + 1] += gradient_s
-    return ReplicaTiming(tuple(fwd), tuple(bwd), (0.0,) * len(transfers_s))
+        fwd[s] += chunks * activation_s
+        bwd[s + 1] += chunks * gradient_s
+    if chunks > 1 and transfers_s:
+        fwd[-1] += (chunks - 1) * sum(a for a, _ in transfers_s) / len(transfers_s)
+        bwd[0] += (chunks - 1) * sum(g for _, g in transfers_s) / len(transfers_s)
+    return ReplicaTiming(tuple(fwd), tuple(bwd), (0.0,) * len(transfers_s), schedule)
 
 
 def boundary_transfers_s(replica: ReplicaSpec, model: ModelSpec, hw: HardwareModel,
@@ -163,7 +184,9 @@ def speed_quotas(layout: Layout, health: Health, hw: HardwareModel,
                  num_microbatches: int) -> tuple[tuple[int, ...], float]:
     """Quotas split by replica speed (``dp.assign_quotas``) and the exact iteration seconds under them."""
     timings = [replica_timing(rep, layout.model, hw, health) for rep in layout.replicas]
-    quotas = assign_quotas([t.fill_s for t in timings], [t.per_microbatch_s for t in timings], num_microbatches)
+    step = max(quota_step(hw, rep.num_stages) for rep in layout.replicas)
+    quotas = assign_quotas([t.fill_s for t in timings], [t.per_microbatch_s for t in timings], num_microbatches,
+                           step=step)
     return quotas, iteration_s(layout, quotas, health, hw)
 
 

@@ -28,9 +28,11 @@ def assign_quotas(
     per_microbatch_s: Sequence[float],
     num_microbatches: int,
     minimum: int = 1,
+    step: int = 1,
 ) -> tuple[int, ...]:
     """Integer quotas summing to ``num_microbatches`` that minimise the makespan, every replica
-    that can run taking at least ``minimum``.
+    that can run taking at least ``minimum``, each a multiple of ``step`` (the interleaved
+    schedule's micro-batch group: ``cost.quota_step``).
 
     A replica in the job trains at least one micro-batch by default: an idle one would still wait
     on every gradient sync, and Megatron's schedule has no empty pass. A replica too slow to earn
@@ -49,11 +51,19 @@ def assign_quotas(
         fill_s: per replica, pipeline fill/drain seconds (the affine model's intercept).
         per_microbatch_s: per replica, steady-state seconds per micro-batch (inf: cannot run).
         num_microbatches: micro-batches in the global batch.
-        minimum: least micro-batches of each replica that can run (0 lets a slow one idle).
+        minimum: least micro-batches of each replica that can run (0 lets a slow one idle), in
+            steps when ``step`` is above 1.
+        step: every quota is a multiple of it; ``num_microbatches`` must be one too.
 
     Returns:
         One quota per replica, in replica order.
     """
+    if step > 1:
+        if num_microbatches % step:
+            raise ValueError(f"{num_microbatches} micro-batches are not whole steps of {step}")
+        # A step is one unit of work costing ``step`` micro-batches.
+        units = assign_quotas(fill_s, [c * step for c in per_microbatch_s], num_microbatches // step, minimum)
+        return tuple(u * step for u in units)
     num_replicas = len(per_microbatch_s)
     if num_replicas != len(fill_s):
         raise ValueError(f"fill_s has {len(fill_s)} entries but per_microbatch_s has {num_replicas}")

@@ -26,6 +26,7 @@ from resihp_ext.planner.calibration import ComputeCosts
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
+from resihp_ext.schedule import Interleaving
 from resihp_ext.planner.plan import Plan
 
 # The fixed seconds a live plan charges for re-forming the groups of the processes it already has
@@ -36,7 +37,7 @@ IN_PLACE_REGROUP_S = 0.5
 
 
 def live_hardware(costs: ComputeCosts | None, half_precision: bool,
-                  link_bandwidth_Bps: float | None = None) -> HardwareModel:
+                  link_bandwidth_Bps: float | None = None, interleaving: Interleaving = Interleaving()) -> HardwareModel:
     """The cost model a live re-plan uses: fitted to this job when it has been measured.
 
     Args:
@@ -45,11 +46,13 @@ def live_hardware(costs: ComputeCosts | None, half_precision: bool,
         half_precision: the parameters are bf16/fp16 (activations cross stages at 2 bytes a value).
         link_bandwidth_Bps: the healthy links' bandwidth a link probe round measured (None: the
             default bandwidth; every candidate then crosses the same healthy links).
+        interleaving: the replicas' pipeline schedule.
 
     Returns:
         A ``HardwareModel`` with ``regroup_s`` at ``IN_PLACE_REGROUP_S``.
     """
-    facts: dict = {"activation_bytes_per_value": 2.0 if half_precision else 4.0, "regroup_s": IN_PLACE_REGROUP_S}
+    facts: dict = {"activation_bytes_per_value": 2.0 if half_precision else 4.0, "regroup_s": IN_PLACE_REGROUP_S,
+                   "interleaving": interleaving}
     if link_bandwidth_Bps is not None:
         facts["link_bandwidth_Bps"] = link_bandwidth_Bps
     return HardwareModel(**facts) if costs is None else costs.hardware(**facts)

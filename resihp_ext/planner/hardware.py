@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from resihp_ext.layout import ModelSpec
+from resihp_ext.schedule import Interleaving
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +39,8 @@ class HardwareModel:
         activation_bytes_per_value: bytes per activation value (bf16).
         regroup_s: fixed seconds to re-form process groups when a plan changes the layout.
         restart_s: seconds a checkpoint-restart costs (save/detect, relaunch, reload).
+        interleaving: the pipeline schedule replicas run (1F1B, or the interleaved one with its
+            model chunks per stage): plans are priced under it, and quotas kept to counts it runs.
     """
 
     device_flops: float = 150e12
@@ -54,6 +57,7 @@ class HardwareModel:
     activation_bytes_per_value: float = 2.0
     regroup_s: float = 5.0
     restart_s: float = 600.0
+    interleaving: Interleaving = Interleaving()
 
     def __post_init__(self) -> None:
         for name in ("device_flops", "backward_factor", "link_bandwidth_Bps", "device_memory_bytes",

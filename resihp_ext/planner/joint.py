@@ -23,7 +23,7 @@ from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
 from resihp_ext.planner.alike_stages import best_alike_split, check_alike
 from resihp_ext.planner.cost import (
     ReplicaTiming, allreduce_time_s, boundary_transfers_s, equal_quotas, iteration_s, max_params_per_rank,
-    replica_timing, timing_from_factors,
+    quota_step, replica_timing, timing_from_factors,
 )
 from resihp_ext.planner.dp import assign_quotas, makespan_s
 from resihp_ext.planner.hardware import HardwareModel
@@ -249,13 +249,16 @@ def plan_adaptation(
     ranked = []
     for combo in set(combos):
         chosen, kept = assemble(combo)
-        if not kept or len(kept) > num_mb:  # every kept replica trains at least one micro-batch
+        step = max((quota_step(hw, c.replica.num_stages) for c in kept), default=1)
+        # every kept replica trains at least one micro-batch (one group of them under the
+        # interleaved schedule)
+        if not kept or len(kept) * step > num_mb or num_mb % step:
             continue
         fill = [c.timing.fill_s for c in kept]
         per = [c.timing.per_microbatch_s for c in kept]
         if not any(math.isfinite(v) for v in per):
             continue
-        quotas = assign_quotas(fill, per, num_mb)
+        quotas = assign_quotas(fill, per, num_mb, step=step)
         changed = any(c.changed for c in chosen)
         moves = tuple(m for c in combo for m in c.moves)
         cost_s = (hw.regroup_s + move_time_s(moves, hw)) if changed else 0.0

@@ -17,13 +17,13 @@ def cached_trace(num_iterations, faults=(), seed=5):
     return tuple(synthetic_trace(SPEC, num_iterations, [parse_fault(f) for f in faults], seed=seed))
 
 
-def run_detector(trace, faults=(), detector=None):
+def run_detector(trace, faults=(), detector=None, spec=SPEC):
     det = detector or FailSlowDetector()
     events = []
     for iteration, obs in trace:
         suspicion = det.observe(iteration, obs)
         if suspicion is not None:
-            probes = synthetic_probes(SPEC, [parse_fault(f) for f in faults], iteration,
+            probes = synthetic_probes(spec, [parse_fault(f) for f in faults], iteration,
                                       suspicion.probe_ranks, suspicion.probe_links)
             events.append((suspicion, det.conclude(suspicion, probes)))
     return det, events
