@@ -53,7 +53,6 @@ from megatron.resihp.megatron_loop_data import LoopData
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.megatron_loop_replicas import CountedSplit
 from megatron.resihp.megatron_loop_spares import SpareReentry
-from megatron.resihp.megatron_loop_support import fail_slow_refused
 from megatron.resihp.megatron_loop_stages import (build_objects, interleaving, launch_split, layer_moves_refused,
                                                   layout_layer_of)
 from megatron.resihp.model_builder import TrainingObjects
@@ -301,14 +300,12 @@ class ResilientMegatronLoop:
         from megatron.resihp.resilience import ResilienceHooks
 
         self.events = EventLog(self.cfg.event_log, dist.get_rank())
-        judged = fail_slow_refused(args) is None
-        if judged:
-            install_hooks()  # the detector's timings (and injected slowdowns) of every forward and backward
-            RECORDER.use_device(args.device, args.cpu_device_time_scale)
+        install_hooks()  # the detector's timings (and injected slowdowns) of every forward and backward
+        RECORDER.use_device(args.device, args.cpu_device_time_scale)
         # A rank a fail-stop plan leaves out stands by as a spare (``spares``). Under the distributed
         # optimizer fail-stop plans move no weights (the parts and their copies carry the state).
         self.hooks = ResilienceHooks(args, self.events, None, build_objects=self._build_objects,
-                                     detect_fail_slow=judged, moves_state=False,
+                                     moves_state=False,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
                                      stands_by=True, stages_alike=layer_moves_refused(args) is None,
                                      recovery_keeps_shape=not args.use_distributed_optimizer,
@@ -345,8 +342,7 @@ class ResilientMegatronLoop:
             kept = layer_moves_refused(args)
             replans = "off" if not self.cfg.enable else "of the micro-batch split" + (
                 f" only (layers stay on their stages: {kept})" if kept else " and of the layers per stage")
-            unjudged = fail_slow_refused(args)
-            detection = "on" if self.hooks.live is not None else f"off ({unjudged})" if unjudged else "off"
+            detection = "on" if self.hooks.live is not None else "off"
             log_line(f" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place {on}; fail-slow "
                      f"detection {detection}" + (f", re-plans {replans}" if self.hooks.live is not None else ""))
 

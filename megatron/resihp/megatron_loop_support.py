@@ -46,15 +46,6 @@ _UNSURVIVED_BETWEEN_STEPS = {
 }
 
 
-def fail_slow_refused(args: argparse.Namespace) -> str | None:
-    """Why this job's op timings are not judged (fail-slow detection off; heartbeats and fail-stop
-    recovery run), or None."""
-    if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
-        return ("the detector models the non-interleaved 1F1B schedule's op order, not the interleaved "
-                "schedule's (--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size)")
-    return None
-
-
 def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int, ...] | None = None) -> list[str]:
     """What this job asks for that resilience on Megatron's loop cannot carry yet, one reason per
     item (empty: the job may run). ``args`` are Megatron's validated arguments, ``cfg`` the
@@ -84,11 +75,6 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
     for dest, (flag, what) in _UNSURVIVED_BETWEEN_STEPS.items():
         if cfg.enable and getattr(args, dest, None) not in (None, False):
             found.append(f"{flag} ({what} between steps are not survived when a rank fails there)")
-    no_fail_slow = fail_slow_refused(args)
-    if no_fail_slow is not None:
-        asked = [f"--resihp-inject {fault.spec()}" for fault in cfg.faults if fault.kind.value in ("slow", "link")]
-        asked += ["--resihp-detect-only"] * cfg.detect_only + ["--resihp-trace"] * (cfg.trace is not None)
-        found.extend(f"{flag} (fail-slow detection is off: {no_fail_slow})" for flag in asked)
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name, why in _OWN_LOOP_SETTINGS.items():
         if getattr(cfg, name) != defaults[name]:

@@ -58,13 +58,12 @@ class ResilienceHooks:
     """
 
     def __init__(self, args: argparse.Namespace, events: EventLog, objects=None,
-                 build_objects: Callable | None = None, detect_fail_slow: bool = True, moves_state: bool = True,
+                 build_objects: Callable | None = None, moves_state: bool = True,
                  sharded_optimizer: bool = False, cfg=None, stands_by: bool = True, stages_alike: bool = False,
                  recovery_keeps_shape: bool = False, replica_counts: frozenset[int] | None = None,
                  interleaving: Interleaving = Interleaving()):
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
         groups (the resihp loop's ``model_builder.build_training_objects`` when None). Without
-        ``detect_fail_slow`` no op timings are judged (heartbeats and fail-stop recovery run). Without
         ``moves_state`` a fail-stop plan keeps every rank at the stage it holds, a fail-slow plan
         changes the micro-batch quotas alone, and a fallback points to the last periodic checkpoint
         instead of assembling one from the survivors. With
@@ -113,7 +112,7 @@ class ResilienceHooks:
         self.readmission = Readmission(self)
         self.moved_bytes = 0  # bytes this rank moved in the last change
         self.live = None
-        if self.cfg.detection_on and detect_fail_slow:
+        if self.cfg.detection_on:
             self.live = LiveDetector(
                 self.cfg, rank, self.run.replica, self.run.stage, self.run.tp_rank, self.device(),
                 lambda: self.layout, link_probe_bytes(args), group=self.run.messages, interleaving=interleaving,
@@ -140,6 +139,7 @@ class ResilienceHooks:
                       "layout": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
                                  "dp": self.run.data_parallel_size},
                       "num_microbatches": args.global_batch_size // args.micro_batch_size,
+                      "num_chunks": self.interleaving.num_chunks,
                       "faults": [f.spec() for f in self.cfg.faults]}
             self.trace.write(json.dumps(header) + "\n")
             if self.live is not None and self.live.probe_baselines:

@@ -3,7 +3,7 @@
 Format (one JSON object per line, UTF-8):
 
     {"format": "resihp-trace", "version": 1, "layout": {"tp": 8, "pp": 4, "dp": 8},
-     "num_microbatches": 8, "faults": ["slow:rank=3,factor=1.5,at=200"], ...}      <- header
+     "num_microbatches": 8, "num_chunks": 1, "faults": ["slow:rank=3,factor=1.5,at=200"], ...}  <- header
     {"iteration": 17, "rank": 3, "replica": 0, "stage": 0, "tp_rank": 3,
      "ops": [["F", 0, 0.0012, 0.0523], ...], "features": [[8192, 2310412, 97], ...],
      "iteration_s": 1.734}                                                       <- one per rank
@@ -12,7 +12,9 @@ Format (one JSON object per line, UTF-8):
      "link_s": [[3, 11, 0.0049]], "unresponsive": []}                            <- optional
     {"event": "probe_baselines", "rank_s": {"0": 0.0019}}          <- optional, the last one counts
 
-``ops`` items are ``[kind, microbatch, start_s, end_s]`` (or objects with those keys),
+``ops`` items are ``[kind, microbatch, start_s, end_s]`` (or objects with those keys; under the
+interleaved schedule, ``num_chunks`` above 1, ``microbatch`` is the op's column: the k-th op of
+its kind on the stage, one model chunk's),
 ``features`` items ``[num_tokens, sum_sq, num_docs]`` (or objects with those keys; traces without
 the document count are read with 0 there); the optional ``busy``
 holds each op's device seconds (see ``RankObservation.busy``). The loader is
@@ -69,6 +71,10 @@ class Trace:
     skipped: int = 0
     probes: dict[int, tuple[ProbeResults, ...]] = field(default_factory=dict)
     probe_baselines: dict[int, float] = field(default_factory=dict)
+
+    def interleaving(self) -> Interleaving:
+        """The schedule the trace's ops ran under (the header's ``num_chunks``; 1F1B without it)."""
+        return Interleaving(int(self.header.get("num_chunks", 1)))
 
     def faults(self) -> tuple[Fault, ...]:
         """The faults the header says were injected (``--resihp-inject`` specs)."""
@@ -286,6 +292,7 @@ class SyntheticSpec:
         return {
             "layout": {"tp": self.tp_degree, "pp": self.pp_degree, "dp": self.dp_degree},
             "num_microbatches": self.num_microbatches,
+            "num_chunks": self.num_chunks,
             "seq_length": self.seq_length,
             "micro_batch_size": self.micro_batch_size,
             "faults": [f.spec() for f in faults],

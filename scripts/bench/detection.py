@@ -34,6 +34,7 @@ from resihp_ext.faults import Fault, FaultKind, parse_fault
 from resihp_ext.detection.predictor import MicrobatchPredictor
 from resihp_ext.detection.repeatability import same_work_spread
 from resihp_ext.detection.traces import SyntheticSpec, load_trace, synthetic_probes, synthetic_trace
+from resihp_ext.schedule import Interleaving
 
 ONSET = 40
 # TP8 x PP4 x DP8, rank = tp + 8 * (replica + 8 * stage).
@@ -86,15 +87,17 @@ def _truth(faults: list[Fault]) -> frozenset[int]:
     return frozenset(r for f in faults for r in ((f.rank, f.dst) if f.kind is FaultKind.LINK else (f.rank,)))
 
 
-def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baselines=None) -> None:
+def run_one(iterations, faults, spec, tallies, stats, probes_for, probe_baselines=None,
+            interleaving: Interleaving = Interleaving()) -> None:
     """Feed one trace to all detectors and add to the tallies."""
     config = ResiHPConfig()
-    ours = FailSlowDetector(config, MicrobatchPredictor(error_window=10**7))
+    ours = FailSlowDetector(config, MicrobatchPredictor(error_window=10**7), interleaving=interleaving)
     ours.set_probe_baselines(probe_baselines or {})
     # As live: a fail-slow verdict counts once a second probe round confirms it.
     pending = PendingVerdicts.from_config(config)
     # The same detector without speed levels, on the same timings: the predictors' baseline.
-    flat = FailSlowDetector(ResiHPConfig(speed_level_halflife_iters=0), MicrobatchPredictor(error_window=10**7))
+    flat = FailSlowDetector(ResiHPConfig(speed_level_halflife_iters=0), MicrobatchPredictor(error_window=10**7),
+                            interleaving=interleaving)
     flat.set_probe_baselines(probe_baselines or {})
     flat_pending = PendingVerdicts.from_config(config)
     baselines = {"greyhound": GreyhoundStyleDetector(), "nvrx": NvrxStyleDetector()}
@@ -237,7 +240,8 @@ def live(path: str, tallies, stats) -> list[str]:
                      f"iteration {iteration}; probe timings simulated from the header's faults")
         return synthetic_probes(spec, faults, iteration, suspicion.probe_ranks, suspicion.probe_links)
 
-    run_one(sorted(trace.iterations.items()), faults, spec, tallies, stats, probes_for, trace.probe_baselines)
+    run_one(sorted(trace.iterations.items()), faults, spec, tallies, stats, probes_for, trace.probe_baselines,
+            trace.interleaving())
     # Before the first fault only: a slowed rank's ops are not the same work done as fast.
     onset = min((f.at_iteration for f in faults), default=None)
     stats["same_work"] = same_work_spread(sorted(trace.iterations.items()),
