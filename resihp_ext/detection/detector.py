@@ -290,8 +290,9 @@ class FailSlowDetector:
         """Update the streaks and return the worst subject that is ready to probe, if any.
 
         ``slow_stage`` and ``slow_link`` are the ratios beyond the common slowdown (slowness is
-        judged on them); ``stage_ratio`` is the plain one (a recovery is judged on it, since a
-        slowdown elsewhere must not make a known slow group look fast).
+        judged on them); ``stage_ratio`` is the plain one: a recovery is judged on it, since a
+        slowdown elsewhere must not make a known slow group look fast, over the common level only
+        where that is a speed-up.
         """
         threshold, need = self.config.slowdown_threshold, self._persistence()
         ready = []
@@ -310,10 +311,13 @@ class FailSlowDetector:
                 ready.append((ratio, "link", link, None))
         for g in () if self.config.no_recovery else self._known_groups:
             # A group with a known slow rank that runs faster than that slowdown predicts: the
-            # device may have recovered, and its work can go back to it.
+            # device may have recovered, and its work can go back to it. Judged against its peers
+            # when they all run faster than the model (a host in a fast spell speeds the known
+            # group too, and would make it look recovered), else on its own ratio.
             ratio = stage_ratio.get(g)
             if ratio is None:
                 continue
+            ratio /= min(1.0, self._stage_common.get(g, 1.0)) or 1.0
             count = self._recovery_streak[g].update(ratio * threshold < 1.0, iteration)
             if count >= need and self._eligible(("recovery", g), iteration):
                 ready.append((1.0 / max(ratio, 1e-9), "recovery", g, None))

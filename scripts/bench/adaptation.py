@@ -54,11 +54,13 @@ documents):
     With ``--loop megatron`` the fail-stop runs and the slow-rank throughput runs use Megatron-LM's
     own loop (``--resihp-loop megatron``, fixed-length mock samples, torch-format checkpoints); its
     re-plans move micro-batches between replicas only, so the other throughput parts are left out.
+    ``--interleaved`` runs them under its interleaved schedule (two model chunks per stage).
 
     python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0] [--slow-rank 7]
         [--link 0:4] [--link-factor 600] [--recover-at 22] [--kill 5]... [--restart-save-interval 4]
         [--standby-factor 8] [--bursts 4:4] [--burst-iters 80]
         [--skip throughput|slow|link|bursts|recover|standby|shrunk|fail_stop]... [--loop resihp|megatron]
+        [--interleaved]
 """
 
 from __future__ import annotations
@@ -107,6 +109,13 @@ MEGATRON_MODEL = [
 ]
 
 
+def job_model(args) -> list[str]:
+    """The job's model flags for ``--loop`` (and ``--interleaved``)."""
+    if args.loop != "megatron":
+        return MODEL
+    return [*MEGATRON_MODEL, *(["--num-layers-per-virtual-pipeline-stage", "1"] if args.interleaved else [])]
+
+
 def launch(args: list[str], launcher: str = "torchrun", check: bool = True, timeout_s: float = 900):
     env = job_env()
     if launcher == "torchrun":
@@ -144,7 +153,7 @@ def _throughput_run(args, work: Path, name: str, extra: list[str], onset: int, f
     log = work / f"{name}.events.jsonl"
     log.unlink(missing_ok=True)
     iters = iters or args.iters
-    model = MEGATRON_MODEL if args.loop == "megatron" else MODEL
+    model = job_model(args)
     launch([*model, "--global-batch-size", str(args.global_batch), *device, "--train-iters", str(iters),
             "--resihp-event-log", str(log), *extra], launcher=launcher)
     adapted = events(log, "adapted")
@@ -307,7 +316,7 @@ def fail_stop(args, work: Path) -> dict:
     k = args.kill_at
     kills = [arg for rank in args.kill for arg in ("--resihp-inject", f"kill:rank={rank},at={k}")]
     iters = k + 3
-    model = MEGATRON_MODEL if args.loop == "megatron" else MODEL
+    model = job_model(args)
     # In place.
     log = work / "inplace.events.jsonl"
     log.unlink(missing_ok=True)
@@ -467,8 +476,13 @@ def main() -> None:
                         help="training loop: resihp (the project's own) or megatron (Megatron-LM's own loop, "
                              "--resihp-loop megatron: the fail-stop runs and the slow-rank runs; its re-plans move "
                              "micro-batches only, so the other throughput parts are the resihp loop's)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="with --loop megatron: Megatron-LM's interleaved schedule, two model chunks per stage "
+                             "(--num-layers-per-virtual-pipeline-stage 1)")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     args = parser.parse_args()
+    if args.interleaved and args.loop != "megatron":
+        parser.error("--interleaved runs on Megatron-LM's loop only; add --loop megatron")
     if args.loop == "megatron":
         resihp_only = [p for p in ("link", "bursts", "recover", "standby", "shrunk") if p not in args.skip]
         if resihp_only and "throughput" not in args.skip:
@@ -483,7 +497,9 @@ def main() -> None:
         parser.error(f"--kill takes ranks 0-{NPROC - 1}; got {args.kill}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="adaptation_"))
     work.mkdir(parents=True, exist_ok=True)
-    out = {"shape": f"TP{TP} x PP{PP} x DP{NPROC // (TP * PP)} ({NPROC} processes, CPU)", "cpu_count": os.cpu_count(),
+    out = {"shape": f"TP{TP} x PP{PP} x DP{NPROC // (TP * PP)} ({NPROC} processes, CPU)"
+                    + (", interleaved schedule, 2 chunks per stage" if args.interleaved else ""),
+           "cpu_count": os.cpu_count(),
            "cpu_device_time_scale": args.device_time_scale,
            "loadavg_start": os.getloadavg(), "workdir": str(work)}
     if "throughput" not in args.skip:

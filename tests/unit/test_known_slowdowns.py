@@ -6,7 +6,7 @@ import pytest
 from resihp_ext.detection.detector import Cleared, FailSlowDetector, Verdict
 from resihp_ext.faults import parse_fault
 from resihp_ext.detection.traces import synthetic_probes, synthetic_trace
-from tests.unit.detector_runs import SPEC, cached_trace, run_detector
+from tests.unit.detector_runs import SPEC, busy_ops, cached_trace, run_detector
 
 
 def test_a_known_slowdown_is_the_norm_and_only_a_further_one_alarms():
@@ -76,6 +76,33 @@ def test_a_known_slow_rank_that_recovers_is_named_faster_again():
     _, events = run_detector(cached_trace(70, (gone,)), (still,), detector=det)
     assert events and isinstance(events[0][1], Cleared), events
     assert "no rank faster than its known slowdown" in events[0][1].reason
+
+
+@pytest.mark.parametrize("host", [0.75, 1.3])
+def test_a_host_running_faster_or_slower_than_the_model_does_not_make_a_known_slow_rank_look_recovered(host):
+    # Rank 5 is known 2x slow from the start. From iteration 40 every rank's device works ``host``
+    # times as long as the model learnt (a shared host's fast or slow spell): the known group reads
+    # 0.75x (or 1.3x) its known slowdown, as every other group reads its prediction. Judged on its
+    # own ratio the 0.75x reads as a recovery every few iterations, each costing a probe round.
+    known = "slow:rank=5,factor=2.0,at=1"
+    trace = list(cached_trace(70, (known,)))
+    for i in range(40, 70):
+        trace[i] = (trace[i][0], busy_ops(trace[i][1], {r: host for r in range(8)}))
+    det = FailSlowDetector()
+    det.expect({5: 2.0})
+    _, events = run_detector(trace, (known,), detector=det)
+    assert det.last_report.stage_ratio[(0, 1)] == pytest.approx(host, rel=0.15)
+    assert events == [], events
+    # A recovery during a fast spell is still one: rank 5 healthy again from 55.
+    gone = "slow:rank=5,factor=2.0,at=1,until=55"
+    trace = list(cached_trace(70, (gone,)))
+    for i in range(40, 70):
+        trace[i] = (trace[i][0], busy_ops(trace[i][1], {r: host for r in range(8)}))
+    det = FailSlowDetector()
+    det.expect({5: 2.0})
+    _, events = run_detector(trace, (gone,), detector=det)
+    assert events and events[0][0].kind == "recovery" and 55 <= events[0][0].iteration <= 58, events
+    assert isinstance(events[0][1], Verdict) and events[0][1].kind == "recovered"
 
 
 def _kept(faults, on_verdict, iterations: int = 100):
