@@ -78,29 +78,28 @@ def test_a_known_slow_rank_that_recovers_is_named_faster_again():
     assert "no rank faster than its known slowdown" in events[0][1].reason
 
 
+def _in_a_host_spell(fault: str, host: float):
+    """The detector, told rank 5 is 2x slow, over 70 iterations of ``fault`` in which every rank's
+    device works ``host`` times as long as the model learnt from iteration 40 on (a shared host's
+    fast or slow spell): the detector and its suspicions with their outcomes."""
+    trace = list(cached_trace(70, (fault,)))
+    for i in range(40, 70):
+        trace[i] = (trace[i][0], busy_ops(trace[i][1], {r: host for r in range(8)}))
+    det = FailSlowDetector()
+    det.expect({5: 2.0})
+    return run_detector(trace, (fault,), detector=det)
+
+
 @pytest.mark.parametrize("host", [0.75, 1.3])
 def test_a_host_running_faster_or_slower_than_the_model_does_not_make_a_known_slow_rank_look_recovered(host):
-    # Rank 5 is known 2x slow from the start. From iteration 40 every rank's device works ``host``
-    # times as long as the model learnt (a shared host's fast or slow spell): the known group reads
-    # 0.75x (or 1.3x) its known slowdown, as every other group reads its prediction. Judged on its
-    # own ratio the 0.75x reads as a recovery every few iterations, each costing a probe round.
-    known = "slow:rank=5,factor=2.0,at=1"
-    trace = list(cached_trace(70, (known,)))
-    for i in range(40, 70):
-        trace[i] = (trace[i][0], busy_ops(trace[i][1], {r: host for r in range(8)}))
-    det = FailSlowDetector()
-    det.expect({5: 2.0})
-    _, events = run_detector(trace, (known,), detector=det)
+    # The known group reads 0.75x (or 1.3x) its known slowdown, as every other group reads its
+    # prediction. Judged on its own ratio the 0.75x reads as a recovery every few iterations, each
+    # costing a probe round.
+    det, events = _in_a_host_spell("slow:rank=5,factor=2.0,at=1", host)
     assert det.last_report.stage_ratio[(0, 1)] == pytest.approx(host, rel=0.15)
     assert events == [], events
-    # A recovery during a fast spell is still one: rank 5 healthy again from 55.
-    gone = "slow:rank=5,factor=2.0,at=1,until=55"
-    trace = list(cached_trace(70, (gone,)))
-    for i in range(40, 70):
-        trace[i] = (trace[i][0], busy_ops(trace[i][1], {r: host for r in range(8)}))
-    det = FailSlowDetector()
-    det.expect({5: 2.0})
-    _, events = run_detector(trace, (gone,), detector=det)
+    # A recovery during the spell is still one: rank 5 healthy again from 55.
+    _, events = _in_a_host_spell("slow:rank=5,factor=2.0,at=1,until=55", host)
     assert events and events[0][0].kind == "recovery" and 55 <= events[0][0].iteration <= 58, events
     assert isinstance(events[0][1], Verdict) and events[0][1].kind == "recovered"
 
