@@ -193,12 +193,6 @@ class Interleaving:
         return tuple(m for m, _ in virtual_microbatches(num_microbatches, self.num_chunks,
                                                         self.group_size or num_stages))
 
-    def runs(self, num_microbatches: int, num_stages: int) -> bool:
-        """Whether a replica of ``num_stages`` stages runs ``num_microbatches`` (any count under 1F1B)."""
-        if self.num_chunks == 1 or num_stages == 1:
-            return True
-        return interleaved_runs(num_microbatches, num_stages, self.group_size or num_stages)
-
 
 def interleaved_runs(num_microbatches: int, num_stages: int, group_size: int) -> bool:
     """Whether megatron-core's interleaved schedule runs ``num_microbatches`` on a replica of

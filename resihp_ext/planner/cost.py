@@ -76,7 +76,8 @@ class ReplicaTiming:
 def quota_step(hw: HardwareModel, num_stages: int) -> int:
     """The micro-batches a replica's quota is a multiple of: 1 under 1F1B; under the interleaved
     schedule its group size (the pipeline's by default). Multiples of a group are counts the
-    schedule runs (``Interleaving.runs``); with megatron-core's default group they are all of them."""
+    schedule runs (``resihp_ext.schedule.interleaved_runs``); with megatron-core's default group they are
+    all of them."""
     if hw.interleaving.num_chunks == 1 or num_stages == 1:
         return 1
     return hw.interleaving.group_size or num_stages

@@ -12,6 +12,7 @@ from resihp_ext.detection.simulator import pipeline_time_s
 from resihp_ext.detection.traces import synthetic_trace
 from resihp_ext.faults import parse_fault
 from resihp_ext.layout import Layout, ModelSpec
+from resihp_ext.planner.calibration import fit_compute_costs
 from resihp_ext.planner.cost import iteration_s, replica_timing
 from resihp_ext.planner.dp import assign_quotas
 from resihp_ext.planner.hardware import HardwareModel
@@ -86,6 +87,25 @@ def test_a_slow_link_between_stages_is_named_from_the_gaps_within_a_chunk():
     assert suspicion.kind == "link" and suspicion.iteration <= 53
     assert set(outcome.ranks) == {1, 5} and outcome.factor == pytest.approx(4.0, rel=0.2)
     assert all(o.kind == "link" for _, o in verdicts)
+
+
+def test_the_cost_fit_sums_a_micro_batchs_chunk_ops_per_stage():
+    # The same job under 1F1B and interleaved, same data and costs: the per-layer forward seconds
+    # fitted to one iteration agree once each micro-batch's two chunk ops are summed; read op by
+    # op, a chunk's op would pass for a whole stage's and the layer cost come out halved.
+    layout = Layout.uniform(ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024,
+                                      vocab_size=1024, seq_length=4096, micro_batch_size=1), 2, 2, 2)
+    # The two traces draw their documents and noise apart, so single iterations differ; over 40,
+    # with one kind of documents throughout (no switch to long ones), the medians do not.
+    spec = dataclasses.replace(SPEC, long_fraction=0.0, replica_deviation=0.0)
+    plain = list(synthetic_trace(spec, 44, seed=3))[4:]
+    chunked = list(synthetic_trace(dataclasses.replace(spec, num_chunks=CHUNKS), 44, seed=3))[4:]
+    reference = statistics.median(fit_compute_costs(i, obs, layout).layer_forward_s for i, obs in plain)
+    summed = statistics.median(fit_compute_costs(i, obs, layout, interleaving=Interleaving(CHUNKS)).layer_forward_s
+                               for i, obs in chunked)
+    op_by_op = statistics.median(fit_compute_costs(i, obs, layout).layer_forward_s for i, obs in chunked)
+    assert summed == pytest.approx(reference, rel=0.05)
+    assert op_by_op == pytest.approx(reference / CHUNKS, rel=0.1)
 
 
 def test_quotas_come_in_whole_groups():
