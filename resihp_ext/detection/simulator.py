@@ -115,8 +115,9 @@ def simulate_iteration(
     if num_stages < 1:
         raise ValueError("schedule must have at least one stage; build it with one_f_one_b(P, M)")
     num_microbatches = 1 + max((op.microbatch for ops in schedule for op in ops), default=-1)
-    num_chunks = 1 + max((op.chunk for ops in schedule for op in ops), default=0)
-    columns = max((sum(op.kind is OpKind.FORWARD for op in ops) for ops in schedule), default=0)
+    num_chunks = 1 + max((op.chunk for op in schedule[0]), default=0)  # every stage runs every chunk
+    columns = num_microbatches if num_chunks == 1 else \
+        max(sum(op.kind is OpKind.FORWARD for op in ops) for ops in schedule)
     fwd = _durations(forward_s, num_stages, columns, "forward_s")
     bwd = _durations(backward_s, num_stages, columns, "backward_s")
     link = _per_boundary(p2p_s, num_stages)
@@ -124,16 +125,21 @@ def simulate_iteration(
     link.append(sum(link) / len(link) if link and num_chunks > 1 else 0.0)
     sync = _per_stage(allreduce_s, num_stages, "allreduce_s")
 
-    # Per-stage flattened ops: (is_forward, virtual stage, micro-batch, column), to keep enum
-    # lookups and index arithmetic out of the loop.
-    flat = []
-    for s, ops in enumerate(schedule):
-        seen = {OpKind.FORWARD: 0, OpKind.BACKWARD: 0}
-        row = []
-        for op in ops:
-            row.append((op.kind is OpKind.FORWARD, op.chunk * num_stages + s, op.microbatch, seen[op.kind]))
-            seen[op.kind] += 1
-        flat.append(row)
+    # Per-stage flattened ops, to keep enum lookups and index arithmetic out of the loop: whether
+    # each is a forward, its micro-batch, and under the interleaved schedule its virtual stage and
+    # its column (its place among its kind); without it those are the stage and the micro-batch.
+    kinds = [[op.kind is OpKind.FORWARD for op in ops] for ops in schedule]
+    mbs = [[op.microbatch for op in ops] for ops in schedule]
+    virtual = columns_of = None
+    if num_chunks > 1:
+        virtual = [[op.chunk * num_stages + s for op in ops] for s, ops in enumerate(schedule)]
+        columns_of = []
+        for row in kinds:
+            seen, places = [0, 0], []
+            for forward in row:
+                places.append(seen[forward])
+                seen[forward] += 1
+            columns_of.append(places)
     nan = float("nan")
     num_virtual = num_chunks * num_stages
     f_end = [[nan] * num_microbatches for _ in range(num_virtual)]
@@ -149,14 +155,17 @@ def simulate_iteration(
     pending = list(range(num_stages - 1, -1, -1))
     while pending:
         s = pending.pop()
-        ops = flat[s]
-        n = len(ops)
+        ops_kind, ops_mb = kinds[s], mbs[s]
+        ops_v = None if virtual is None else virtual[s]
+        ops_col = ops_mb if columns_of is None else columns_of[s]
+        n = len(ops_kind)
         i = ptr[s]
         t = clock[s]
         advanced_f = advanced_b = False
         while i < n:
-            forward, v, m, k = ops[i]
-            if forward:
+            m, k = ops_mb[i], ops_col[i]
+            v = s if ops_v is None else ops_v[i]
+            if ops_kind[i]:
                 if v > 0:
                     dep = f_end[v - 1][m]
                     if dep != dep:  # NaN: upstream forward not done yet
@@ -192,7 +201,7 @@ def simulate_iteration(
         if advanced_b and (s > 0 or num_chunks > 1):
             pending.append((s - 1) % num_stages)
 
-    stuck = [s for s in range(num_stages) if ptr[s] < len(flat[s])]
+    stuck = [s for s in range(num_stages) if ptr[s] < len(kinds[s])]
     if stuck:
         raise ValueError(
             f"schedule deadlocks: stages {stuck} wait on ops that never run; "
