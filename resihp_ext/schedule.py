@@ -85,6 +85,8 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return tuple(stages)
 
 
+# Read for every observation the decider gathers, with the same few shapes.
+@functools.lru_cache(maxsize=256)
 def virtual_microbatches(num_microbatches: int, num_chunks: int, group_size: int) -> tuple[tuple[int, int], ...]:
     """The interleaved schedule's forward order on every stage: ``(micro-batch, chunk)`` of each
     virtual micro-batch. Micro-batches go in groups of ``group_size`` through chunk 0, then chunk 1,
