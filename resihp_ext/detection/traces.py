@@ -325,7 +325,10 @@ def synthetic_trace(
     deviant = [bool(rng.random() < spec.replica_deviation) for _ in range(spec.dp_degree)]
     switch = 1.0 / spec.block_iters
     P, M = spec.pp_degree, spec.num_microbatches
-    schedule = Interleaving(spec.num_chunks).schedule(P, M)
+    interleaving = Interleaving(spec.num_chunks)
+    schedule = interleaving.schedule(P, M)
+    # one feature row per op column: a micro-batch's under 1F1B, each chunk's op's when interleaved
+    column_rows = list(interleaving.column_microbatch(P, M))
     for iteration in range(1, num_iterations + 1):
         active = [f for f in faults if f.active(iteration)]
         silent = {f.rank for f in active if f.kind in (FaultKind.KILL, FaultKind.RAISE, FaultKind.HANG)}
@@ -344,8 +347,7 @@ def synthetic_trace(
             samples = sample_packed_workload(rng, dist, M * spec.micro_batch_size, spec.seq_length)
             per_mb = [samples[m * spec.micro_batch_size:(m + 1) * spec.micro_batch_size] for m in range(M)]
             feats = np.array([microbatch_features(mb) for mb in per_mb], dtype=float)
-            # one row per op column: a micro-batch's under 1F1B, each chunk's op's when interleaved
-            feats = feats[list(Interleaving(spec.num_chunks).column_microbatch(P, M))]
+            feats = feats[column_rows]
             num_docs = feats[:, 2]
             replicas.append(_simulate_replica(spec, rng, r, feats, num_docs, schedule, slow, slow_links, iteration))
         iteration_s = max(span for span, _, _ in replicas) + spec.allreduce_s + spec.optimizer_s
