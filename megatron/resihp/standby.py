@@ -95,6 +95,10 @@ def _call_key(launch_rank: int) -> str:
     return f"{_PREFIX}call/{launch_rank}"
 
 
+def _called_key(launch_rank: int) -> str:
+    return f"{_PREFIX}called/{launch_rank}"
+
+
 def _go_key(generation: int) -> str:
     return f"{_PREFIX}go/{generation}"
 
@@ -126,6 +130,20 @@ def marked_gone(store, launch_rank: int) -> bool:
     return len(parts) > 2 and parts[2] in (heartbeat_beacon.DEAD_MARK, heartbeat_beacon.STOPPED_MARK)
 
 
+def record_call(store, launch_rank: int, generation: int) -> None:
+    """Note that standby ``launch_rank`` is being called into world ``generation`` (``report_counts``)."""
+    store.set(_called_key(launch_rank), str(generation))
+
+
+def report_counts(store, launch_rank: int, report: dict) -> bool:
+    """Whether standby ``launch_rank``'s latest ``report`` may make it ready: not while its beacon
+    says it died or stands stopped, nor before it is back from the latest world it was called into
+    (a report written between the check that planned the call and the call itself is older than
+    the call; a joiner that died in a world that never formed sends no later one)."""
+    called = int(store.get(_called_key(launch_rank))) if store.check([_called_key(launch_rank)]) else 0
+    return report.get("back_from", 0) >= called and not marked_gone(store, launch_rank)
+
+
 class Readmission:
     """Both sides of readmission; ``host`` is the process's ``ResilienceHooks`` (its run state,
     store, heartbeats, detector and injected faults)."""
@@ -137,9 +155,11 @@ class Readmission:
         # never through ``check_standbys``, whose launch-replica rule they could not meet anyway.
         self.spares: set[int] = set()
         self._report_seen: dict[int, tuple[int, float]] = {}  # launch rank -> (report seq, first seen)
-        # Standbys called into a world that did not form or hold -> the report seq they were called on:
-        # only a later report (the standby is back) makes them ready again; a dead one never sends it.
-        self._called_on: dict[int, int] = {}
+        # On a standby: the latest world it was called into. Its reports carry it, and a call is
+        # recorded in the store (``_called_key``), so a report counts only once the standby is back
+        # from its latest call; a joiner that died in a world that never formed sends none, however
+        # late its last report before the call was written, and whichever rank reads the reports.
+        self._back_from = 0
         self._last_ready: set[int] = set()  # healthy-looking standbys the last plan was made for
         self._admitted_at: int | None = None  # iteration this rank rejoined at (planned already)
         self._standby_reference_s = 0.0
@@ -205,6 +225,7 @@ class Readmission:
             if time.monotonic() - last_progress > abandoned_s:
                 raise StopTraining(0, f"no iteration started for {abandoned_s:.0f} s while launch rank {me} stood by")
             if call is not None:
+                self._back_from = max(self._back_from, call["generation"])
                 rejoined = self._answer_recovery(call) if call.get("kind") == "recovery" else self._answer_call(call)
                 if rejoined is not None:
                     return rejoined
@@ -212,7 +233,8 @@ class Readmission:
             if self.probes and time.monotonic() >= next_probe:
                 factor = gemm_probe_s(host.device()) / self._standby_reference_s
                 seq += 1
-                store.set(_report_key(me), json.dumps({"factor": round(factor, 4), "seq": seq}))
+                store.set(_report_key(me), json.dumps({"factor": round(factor, 4), "seq": seq,
+                                                       "back_from": self._back_from}))
                 next_probe = time.monotonic() + interval
             time.sleep(0.05)
 
@@ -382,9 +404,8 @@ class Readmission:
                 if not host.store.check([_report_key(launch)]):
                     continue
                 report = json.loads(host.store.get(_report_key(launch)))
-                if self._called_on.get(launch) == report["seq"]:
+                if not report_counts(host.store, launch, report):
                     continue
-                self._called_on.pop(launch, None)
                 seen = self._report_seen.get(launch)
                 if seen is None or seen[0] != report["seq"]:
                     self._report_seen[launch] = seen = (report["seq"], now)
@@ -446,7 +467,7 @@ class Readmission:
                       "loss_scale": loss_scale_state(objects.optimizer)}
             new_rank = {launch: decision.new_rank_of(launch, len(run.identity)) for launch in decision.joiners}
             for launch, rank in new_rank.items():
-                self._called_on[launch] = self._report_seen[launch][0]
+                record_call(host.store, launch, generation)
                 host.store.set(_call_key(launch), json.dumps({**shared, "new_rank": rank}))
             joining = [f"resihp/gen{generation}/joining/{rank}" for rank in new_rank.values()]
             try:
@@ -480,7 +501,6 @@ class Readmission:
         host.commit(new.replace(quotas=tuple(plan.quotas)), world_changed=True)
         self.standbys -= set(decision.joiners)
         for launch in decision.joiners:  # a later stand-by starts its reports afresh
-            self._called_on.pop(launch, None)
             self._report_seen.pop(launch, None)
         duration = time.perf_counter() - start
         if new.rank == 0:

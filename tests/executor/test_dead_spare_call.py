@@ -1,6 +1,8 @@
 """A recovery that calls a spare the spare's heartbeat beacon marked dead (SIGKILL) or stopped
 (SIGSTOP) plans without it at once, instead of waiting out the call (up to twice the heartbeat
-timeout). Real processes, real signals, a real job store, the production ``call_spares``."""
+timeout), and such a standby's last report no longer makes it ready; a report counts only once the
+standby is back from its latest call. Real processes, real signals, a real job store, the production
+``call_spares`` and ``report_counts``."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed import TCPStore
 
-from megatron.resihp.standby import Readmission, marked_gone
+from megatron.resihp.standby import Readmission, marked_gone, record_call, report_counts
 from scripts.child_env import job_env
 
 # A standby as ``stand_by`` sets it up: a beacon forked first, then pointed at its standby key. It
@@ -30,6 +32,7 @@ time.sleep(120)
 '''
 
 LAUNCH_RANK = 3
+FRESH_REPORT = {"factor": 1.0, "seq": 9, "back_from": 0}
 HEARTBEAT_TIMEOUT_S = 30.0  # the call would wait 60 s for an answer
 
 
@@ -63,11 +66,13 @@ def test_a_spare_its_beacon_marked_gone_is_planned_without_at_once(store, sig):
     proc = _standby(store)
     try:
         assert not marked_gone(store, LAUNCH_RANK)  # alive and running: a call waits for its answer
+        assert report_counts(store, LAUNCH_RANK, FRESH_REPORT)
         os.kill(proc.pid, sig)
         deadline = time.monotonic() + 10
         while not marked_gone(store, LAUNCH_RANK):
             assert time.monotonic() < deadline, "the beacon never marked the standby"
             time.sleep(0.02)
+        assert not report_counts(store, LAUNCH_RANK, FRESH_REPORT)  # its last report makes it ready no more
         answered, took_s = _call(store)
         assert answered == []
         assert took_s < HEARTBEAT_TIMEOUT_S / 4, took_s  # not the 60 s wait for an answer
@@ -83,3 +88,15 @@ def _wait_beacon_done(store) -> None:
     deadline = time.monotonic() + 5
     while not store.get(f"resihp/standby/beat/{LAUNCH_RANK}").endswith(b":dead") and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def test_a_report_counts_only_once_the_standby_is_back_from_its_latest_call(store):
+    # The race a joiner killed in its rendezvous met: a report written between the check that planned
+    # the call and the call itself is newer than the one the plan read, yet older than the call.
+    assert report_counts(store, LAUNCH_RANK, {"factor": 1.0, "seq": 1})  # never called: any report
+    record_call(store, LAUNCH_RANK, 5)
+    assert not report_counts(store, LAUNCH_RANK, {"factor": 1.0, "seq": 2, "back_from": 0})
+    assert not report_counts(store, LAUNCH_RANK, {"factor": 1.0, "seq": 3, "back_from": 4})
+    assert report_counts(store, LAUNCH_RANK, {"factor": 1.0, "seq": 1, "back_from": 5})  # back, reporting afresh
+    record_call(store, LAUNCH_RANK, 8)  # called again: its reports from before wait for the answer
+    assert not report_counts(store, LAUNCH_RANK, {"factor": 1.0, "seq": 4, "back_from": 5})
