@@ -13,10 +13,12 @@ as one fails, and restarts the whole group if asked to.)
 Usage::
 
     python scripts/launch_local.py --nproc-per-node N [--master-addr 127.0.0.1] \
-        [--master-port P] [--preload auto|none|MODULE[,MODULE...]] SCRIPT [ARGS...]
+        [--master-port P] [--preload auto|none|MODULE[,MODULE...]] [--fork-server SOCKET] SCRIPT [ARGS...]
 
 Ranks are forked from a server that has imported the script's top-level modules once
-(``rank_fork_server.py``); ``--preload none`` starts each from a bare interpreter instead.
+(``rank_fork_server.py``); ``--preload none`` starts each from a bare interpreter instead, and
+``--fork-server SOCKET`` (or ``$RESIHP_FORK_SERVER``) from a server shared by many launches
+(``shared_fork_server.py``) that imported them once for all.
 
 Exit code: 0 when every rank that was not killed by a signal, and did not leave on an error of its
 own (exit 4), exited 0 and at least one rank finished that way (a job that survived its failed
@@ -35,10 +37,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from rank_fork_server import Preload, RankForkServer, script_preload
+from rank_fork_server import Preload, RankForkServer, ServerRefused, script_preload
 
 # Workers read this to know that a dead peer does not take them down with it.
 LAUNCHER_ENV = "RESIHP_LAUNCHER"
+# The shared fork server's socket, when --fork-server is not given.
+FORK_SERVER_ENV = "RESIHP_FORK_SERVER"
 # How often the launcher looks at its workers; a rank's end is reported within this.
 _POLL_S = 0.05
 # A rank's exit codes that the launcher reads (megatron.resihp.fail_stop_recovery's EXIT_NEEDS_RESTART
@@ -72,6 +76,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--preload", default="auto",
                         help="modules to import once, before the ranks are forked: 'auto' (default) for "
                              "those the script imports at its top level, 'none', or a comma-separated list")
+    parser.add_argument("--fork-server", default=None, metavar="SOCKET",
+                        help="fork the ranks from the shared fork server listening at SOCKET "
+                             "(scripts/shared_fork_server.py), which imported the script's modules once for "
+                             f"many launches (default: ${FORK_SERVER_ENV} when set, else a server of this "
+                             "launch's own)")
     parser.add_argument("script", help="training script to run on every rank")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(argv)
@@ -81,6 +90,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--master-port must be in 0..65535, got {args.master_port}; omit it to pick a free port")
     if not os.path.isfile(args.script):
         parser.error(f"SCRIPT {args.script!r} is not a file; pass the path of the training script after the flags")
+    if args.preload == "none" and args.fork_server:
+        parser.error("--preload none starts the ranks from a bare interpreter, and --fork-server from one "
+                     "that imported the script's modules; drop one of them")
+    if args.fork_server is None and args.preload != "none":  # --preload none asks for what the default would not give
+        args.fork_server = os.environ.get(FORK_SERVER_ENV) or None
     try:
         args.preload = preload_modules(args.preload, args.script)
     except SyntaxError as err:
@@ -167,14 +181,59 @@ def _describe(code: int) -> str:
     return f"code {code}"
 
 
-def run(args: argparse.Namespace) -> int:
-    # Forked first: the server must not inherit the store's thread.
-    server = RankForkServer.start(args.script, args.script_args, args.preload)
-    from torch.distributed import TCPStore  # imported late so --help and CLI errors stay fast
+def _store_failed(args: argparse.Namespace, err: Exception) -> SystemExit:
+    """Say why the job's store did not start; the exit: 2 when the port asked for is the cause."""
+    said = str(err).splitlines()[0]
+    if args.master_port and ("EADDRINUSE" in said or "address already in use" in said):
+        print(f"launch_local: error: --master-port {args.master_port} is in use on this host ({said}); pass a free "
+              "port, or omit the flag for one the OS picks", file=sys.stderr, flush=True)
+        return SystemExit(INPUT_ERROR_EXIT)
+    print(f"launch_local: the job's store did not start at {args.master_addr}:{args.master_port}: {said}",
+          file=sys.stderr, flush=True)
+    return SystemExit(1)
 
-    # The store lives here, not in rank 0: it must outlive any rank for survivors to re-form.
-    store = TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(minutes=30))
+
+def _rank_server(args: argparse.Namespace) -> RankForkServer:
+    """The shared fork server's server for this launch when one is asked for and takes it (it
+    starts the job's store too), else a server of the launch's own.
+
+    Raises:
+        SystemExit: the shared server asked for is not there (2), or the job's store it starts
+            did not start (1); said on stderr.
+    """
+    if args.fork_server:
+        try:
+            return RankForkServer.connect(args.fork_server, args.script, args.script_args, args.preload,
+                                          (args.master_addr, args.master_port))
+        except ServerRefused as refused:
+            print(f"launch_local: {refused}; this launch forks a server of its own", file=sys.stderr, flush=True)
+        except OSError as err:
+            print(f"launch_local: error: --fork-server {args.fork_server}: no fork server answers there "
+                  f"({err.strerror or err}); start one with `python scripts/shared_fork_server.py "
+                  f"{args.fork_server} SCRIPT`, or drop the flag (and unset {FORK_SERVER_ENV})",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(INPUT_ERROR_EXIT) from None
+        except RuntimeError as err:
+            raise _store_failed(args, err) from None
+    # Forked before the store: the server must not inherit the store's thread.
+    return RankForkServer.start(args.script, args.script_args, args.preload)
+
+
+def run(args: argparse.Namespace) -> int:
+    server = _rank_server(args)
+    store = None
+    if server.store_port is None:
+        from torch.distributed import TCPStore  # imported late so --help and CLI errors stay fast
+
+        # The store lives here, not in rank 0: it must outlive any rank for survivors to re-form.
+        try:
+            store = TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(minutes=30))
+        except RuntimeError as err:  # torch's DistNetworkError among them
+            os.kill(server.pid, signal.SIGKILL)  # still importing what no rank will run
+            server.close()
+            raise _store_failed(args, err) from None
+    store_port = server.store_port if store is None else store.port
     world_size = args.nproc_per_node
     received: list[int] = []
     job = _Job({})
@@ -186,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        job.pids.update(server.spawn([worker_env(r, world_size, args.master_addr, store.port)
+        job.pids.update(server.spawn([worker_env(r, world_size, args.master_addr, store_port)
                                       for r in range(world_size)]))
         if received:  # a signal that came while the ranks were being started
             job.signal_running(received[-1])

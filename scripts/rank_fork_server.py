@@ -24,11 +24,14 @@ import json
 import os
 import select
 import signal
+import socket
 import sys
 import warnings
 from dataclasses import dataclass
 
 _PR_SET_PDEATHSIG = 1
+# How often a job's server looks for ranks that ended (and for its launcher's end).
+_REAP_S = 0.02
 
 
 _WARNING_FILTERS = ("filterwarnings", "simplefilter")
@@ -41,6 +44,14 @@ class Preload:
     modules: tuple[str, ...] = ()
     # (function of ``warnings``, positional args, keyword args), each argument a literal
     warning_filters: tuple[tuple[str, tuple, dict], ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"modules": list(self.modules), "warning_filters": [list(f) for f in self.warning_filters]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Preload:
+        return cls(tuple(data["modules"]), tuple((name, tuple(args), kwargs) for name, args, kwargs
+                                                  in data["warning_filters"]))
 
     def apply(self) -> None:
         for name, args, kwargs in self.warning_filters:
@@ -159,6 +170,45 @@ def _rank_main(script: str, script_args: list[str], env: dict[str, str], fresh: 
         os._exit(code & 0xFF)
 
 
+def serve_job(commands, events, script: str, script_args: list[str], fresh: bool) -> None:
+    """Fork one rank per environment the launcher sends on ``commands`` (one JSON line), report
+    each rank's pid and, as each ends, its exit code on ``events``. Returns once every rank is
+    reported, or as soon as the launcher's end of ``commands`` closes: the launcher is gone, and
+    its ranks get SIGTERM through their parent-death signal once this process exits."""
+    line = commands.readline()
+    if not line:
+        return
+    ranks = {}
+    for rank, env in enumerate(json.loads(line)):
+        pid = _fork()
+        if pid == 0:
+            # Closed by descriptor: closing the file objects would flush what the server had
+            # buffered, a second time, from here.
+            os.close(commands.fileno())
+            os.close(events.fileno())
+            _rank_main(script, script_args, env, fresh)
+        ranks[pid] = rank
+        events.write(f"pid {rank} {pid}\n")
+        events.flush()
+    while ranks:
+        ready, _, _ = select.select([commands.fileno()], [], [], _REAP_S)
+        if ready and not os.read(commands.fileno(), 1):
+            return
+        while ranks:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if pid in ranks:
+                events.write(f"exit {ranks.pop(pid)} {os.waitstatus_to_exitcode(status)}\n")
+                events.flush()
+
+
+def cuda_initialised() -> bool:
+    """Whether the preloaded modules started CUDA, which a forked rank could not use."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
 def _server_main(commands, events, script: str, script_args: list[str], preload: Preload) -> None:
     """The fork server's body; never returns."""
     code = 0
@@ -176,26 +226,7 @@ def _server_main(commands, events, script: str, script_args: list[str], preload:
         # environment, without it.
         os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         preload.apply()
-        torch = sys.modules.get("torch")
-        fresh = bool(torch is not None and torch.cuda.is_initialized())
-        envs = json.loads(commands.readline())
-        ranks = {}
-        for rank, env in enumerate(envs):
-            pid = _fork()
-            if pid == 0:
-                # Closed by descriptor: closing the file objects would flush what the server had
-                # buffered, a second time, from here.
-                os.close(commands.fileno())
-                os.close(events.fileno())
-                _rank_main(script, script_args, env, fresh)
-            ranks[pid] = rank
-            events.write(f"pid {rank} {pid}\n")
-            events.flush()
-        while ranks:
-            pid, status = os.wait()
-            if pid in ranks:
-                events.write(f"exit {ranks.pop(pid)} {os.waitstatus_to_exitcode(status)}\n")
-                events.flush()
+        serve_job(commands, events, script, script_args, cuda_initialised())
     except BaseException:  # noqa: BLE001 - the launcher sees the pipe close and reports it
         code = 1
     finally:
@@ -205,13 +236,14 @@ def _server_main(commands, events, script: str, script_args: list[str], preload:
 class RankForkServer:
     """The launcher's side: start the server, have it fork the ranks, hear of their ends."""
 
-    def __init__(self, pid: int, commands: int, events: int) -> None:
-        self.pid = pid
+    def __init__(self, pid: int | None, commands: int, events: int) -> None:
+        self.pid = pid  # None: a job's server that a shared server forked (not this process's child)
         self._commands = commands  # fd, launcher -> server
-        self._events = events  # fd, server -> launcher
+        self._events = events  # fd, server -> launcher (the same socket as ``commands`` when shared)
         self._pending = b""
         self._early: list[str] = []  # ends heard while ranks were still being started
         self.gone = False  # the server ended (it does once every rank has been reported)
+        self.store_port: int | None = None  # the port of the job's store when the server started it
 
     @classmethod
     def start(cls, script: str, script_args: list[str], preload: Preload) -> RankForkServer:
@@ -229,6 +261,41 @@ class RankForkServer:
         os.close(event_w)
         return cls(pid, command_w, event_r)
 
+    @classmethod
+    def connect(cls, path: str, script: str, script_args: list[str], preload: Preload,
+                store: tuple[str, int]) -> RankForkServer:
+        """Have the shared server listening at ``path`` (``shared_fork_server.py``) fork a server
+        for this launch, handing it this process's stdin, stdout and stderr for the ranks; that
+        server starts the job's store at ``store`` (address, port; 0: a free one), whose port
+        ``store_port`` then holds.
+
+        Raises:
+            OSError: nothing listens at ``path``.
+            ServerRefused: the shared server imported under another environment than this
+                process's; the ranks would not run as a server of this launch's own would run them.
+            RuntimeError: the job's store did not start (its error is on stderr).
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            stdio = [fd for fd in (0, 1, 2) if _is_open(fd)]
+            socket.send_fds(sock, [b"\0"], stdio)
+            hello = {"script": os.path.abspath(script), "script_args": script_args, "cwd": os.getcwd(),
+                     "env": dict(os.environ), "stdio": stdio, "preload": preload.to_dict(), "store": list(store)}
+            sock.sendall((json.dumps(hello) + "\n").encode())
+        except BaseException:
+            sock.close()
+            raise
+        fd = sock.detach()
+        server = cls(None, fd, fd)
+        reply = server._lines(None)
+        kind, _, said = reply[0].partition(" ") if reply else ("refused", "", "it closed the connection")
+        if kind != "ok":
+            server.close()
+            raise (RuntimeError if kind == "failed" else ServerRefused)(said)
+        server.store_port = int(said)
+        return server
+
     def _lines(self, timeout_s: float | None) -> list[str]:
         ready, _, _ = select.select([self._events], [], [], timeout_s)
         if not ready:
@@ -242,7 +309,9 @@ class RankForkServer:
 
     def spawn(self, envs: list[dict[str, str]]) -> dict[int, int]:
         """Fork one rank per environment (rank i gets ``envs[i]``); return rank -> pid."""
-        os.write(self._commands, (json.dumps(envs) + "\n").encode())
+        data = (json.dumps(envs) + "\n").encode()
+        while data:
+            data = data[os.write(self._commands, data):]
         pids: dict[int, int] = {}
         while len(pids) < len(envs):
             for line in self._lines(None):
@@ -263,8 +332,23 @@ class RankForkServer:
 
     def close(self) -> None:
         os.close(self._commands)
-        os.close(self._events)
+        if self._events != self._commands:
+            os.close(self._events)
+        if self.pid is None:
+            return
         try:
             os.waitpid(self.pid, 0)
         except ChildProcessError:
             pass
+
+
+class ServerRefused(Exception):
+    """A shared fork server declined a launch; the message says why."""
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True

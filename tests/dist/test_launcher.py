@@ -37,10 +37,20 @@ with open(os.path.join(out, f"done{rank}"), "w") as f:
 '''
 
 
-def launch(tmp_path: Path, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    env = job_env()
-    return subprocess.run([sys.executable, str(LAUNCHER), *args], cwd=tmp_path, env=env,
+def launch(tmp_path: Path, *args: str, timeout_s: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(LAUNCHER), *args], cwd=tmp_path, env=env or job_env(),
                           capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.fixture(params=["own", "shared"])
+def server_env(request, shared_rank_fork_server) -> dict:
+    """The launcher's environment: ranks forked from a fork server of the launch's own, or from the
+    session's shared one (``tests/conftest.py``), which starts the job's store too."""
+    if request.param == "own":
+        return job_env(without=["RESIHP_FORK_SERVER"])
+    if shared_rank_fork_server is None:
+        pytest.skip("no shared fork server in this session (it did not start, or one was given from outside)")
+    return job_env()
 
 
 @pytest.fixture
@@ -50,17 +60,17 @@ def worker(tmp_path: Path) -> Path:
     return path
 
 
-def test_all_ranks_succeed(tmp_path, worker):
-    proc = launch(tmp_path, "--nproc-per-node", "3", str(worker), str(tmp_path), "-1")
+def test_all_ranks_succeed(tmp_path, worker, server_env):
+    proc = launch(tmp_path, "--nproc-per-node", "3", str(worker), str(tmp_path), "-1", env=server_env)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0", "done1", "done2"]
     assert "launch_local:" not in proc.stderr
 
 
 @pytest.mark.parametrize("victim", [0, 2])
-def test_survivors_run_to_completion(tmp_path, worker, victim):
+def test_survivors_run_to_completion(tmp_path, worker, victim, server_env):
     # Rank 0 is the interesting victim: under plain env:// it would have hosted the store.
-    proc = launch(tmp_path, "--nproc-per-node", "3", str(worker), str(tmp_path), str(victim))
+    proc = launch(tmp_path, "--nproc-per-node", "3", str(worker), str(tmp_path), str(victim), env=server_env)
     survivors = sorted(f"done{r}" for r in range(3) if r != victim)
     assert sorted(p.name for p in tmp_path.glob("done*")) == survivors, proc.stderr
     assert f"launch_local: rank {victim} exited with signal SIGKILL; 2 ranks still running" in proc.stderr
@@ -80,16 +90,15 @@ def test_failing_rank_sets_exit_code(tmp_path):
 # "group": SIGTERM to the launcher's whole process group, as a scheduler or a shell's job control
 # sends it; the ranks must still hear it once, and get their grace period.
 @pytest.mark.parametrize("target", ["launcher", "group"])
-def test_sigterm_is_forwarded(tmp_path, target):
+def test_sigterm_is_forwarded(tmp_path, target, server_env):
     script = tmp_path / "wait.py"
     script.write_text("import os, signal, sys, time\n"
                       "def leave(*_):\n    time.sleep(0.5)  # a rank taking its time to save\n"
                       "    open(os.environ['RANK'] + '.term', 'a').write('x')\n    sys.exit(0)\n"
                       "signal.signal(signal.SIGTERM, leave)\n"
                       "open(os.environ['RANK'] + '.up', 'w').close()\ntime.sleep(60)\n")
-    env = job_env()
     proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--nproc-per-node", "2", str(script)],
-                            cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            cwd=tmp_path, env=server_env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 30
         while len(list(tmp_path.glob("*.up"))) < 2:
@@ -121,11 +130,15 @@ if rank == 1:
 '''
 
 
-@pytest.mark.parametrize("preload", ["auto", "none", "json,os"])
-def test_ranks_run_the_script_as_the_interpreter_would(tmp_path, preload):
+@pytest.mark.parametrize("preload", ["auto", "none", "json,os", "shared"])
+def test_ranks_run_the_script_as_the_interpreter_would(tmp_path, preload, shared_rank_fork_server):
     script = tmp_path / "as_main.py"
     script.write_text(AS_MAIN)
-    proc = launch(tmp_path, "--nproc-per-node", "2", "--preload", preload, str(script), "a", "--b")
+    if preload == "shared" and shared_rank_fork_server is None:
+        pytest.skip("no shared fork server in this session")
+    env = job_env() if preload == "shared" else job_env(without=["RESIHP_FORK_SERVER"])
+    flags = [] if preload == "shared" else ["--preload", preload]
+    proc = launch(tmp_path, "--nproc-per-node", "2", *flags, str(script), "a", "--b", env=env)
     assert proc.returncode == 1, proc.stderr
     assert "ValueError: rank 1 fails on purpose" in proc.stderr and "Traceback" in proc.stderr
     assert "launch_local: rank 1 exited with code 1" in proc.stderr
@@ -150,12 +163,11 @@ def test_preload_reads_the_scripts_top_level_imports_and_warning_filters(tmp_pat
     assert preload.warning_filters == (("filterwarnings", ("ignore",), {"message": "noisy"}),)
 
 
-def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path, server_env):
     script = tmp_path / "wait.py"
     script.write_text("import os, time\nopen(f\"{os.getpid()}.up\", 'w').close()\ntime.sleep(60)\n")
-    env = job_env()
     proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--nproc-per-node", "2", str(script)],
-                            cwd=tmp_path, env=env, stderr=subprocess.DEVNULL)
+                            cwd=tmp_path, env=server_env, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while len(list(tmp_path.glob("*.up"))) < 2:
@@ -187,6 +199,8 @@ def _alive(pid: int) -> bool:
     (["--nproc-per-node", "2", "missing.py"], "is not a file"),
     (["--nproc-per-node", "2", "--master-port", "70000", "x.py"], "--master-port must be in 0..65535"),
     (["--nproc-per-node", "2", "bad.py"], "--preload auto could not read the imports"),
+    (["--nproc-per-node", "2", "--preload", "none", "--fork-server", "s.sock", "x.py"],
+     "--preload none starts the ranks from a bare interpreter, and --fork-server"),
 ])
 def test_bad_cli_exits_2(tmp_path, args, message):
     (tmp_path / "x.py").write_text("")
@@ -194,3 +208,17 @@ def test_bad_cli_exits_2(tmp_path, args, message):
     proc = launch(tmp_path, *args)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_a_port_in_use_is_refused_naming_the_flag(tmp_path, server_env):
+    import socket
+
+    (tmp_path / "x.py").write_text("open('ran', 'w').close()\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = launch(tmp_path, "--nproc-per-node", "2", "--master-port", str(port), "x.py", env=server_env)
+    assert proc.returncode == 2, proc.stderr
+    assert f"launch_local: error: --master-port {port} is in use" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "ran").exists()

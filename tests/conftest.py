@@ -1,0 +1,61 @@
+"""One shared rank fork server for the session's jobs (``scripts/shared_fork_server.py``).
+
+The suite launches some 250 jobs through ``scripts/launch_local.py``; each would otherwise import
+torch and megatron-core again in a fork server of its own, and torch in the launcher for the store
+(about 4.5 s of an 8-rank job's 11.5 s on a 2-core host). Started only when the session runs tests
+that launch jobs; launches read its socket from ``$RESIHP_FORK_SERVER``. A launch whose environment
+differs from the session's (a test's extra variables) is declined by the server and forks a server
+of its own, as every launch did before.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+
+from scripts.child_env import job_env
+
+REPO = Path(__file__).resolve().parents[1]
+# Suites whose tests start jobs through scripts/launch_local.py.
+LAUNCHING = ("dist", "executor")
+# Variables a launch may set apart from the session's: read only once a rank runs (pytest's name of
+# the running test; the cache folder of megatron-core's dataset indexes), never while the server imports.
+RUN_TIME_ONLY = ("PYTEST_CURRENT_TEST", "XDG_CACHE_HOME")
+START_TIMEOUT_S = 120
+
+
+def _launches_jobs(session) -> bool:
+    tests = REPO / "tests"
+    return any(Path(item.path).is_relative_to(tests / suite) for item in session.items for suite in LAUNCHING)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_rank_fork_server(request):
+    if "RESIHP_FORK_SERVER" in os.environ or not _launches_jobs(request.session):
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="resihp-fork-") as folder:
+        sock = os.path.join(folder, "server.sock")
+        os.environ["RESIHP_FORK_SERVER"] = sock
+        ignored = [arg for name in RUN_TIME_ONLY for arg in ("--ignore-env", name)]
+        server = subprocess.Popen(
+            [sys.executable, str(REPO / "scripts" / "shared_fork_server.py"), sock, str(REPO / "pretrain_gpt_resilient.py"),
+             *ignored, "--die-with-parent"], cwd=REPO, env=job_env(), stdout=subprocess.PIPE,
+            stderr=open(os.path.join(folder, "server.err"), "w"), text=True)
+        try:
+            ready = server.stdout.readline().strip() == "ready"
+            if not ready:
+                del os.environ["RESIHP_FORK_SERVER"]
+                warnings.warn(f"the shared rank fork server did not start (exit {server.wait(START_TIMEOUT_S)}): "
+                              f"{Path(folder, 'server.err').read_text()[-2000:]}; every launch forks its own")
+            yield sock if ready else None
+        finally:
+            os.environ.pop("RESIHP_FORK_SERVER", None)
+            server.terminate()
+            server.wait(timeout=30)
