@@ -33,7 +33,7 @@ from megatron.resihp.optimizer_parts import OptimizerPartsStale
 from megatron.resihp.reconfigure import ChangeFailed, LayoutChange, World, apply
 from megatron.resihp.reshard import adam_template_of, loss_scale_state
 from megatron.resihp.run_state import StopTraining
-from megatron.resihp.standby import mark_job_done
+from megatron.resihp.standby_keys import mark_job_done
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation

@@ -38,7 +38,8 @@ from megatron.resihp.model_builder import build_training_objects
 from megatron.resihp.parallel_state_patch import installed, message_group
 from megatron.resihp.run_state import RunState, StopTraining  # noqa: F401
 from megatron.resihp.schedules import RECORDER
-from megatron.resihp.standby import Readmission, Rejoined, mark_job_done
+from megatron.resihp.standby import Readmission, Rejoined
+from megatron.resihp.standby_keys import mark_job_done
 from resihp_ext.faults import FaultKind
 from resihp_ext.layout import Layout, replica_shape
 from resihp_ext.planner.fail_slow import live_hardware

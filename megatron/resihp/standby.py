@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.resihp import heartbeat_beacon, recovery
+from megatron.resihp import recovery, standby_keys
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.detection import gemm_probe_s
 from megatron.resihp.logging_utils import log_line, rank_name, ranks_name
@@ -58,16 +58,8 @@ from resihp_ext.planner.readmission import plan_readmission
 from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout
 from resihp_ext.shard_map import Transfer
 
-_PREFIX = "resihp/standby/"
-_DONE = _PREFIX + "done"
-_PROGRESS = _PREFIX + "progress"
 # A standby that sees no iteration start for this long gives up (the job died without saying so).
 _ABANDONED_S = 600.0
-
-
-def mark_job_done(store) -> None:
-    """Tell standbys the job has ended (finished, or saved for a restart): they exit 0."""
-    store.set(_DONE, "1")
 
 
 class StandingBy(StopTraining):
@@ -85,63 +77,6 @@ class Rejoined:
     quotas: list[int]
     iteration: int
     consumed_samples: int
-
-
-def _report_key(launch_rank: int) -> str:
-    return f"{_PREFIX}report/{launch_rank}"
-
-
-def _call_key(launch_rank: int) -> str:
-    return f"{_PREFIX}call/{launch_rank}"
-
-
-def _called_key(launch_rank: int) -> str:
-    return f"{_PREFIX}called/{launch_rank}"
-
-
-def _go_key(generation: int) -> str:
-    return f"{_PREFIX}go/{generation}"
-
-
-def _here_key(generation: int, launch_rank: int) -> str:
-    return f"resihp/gen{generation}/standby/{launch_rank}"
-
-
-def _beat_key(launch_rank: int) -> str:
-    return f"{_PREFIX}beat/{launch_rank}"
-
-
-def beat_as_standby(launch_rank: int) -> None:
-    """Point this process's heartbeat beacon (if it has one) at its standby key: the beacon marks it
-    there the moment it dies or has stood stopped, so a recovery that calls it plans without it at
-    once instead of waiting out the call."""
-    beacon = heartbeat_beacon.current()
-    if beacon is not None:
-        key = _beat_key(launch_rank)
-        beacon.point_at(key, key + "/evicted")  # nobody evicts a standby: the key is never set
-
-
-def marked_gone(store, launch_rank: int) -> bool:
-    """Whether the beacon of standby ``launch_rank`` said it died or stands stopped by a signal."""
-    key = _beat_key(launch_rank)
-    if not store.check([key]):
-        return False
-    parts = store.get(key).decode().split(":")
-    return len(parts) > 2 and parts[2] in (heartbeat_beacon.DEAD_MARK, heartbeat_beacon.STOPPED_MARK)
-
-
-def record_call(store, launch_rank: int, generation: int) -> None:
-    """Note that standby ``launch_rank`` is being called into world ``generation`` (``report_counts``)."""
-    store.set(_called_key(launch_rank), str(generation))
-
-
-def report_counts(store, launch_rank: int, report: dict) -> bool:
-    """Whether standby ``launch_rank``'s latest ``report`` may make it ready: not while its beacon
-    says it died or stands stopped, nor before it is back from the latest world it was called into
-    (a report written between the check that planned the call and the call itself is older than
-    the call; a joiner that died in a world that never formed sends no later one)."""
-    called = int(store.get(_called_key(launch_rank))) if store.check([_called_key(launch_rank)]) else 0
-    return report.get("back_from", 0) >= called and not marked_gone(store, launch_rank)
 
 
 class Readmission:
@@ -197,7 +132,7 @@ class Readmission:
         probing = (f", probing every {interval:g} s (healthy probe {self._standby_reference_s * 1e3:.2f} ms)"
                    if self.probes else " for a later failure")
         log_line(f" resihp: launch rank {me} stands by from iteration {self._standby_since}{probing}")
-        beat_as_standby(me)
+        standby_keys.beat_as_standby(me)
         host.events.emit("standby", self._standby_since, launch_rank=me,
                          reference_probe_s=self._standby_reference_s)
         applied, next_probe, seq = self._standby_since, 0.0, 0
@@ -205,11 +140,13 @@ class Readmission:
         abandoned_s = max(_ABANDONED_S, 10 * host.cfg.collective_timeout_s)
         while True:
             try:
-                done = store.check([_DONE])
-                now_at = int(store.get(_PROGRESS)) if store.check([_PROGRESS]) else progress
-                call = json.loads(store.get(_call_key(me))) if store.check([_call_key(me)]) else None
+                done = store.check([standby_keys.DONE])
+                progress_key = standby_keys.PROGRESS
+                now_at = int(store.get(progress_key)) if store.check([progress_key]) else progress
+                call_key = standby_keys.call_key(me)
+                call = json.loads(store.get(call_key)) if store.check([call_key]) else None
                 if call is not None:
-                    store.delete_key(_call_key(me))
+                    store.delete_key(call_key)
             except (RuntimeError, TimeoutError) as error:  # torch's store reports a lost server so
                 raise StopTraining(0, f"the job's store stopped answering while launch rank {me} stood by "
                                       f"({str(error).splitlines()[0][:120]}); the working ranks leave with the "
@@ -233,7 +170,7 @@ class Readmission:
             if self.probes and time.monotonic() >= next_probe:
                 factor = gemm_probe_s(host.device()) / self._standby_reference_s
                 seq += 1
-                store.set(_report_key(me), json.dumps({"factor": round(factor, 4), "seq": seq,
+                store.set(standby_keys.report_key(me), json.dumps({"factor": round(factor, 4), "seq": seq,
                                                        "back_from": self._back_from}))
                 next_probe = time.monotonic() + interval
             time.sleep(0.05)
@@ -243,13 +180,13 @@ class Readmission:
         host = self.host
         me = host.run.launch_rank
         generation, new_rank, size = call["generation"], call["new_rank"], call["world_size"]
-        host.store.set(f"resihp/gen{generation}/joining/{new_rank}", "1")
+        host.store.set(standby_keys.joining_key(generation, new_rank), "1")
         try:
-            recovery.wait_for_keys(host.store, [_go_key(generation)], 3 * host.cfg.collective_timeout_s)
+            recovery.wait_for_keys(host.store, [standby_keys.go_key(generation)], 3 * host.cfg.collective_timeout_s)
         except TimeoutError:  # rank 0 failed after calling: the working ranks recover without this rank
             log_line(f" resihp: launch rank {me}: no go for world {generation}; standing by again")
             return None
-        if host.store.get(_go_key(generation)) != b"1":
+        if host.store.get(standby_keys.go_key(generation)) != b"1":
             log_line(f" resihp: launch rank {me}: the call to world {generation} was called off")
             return None
         host.known_health = Health(speed={int(r): v for r, v in call["speed"].items()},
@@ -286,7 +223,7 @@ class Readmission:
         host = self.host
         me = host.run.launch_rank
         generation = call["generation"]
-        host.store.set(_here_key(generation, me), "1")
+        host.store.set(standby_keys.here_key(generation, me), "1")
         try:
             recovery.wait_for_keys(host.store, [recovery.plan_key(generation)], 3 * host.cfg.collective_timeout_s)
         except TimeoutError:  # the survivor planning failed: the others plan again, and may call again
@@ -348,7 +285,7 @@ class Readmission:
         host = self.host
         order = sorted(launch_ranks)
         for launch in order:
-            host.store.set(_call_key(launch), json.dumps({"kind": "recovery", "generation": generation}))
+            host.store.set(standby_keys.call_key(launch), json.dumps({"kind": "recovery", "generation": generation}))
         # A standby polls for calls every 50 ms; one its beacon marked dead or stopped, or that does
         # not answer in this time (its beacon went too: a lost node), is gone, and the plan is made
         # without it.
@@ -356,10 +293,10 @@ class Readmission:
         here, gone, waiting = [], [], list(order)
         while waiting and time.monotonic() < deadline:
             for launch in list(waiting):
-                if host.store.check([_here_key(generation, launch)]):
+                if host.store.check([standby_keys.here_key(generation, launch)]):
                     here.append(launch)
                     waiting.remove(launch)
-                elif marked_gone(host.store, launch):
+                elif standby_keys.marked_gone(host.store, launch):
                     gone.append(launch)
                     waiting.remove(launch)
             if waiting:
@@ -368,7 +305,7 @@ class Readmission:
             log_line(f" resihp: spare launch ranks {sorted(gone)} called by world {generation}: dead or stopped "
                      f"by their heartbeat beacons; planning without them")
         for launch in set(order) - set(here):
-            host.store.delete_key(_call_key(launch))  # one that answers late reads the plan and stands by
+            host.store.delete_key(standby_keys.call_key(launch))  # one that answers late reads the plan and stands by
         return sorted(here)
 
     def after_recovery(self, published: dict) -> None:
@@ -389,7 +326,7 @@ class Readmission:
             return
         if host.run.rank == 0:
             try:
-                host.store.set(_PROGRESS, str(iteration))  # every standby follows the job's iteration
+                host.store.set(standby_keys.PROGRESS, str(iteration))  # every standby follows the job's iteration
             except (RuntimeError, TimeoutError):
                 # The store is failing: the heartbeats judge whether it is lost, which ends the job
                 # with its cause (``leave_without_store``); a standby without progress waits that out.
@@ -401,10 +338,10 @@ class Readmission:
         if host.run.rank == 0:
             now = time.monotonic()
             for i, launch in enumerate(order):
-                if not host.store.check([_report_key(launch)]):
+                if not host.store.check([standby_keys.report_key(launch)]):
                     continue
-                report = json.loads(host.store.get(_report_key(launch)))
-                if not report_counts(host.store, launch, report):
+                report = json.loads(host.store.get(standby_keys.report_key(launch)))
+                if not standby_keys.report_counts(host.store, launch, report):
                     continue
                 seen = self._report_seen.get(launch)
                 if seen is None or seen[0] != report["seq"]:
@@ -454,7 +391,7 @@ class Readmission:
         plan = decision.plan
         generation, size = run.generation + 1, plan.layout.world_size
         identity = [*run.identity, *decision.joiners]
-        go = _go_key(generation)
+        go = standby_keys.go_key(generation)
         if run.rank == 0:
             shared = {"generation": generation, "world_size": size, "iteration": iteration,
                       "consumed_samples": consumed_samples, "quotas": list(plan.quotas),
@@ -467,9 +404,9 @@ class Readmission:
                       "loss_scale": loss_scale_state(objects.optimizer)}
             new_rank = {launch: decision.new_rank_of(launch, len(run.identity)) for launch in decision.joiners}
             for launch, rank in new_rank.items():
-                record_call(host.store, launch, generation)
-                host.store.set(_call_key(launch), json.dumps({**shared, "new_rank": rank}))
-            joining = [f"resihp/gen{generation}/joining/{rank}" for rank in new_rank.values()]
+                standby_keys.record_call(host.store, launch, generation)
+                host.store.set(standby_keys.call_key(launch), json.dumps({**shared, "new_rank": rank}))
+            joining = [standby_keys.joining_key(generation, rank) for rank in new_rank.values()]
             try:
                 recovery.wait_for_keys(host.store, joining, 3 * host.cfg.standby_probe_interval_s
                                        + 2 * host.cfg.heartbeat_timeout_s)

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed import TCPStore
 
-from megatron.resihp.standby import Readmission, marked_gone, record_call, report_counts
+from megatron.resihp.standby import Readmission
+from megatron.resihp.standby_keys import marked_gone, record_call, report_counts
 from scripts.child_env import job_env
 
 # A standby as ``stand_by`` sets it up: a beacon forked first, then pointed at its standby key. It
@@ -24,7 +25,7 @@ from scripts.child_env import job_env
 STANDBY = r'''
 import sys, time
 from megatron.resihp import heartbeat_beacon
-from megatron.resihp.standby import beat_as_standby
+from megatron.resihp.standby_keys import beat_as_standby
 heartbeat_beacon.start_beacon(0.05, stopped_after_s=0.3)
 beat_as_standby(int(sys.argv[1]))
 print("ready", flush=True)
