@@ -1,7 +1,7 @@
 """The training loop's resilience hooks: the executor of one process, between iterations.
 
-Responsible for what ``resihp_ext`` decides being carried out at iteration boundaries: applying
-injected faults to this process (stretching compute, SIGKILL, hanging), feeding op timings to the
+Responsible for what ``resihp_ext`` decides being carried out at iteration boundaries: striking
+injected faults on this process (``injected_faults.py``), feeding op timings to the
 detector and logging its suspicions and verdicts, watching the world's heartbeats, and holding
 the run (``RunState``) that layout changes replace. Which change to make is each driver's:
 fail-slow re-plans in ``fail_slow_replan.py``, fail-stop recovery in ``fail_stop_recovery.py``,
@@ -26,21 +26,19 @@ import torch.distributed as dist
 
 from megatron.resihp import heartbeat_beacon, recovery, world_abort
 from megatron.resihp.detection import (
-    LiveDetector, describe, healthy_link_bandwidth_Bps, link_probe_bytes, link_seconds_per_byte,
+    LiveDetector, describe, healthy_link_bandwidth_Bps, link_probe_bytes,
 )
 from megatron.resihp.fail_slow_replan import FailSlowReplan
 from megatron.resihp.fail_stop_recovery import EXIT_NEEDS_RESTART, FailStopRecovery, resume_command  # noqa: F401
 from megatron.resihp.heartbeat import HeartbeatMonitor, connect_store
 from megatron.resihp.initialize import world_backend
-from megatron.resihp.link_faults import LINKS
+from megatron.resihp.injected_faults import InjectedFaults
 from megatron.resihp.logging_utils import EventLog, log_line, rank_name, ranks_name, world_numbered
 from megatron.resihp.model_builder import build_training_objects
 from megatron.resihp.parallel_state_patch import installed, message_group
 from megatron.resihp.run_state import RunState, StopTraining  # noqa: F401
-from megatron.resihp.schedules import RECORDER
 from megatron.resihp.standby import Readmission, Rejoined
 from megatron.resihp.standby_keys import mark_job_done
-from resihp_ext.faults import FaultKind
 from resihp_ext.layout import Layout, replica_shape
 from resihp_ext.planner.fail_slow import live_hardware
 from resihp_ext.planner.hardware import HardwareModel
@@ -99,8 +97,7 @@ class ResilienceHooks:
                             quotas=(), messages=message_group(self.cfg.collective_timeout_s),
                             sync=None)
         # A link fault involves its receiver too: it takes part in measuring the healthy link.
-        self.faults = [f for f in self.cfg.faults if rank in (f.rank, f.dst)]
-        self._slowing: set = set()  # slow faults in force now
+        self.injected = InjectedFaults(self.cfg.faults, rank, events, lambda: self.me)
         self.layout_changed_at = -1  # the iteration during which the layout last changed
         # Fail-slow verdicts acted on in this world (its ranks): every later plan starts from them.
         self.known_health = Health()
@@ -252,64 +249,19 @@ class ResilienceHooks:
 
     def inject(self, iteration: int, phase: str) -> None:
         """Injected kills aimed at ``phase`` (of a recovery, a save, the step, the job's end)."""
-        for fault in self.faults:
-            if fault.kind is FaultKind.KILL and fault.during == phase and fault.active(iteration):
-                self.events.emit("inject", iteration, fault=fault.spec())
-                log_line(f" {self.me}: injecting {fault.spec()}")
-                os.kill(os.getpid(), signal.SIGKILL)
+        self.injected.kill_in(iteration, phase)
 
     def forget_faults_before(self, iteration: int) -> None:
-        """After a fail-stop recovery at ``iteration``: faults follow the process, and a slowdown under
-        way keeps its end; slowed links name old ranks, so they go."""
-        self.faults = [f for f in self.faults if f.at_iteration > iteration or (f.until_iteration or 0) > iteration
-                       or (f.kind is FaultKind.SLOW and f.until_iteration is None)]
-        LINKS.clear()
-
-    def _apply_slowdowns(self, iteration: int) -> None:
-        """Stretch this rank's compute by its slowest active slowdown, and say when each starts and ends
-        (an intermittent one at every burst). Recomputed each iteration, so a redone iteration or a
-        re-plan in the middle of a burst keeps the fault where it stands."""
-        for fault in (f for f in self.faults if f.kind is FaultKind.SLOW):
-            now = fault.active(iteration)
-            if now == (fault in self._slowing):
-                continue
-            if now:
-                self._slowing.add(fault)
-                self.events.emit("inject", iteration, fault=fault.spec())
-                log_line(f" {self.me}: injecting {fault.spec()}")
-            else:
-                self._slowing.discard(fault)
-                self.events.emit("inject_end", iteration, fault=fault.spec())
-                ended = fault.until_iteration is not None and iteration >= fault.until_iteration
-                log_line(f" {self.me}: {fault.spec()} {'pauses' if fault.intermittent and not ended else 'ends'}")
-        RECORDER.slowdown_factor = max((f.factor for f in self._slowing), default=1.0)
+        """After a fail-stop recovery at ``iteration``: faults follow the process (``InjectedFaults``)."""
+        self.injected.forget_before(iteration)
 
     def apply_faults(self, iteration: int, standing_by: bool = False) -> None:
-        self._apply_slowdowns(iteration)
-        for fault in self.faults:
-            if standing_by and fault.kind in (FaultKind.LINK, FaultKind.HANG):
-                continue  # a standby sends nothing and makes no progress that could stop
-            if fault.kind is FaultKind.SLOW or fault.at_iteration != iteration or fault.during is not None:
-                continue
-            if fault.kind is FaultKind.LINK:
-                self._slow_link(fault)
-                continue
-            self.events.emit("inject", iteration, fault=fault.spec())
-            log_line(f" {self.me}: injecting {fault.spec()}")
-            if fault.kind is FaultKind.KILL:
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif fault.kind is FaultKind.HANG:
-                while True:  # a hung rank: alive, holding its sockets, making no progress
-                    time.sleep(3600)
+        self.injected.at_start(iteration, self.args, self.device(), standing_by)
 
-    def _slow_link(self, fault) -> None:
-        """Measure the healthy link with its receiver, then slow this rank's sends over it."""
-        per_byte = link_seconds_per_byte(fault.src, fault.dst, self.device(), link_probe_bytes(self.args))
-        if per_byte is None:  # the receiver
-            return
-        LINKS.slow(fault.dst, fault.factor, per_byte)
-        self.events.emit("inject", self.iteration, fault=fault.spec(), healthy_s_per_mib=per_byte * 2**20)
-        log_line(f" {self.me}: injecting {fault.spec()} (healthy link {per_byte * 2**20 * 1e3:.3f} ms/MiB)")
+    @property
+    def faults(self) -> list:
+        """This rank's injected faults (a link fault's receiver's too)."""
+        return self.injected.faults
 
     iteration = 0
 
