@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -137,3 +138,20 @@ def main_copies(shards: dict) -> dict:
         assert mains and all(t.dtype == torch.float32 for t in mains + moments), shard
         out[shard] = torch.cat([t.reshape(-1) for t in mains + moments])
     return out
+
+
+def assert_all_end(pids, what: str, timeout_s: float = 10) -> None:
+    """Every process in ``pids`` ends (or is left a zombie) within ``timeout_s``; else fail naming
+    those that outlived ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"ranks {[p for p in pids if _alive(p)]} outlived {what}"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

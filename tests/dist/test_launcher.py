@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from scripts.child_env import job_env
+from tests.dist.launch import assert_all_end
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "scripts" / "launch_local.py"
@@ -176,20 +177,9 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path, server_env):
         pids = [int(p.name.split(".")[0]) for p in tmp_path.glob("*.up")]
         proc.kill()
         proc.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in pids):
-            assert time.monotonic() < deadline, f"ranks {[p for p in pids if _alive(p)]} outlived the launcher"
-            time.sleep(0.1)
+        assert_all_end(pids, "the launcher")
     finally:
         proc.kill()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("args, message", [

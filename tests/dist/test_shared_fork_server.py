@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from scripts.child_env import job_env
+from tests.dist.launch import assert_all_end
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "scripts" / "launch_local.py"
@@ -94,22 +95,11 @@ def test_the_servers_end_ends_its_launches(tmp_path):
         assert not sock.exists()
         assert launcher.wait(timeout=20) == 1
         assert "the rank fork server ended with ranks [0, 1] unreported" in launcher.stderr.read()
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in pids):
-            assert time.monotonic() < deadline, f"ranks {[p for p in pids if _alive(p)]} outlived the server"
-            time.sleep(0.1)
+        assert_all_end(pids, "the server")
     finally:
         server.kill()
         if launcher is not None:
             launcher.kill()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_socket_path_in_use_is_refused(tmp_path):
