@@ -11,6 +11,7 @@ of its own, as every launch did before.
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -49,11 +50,14 @@ def shared_rank_fork_server(request):
              *ignored, "--die-with-parent"], cwd=REPO, env=job_env(), stdout=subprocess.PIPE,
             stderr=open(os.path.join(folder, "server.err"), "w"), text=True)
         try:
-            ready = server.stdout.readline().strip() == "ready"
+            said, _, _ = select.select([server.stdout], [], [], START_TIMEOUT_S)
+            ready = bool(said) and server.stdout.readline().strip() == "ready"
             if not ready:
+                server.kill()
                 del os.environ["RESIHP_FORK_SERVER"]
-                warnings.warn(f"the shared rank fork server did not start (exit {server.wait(START_TIMEOUT_S)}): "
-                              f"{Path(folder, 'server.err').read_text()[-2000:]}; every launch forks its own")
+                warnings.warn(f"the shared rank fork server did not start within {START_TIMEOUT_S} s (exit "
+                              f"{server.wait()}): {Path(folder, 'server.err').read_text()[-2000:]}; every launch "
+                              f"forks its own")
             yield sock if ready else None
         finally:
             os.environ.pop("RESIHP_FORK_SERVER", None)
