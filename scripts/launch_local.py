@@ -199,7 +199,7 @@ def _rank_server(args: argparse.Namespace) -> RankForkServer:
 
     Raises:
         SystemExit: the shared server asked for is not there (2), or the job's store it starts
-            did not start (1); said on stderr.
+            did not start (2 when --master-port is in use, else 1); said on stderr.
     """
     if args.fork_server:
         try:

@@ -273,7 +273,7 @@ class RankForkServer:
             OSError: nothing listens at ``path``.
             ServerRefused: the shared server imported under another environment than this
                 process's; the ranks would not run as a server of this launch's own would run them.
-            RuntimeError: the job's store did not start (its error is on stderr).
+            RuntimeError: the job's store did not start; the message is the store's error.
         """
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
