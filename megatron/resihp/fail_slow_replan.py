@@ -5,8 +5,9 @@ decision (``resihp_ext.planner.fail_slow.decide_fail_slow``, pure and determinis
 same gathered observations), so no agreement round is needed; a plan that keeps every rank asks
 the life cycle (``reconfigure.apply``) for a SAME-world change, one that leaves ranks out for a
 SHRINK change whose leavers stand by (``standby.py``) or exit. Quotas alone change in place.
-Megatron's loop, which builds every replica from one model configuration, is offered quotas and
-one layer split for every replica (``stages_alike``). It never builds a group, a model or a world
+Megatron's loop, which builds every replica from one model configuration, is offered quotas, one
+layer split for every replica (``stages_alike``) and dropping slow replicas whole
+(``fail_slow_drops``). It never builds a group, a model or a world
 itself.
 
 A re-plan that kept every rank is then on trial (``resihp_ext.planner.adaptation_check``): the
@@ -83,7 +84,7 @@ class FailSlowReplan:
                                     list(run.quotas), max(host.args.train_iters - iteration, 1), host.launch_shape,
                                     rejected=self.rejected, misjudge=self._misjudge(),
                                     stages_fixed=not (host.moves_state or host.stages_alike),
-                                    stages_alike=host.stages_alike)
+                                    stages_alike=host.stages_alike, drop_to=host.fail_slow_drops)
         plan, host.known_health = decision.plan, decision.known
         # Kept across the detector's reset below.
         host.live.detector.expect(decision.expected.slow_factors, decision.expected.bursts)

@@ -347,7 +347,7 @@ class FailStopRecovery:
         if host.standby_on:  # back at a later failure, in the place of a rank that died
             raise host.readmission.standing_by(
                 old_rank, f"{me} is a spare after the adaptation (the new layout does not use it); it stands by "
-                          f"for a later failure")
+                          f"for a later failure", probe=False)
         if dist.is_initialized():  # not after a failed re-form
             dist.destroy_process_group()
         raise StopTraining(0, f"{me} is a spare after the adaptation (the new layout does not use it)")

@@ -95,7 +95,8 @@ class BetweenSteps:
     def agree(self, joining: bool = False) -> Position:
         """After a re-form, on every member: the furthest position any survivor stood at. A spare
         taken back (``joining``) also learns the survivors' counters (``counters``: Megatron's
-        sample and FLOP counts, and the micro-batch count its loop started this world with)."""
+        sample and FLOP counts, the data-parallel size its arithmetic is given, and the micro-batch
+        count its loop started this world with)."""
         entries: list = [None] * dist.get_world_size()
         dist.all_gather_object(entries, (tuple(self.position), None if joining else _loop_counters()))
         furthest = max(Position(i, Phase(p)) for (i, p), _ in entries)
@@ -424,7 +425,8 @@ def _loop_counters() -> dict:
 
     args = get_args()
     counters = {name: getattr(args, name) for name in (
-        "consumed_valid_samples", "skipped_train_samples", "num_floating_point_operations_so_far")}
+        "consumed_valid_samples", "skipped_train_samples", "num_floating_point_operations_so_far",
+        "data_parallel_size")}
     return {**counters, "num_microbatches": get_num_microbatches()}
 
 

@@ -17,6 +17,9 @@ replicas then run uneven quotas, as a fail-slow re-plan's (``megatron_loop_quota
   which the validation and test loaders read (``megatron_loop_data``). Megatron sums the losses and
   tokens of all replicas' micro-batches, so the same samples evaluate the same mean.
 
+The same holds for a world grown back by readmission: Megatron is given the smaller size it ran
+(its loop asserts that the micro-batch count never falls), and every replica runs its quota.
+
 Where R is the size Megatron was given, nothing here changes anything.
 """
 
@@ -77,9 +80,13 @@ class CountedSplit:
 
     @staticmethod
     def set_world(args, replicas: int) -> None:
-        """Megatron's data-parallel size for a world of ``replicas`` (its calculator is made from it)."""
+        """Megatron's data-parallel size for a world of ``replicas`` (its calculator is made from it).
+
+        Never larger than the size it was: ``train()`` asserts that its micro-batch count never
+        falls, so a world grown by readmission keeps the smaller world's count, and every replica
+        runs its quota of it (``megatron_loop_quotas``), as on a count that does not divide."""
         args.data_parallel_size = counted_data_parallel_size(args.global_batch_size // args.micro_batch_size,
-                                                             replicas)
+                                                             min(replicas, args.data_parallel_size))
 
     def after_step(self, args) -> None:
         """As Megatron's step returns: take off the consumed samples what ``train()`` is about to

@@ -11,14 +11,17 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   ``raise:`` fault strikes inside the step: ``raised_faults``), then runs Megatron's own step on
   the current objects, its forwards and backwards timed by the schedule hooks
   (``schedules.RECORDER``). After the step the detector judges the timings; a fail-slow verdict
-  is planned for with every rank kept (micro-batches move between replicas, which
-  ``megatron_loop_quotas`` makes Megatron's step run, and layers between stages with one split
-  for every replica, ``megatron_loop_stages``) and the re-plan is on trial like on the resihp
-  loop; a rebuilt model is taken over before the next step. When a collective fails, the
+  is planned for: micro-batches move between replicas (which ``megatron_loop_quotas`` makes
+  Megatron's step run), layers between stages with one split for every replica
+  (``megatron_loop_stages``), or a very slow replica is dropped whole, its ranks standing by; a
+  re-plan that kept every rank is on trial like on the resihp loop; a rebuilt model is taken
+  over before the next step. At the top of each step, standbys that report healthy are taken
+  back when it pays (``standby.Readmission``). When a collective fails, the
   survivors agree on a plan and re-form in place; the same iteration then runs again on the new
   world, or, when this rank's optimizer had already stepped, counts as done;
-- ``training.train``: a rank a fail-stop plan leaves out stands by outside it, and enters it again
-  when a later recovery gives it a dead rank's place (``megatron_loop_spares``);
+- ``training.train``: a rank a plan leaves out stands by outside it, and enters it again when a
+  later recovery gives it a dead rank's place, or a readmission takes it back
+  (``megatron_loop_spares``);
 - ``training.build_pretraining_data_loader``: remembers the datasets, so that a re-formed world's
   loaders are rebuilt at the samples already consumed, for the new data-parallel rank and size;
 - the phases between two steps (the log, the evaluation, the save) and the timers' barriers
@@ -55,6 +58,7 @@ from megatron.resihp.megatron_loop_replicas import CountedSplit
 from megatron.resihp.megatron_loop_spares import SpareReentry
 from megatron.resihp.megatron_loop_stages import (build_objects, interleaving, launch_split, layer_moves_refused,
                                                   layout_layer_of)
+from megatron.resihp.megatron_loop_support import fail_slow_drops
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers, part_bytes
 from megatron.resihp.raised_faults import RaisedFaults
@@ -178,8 +182,7 @@ class ResilientMegatronLoop:
             self.hooks.before_iteration(number, None, None)
         except StopTraining as stop:  # the job's store is gone
             self.leave(number, stop)
-        # Spares standing by follow the job's iteration (no collective: this loop's standbys are spares).
-        self.hooks.readmission.check_standbys(number, self._args().consumed_train_samples)
+        self._check_standbys(number)
         step = self._original["train_step"]
         start = time.perf_counter()
         while True:
@@ -200,11 +203,18 @@ class ResilientMegatronLoop:
                                   p2p_communicator=None if self.forward_backward_func else p2p_communicator)
                 finally:
                     RECORDER.active = False
-                before = self.hooks.run.objects
-                self._judge(number, time.perf_counter() - start)
-                if self.hooks.run.objects is not before:  # a re-plan moved layers: the loop runs the rebuilt model
+                before, replicas = self.hooks.run.objects, self.hooks.run.data_parallel_size
+                try:
+                    self._judge(number, time.perf_counter() - start)
+                except StandingBy:  # a re-plan dropped this rank's replica: out of train() (``spares``)
+                    raise
+                except StopTraining as stop:  # ... and this rank does not stand by
+                    self.leave(number, stop)
+                if self.hooks.run.objects is not before:  # a re-plan moved layers or dropped replicas
                     args = self._args()
                     self.take_over(*self.handles, before.config, args.consumed_train_samples + args.global_batch_size)
+                    if self.hooks.run.data_parallel_size != replicas:
+                        self.counts.count_now()  # train() saves at the next iteration's top, as after a re-form
                 break
             except RuntimeError as error:  # torch.distributed reports a dead or stuck peer this way
                 if not self.hooks.can_recover:
@@ -231,6 +241,25 @@ class ResilientMegatronLoop:
         self._record(number, result, time.perf_counter() - start)
         self.split.after_step(self._args())
         return result
+
+    def _check_standbys(self, number: int) -> None:
+        """At the top of step ``number``: standbys follow the job's iteration, and those a fail-slow
+        re-plan left out are taken back when they report healthy and it pays (``Readmission``); the
+        loop then runs the grown world's objects, and agrees with the joiners where it stands."""
+        hooks = self.hooks
+        before = hooks.run.objects
+        try:
+            hooks.readmission.check_standbys(number, self._args().consumed_train_samples)
+        except RuntimeError as error:  # a member failed before the grown world had its state
+            if not hooks.can_recover:
+                raise
+            self.recover_at(Position(number, Phase.STEP), error)
+            return
+        if hooks.run.objects is before:
+            return
+        self.take_over(*self.handles, before.config, self._args().consumed_train_samples)
+        self.phases.agree()  # with the joiners (``SpareReentry``), which learn the loop's counters from it
+        self.counts.count_now()
 
     def _first_copies(self, number: int) -> None:
         """The launch world's first copies of the optimizer's parts, before anything else of its first
@@ -274,8 +303,12 @@ class ResilientMegatronLoop:
         config = run.objects.config
         factor = quota_split.loss_factor(run.quotas, run.replica, config.calculate_per_token_loss) if uneven else 1.0
         config.grad_scale_func = quota_split.scaled_loss(self.handles[1].scale_loss, factor)
-        self._microbatches = run.quotas[run.replica] if uneven else None
-        self.data.rebuild(self._args(), run, consumed, train_only=self._quotas_in_use is not None)
+        # Megatron's calculator runs its own even split of the batch over ``args.data_parallel_size``
+        # replicas; a grown world keeps the smaller count it had (``CountedSplit.set_world``).
+        args = self._args()
+        megatron_count = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+        self._microbatches = run.quotas[run.replica] if uneven or run.quotas[run.replica] != megatron_count else None
+        self.data.rebuild(args, run, consumed, train_only=self._quotas_in_use is not None)
         self._quotas_in_use = run.quotas
 
     def _record(self, number: int, result, elapsed_s: float) -> None:
@@ -309,8 +342,8 @@ class ResilientMegatronLoop:
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
                                      stands_by=True, stages_alike=layer_moves_refused(args) is None,
                                      recovery_keeps_shape=not args.use_distributed_optimizer,
-                                     replica_counts=quota_split.replica_counts(args), interleaving=interleaving(args))
-        self.hooks.readmission.probes = False
+                                     replica_counts=quota_split.replica_counts(args), interleaving=interleaving(args),
+                                     fail_slow_drops=fail_slow_drops(args))
 
     def _start(self, model, optimizer, opt_param_scheduler) -> None:
         """At the first step: the loop's handles and objects become the run's."""

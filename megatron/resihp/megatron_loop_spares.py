@@ -1,21 +1,23 @@
-"""Spares on Megatron-LM's loop: a rank a fail-stop plan leaves out stands by outside ``train()``
-and enters it again when a later recovery takes it back.
+"""Standbys on Megatron-LM's loop: a rank a plan leaves out stands by outside ``train()`` and enters
+it again when it is taken back.
 
 Responsible for the ``training.train`` patch. Megatron's ``train()`` keeps its iteration in a local,
 so a spare cannot stay inside it while the job goes on without it. The ``StandingBy`` its recovery
 raises unwinds the spare's ``train()`` (from the step, or from a phase between steps); the spare
 frees its model and optimizer and waits (``standby.Readmission.stand_by``: it follows the job's
 iteration through the store, so injected faults land on time, and exits 0 when the job ends). A
-later recovery that redoes iteration N may give it a dead rank's place: it joins the survivors'
-change and receives that place's state from live holders (``reconfigure.apply``), takes over the
-rebuilt objects as the survivors do, agrees with them where the loop stands, and calls ``train()``
-again with the arguments of the first call, Megatron's counters set to where the job stands, so
-that its first step is N and every collective after it meets the survivors'.
+spare (left out by a fail-stop plan) is given a dead rank's place by a later recovery that redoes
+iteration N; a rank whose slow replica a fail-slow plan dropped probes its device, and the working
+ranks take it back at the top of iteration N once it reports healthy and that pays (a readmission).
+Either way it joins the working ranks' change and receives its place's state from live holders
+(``reconfigure.apply``), takes over the rebuilt objects as they do, agrees with them where the loop
+stands, and calls ``train()`` again with the arguments of the first call, Megatron's counters set to
+where the job stands, so that its first step is N and every collective after it meets theirs.
 
 Megatron's loop saves a checkpoint at the top of the first iteration whose micro-batch count
 differs from the one ``train()`` started with; the survivors started with the count before this
-recovery, so the spare enters ``train()`` with that count and counts anew as it enters step N, as
-they do.
+change, so the standby enters ``train()`` with that count and counts anew as it enters step N, as
+they do (a grown world keeps the count: ``megatron_loop_replicas.CountedSplit.set_world``).
 """
 
 from __future__ import annotations

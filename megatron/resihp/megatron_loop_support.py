@@ -31,10 +31,8 @@ _OTHER_PLACEMENT = {
 _PHASES = (None, "reform", "rendezvous", "update", "optimizer", "log", "eval", "exit-check", "save", "save-write",
            "shutdown", "setup")
 # --resihp-* settings of what only the project's own loop does (``--resihp-loop resihp``), and why.
-# (--resihp-no-standby holds on both: a rank a fail-stop plan leaves out exits instead of standing by.)
+# (--resihp-no-standby holds on both: a rank a plan leaves out exits instead of standing by.)
 _OWN_LOOP_SETTINGS = {
-    "standby_probe_interval_s": "standing-by ranks probe their devices on --resihp-loop resihp only; on this "
-                                "loop only spares stand by, and they come back at a failure without probing",
     "device_memory_gb": "it sizes the smaller TP degree a stage may run at after a failure, which "
                         "--resihp-loop resihp only plans; this loop keeps whole replicas",
 }
@@ -44,6 +42,23 @@ _UNSURVIVED_BETWEEN_STEPS = {
                                                       "its all-gather of weight hashes and barrier"),
     "log_straggler": ("--log-straggler", "the straggler report's gathers"),
 }
+
+
+def fail_slow_drops(args: argparse.Namespace) -> frozenset[int] | None:
+    """The replica counts a fail-slow re-plan on this loop may drop slow replicas whole down to (their
+    ranks stand by, probe their devices and are taken back once healthy), or None when it drops none:
+    under the distributed optimizer (the parts of a dropped replica's ranks would have to be split
+    anew over the replicas left, and given back at readmission) and under the interleaved schedule
+    (whose micro-batch groups a grown world's quotas would have to keep)."""
+    if not _drops_replicas(args):
+        return None
+    from megatron.resihp.megatron_loop_quotas import replica_counts
+
+    return replica_counts(args)
+
+
+def _drops_replicas(args: argparse.Namespace) -> bool:
+    return not args.use_distributed_optimizer and args.virtual_pipeline_model_parallel_size is None
 
 
 def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int, ...] | None = None) -> list[str]:
@@ -79,6 +94,10 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
     for name, why in _OWN_LOOP_SETTINGS.items():
         if getattr(cfg, name) != defaults[name]:
             found.append(f"--resihp-{name.replace('_', '-')} ({why})")
+    if cfg.standby_probe_interval_s != defaults["standby_probe_interval_s"] and not _drops_replicas(args):
+        found.append("--resihp-standby-probe-interval-s (under --use-distributed-optimizer or the interleaved "
+                     "schedule no re-plan leaves a slow replica out to probe; spares come back at a failure "
+                     "without probing)")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
     # Every kind of injected fault runs on this loop. A ``link:`` slowdown slows its pipeline transfers

@@ -60,7 +60,7 @@ class ResilienceHooks:
                  build_objects: Callable | None = None, moves_state: bool = True,
                  sharded_optimizer: bool = False, cfg=None, stands_by: bool = True, stages_alike: bool = False,
                  recovery_keeps_shape: bool = False, replica_counts: frozenset[int] | None = None,
-                 interleaving: Interleaving = Interleaving()):
+                 interleaving: Interleaving = Interleaving(), fail_slow_drops: frozenset[int] | None = None):
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
         groups (the resihp loop's ``model_builder.build_training_objects`` when None). Without
         ``moves_state`` a fail-stop plan keeps every rank at the stage it holds, a fail-slow plan
@@ -78,13 +78,17 @@ class ResilienceHooks:
         group takes a stage that is short, a standby takes a dead rank's place; no replica runs
         at a smaller TP degree. ``replica_counts``: how many replicas the loop can split the global
         batch over (None: any), which a fail-stop plan keeps to. ``interleaving``: the replicas'
-        pipeline schedule, which op timings are read by and plans are priced under."""
+        pipeline schedule, which op timings are read by and plans are priced under.
+        ``fail_slow_drops`` (without ``moves_state``): the replica counts a fail-slow plan may drop
+        slow replicas whole down to, their ranks standing by (None: it drops none; with
+        ``moves_state`` a plan may always drop replicas)."""
         self.args = args
         self.build_objects = build_objects or build_training_objects
         self.moves_state = moves_state
         self.stages_alike = stages_alike and not moves_state
         self.recovery_keeps_shape = recovery_keeps_shape and not moves_state
         self.replica_counts = replica_counts
+        self.fail_slow_drops = None if moves_state else fail_slow_drops
         self.interleaving = interleaving
         self.sharded_optimizer = sharded_optimizer
         self.cfg = args.resihp if cfg is None else cfg

@@ -99,19 +99,21 @@ class Readmission:
         self._admitted_at: int | None = None  # iteration this rank rejoined at (planned already)
         self._standby_reference_s = 0.0
         self._standby_since = 0
-        # Whether a standby times its device for ``check_standbys``; a loop whose only standbys are
-        # spares (they come back at a fail-stop, never through those reports) turns it off.
-        self.probes = True
+        # Whether this rank, standing by, times its device for ``check_standbys``: a rank a fail-slow
+        # plan left out does; a spare (back at a fail-stop, never through those reports) does not.
+        self._probing = False
 
     # ------------------------------------------------------------------ the standby
-    def standing_by(self, old_rank: int, message: str | None = None) -> StandingBy:
-        """Leave every group to stand by; the reference probe time is taken now, while this rank's
-        slowdown is known: the healthy ranks' latest probes, or this rank's own over its slowdown."""
+    def standing_by(self, old_rank: int, message: str | None = None, probe: bool = True) -> StandingBy:
+        """Leave every group to stand by, timing this rank's device while it does when ``probe`` (a
+        spare does not). The reference probe time is taken now, while this rank's slowdown is
+        known: the healthy ranks' latest probes, or this rank's own over its slowdown."""
         host = self.host
         rounds = [p for p in host.live.probe_rounds if p.rank_s] if host.live is not None else []
         slow = host.known_health.slow_factors
         healthy = [s for r, s in rounds[-1].rank_s.items() if r not in slow] if rounds else []
-        if self.probes:
+        self._probing = probe
+        if probe:
             own = gemm_probe_s(host.device())
             self._standby_reference_s = statistics.median(healthy) if healthy else own / slow.get(old_rank, 1.0)
         self._standby_since = host.iteration
@@ -130,7 +132,7 @@ class Readmission:
         me = host.run.launch_rank
         store, interval = host.store, host.cfg.standby_probe_interval_s
         probing = (f", probing every {interval:g} s (healthy probe {self._standby_reference_s * 1e3:.2f} ms)"
-                   if self.probes else " for a later failure")
+                   if self._probing else " for a later failure")
         log_line(f" resihp: launch rank {me} stands by from iteration {self._standby_since}{probing}")
         standby_keys.beat_as_standby(me)
         host.events.emit("standby", self._standby_since, launch_rank=me,
@@ -167,7 +169,7 @@ class Readmission:
                 if rejoined is not None:
                     return rejoined
                 next_probe = 0.0
-            if self.probes and time.monotonic() >= next_probe:
+            if self._probing and time.monotonic() >= next_probe:
                 factor = gemm_probe_s(host.device()) / self._standby_reference_s
                 seq += 1
                 store.set(standby_keys.report_key(me), json.dumps({"factor": round(factor, 4), "seq": seq,
@@ -364,7 +366,7 @@ class Readmission:
         run = host.run
         horizon = max(host.args.train_iters - iteration + 1, 1)
         decision = plan_readmission(run.layout, list(run.identity), host.launch_layout, ready, host.known_health,
-                                    host.calibrated_hardware(), list(run.quotas), horizon)
+                                    host.calibrated_hardware(), list(run.quotas), horizon, alike=not host.moves_state)
         plan = decision.plan
         if run.rank == 0:
             host.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,

@@ -13,16 +13,20 @@ with the affine pipeline model and DP quotas over all replicas under it; the bes
 current split and the proposed ones are scored with the exact 1F1B simulator, a changed split
 paying the regroup and its state transfers once against ``horizon_iters``.
 
-It never excludes a TP device, drops a replica or leaves a rank out, and it plans no fail-stop
-(a layout with a dead rank is refused). Turning its choice into a Plan (the pay-off rule, the
-reason) is ``joint.plan_adaptation``'s.
+Dropping whole replicas keeps every replica alike too: when the executor can run fewer replicas
+(``drop_to``: the replica counts it can split the batch over), the affected replicas are also
+weighed out of the layout, each alone and all together, with every split of the replicas left;
+their ranks then stand by. It never excludes a TP device or leaves part of a replica out, and it
+plans no fail-stop (a layout with a dead rank is refused). Turning its choice into a Plan (the
+pay-off rule, the reason) is ``joint.plan_adaptation``'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from resihp_ext.layout import Layout, ReplicaSpec, StageSpec, replica_shape
@@ -50,16 +54,19 @@ class AlikeChoice:
         layout: the layout with that split applied to every replica (the running one if unchanged).
         quotas: micro-batches per replica.
         iteration_s: exact predicted seconds per iteration (1F1B plus the gradient all-reduce).
+        dropped: replicas of the running layout left out (their ranks stand by), ascending.
     """
 
     layout: Layout
     quotas: tuple[int, ...]
     iteration_s: float
+    dropped: tuple[int, ...] = ()
 
     def describe(self, old: Layout) -> str:
         before, after = old.replicas[0].layers_per_stage, self.layout.replicas[0].layers_per_stage
-        return "every replica: layout kept" if before == after else \
-            f"every replica: layers {list(before)}->{list(after)}"
+        kept = "every replica" if not self.dropped else \
+            f"replica{'s' if len(self.dropped) > 1 else ''} {list(self.dropped)} dropped; the rest"
+        return f"{kept}: layout kept" if before == after else f"{kept}: layers {list(before)}->{list(after)}"
 
 
 def check_alike(layout: Layout, health: Health, num_microbatches: int) -> None:
@@ -83,12 +90,15 @@ def check_alike(layout: Layout, health: Health, num_microbatches: int) -> None:
                          f"micro-batch, but the batch has {num_microbatches}; raise the global batch size")
 
 
+def replica_with_split(rep: ReplicaSpec, split: Split) -> ReplicaSpec:
+    """``rep`` holding ``split`` layers per stage, each stage keeping its ranks."""
+    firsts = itertools.accumulate(split[:-1], initial=0)
+    return ReplicaSpec(tuple(StageSpec(first, num, st.ranks) for first, num, st in zip(firsts, split, rep.stages)))
+
+
 def with_split(layout: Layout, split: Split) -> Layout:
     """``layout`` with every replica holding ``split`` layers per stage, each stage keeping its ranks."""
-    def rebuilt(rep: ReplicaSpec) -> ReplicaSpec:
-        firsts = itertools.accumulate(split[:-1], initial=0)
-        return ReplicaSpec(tuple(StageSpec(first, num, st.ranks) for first, num, st in zip(firsts, split, rep.stages)))
-    return layout.with_replicas(rebuilt(rep) for rep in layout.replicas)
+    return layout.with_replicas(replica_with_split(rep, split) for rep in layout.replicas)
 
 
 def _current_groups(rep: ReplicaSpec, health: Health, layout: Layout, hw: HardwareModel,
@@ -149,7 +159,8 @@ def candidate_splits(layout: Layout, health: Health, hw: HardwareModel, affected
 
 
 def best_alike_split(layout: Layout, health: Health, hw: HardwareModel, *, affected: Iterable[int],
-                     num_microbatches: int, horizon_iters: int) -> AlikeChoice:
+                     num_microbatches: int, horizon_iters: int,
+                     drop_to: Collection[int] | None = None) -> AlikeChoice:
     """The split (with its quotas) that runs ``horizon_iters`` iterations soonest, a change paying
     ``hw.regroup_s`` plus its state transfers once.
 
@@ -160,10 +171,32 @@ def best_alike_split(layout: Layout, health: Health, hw: HardwareModel, *, affec
         affected: replicas touched by the slowdown (or reshaped earlier).
         num_microbatches: micro-batches per global batch.
         horizon_iters: iterations over which a change must pay off.
+        drop_to: the replica counts the executor can run; affected replicas may then be dropped
+            down to one of them (None: no replica is dropped).
 
     Returns:
         The best ``AlikeChoice``; the current split with speed-weighted quotas when nothing beats it.
     """
+    affected = sorted(set(affected))
+    best = _best_split(layout, layout, health, hw, affected, num_microbatches, horizon_iters, regroup=False)
+    if not drop_to:
+        return best[1]
+    for dropped in dict.fromkeys([*((r,) for r in affected), tuple(affected)]):
+        kept = [r for r in range(layout.num_replicas) if r not in dropped]
+        if not kept or len(kept) not in drop_to or len(kept) > num_microbatches:
+            continue
+        reduced = layout.with_replicas(layout.replicas[r] for r in kept)
+        still = [i for i, r in enumerate(kept) if r in affected]
+        total, choice = _best_split(layout, reduced, health, hw, still, num_microbatches, horizon_iters, regroup=True)
+        if total < best[0]:
+            best = (total, dataclasses.replace(choice, dropped=dropped))
+    return best[1]
+
+
+def _best_split(running: Layout, layout: Layout, health: Health, hw: HardwareModel, affected: Sequence[int],
+                num_microbatches: int, horizon_iters: int, *, regroup: bool) -> tuple[float, AlikeChoice]:
+    # The best split of ``layout``'s replicas (``running``'s, or some of them when ``regroup``:
+    # a change whatever the split), with its seconds over the horizon, the change's cost included.
     model = layout.model
     current = layout.replicas[0].layers_per_stage
     anchors, others = candidate_splits(layout, health, hw, affected, num_microbatches)
@@ -197,11 +230,12 @@ def best_alike_split(layout: Layout, health: Health, hw: HardwareModel, *, affec
     best = None
     for _, split, new, times, quotas in finalists:
         after_s = max(t.simulate_s(q) for t, q in zip(times, quotas)) + allreduce_s(new, hw, health)
-        cost_s = 0.0 if split == current else hw.regroup_s + move_time_s(state_moves(layout, new, health.dead, hw), hw)
+        changed = regroup or split != current
+        cost_s = hw.regroup_s + move_time_s(state_moves(running, new, health.dead, hw), hw) if changed else 0.0
         total = horizon_iters * after_s + cost_s
         if best is None or total < best[0]:
             best = (total, AlikeChoice(new, quotas, after_s))
-    return best[1]
+    return best
 
 
-__all__ = ["AlikeChoice", "best_alike_split", "candidate_splits", "check_alike", "with_split"]
+__all__ = ["AlikeChoice", "best_alike_split", "candidate_splits", "check_alike", "replica_with_split", "with_split"]

@@ -52,7 +52,7 @@ class _Candidate:
 
 def _replica_candidates(
     layout: Layout, index: int, health: Health, hw: HardwareModel, num_microbatches: int,
-    uniform_tp: bool = False, stages_fixed: bool = False,
+    uniform_tp: bool = False, stages_fixed: bool = False, may_drop: bool = True,
 ) -> list[_Candidate]:
     model = layout.model
     rep = layout.replicas[index]
@@ -61,7 +61,7 @@ def _replica_candidates(
     drop = _Candidate("drop replica", None, None, (), True)
     keep = [] if has_dead else [_Candidate("keep layout", rep, replica_timing(rep, model, hw, health), (), False)]
     if stages_fixed:
-        return keep or [drop]  # a replica with a dead rank cannot be kept
+        return [drop, *keep] if may_drop or not keep else keep  # a replica with a dead rank cannot be kept
     out: list[_Candidate] = [drop, *keep]
     per_stage: list[tuple[TpChoice, ...]] = []
     for p, st in enumerate(rep.stages):
@@ -135,6 +135,7 @@ def plan_adaptation(
     reshaped: Iterable[int] = (),
     stages_fixed: bool = False,
     stages_alike: bool = False,
+    drop_to: Iterable[int] | None = None,
 ) -> Plan:
     """Re-plan ``layout`` for ``health``: the ResiHP policy.
 
@@ -156,6 +157,9 @@ def plan_adaptation(
             one new layer split alike, or keep theirs; quotas change as well (what an executor
             whose replicas share one model definition runs; ``alike_stages``). ``stages_fixed``
             takes precedence.
+        drop_to: with ``stages_fixed`` or ``stages_alike``, the replica counts the executor can
+            run: affected replicas may then be dropped whole down to one of them, their ranks left
+            out (None: no replica is dropped). Without either flag replicas may always be dropped.
 
     Returns:
         A Plan: "keep", "adapt" (new layout, quotas, moves) or "checkpoint-restart" with a reason.
@@ -176,6 +180,8 @@ def plan_adaptation(
     if len(quotas_now) != layout.num_replicas or sum(quotas_now) != num_mb:
         raise ValueError(f"current_quotas {quotas_now} must have one entry per replica and sum to {num_mb}")
     alike = stages_alike and not stages_fixed
+    restricted = stages_fixed or alike
+    drop_counts = frozenset(drop_to) if restricted and drop_to is not None else None
     if alike:
         check_alike(layout, health, num_mb)
     before_s = iteration_s(layout, quotas_now, health, hw)
@@ -190,7 +196,7 @@ def plan_adaptation(
     # against the best split of the layout as it is (a device that recovered gets its work back).
     if alike:
         choice = best_alike_split(layout, health, hw, affected=affected, num_microbatches=num_mb,
-                                  horizon_iters=horizon_iters)
+                                  horizon_iters=horizon_iters, drop_to=drop_counts)
         return _conclude(layout, choice.layout, choice.quotas, choice.iteration_s, health, hw, before_s=before_s,
                          quotas_now=quotas_now, horizon_iters=horizon_iters,
                          notes=[choice.describe(layout)] if affected else [])
@@ -200,7 +206,8 @@ def plan_adaptation(
     options: list[list[_Candidate]] = []
     for r, rep in enumerate(layout.replicas):
         if r in affected:
-            options.append(_replica_candidates(layout, r, health, hw, num_mb, uniform_tp_per_replica, stages_fixed))
+            options.append(_replica_candidates(layout, r, health, hw, num_mb, uniform_tp_per_replica, stages_fixed,
+                                               may_drop=not stages_fixed or drop_counts is not None))
             continue
         key = tuple((st.num_layers, st.tp_degree) for st in rep.stages)
         if key not in shared:
@@ -253,6 +260,8 @@ def plan_adaptation(
         # every kept replica trains at least one micro-batch (one group of them under the
         # interleaved schedule)
         if not kept or len(kept) * step > num_mb or num_mb % step:
+            continue
+        if drop_counts is not None and len(kept) not in drop_counts:
             continue
         fill = [c.timing.fill_s for c in kept]
         per = [c.timing.per_microbatch_s for c in kept]

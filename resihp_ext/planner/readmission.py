@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from resihp_ext.layout import Layout, ReplicaSpec
+from resihp_ext.planner.alike_stages import replica_with_split
 from resihp_ext.planner.cost import iteration_s, speed_quotas
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
@@ -70,6 +71,7 @@ def plan_readmission(
     hw: HardwareModel,
     current_quotas: Sequence[int],
     horizon_iters: int,
+    alike: bool = False,
 ) -> Readmission:
     """Whether to take back the standbys in ``ready``, and the grown layout if so.
 
@@ -82,6 +84,9 @@ def plan_readmission(
         hw: the cost model.
         current_quotas: micro-batches per replica now.
         horizon_iters: iterations left to pay the change back.
+        alike: every replica must hold one layer split (an executor that builds every replica
+            from one model definition): a restored replica takes the running replicas' split
+            rather than its launch one.
 
     Returns:
         A ``Readmission``; "keep" with the reason when no launch replica can be restored or
@@ -111,6 +116,8 @@ def plan_readmission(
     working = set(identity)
     restored = [rep for rep in launch_layout.replicas if rep not in current
                 and _restorable(rep, working, ready, current)]
+    if alike and current:
+        restored = [replica_with_split(rep, current[0].layers_per_stage) for rep in restored]
     if not restored:
         return keep(f"standbys {sorted(ready)} complete no launch replica beside the working ones")
     replicas: list[ReplicaSpec] = []

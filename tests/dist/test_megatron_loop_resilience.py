@@ -293,12 +293,12 @@ def test_a_launch_that_places_layers_unevenly_is_survived_in_place_on_its_own_sp
 def test_what_the_fail_stop_path_cannot_carry_is_refused_before_anything_starts(tmp_path):
     # One launch with three such flags: one message (from one rank) names each, exit 2, nothing written.
     proc = run_job(8, [*job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
-                       "--resihp-standby-probe-interval-s", "5",
+                       "--resihp-device-memory-gb", "40",
                        "--context-parallel-size", "2", "--resihp-inject", "kill:rank=1,at=3,during=save-rename"],
                    timeout_s=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stderr.count("error:") == 1, proc.stderr[-2000:]
-    for named in ("--resihp-standby-probe-interval-s (standing-by ranks probe", "--context-parallel-size",
+    for named in ("--resihp-device-memory-gb (it sizes", "--context-parallel-size",
                   "during=save-rename"):
         assert named in proc.stderr, (named, proc.stderr[-2000:])
     assert not (tmp_path / "ckpt").exists()

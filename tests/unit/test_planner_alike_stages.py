@@ -119,3 +119,36 @@ def test_decide_fail_slow_passes_the_flag_through():
     alike = decide_fail_slow(*args, stages_alike=True).plan
     assert alike.action == "adapt" and alike.layout.replicas_alike()
     assert alike.iteration_s_after <= decide_fail_slow(*args, stages_fixed=True).plan.iteration_s_after
+
+
+# ----------------------------------------------------------------- dropping whole replicas
+VERY_SLOW = Health(speed={5: 1.0 / 30})  # rank 5 (replica 0, stage 1) 30x slow
+
+
+def test_a_very_slow_replica_is_dropped_whole_when_the_executor_can_run_fewer_replicas():
+    kept_all = plan_adaptation(LAYOUT, VERY_SLOW, HW, stages_alike=True)
+    dropped = plan_adaptation(LAYOUT, VERY_SLOW, HW, stages_alike=True, drop_to={1, 2})
+    assert kept_all.layout.num_replicas == 2  # without drop_to no replica is dropped
+    assert dropped.action == "adapt" and dropped.layout.num_replicas == 1
+    assert dropped.layout.replicas[0] == LAYOUT.replicas[1]  # the healthy replica, as it was
+    assert dropped.quotas == (MODEL.num_microbatches,)
+    assert set(dropped.spare_ranks) == set(LAYOUT.replicas[0].ranks)  # the dropped replica's ranks stand by
+    assert dropped.iteration_s_after < kept_all.iteration_s_after
+    assert dropped.transfers == state_moves(LAYOUT, dropped.layout, frozenset(), HW)
+    assert not [t for t in dropped.transfers if t.crosses]  # the kept replica holds every shard it needs
+    assert dropped.reason.startswith("adapt: replica [0] dropped; the rest: layout kept; quotas [16]")
+
+
+def test_a_replica_is_dropped_only_to_a_count_the_executor_runs():
+    assert plan_adaptation(LAYOUT, VERY_SLOW, HW, stages_alike=True, drop_to={2}).layout.num_replicas == 2
+
+
+def test_a_mildly_slow_replica_keeps_its_place_and_takes_fewer_micro_batches():
+    plan = plan_adaptation(LAYOUT, Health(speed={5: 0.5}), HW, stages_alike=True, drop_to={1, 2})
+    assert plan.layout.num_replicas == 2 and plan.spare_ranks == ()
+
+
+def test_quotas_alone_may_drop_a_replica_too():
+    fixed = plan_adaptation(LAYOUT, VERY_SLOW, HW, stages_fixed=True, drop_to={1, 2})
+    assert fixed.action == "adapt" and fixed.layout.replicas == (LAYOUT.replicas[1],)
+    assert plan_adaptation(LAYOUT, VERY_SLOW, HW, stages_fixed=True).layout.num_replicas == 2

@@ -4,6 +4,7 @@ import pytest
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
 from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.alike_stages import replica_with_split
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
 from resihp_ext.planner.readmission import plan_readmission
@@ -53,6 +54,21 @@ def test_standbys_of_a_whole_dropped_replica_come_back_as_a_new_replica():
     assert out.plan.action == "adapt", out.plan.reason
     assert out.joiners == (2, 5) and out.plan.layout.num_replicas == 3
     assert out.plan.layout.replicas[2].ranks == (4, 5) and sum(out.plan.quotas) == 16
+
+
+def test_a_dropped_replica_comes_back_with_the_running_split_when_replicas_must_be_alike():
+    launch = Layout.uniform(MODEL, 1, 2, 3)
+    # Replica 2 (ranks 2, 5) was dropped and the others took layers [1, 3] since.
+    running = launch.with_replicas(replica_with_split(rep, (1, 3)) for rep in launch.replicas[:2])
+    identity = [0, 1, 3, 4]
+    layout = running.relabel({r: i for i, r in enumerate(identity)})
+    free = plan_readmission(layout, identity, launch, {2: 1.0, 5: 1.0}, Health(), HW, (8, 8), horizon_iters=40)
+    assert free.plan.layout.replicas[2].layers_per_stage == (2, 2)  # its launch split
+    alike = plan_readmission(layout, identity, launch, {2: 1.0, 5: 1.0}, Health(), HW, (8, 8), horizon_iters=40,
+                             alike=True)
+    assert alike.plan.action == "adapt" and alike.joiners == (2, 5), alike.plan.reason
+    assert alike.plan.layout.replicas_alike() and alike.plan.layout.replicas[2].layers_per_stage == (1, 3)
+    assert alike.plan.layout.replicas[2].ranks == (4, 5)
 
 
 def test_a_standby_whose_launch_replica_lost_another_rank_is_not_taken_back():

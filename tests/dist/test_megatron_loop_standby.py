@@ -1,0 +1,73 @@
+"""A slow replica left out and taken back on Megatron-LM's own loop (``--resihp-loop megatron``).
+
+PP2 x DP2 on 4 CPU ranks. Rank 3 (replica 1, stage 1) runs 16x slow from iteration 5 to 14: the
+detector names it from the timings of Megatron's own schedule, the planner finds that the healthy
+replica alone runs the batch sooner than any split between the two, and replica 1 is dropped in
+place. Its ranks stand by and probe their devices; once both report healthy, the world grows back
+to 4 ranks, the joiners receive their stages' weights and Adam state from the working replica, and
+enter Megatron's ``train()`` at the iteration the others run. Every logged loss and the saved
+weights equal stock Megatron-LM's failure-free run on 4 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.launch import check, decisions, read_events, run_job, running_quotas
+from tests.dist.megatron_jobs import assert_same_training, job_args, replaced, stock_training
+
+mcore = pytest.importorskip("megatron.core.package_info")
+pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
+                                reason="Megatron-LM's training package ships in megatron-core 0.19.2 (Python >= 3.12)")
+
+ITERATIONS = 24
+
+
+def pp2_dp2_args(tmp, name: str) -> list[str]:
+    return replaced(job_args(tmp, name), {"--train-iters": str(ITERATIONS), "--tensor-model-parallel-size": "1"})
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory):
+    return stock_training(4, pp2_dp2_args(tmp_path_factory.mktemp("standby_failure_free"), "ckpt"))
+
+
+def test_a_very_slow_replica_is_dropped_and_taken_back_once_healthy_exactly(tmp_path, failure_free):
+    # The trial of a re-plan is off (--resihp-verify-iters 0): one that leaves ranks out is never on
+    # trial, and this test holds the whole run to stock Megatron-LM's numbers.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
+                       "--resihp-event-log", str(events), "--resihp-verify-iters", "0",
+                       "--resihp-standby-probe-interval-s", "0.3",
+                       "--resihp-inject", "slow:rank=3,factor=16,at=5,until=14"], timeout_s=420)
+    check(proc)
+    assert len(read_events(events, "start")) == 4  # one start per process: nothing restarted
+    dropped = [p for p in read_events(events, "plan") if p["policy"] == "resihp" and p["action"] == "adapt"]
+    assert dropped and dropped[0]["quotas"] == [8], decisions(events)
+    assert "replica 1: dropped" in dropped[0]["reason"], dropped[0]["reason"]
+    standbys = read_events(events, "standby")
+    assert sorted(s["launch_rank"] for s in standbys) == [1, 3], decisions(events)
+    assert all(s["reference_probe_s"] > 0 for s in standbys), standbys  # they probe their devices
+    adapted = read_events(events, "adapted")
+    shrunk = [a for a in adapted if a["world_size"] == 2]
+    grown = [a for a in adapted if a.get("joined_launch_ranks")]
+    assert shrunk and shrunk[0]["quotas"] == [8], decisions(events)
+    assert grown and grown[0]["joined_launch_ranks"] == [1, 3] and grown[0]["world_size"] == 4, decisions(events)
+    # Taken back only after the slowdown ended, and with training left to gain from it.
+    assert 14 <= grown[0]["iteration"] < ITERATIONS, decisions(events)
+    assert running_quotas(events) == [4, 4], decisions(events)
+    assert "launch rank 3 enters Megatron's loop again at iteration" in proc.stdout
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=range(1, ITERATIONS + 1))
+
+
+def test_without_standbys_the_dropped_replica_leaves_and_the_job_finishes_exactly(tmp_path, failure_free):
+    events = tmp_path / "events.jsonl"
+    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
+                       "--resihp-event-log", str(events), "--resihp-verify-iters", "0", "--resihp-no-standby",
+                       "--resihp-inject", "slow:rank=3,factor=16,at=5,until=14"], timeout_s=420)
+    check(proc)
+    exits = read_events(events, "exit")
+    assert sorted((e["rank"], e["exit_code"]) for e in exits) == [(1, 0), (3, 0)], decisions(events)
+    assert not read_events(events, "standby")
+    assert running_quotas(events) == [8], decisions(events)
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=range(1, ITERATIONS + 1))
