@@ -23,12 +23,12 @@ _OTHER_PLACEMENT = {
     "use_tp_pp_dp_mapping": "--use-tp-pp-dp-mapping",
 }
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous (its plans move no
-# state), this rank's optimizer step, the iteration's log, an evaluation, the ranks' agreement whether
+# state), a readmission's grown world once its groups are formed, this rank's optimizer step, the iteration's log, an evaluation, the ranks' agreement whether
 # --exit-duration-in-mins has passed, a save as it begins and once this rank's files are written
 # (Megatron's save has no rename), and the job's end, as ``pretrain()`` returns, and Megatron's set-up,
 # as it builds the data loaders. Under the distributed
 # optimizer also once it has updated this rank's parameters, before the update's copies go out.
-_PHASES = (None, "reform", "rendezvous", "update", "optimizer", "log", "eval", "exit-check", "save", "save-write",
+_PHASES = (None, "reform", "rendezvous", "readmission", "update", "optimizer", "log", "eval", "exit-check", "save", "save-write",
            "shutdown", "setup")
 # --resihp-* settings of what only the project's own loop does (``--resihp-loop resihp``), and why.
 # (--resihp-no-standby holds on both: a rank a plan leaves out exits instead of standing by.)

@@ -20,7 +20,7 @@ mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
                                 reason="Megatron-LM's training package ships in megatron-core 0.19.2 (Python >= 3.12)")
 
-ITERATIONS = 24
+ITERATIONS = 32
 
 
 def pp2_dp2_args(tmp, name: str) -> list[str]:
@@ -42,7 +42,7 @@ def test_a_very_slow_replica_is_dropped_and_taken_back_once_healthy_exactly(tmp_
                        "--resihp-inject", "slow:rank=3,factor=16,at=5,until=14"], timeout_s=420)
     check(proc)
     assert len(read_events(events, "start")) == 4  # one start per process: nothing restarted
-    dropped = [p for p in read_events(events, "plan") if p["policy"] == "resihp" and p["action"] == "adapt"]
+    dropped = [p for p in read_events(events, "plan") if p.get("policy") == "resihp" and p["action"] == "adapt"]
     assert dropped and dropped[0]["quotas"] == [8], decisions(events)
     assert "replica 1: dropped" in dropped[0]["reason"], dropped[0]["reason"]
     standbys = read_events(events, "standby")
@@ -69,5 +69,28 @@ def test_without_standbys_the_dropped_replica_leaves_and_the_job_finishes_exactl
     exits = read_events(events, "exit")
     assert sorted((e["rank"], e["exit_code"]) for e in exits) == [(1, 0), (3, 0)], decisions(events)
     assert not read_events(events, "standby")
+    assert running_quotas(events) == [8], decisions(events)
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=range(1, ITERATIONS + 1))
+
+
+def test_a_joiner_killed_as_the_world_grows_leaves_the_working_replica_going_exactly(tmp_path, failure_free):
+    # Launch rank 3 dies inside the grown world, its groups formed, before any state moved: every
+    # member goes back to the old layout, the working ranks re-form as they were and run the
+    # iteration, launch rank 1 stands by again, and replica 1, short of rank 3, is never restored.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
+                       "--resihp-event-log", str(events), "--resihp-verify-iters", "0",
+                       "--resihp-standby-probe-interval-s", "0.3",
+                       "--resihp-inject", "slow:rank=3,factor=16,at=5,until=14",
+                       "--resihp-inject", "kill:rank=3,at=1,during=readmission"], timeout_s=420)
+    check(proc)
+    rejoins = [p for p in read_events(events, "plan") if p.get("policy") == "readmission" and p["action"] == "adapt"]
+    assert len(rejoins) == 1, decisions(events)
+    recovered = [a for a in read_events(events, "adapted") if "failed_ranks" in a]
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"], a["quotas"]) for a in recovered] == \
+        [(rejoins[0]["iteration"], 2, [], [8])], decisions(events)
+    assert not [a for a in read_events(events, "adapted") if a.get("joined_launch_ranks")], decisions(events)
+    assert "launch rank 1: world 2 failed before every member had its state" in proc.stdout
+    assert "the job finished while launch rank 1 stood by" in proc.stdout
     assert running_quotas(events) == [8], decisions(events)
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=range(1, ITERATIONS + 1))

@@ -22,7 +22,7 @@ def test_a_plain_job_with_kills_hangs_and_recovery_phase_kills_may_run():
     cfg = ResiHPConfig(enable=True, inject=["kill:rank=1,at=2", "hang:rank=2,at=3", "kill:rank=3,at=4,during=reform",
                                             "kill:rank=4,at=4,during=rendezvous", "kill:rank=5,at=8,during=shutdown",
                                             "raise:rank=6,at=2,during=backward", "kill:rank=7,at=1,during=setup",
-                                            "kill:rank=2,at=5,during=exit-check"])
+                                            "kill:rank=2,at=5,during=exit-check", "kill:rank=3,at=6,during=readmission"])
     assert unsupported_flags(megatron_args(), cfg) == []
     # Each rank's part of Adam's state is copied on another rank, so its failures are survived too.
     assert unsupported_flags(megatron_args(use_distributed_optimizer=True), cfg) == []
