@@ -189,9 +189,13 @@ class FailSlowReplan:
         # A world number no earlier one used; the leavers' standbys keep it too.
         run = run.replace(generation=run.generation + 1)
         host.run = run
+        # Under the distributed optimizer every rank hands its part of the optimizer state to the kept
+        # ranks of its position, which split it anew and gather their weights from it; each keeps its
+        # own stage's weights meanwhile (the kept replicas hold every layer).
+        parts = run.part_copies is not None
         change = LayoutChange(kind="replan", world=World.SHRINK, iteration=iteration, old_layout=run.layout,
-                              new_layout=new_layout, transfers=tuple(transfers), new_rank=dense,
-                              leave=self._leave)
+                              new_layout=new_layout, transfers=() if parts else tuple(transfers), new_rank=dense,
+                              leave=self._leave, part_sources={} if parts else None, reload_own=parts)
         new = apply(change, run, host)
         if host.standby_on:
             host.readmission.standbys |= {run.identity[r] for r in run.layout.world_ranks if r not in kept}

@@ -47,9 +47,9 @@ _UNSURVIVED_BETWEEN_STEPS = {
 def fail_slow_drops(args: argparse.Namespace) -> frozenset[int] | None:
     """The replica counts a fail-slow re-plan on this loop may drop slow replicas whole down to (their
     ranks stand by, probe their devices and are taken back once healthy), or None when it drops none:
-    under the distributed optimizer (the parts of a dropped replica's ranks would have to be split
-    anew over the replicas left, and given back at readmission) and under the interleaved schedule
-    (whose micro-batch groups a grown world's quotas would have to keep)."""
+    under the interleaved schedule, whose micro-batch groups a grown world's quotas would have to
+    keep. (Under the distributed optimizer the dropped ranks hand their parts of the optimizer state
+    to the replicas left, and receive their positions' parts back when taken back.)"""
     if not _drops_replicas(args):
         return None
     from megatron.resihp.megatron_loop_quotas import replica_counts
@@ -58,7 +58,7 @@ def fail_slow_drops(args: argparse.Namespace) -> frozenset[int] | None:
 
 
 def _drops_replicas(args: argparse.Namespace) -> bool:
-    return not args.use_distributed_optimizer and args.virtual_pipeline_model_parallel_size is None
+    return args.virtual_pipeline_model_parallel_size is None
 
 
 def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int, ...] | None = None) -> list[str]:
@@ -95,9 +95,8 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
         if getattr(cfg, name) != defaults[name]:
             found.append(f"--resihp-{name.replace('_', '-')} ({why})")
     if cfg.standby_probe_interval_s != defaults["standby_probe_interval_s"] and not _drops_replicas(args):
-        found.append("--resihp-standby-probe-interval-s (under --use-distributed-optimizer or the interleaved "
-                     "schedule no re-plan leaves a slow replica out to probe; spares come back at a failure "
-                     "without probing)")
+        found.append("--resihp-standby-probe-interval-s (under the interleaved schedule no re-plan leaves a slow "
+                     "replica out to probe; spares come back at a failure without probing)")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
     # Every kind of injected fault runs on this loop. A ``link:`` slowdown slows its pipeline transfers

@@ -345,7 +345,7 @@ class StagedParts(NamedTuple):
 
 def stage_parts(copies: PartCopies | None, layout: Layout, rank: int, sources: Mapping[int, int],
                 kept: Mapping[int, int], peer_rank: Callable[[int], int], places: Mapping[int, int] | None = None,
-                device: torch.device | None = None) -> StagedParts | None:
+                device: torch.device | None = None, seats: Mapping[int, int] | None = None) -> StagedParts | None:
     """In the world of every survivor (``peer_rank``: a ``layout`` rank's rank there): agree on the
     update the parts are brought to, then send every kept rank of each position the parts it lacks,
     of that update.
@@ -358,6 +358,8 @@ def stage_parts(copies: PartCopies | None, layout: Layout, rank: int, sources: M
         places: dead rank -> the standby taking its place: a standby receives every part of that
             position, and the lowest live rank of it sends the optimizer's other state.
         device: where a standby receives its parts (it has no optimizer yet).
+        seats: standby -> a live rank of ``layout`` whose position it joins (a readmission's
+            joiners, which take no dead rank's place); it receives as ``places``' standbys do.
 
     Returns:
         On a kept rank, every part of its position (``StagedParts``); None elsewhere.
@@ -367,9 +369,10 @@ def stage_parts(copies: PartCopies | None, layout: Layout, rank: int, sources: M
     """
     places = dict(places or {})
     seat = {standby: dead for dead, standby in places.items()}  # a standby's place in ``layout``
+    seat.update(seats or {})
     # Each standby taken back learns the optimizer's other state from the lowest live rank of its place.
-    giver = {standby: min(r for r in part_ring(layout, dead) if r not in sources)
-             for dead, standby in places.items() if standby in kept}
+    giver = {standby: min(r for r in part_ring(layout, place) if r not in sources)
+             for standby, place in seat.items() if standby in kept}
     # (Before the first update there is none to give: the standby's fresh optimizer is the same.)
     gives = copies is not None and rank in giver.values() and copies.updates > 0
     state = copies.optimizer.state_dict() if gives else None

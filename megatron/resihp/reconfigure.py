@@ -93,10 +93,12 @@ class LayoutChange:
         adam_template, loss_scale: on a joiner: what shapes its Adam states and its loss scaler.
         leave: called on a rank the new world does not include, once it has sent what others need;
             it must raise (``StopTraining``, or ``StandingBy``).
-        part_sources: SHRINK under Megatron's distributed optimizer (``plan.part_sources``): dead
-            rank -> the live rank keeping the copy of its part of the optimizer state. Every
-            survivor then sends the kept ranks the parts they lack before leaving, and the
-            rebuilt optimizer is split anew from them (``optimizer_parts``).
+        part_sources: under Megatron's distributed optimizer. SHRINK (``plan.part_sources``): dead
+            rank -> the live rank keeping the copy of its part of the optimizer state (empty when
+            nobody died: a re-plan leaving ranks out). Every survivor then sends the kept ranks the
+            parts they lack before leaving, and the rebuilt optimizer is split anew from them
+            (``optimizer_parts``). GROW (empty): every member receives its position's parts in the
+            grown world, the joiners too, and the model's weights are gathered from them.
         filled: SHRINK: dead rank -> the standby taking its place (``plan.filled``); under the
             distributed optimizer a standby receives every part of that place's position.
     """
@@ -197,6 +199,9 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
             env.inject(change.iteration, change.kind)
         if change.world is World.SAME and is_distributed(run.objects.optimizer):
             moved, copies = _move_with_whole_states(change, run, rank, new_objects, ran)
+        elif change.world is World.GROW and change.part_sources is not None:
+            parts = _grown_parts(change, run, rank, env)
+            _carry_into_grown(change, run, new_objects)
         else:
             moved += _move_state(change, run, rank, new_objects, received, ran)
         if parts is not None:
@@ -261,13 +266,15 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
                     change.old_layout, run.objects, env.backend, env.cfg.collective_timeout_s,
                     stop=(lambda: None) if joining else env.failure_among(change.move_world),
                     joined=lambda: env.inject(change.iteration, "moves"), ran=ran)
-            if sends_parts:
-                parts = stage_parts(run.part_copies, change.old_layout, old_rank, change.part_sources, new_rank,
-                                    peer_rank=list(change.move_world).index, places=change.filled,
-                                    device=env.device())
         else:
             received = stage_transfers(change.transfers, change.old_layout, old_rank, run.objects,
                                        peer_rank=lambda r: r, ran=ran)
+        if sends_parts:
+            # In the world the moves ran in: the survivors' one, or the old world when nobody failed
+            # (a re-plan leaving ranks out, which hand their parts over before they go).
+            parts = stage_parts(run.part_copies, change.old_layout, old_rank, change.part_sources, new_rank,
+                                peer_rank=list(change.move_world).index if change.move_world is not None else
+                                (lambda r: r), places=change.filled, device=env.device())
         env.record_moved(change.iteration, old_rank, ran, sum(f.numel() * f.element_size() for f in received.values()))
         if not change.watch_old_world:
             env.unwatch()
@@ -280,6 +287,29 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
     except (RuntimeError, TimeoutError) as error:
         raise ChangeFailed(f"world {run.generation} did not form: {error}", run) from error
     return received, parts
+
+
+def _grown_parts(change: LayoutChange, run: RunState, rank: int, env: Executor) -> StagedParts:
+    """GROW under Megatron's distributed optimizer, in the grown world: every member receives every
+    part of its position (a joiner, of the position it joins, seated at the old layout's rank there),
+    from which its rebuilt optimizer takes its part and its model its weights (``_split_parts_anew``)."""
+    old = change.old_layout
+    seats = {}
+    for joiner in range(old.world_size, change.new_layout.world_size):
+        stage, tp_rank = change.new_layout.stage_of(joiner)[1], change.new_layout.tp_rank_of(joiner)
+        seats[joiner] = old.replicas[0].stages[stage].ranks[tp_rank]
+    return stage_parts(run.part_copies, old, rank, change.part_sources, {r: r for r in range(dist.get_world_size())},
+                       peer_rank=lambda r: r, device=env.device(), seats=seats)
+
+
+def _carry_into_grown(change: LayoutChange, run: RunState, new_objects) -> None:
+    # What the optimizer keeps besides its parts, as ``_move_state`` carries it into a grown world (a
+    # joiner takes the step counts and parameter groups from a working rank's, in ``stage_parts``).
+    if run.objects is not None:
+        new_objects.optimizer.load_state_dict(run.objects.optimizer.state_dict())
+    new_objects.scheduler.load_state_dict(change.scheduler_state)
+    load_loss_scale_state(new_objects.optimizer,
+                          loss_scale_state(run.objects.optimizer) if run.objects is not None else change.loss_scale or [])
 
 
 def _split_parts_anew(run: RunState, layout: Layout, rank: int, new_objects, staged: StagedParts) -> PartCopies:

@@ -200,9 +200,10 @@ class Readmission:
         change = LayoutChange(
             kind="readmission", world=World.GROW, iteration=call["iteration"],
             old_layout=Layout.from_dict(call["old_layout"]), new_layout=Layout.from_dict(call["new_layout"]),
-            transfers=tuple(Transfer.from_dict(t) for t in call["transfers"]), identity=tuple(call["identity"]),
+            transfers=() if call.get("parts") else tuple(Transfer.from_dict(t) for t in call["transfers"]),
+            identity=tuple(call["identity"]),
             joining_rank=new_rank, scheduler_state=call["scheduler"], adam_template=call["adam"],
-            loss_scale=call.get("loss_scale", []))
+            loss_scale=call.get("loss_scale", []), part_sources={} if call.get("parts") else None)
         try:
             new = apply(change, run, host)
         except ChangeFailed as error:
@@ -403,7 +404,7 @@ class Readmission:
                       "slow_links": [[a, b, v] for (a, b), v in host.known_health.slow_links.items()],
                       "standbys": sorted(self.standbys - set(decision.joiners)),
                       "scheduler": objects.scheduler.state_dict(), "adam": adam_template_of(objects),
-                      "loss_scale": loss_scale_state(objects.optimizer)}
+                      "loss_scale": loss_scale_state(objects.optimizer), "parts": run.part_copies is not None}
             new_rank = {launch: decision.new_rank_of(launch, len(run.identity)) for launch in decision.joiners}
             for launch, rank in new_rank.items():
                 standby_keys.record_call(host.store, launch, generation)
@@ -422,9 +423,11 @@ class Readmission:
         self._last_ready = set()  # whatever happens next, plan again on the next reports
         if host.store.get(go) != b"1":
             return
+        parts = run.part_copies is not None  # the distributed optimizer's parts fill the joiners (``reconfigure``)
         change = LayoutChange(kind="readmission", world=World.GROW, iteration=iteration, old_layout=run.layout,
-                              new_layout=plan.layout, transfers=tuple(plan.transfers), identity=tuple(identity),
-                              scheduler_state=objects.scheduler.state_dict())
+                              new_layout=plan.layout, transfers=() if parts else tuple(plan.transfers),
+                              identity=tuple(identity), scheduler_state=objects.scheduler.state_dict(),
+                              part_sources={} if parts else None)
         try:
             new = apply(change, run, host)
         except ChangeFailed as error:

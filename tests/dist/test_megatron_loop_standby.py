@@ -6,7 +6,8 @@ replica alone runs the batch sooner than any split between the two, and replica 
 place. Its ranks stand by and probe their devices; once both report healthy, the world grows back
 to 4 ranks, the joiners receive their stages' weights and Adam state from the working replica, and
 enter Megatron's ``train()`` at the iteration the others run. Every logged loss and the saved
-weights equal stock Megatron-LM's failure-free run on 4 ranks.
+weights equal stock Megatron-LM's failure-free run on 4 ranks, with Megatron's own optimizer and with
+its distributed optimizer.
 """
 
 from __future__ import annotations
@@ -32,11 +33,22 @@ def failure_free(tmp_path_factory):
     return stock_training(4, pp2_dp2_args(tmp_path_factory.mktemp("standby_failure_free"), "ckpt"))
 
 
-def test_a_very_slow_replica_is_dropped_and_taken_back_once_healthy_exactly(tmp_path, failure_free):
+@pytest.fixture(scope="module")
+def failure_free_distributed(tmp_path_factory):
+    return stock_training(4, [*pp2_dp2_args(tmp_path_factory.mktemp("standby_failure_free_do"), "ckpt"),
+                              "--use-distributed-optimizer"])
+
+
+@pytest.mark.parametrize("optimizer", ["local", "distributed"])
+def test_a_very_slow_replica_is_dropped_and_taken_back_once_healthy_exactly(tmp_path, request, optimizer):
     # The trial of a re-plan is off (--resihp-verify-iters 0): one that leaves ranks out is never on
-    # trial, and this test holds the whole run to stock Megatron-LM's numbers.
+    # trial, and this test holds the whole run to stock Megatron-LM's numbers. Under the distributed
+    # optimizer the dropped ranks hand their parts of the optimizer state to replica 0's ranks, and
+    # at the readmission every rank receives its position's parts, the joiners their weights with them.
+    distributed = ["--use-distributed-optimizer"] if optimizer == "distributed" else []
+    failure_free = request.getfixturevalue("failure_free_distributed" if distributed else "failure_free")
     events = tmp_path / "events.jsonl"
-    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
+    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), *distributed, "--resihp-loop", "megatron", "--resihp-enable",
                        "--resihp-event-log", str(events), "--resihp-verify-iters", "0",
                        "--resihp-standby-probe-interval-s", "0.3",
                        "--resihp-inject", "slow:rank=3,factor=16,at=5,until=14"], timeout_s=420)
