@@ -60,7 +60,8 @@ from megatron.resihp.megatron_loop_stages import (build_objects, interleaving, l
                                                   layout_layer_of)
 from megatron.resihp.megatron_loop_support import fail_slow_drops
 from megatron.resihp.model_builder import TrainingObjects
-from megatron.resihp.optimizer_parts import PartCopies, distributed_optimizers, part_bytes
+from megatron.resihp.megatron_loop_updates import UpdateWatch
+from megatron.resihp.optimizer_parts import PartCopies, part_bytes
 from megatron.resihp.raised_faults import RaisedFaults
 from megatron.resihp.run_state import StopTraining, leave_process
 from megatron.resihp.schedules import RECORDER, StepTimings, install_hooks
@@ -86,7 +87,7 @@ class ResilientMegatronLoop:
         self.spares = SpareReentry(self)
         self.counts = MicrobatchCount()
         self.split = CountedSplit(lambda: (self.hooks.run.replica, self.hooks.run.data_parallel_size))
-        self._stepped = False
+        self.updates = UpdateWatch(self)  # whether this rank's optimizer updated in the step running
         self._original: dict[str, object] = {}
         self._quotas_in_use: tuple[int, ...] | None = None  # what the loader, count and loss scale follow
         self._microbatches: int | None = None  # this replica's count when quotas are uneven
@@ -187,7 +188,7 @@ class ResilientMegatronLoop:
         start = time.perf_counter()
         while True:
             scheduler_steps = opt_param_scheduler.num_steps
-            self._stepped = False
+            self.updates.stepped = False
             result = None
             self._follow_quotas(self._args().consumed_train_samples)
             fb = self.forward_backward_func or forward_backward_func
@@ -219,9 +220,9 @@ class ResilientMegatronLoop:
             except RuntimeError as error:  # torch.distributed reports a dead or stuck peer this way
                 if not self.hooks.can_recover:
                     raise
-                self.recover_at(Position(number, Phase.STEPPED if self._stepped else Phase.STEP), error)
+                self.recover_at(Position(number, Phase.STEPPED if self.updates.stepped else Phase.STEP), error)
             # A recovery that took this rank's update back (``stage_parts``) runs the iteration again.
-            stepped = self._stepped
+            stepped = self.updates.stepped
             if not stepped and opt_param_scheduler.num_steps != scheduler_steps:
                 opt_param_scheduler.num_steps = scheduler_steps
                 opt_param_scheduler.step(increment=0)  # the learning rate of the step not taken
@@ -365,7 +366,7 @@ class ResilientMegatronLoop:
             self.hooks.run = self.hooks.run.replace(part_copies=PartCopies(self.hooks.run.layout, self.hooks.run.rank,
                                                                            optimizer))
         self.raised = RaisedFaults(self.hooks.faults, self.events, self.hooks.me)
-        self._watch_steps(optimizer)
+        self.updates.watch(optimizer)
         copies = self.hooks.run.part_copies
         self.events.emit("start", args.iteration, world_size=dist.get_world_size(), loop="megatron",
                          layers_per_stage=list(objects.layers_per_stage),
@@ -378,45 +379,6 @@ class ResilientMegatronLoop:
             detection = "on" if self.hooks.live is not None else "off"
             log_line(f" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place {on}; fail-slow "
                      f"detection {detection}" + (f", re-plans {replans}" if self.hooks.live is not None else ""))
-
-    def _watch_steps(self, optimizer) -> None:
-        """Note when this rank's optimizer has updated its parameters: a failure after it must not
-        redo the iteration. Under the distributed optimizer that is before its step returns (the
-        parameters are gathered after the update), and the update's copies are sent there."""
-        inner = type(optimizer).step
-
-        def step(*args, **kwargs):
-            self.raised.strike("optimizer", self.phases.position.iteration)
-            copies = self.hooks.run.part_copies
-            if copies is not None:
-                copies.step_begins()
-            result = inner(optimizer, *args, **kwargs)
-            self._stepped = True
-            if copies is not None:
-                copies.step_returned()
-            self.hooks.inject(self.phases.position.iteration, "optimizer")
-            return result
-
-        optimizer.step = step
-        if self.hooks.run.part_copies is None:
-            return
-        self.hooks.run.part_copies.optimizer = optimizer
-        for sub in distributed_optimizers(optimizer):
-            self._watch_updates(sub.optimizer)
-
-    def _watch_updates(self, torch_optimizer) -> None:
-        """Under the distributed optimizer, the step is done once a parameter is updated: its
-        parameters are gathered after that, and a failure there must not redo the iteration."""
-        update = type(torch_optimizer).step
-
-        def counted_update(*args, **kwargs):
-            result = update(torch_optimizer, *args, **kwargs)
-            self._stepped = True
-            if self.hooks.run.part_copies.updating():
-                self.hooks.inject(self.phases.position.iteration, "update")
-            return result
-
-        torch_optimizer.step = counted_update
 
     def _build_objects(self, args, layers_per_stage) -> TrainingObjects:
         """Megatron's own model chunks, optimizer and LR schedule on the installed groups."""
@@ -437,7 +399,7 @@ class ResilientMegatronLoop:
         uncounted = args.global_batch_size if position.phase is Phase.STEPPED else 0
         if self._recover(position.iteration, error, position.phase >= Phase.STEPPED, args.consumed_train_samples,
                          uncounted):
-            self._stepped = False
+            self.updates.stepped = False
             self.phases.position = Position(position.iteration, Phase.STEP)
         furthest = self.phases.agree()
         # The re-form changes Megatron's micro-batch count: a rank an iteration behind takes it up
@@ -489,7 +451,7 @@ class ResilientMegatronLoop:
         # The optimizer train() holds becomes the rebuilt one; the scheduler it holds drives it.
         optimizer.__class__ = type(new.optimizer)
         optimizer.__dict__ = dict(new.optimizer.__dict__)
-        self._watch_steps(optimizer)
+        self.updates.watch(optimizer)
         model[:] = new.chunks
         config = new.config
         for name in ("timers", "finalize_model_grads_func"):

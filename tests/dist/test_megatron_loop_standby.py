@@ -106,3 +106,24 @@ def test_a_joiner_killed_as_the_world_grows_leaves_the_working_replica_going_exa
     assert "the job finished while launch rank 1 stood by" in proc.stdout
     assert running_quotas(events) == [8], decisions(events)
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=range(1, ITERATIONS + 1))
+
+
+def test_a_joiner_killed_in_the_rendezvous_leaves_the_working_replica_as_it_was(tmp_path, failure_free):
+    # Every member has said it is there, so the old world is left and the grown one never forms: the
+    # working ranks re-form as they were (the rendezvous waits out its timeout, bounded here).
+    events = tmp_path / "events.jsonl"
+    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
+                       "--resihp-event-log", str(events), "--resihp-verify-iters", "0",
+                       "--resihp-standby-probe-interval-s", "0.3", "--resihp-collective-timeout-s", "5",
+                       "--resihp-inject", "slow:rank=3,factor=16,at=5,until=14",
+                       "--resihp-inject", "kill:rank=3,at=1,during=rendezvous"], timeout_s=420)
+    check(proc)
+    assert "did not form" in proc.stdout + proc.stderr
+    rejoins = [p for p in read_events(events, "plan") if p.get("policy") == "readmission" and p["action"] == "adapt"]
+    assert len(rejoins) == 1, decisions(events)
+    recovered = [a for a in read_events(events, "adapted") if "failed_ranks" in a]
+    assert [(a["iteration"], a["world_size"], a["quotas"]) for a in recovered] == \
+        [(rejoins[0]["iteration"], 2, [8])], decisions(events)
+    assert not [a for a in read_events(events, "adapted") if a.get("joined_launch_ranks")], decisions(events)
+    assert running_quotas(events) == [8], decisions(events)
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=range(1, ITERATIONS + 1))
