@@ -394,6 +394,7 @@ class Readmission:
         plan = decision.plan
         generation, size = run.generation + 1, plan.layout.world_size
         identity = [*run.identity, *decision.joiners]
+        parts = run.part_copies is not None  # the distributed optimizer's parts fill the joiners (``reconfigure``)
         go = standby_keys.go_key(generation)
         if run.rank == 0:
             shared = {"generation": generation, "world_size": size, "iteration": iteration,
@@ -404,7 +405,7 @@ class Readmission:
                       "slow_links": [[a, b, v] for (a, b), v in host.known_health.slow_links.items()],
                       "standbys": sorted(self.standbys - set(decision.joiners)),
                       "scheduler": objects.scheduler.state_dict(), "adam": adam_template_of(objects),
-                      "loss_scale": loss_scale_state(objects.optimizer), "parts": run.part_copies is not None}
+                      "loss_scale": loss_scale_state(objects.optimizer), "parts": parts}
             new_rank = {launch: decision.new_rank_of(launch, len(run.identity)) for launch in decision.joiners}
             for launch, rank in new_rank.items():
                 standby_keys.record_call(host.store, launch, generation)
@@ -423,7 +424,6 @@ class Readmission:
         self._last_ready = set()  # whatever happens next, plan again on the next reports
         if host.store.get(go) != b"1":
             return
-        parts = run.part_copies is not None  # the distributed optimizer's parts fill the joiners (``reconfigure``)
         change = LayoutChange(kind="readmission", world=World.GROW, iteration=iteration, old_layout=run.layout,
                               new_layout=plan.layout, transfers=() if parts else tuple(plan.transfers),
                               identity=tuple(identity), scheduler_state=objects.scheduler.state_dict(),

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
                                 reason="Megatron-LM's training package ships in megatron-core 0.19.2 (Python >= 3.12)")
 
 ITERATIONS = 32
+SLOW = "slow:rank=3,factor=16,at=5,until=14"
 
 
 def pp2_dp2_args(tmp, name: str) -> list[str]:
@@ -39,20 +40,27 @@ def failure_free_distributed(tmp_path_factory):
                               "--use-distributed-optimizer"])
 
 
+def slowed_run(tmp_path, *flags: str):
+    """The job with rank 3 16x slow in iterations 5..14 and resilience on, which must finish; the
+    trial of a re-plan is off (--resihp-verify-iters 0): one that leaves ranks out is never on trial,
+    and these tests hold the whole run to stock Megatron-LM's numbers. Returns the finished process
+    and its event log."""
+    events = tmp_path / "events.jsonl"
+    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
+                       "--resihp-event-log", str(events), "--resihp-verify-iters", "0",
+                       "--resihp-standby-probe-interval-s", "0.3", "--resihp-inject", SLOW, *flags], timeout_s=420)
+    check(proc)
+    return proc, events
+
+
 @pytest.mark.parametrize("optimizer", ["local", "distributed"])
 def test_a_very_slow_replica_is_dropped_and_taken_back_once_healthy_exactly(tmp_path, request, optimizer):
-    # The trial of a re-plan is off (--resihp-verify-iters 0): one that leaves ranks out is never on
-    # trial, and this test holds the whole run to stock Megatron-LM's numbers. Under the distributed
-    # optimizer the dropped ranks hand their parts of the optimizer state to replica 0's ranks, and
-    # at the readmission every rank receives its position's parts, the joiners their weights with them.
+    # Under the distributed optimizer the dropped ranks hand their parts of the optimizer state to
+    # replica 0's ranks, and at the readmission every rank receives its position's parts, the joiners
+    # their weights with them.
     distributed = ["--use-distributed-optimizer"] if optimizer == "distributed" else []
     failure_free = request.getfixturevalue("failure_free_distributed" if distributed else "failure_free")
-    events = tmp_path / "events.jsonl"
-    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), *distributed, "--resihp-loop", "megatron", "--resihp-enable",
-                       "--resihp-event-log", str(events), "--resihp-verify-iters", "0",
-                       "--resihp-standby-probe-interval-s", "0.3",
-                       "--resihp-inject", "slow:rank=3,factor=16,at=5,until=14"], timeout_s=420)
-    check(proc)
+    proc, events = slowed_run(tmp_path, *distributed)
     assert len(read_events(events, "start")) == 4  # one start per process: nothing restarted
     dropped = [p for p in read_events(events, "plan") if p.get("policy") == "resihp" and p["action"] == "adapt"]
     assert dropped and dropped[0]["quotas"] == [8], decisions(events)
@@ -73,11 +81,7 @@ def test_a_very_slow_replica_is_dropped_and_taken_back_once_healthy_exactly(tmp_
 
 
 def test_without_standbys_the_dropped_replica_leaves_and_the_job_finishes_exactly(tmp_path, failure_free):
-    events = tmp_path / "events.jsonl"
-    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
-                       "--resihp-event-log", str(events), "--resihp-verify-iters", "0", "--resihp-no-standby",
-                       "--resihp-inject", "slow:rank=3,factor=16,at=5,until=14"], timeout_s=420)
-    check(proc)
+    proc, events = slowed_run(tmp_path, "--resihp-no-standby")
     exits = read_events(events, "exit")
     assert sorted((e["rank"], e["exit_code"]) for e in exits) == [(1, 0), (3, 0)], decisions(events)
     assert not read_events(events, "standby")
@@ -89,13 +93,7 @@ def test_a_joiner_killed_as_the_world_grows_leaves_the_working_replica_going_exa
     # Launch rank 3 dies inside the grown world, its groups formed, before any state moved: every
     # member goes back to the old layout, the working ranks re-form as they were and run the
     # iteration, launch rank 1 stands by again, and replica 1, short of rank 3, is never restored.
-    events = tmp_path / "events.jsonl"
-    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
-                       "--resihp-event-log", str(events), "--resihp-verify-iters", "0",
-                       "--resihp-standby-probe-interval-s", "0.3",
-                       "--resihp-inject", "slow:rank=3,factor=16,at=5,until=14",
-                       "--resihp-inject", "kill:rank=3,at=1,during=readmission"], timeout_s=420)
-    check(proc)
+    proc, events = slowed_run(tmp_path, "--resihp-inject", "kill:rank=3,at=1,during=readmission")
     rejoins = [p for p in read_events(events, "plan") if p.get("policy") == "readmission" and p["action"] == "adapt"]
     assert len(rejoins) == 1, decisions(events)
     recovered = [a for a in read_events(events, "adapted") if "failed_ranks" in a]
@@ -111,13 +109,8 @@ def test_a_joiner_killed_as_the_world_grows_leaves_the_working_replica_going_exa
 def test_a_joiner_killed_in_the_rendezvous_leaves_the_working_replica_as_it_was(tmp_path, failure_free):
     # Every member has said it is there, so the old world is left and the grown one never forms: the
     # working ranks re-form as they were (the rendezvous waits out its timeout, bounded here).
-    events = tmp_path / "events.jsonl"
-    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
-                       "--resihp-event-log", str(events), "--resihp-verify-iters", "0",
-                       "--resihp-standby-probe-interval-s", "0.3", "--resihp-collective-timeout-s", "5",
-                       "--resihp-inject", "slow:rank=3,factor=16,at=5,until=14",
-                       "--resihp-inject", "kill:rank=3,at=1,during=rendezvous"], timeout_s=420)
-    check(proc)
+    proc, events = slowed_run(tmp_path, "--resihp-collective-timeout-s", "5",
+                              "--resihp-inject", "kill:rank=3,at=1,during=rendezvous")
     assert "did not form" in proc.stdout + proc.stderr
     rejoins = [p for p in read_events(events, "plan") if p.get("policy") == "readmission" and p["action"] == "adapt"]
     assert len(rejoins) == 1, decisions(events)
