@@ -134,8 +134,12 @@ def test_injected_link_slowdown_is_named_by_link_probes_and_replanned(tmp_path):
     first = links[0]
     assert all(v["ranks"] == [0, 2] for v in links), context
     # The verdict's iteration is its streak's onset, which can be the iteration before the fault
-    # when that one ran above the threshold by chance (as for compute, above).
-    assert first["iteration"] >= 7 and 8 <= first["evidence"]["suspicion_iteration"] <= 8 + 3, context
+    # when that one ran above the threshold by chance (as for compute, above); on a busy host the
+    # streak can even reach the suspicion's length there (a CI run raised it at 7), and the probes
+    # that name the link then run once the fault is on.
+    evidence = first["evidence"]
+    assert first["iteration"] >= 6 and 7 <= evidence["suspicion_iteration"] <= 8 + 3, context
+    assert evidence["probe_iteration"] >= 8, context
     probed = first["evidence"]["probe_factors"]
     assert "1->3" in probed and probed["1->3"] < 1.2, probed  # the reference link is healthy
     assert first["factor"] >= 30, first  # the probe sees the slowdown, not just noise
