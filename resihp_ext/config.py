@@ -110,6 +110,11 @@ class ResiHPConfig:
     collective_timeout_s: float = 30.0
     """Upper bound on any collective, so a dead peer cannot block survivors forever."""
 
+    rendezvous_timeout_s: float = 10.0
+    """Upper bound on connecting a re-formed world's gloo groups once every member has arrived; a member that dies
+    while they connect costs this rather than the collective timeout (at most that). Raise it for worlds whose gloo
+    groups take longer to connect."""
+
     hang_timeout_s: float | None = None
     """A rank alive but without progress this long while others reach recovery is hung (default: twice the collective timeout)."""
 
@@ -163,7 +168,8 @@ class ResiHPConfig:
         for name in ("persistence_iters", "shared_host_persistence_iters", "warmup_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--resihp-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s", "standby_probe_interval_s"):
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s", "rendezvous_timeout_s",
+                     "standby_probe_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--resihp-{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -373,7 +373,7 @@ class FailStopRecovery:
             position = (run.layout.stage_of(old_rank)[1], run.layout.tp_rank_of(old_rank))
             recovery.meet_and_reform(host.store, str(run.generation), survivors.index(old_rank), len(survivors),
                                      host.backend, host.cfg.collective_timeout_s,
-                                     stop=host.failure_among(survivors))
+                                     stop=host.failure_among(survivors), connect_s=host.cfg.rendezvous_timeout_s)
             writer = plan.checkpoint_writers.get(position) == old_rank
             saved = recovery.save_assembled_checkpoint(args, root, completed, consumed_samples, run.objects,
                                                        position, writer)

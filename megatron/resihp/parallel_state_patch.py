@@ -146,6 +146,22 @@ def _timedelta(timeout: Timeout) -> datetime.timedelta:
     return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
 
 
+def _connected(make, gloo: bool, timeout: Timeout, connect_timeout: Timeout | None):
+    """``make(timeout)`` a group, bounding a gloo group's connecting by ``connect_timeout``.
+
+    A gloo group connects every pair of its members as it is made, in C code that holds the GIL,
+    so a member that dies then is noticed only when the connect times out: given the collective
+    timeout, that is the whole of it. Made with the shorter bound, the group then takes the
+    collective timeout for its collectives. Other backends connect lazily, at their first
+    collective, and are made with the collective timeout."""
+    full = _timedelta(timeout)
+    connect = full if connect_timeout is None or not gloo else min(full, _timedelta(connect_timeout))
+    group = make(connect)
+    if connect < full and group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        group.set_timeout(full)
+    return group
+
+
 def _group_specs(layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
     """Every group the Layout implies, as (kind, ranks), in the one order all ranks follow.
 
@@ -185,7 +201,8 @@ def _group_specs(layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
     return specs
 
 
-def build_groups(layout: Layout, rank: int | None = None, timeout: Timeout = 1800.0) -> ParallelGroups:
+def build_groups(layout: Layout, rank: int | None = None, timeout: Timeout = 1800.0,
+                 connect_timeout: Timeout | None = None) -> ParallelGroups:
     """Create every group ``layout`` implies; collective over the whole current world.
 
     Every rank of the default group must call this with the same Layout (spares included), since
@@ -199,6 +216,8 @@ def build_groups(layout: Layout, rank: int | None = None, timeout: Timeout = 180
         rank: this rank (default ``dist.get_rank()``).
         timeout: collective timeout of every group, seconds or timedelta. Bounds how long a
             survivor blocks on a dead peer (megatron-core's default is 30 minutes).
+        connect_timeout: bound on connecting each gloo group as it is made (``_connected``);
+            None: the collective timeout.
 
     Returns:
         This rank's ``ParallelGroups`` (``member=False`` on a rank the Layout does not use).
@@ -212,11 +231,13 @@ def build_groups(layout: Layout, rank: int | None = None, timeout: Timeout = 180
     td = _timedelta(timeout)
     # A second gloo group with the same members only duplicates connections when DP already runs on gloo.
     separate_gloo = dist.get_backend() != "gloo"
+    on_gloo = not separate_gloo
     mine: dict[str, tuple[tuple[int, ...], Group]] = {}
     sync: dict[tuple[int, ...], Group] = {}
     owned: list[Group] = []
     for kind, ranks in _group_specs(layout):
-        group = dist.new_group(list(ranks), timeout=td, group_desc=f"RESIHP_{kind.upper()}")
+        group = _connected(lambda t: dist.new_group(list(ranks), timeout=t, group_desc=f"RESIHP_{kind.upper()}"),
+                           on_gloo, td, connect_timeout)
         if rank not in ranks:
             continue
         owned.append(group)
@@ -230,7 +251,8 @@ def build_groups(layout: Layout, rank: int | None = None, timeout: Timeout = 180
         for kind, ranks in _group_specs(layout):
             if kind != "dp":
                 continue
-            group = dist.new_group(list(ranks), timeout=td, backend="gloo", group_desc="RESIHP_DP_GLOO")
+            group = _connected(lambda t: dist.new_group(list(ranks), timeout=t, backend="gloo",
+                                                        group_desc="RESIHP_DP_GLOO"), True, td, connect_timeout)
             if rank in ranks:
                 owned.append(group)
                 mine["dp_gloo"] = (ranks, group)
@@ -423,14 +445,15 @@ def teardown(groups: ParallelGroups) -> None:
     _destroy(groups.owned)
 
 
-def message_group(timeout: Timeout):
+def message_group(timeout: Timeout, connect_timeout: Timeout | None = None):
     """The gloo group of the whole world that detection's messages travel on: None when the world
     group is gloo itself, else a new gloo group of every rank. One per world (it outlives the
     layouts of that world: posted receives wait on it across a re-plan), made when the world forms,
     collective like ``build_groups``; ``reform_world`` destroys it with the world."""
     if dist.get_backend() == "gloo":
         return None
-    return dist.new_group(backend="gloo", timeout=_timedelta(timeout), group_desc="RESIHP_MESSAGES")
+    return _connected(lambda t: dist.new_group(backend="gloo", timeout=t, group_desc="RESIHP_MESSAGES"),
+                      True, timeout, connect_timeout)
 
 
 def dense_ranks(old_ranks_alive: Iterable[int]) -> dict[int, int]:
@@ -453,6 +476,7 @@ def reform_world(
     generation: int,
     backend: str = "gloo",
     timeout: Timeout = 1800.0,
+    connect_timeout: Timeout | None = None,
 ) -> None:
     """Replace the default group by a ``new_world_size``-rank one; every survivor calls it.
 
@@ -468,6 +492,8 @@ def reform_world(
         generation: a number every survivor agrees on and no earlier world used.
         backend: process group backend of the new world.
         timeout: default collective timeout of the new world.
+        connect_timeout: bound on the gloo rendezvous of the new world (``_connected``): a member
+            that dies in it costs this, not ``timeout``. None: ``timeout``.
     """
     uninstall()
     if dist.is_initialized():
@@ -477,13 +503,13 @@ def reform_world(
         # the count): its members would name this world's groups one further than a process with
         # another history (a standby taken back), and the rendezvous keys would not meet.
         dist.distributed_c10d._world.group_count = 0
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"resihp/gen{generation}/", store),
-        rank=new_rank,
-        world_size=new_world_size,
-        timeout=_timedelta(timeout),
-    )
+
+    def join(bound: datetime.timedelta):
+        dist.init_process_group(backend, store=dist.PrefixStore(f"resihp/gen{generation}/", store),
+                                rank=new_rank, world_size=new_world_size, timeout=bound)
+        return dist.distributed_c10d._get_default_group()
+
+    _connected(join, backend == "gloo", timeout, connect_timeout)
 
 
 __all__ = [

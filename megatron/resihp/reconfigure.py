@@ -188,10 +188,10 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
     back = run if change.world is World.SAME else run.replace(sync=None, messages=None)
     groups = new_objects = failure = sync = copies = None
     try:
-        groups = build_groups(layout, rank, timeout=timeout_s)
+        groups = build_groups(layout, rank, timeout=timeout_s, connect_timeout=env.cfg.rendezvous_timeout_s)
         install(groups)
         if change.world is not World.SAME:
-            messages = message_group(timeout_s)  # one per world, made as it forms
+            messages = message_group(timeout_s, env.cfg.rendezvous_timeout_s)  # one per world, made as it forms
             back = back.replace(messages=messages)
         sync = None if layout.replicas_alike() else LayoutGradSync(layout, rank, groups)
         new_objects = env.rebuild(layout, rank, sync)
@@ -265,7 +265,8 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
                     env.store, run.generation, old_rank, list(change.move_world), change.transfers,
                     change.old_layout, run.objects, env.backend, env.cfg.collective_timeout_s,
                     stop=(lambda: None) if joining else env.failure_among(change.move_world),
-                    joined=lambda: env.inject(change.iteration, "moves"), ran=ran)
+                    joined=lambda: env.inject(change.iteration, "moves"), ran=ran,
+                    connect_s=env.cfg.rendezvous_timeout_s)
         else:
             received = stage_transfers(change.transfers, change.old_layout, old_rank, run.objects,
                                        peer_rank=lambda r: r, ran=ran)
@@ -283,7 +284,8 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
         recovery.meet_and_reform(env.store, str(run.generation), new_rank[old_rank], len(new_rank), env.backend,
                                  env.cfg.collective_timeout_s,
                                  stop=(lambda: None) if joining else env.failure_among(new_rank),
-                                 met=lambda: env.inject(change.iteration, "rendezvous"))
+                                 met=lambda: env.inject(change.iteration, "rendezvous"),
+                                 connect_s=env.cfg.rendezvous_timeout_s)
     except (RuntimeError, TimeoutError) as error:
         raise ChangeFailed(f"world {run.generation} did not form: {error}", run) from error
     return received, parts
@@ -363,7 +365,8 @@ def _form_grown_world(change: LayoutChange, run: RunState, env: Executor) -> Non
         recovery.meet_and_reform(env.store, str(run.generation), new_rank, len(change.identity), env.backend,
                                  env.cfg.collective_timeout_s, stop=env.failure_among(change.old_layout.world_ranks)
                                  if change.joining_rank is None else lambda: None,
-                                 met=lambda: env.inject(change.iteration, "rendezvous"))
+                                 met=lambda: env.inject(change.iteration, "rendezvous"),
+                                 connect_s=env.cfg.rendezvous_timeout_s)
     except (RuntimeError, TimeoutError) as error:
         if change.joining_rank is None and not dist.is_initialized():
             # The rendezvous itself failed (a member died after saying it was there): the old

@@ -145,7 +145,8 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
 
 
 def meet_and_reform(store, label: str, new_rank: int, world_size: int, backend: str, timeout_s: float,
-                    stop: Callable[[], str | None] = lambda: None, met: Callable[[], None] = lambda: None) -> None:
+                    stop: Callable[[], str | None] = lambda: None, met: Callable[[], None] = lambda: None,
+                    connect_s: float | None = None) -> None:
     """Every member writes ``resihp/gen<label>/joining/<new_rank>`` and polls for all of them before
     ``reform_world``; only then does the GIL-holding rendezvous of ``init_process_group`` start.
 
@@ -154,7 +155,8 @@ def meet_and_reform(store, label: str, new_rank: int, world_size: int, backend: 
     thread running, and ``stop`` (a failure the heartbeats name among the members) makes them all
     give up on a world that can no longer form together, rather than each on its own timeout.
 
-    ``met`` runs once every member has arrived, just before the rendezvous.
+    ``met`` runs once every member has arrived, just before the rendezvous, which ``connect_s``
+    bounds (``parallel_state_patch.reform_world``'s ``connect_timeout``).
 
     Raises:
         RuntimeError: ``stop`` gave a reason before every member arrived (the old world stands), or
@@ -165,19 +167,21 @@ def meet_and_reform(store, label: str, new_rank: int, world_size: int, backend: 
     store.set(f"{prefix}{new_rank}", "1")
     wait_for_keys(store, [f"{prefix}{r}" for r in range(world_size)], 3 * timeout_s, stop)
     met()
-    reform_world(store, new_rank, world_size, label, backend=backend, timeout=timeout_s)
+    reform_world(store, new_rank, world_size, label, backend=backend, timeout=timeout_s, connect_timeout=connect_s)
 
 
 def stage_moves(store, generation: int, rank: int, survivors: list[int], moves, layout: Layout, objects,
                 backend: str, timeout_s: float, stop: Callable[[], str | None] = lambda: None,
-                joined: Callable[[], None] = lambda: None, ran: list | None = None) -> dict:
+                joined: Callable[[], None] = lambda: None, ran: list | None = None,
+                connect_s: float | None = None) -> dict:
     """Every survivor (spares too: they may hold what a moved group needs) joins one world and
     sends or receives the plan's moves into flat buffers (``reshard.stage_transfers``).
 
     The world uses its own store prefix (``gen<N>moves``), so the kept ranks' next world, under
     ``gen<N>``, cannot meet it by mistake. ``joined`` runs once this rank is in that world.
     """
-    meet_and_reform(store, f"{generation}moves", survivors.index(rank), len(survivors), backend, timeout_s, stop)
+    meet_and_reform(store, f"{generation}moves", survivors.index(rank), len(survivors), backend, timeout_s, stop,
+                    connect_s=connect_s)
     joined()
     return stage_transfers(moves, layout, rank, objects, peer_rank=survivors.index, ran=ran)
 

@@ -108,8 +108,11 @@ def test_a_joiner_killed_as_the_world_grows_leaves_the_working_replica_going_exa
 
 def test_a_joiner_killed_in_the_rendezvous_leaves_the_working_replica_as_it_was(tmp_path, failure_free):
     # Every member has said it is there, so the old world is left and the grown one never forms: the
-    # working ranks re-form as they were (the rendezvous waits out its timeout, bounded here).
-    proc, events = slowed_run(tmp_path, "--resihp-collective-timeout-s", "5",
+    # working ranks re-form as they were. The rendezvous gives up at its own bound, not at the
+    # collective timeout.
+    collective_s = 60
+    proc, events = slowed_run(tmp_path, "--resihp-collective-timeout-s", str(collective_s),
+                              "--resihp-rendezvous-timeout-s", "2",
                               "--resihp-inject", "kill:rank=3,at=1,during=rendezvous")
     assert "did not form" in proc.stdout + proc.stderr
     rejoins = [p for p in read_events(events, "plan") if p.get("policy") == "readmission" and p["action"] == "adapt"]
@@ -117,6 +120,7 @@ def test_a_joiner_killed_in_the_rendezvous_leaves_the_working_replica_as_it_was(
     recovered = [a for a in read_events(events, "adapted") if "failed_ranks" in a]
     assert [(a["iteration"], a["world_size"], a["quotas"]) for a in recovered] == \
         [(rejoins[0]["iteration"], 2, [8])], decisions(events)
+    assert recovered[0]["time"] - rejoins[0]["time"] < collective_s / 2, (rejoins, recovered)
     assert not [a for a in read_events(events, "adapted") if a.get("joined_launch_ranks")], decisions(events)
     assert running_quotas(events) == [8], decisions(events)
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=range(1, ITERATIONS + 1))

@@ -285,6 +285,37 @@ def test_survivors_reform_a_smaller_world_after_sigkill():
     print("detect s:", max(r["detect_s"] for r in out.values()), "re-form s:", max(r["reform_s"] for r in out.values()))
 
 
+def _rendezvous_rank(rank, world_size, store, connect_s):
+    from megatron.resihp import parallel_state_patch as patch
+
+    if rank == world_size - 1:
+        store.set("kill_me", "1")
+        time.sleep(60)  # SIGKILLed here, before it reaches the next world's rendezvous
+    store.wait(["killed"])
+    start = time.perf_counter()
+    try:
+        patch.reform_world(store, rank, world_size, generation=1, timeout=GROUP_TIMEOUT_S, connect_timeout=connect_s)
+    except RuntimeError:
+        gave_up_s = time.perf_counter() - start
+    else:
+        raise AssertionError("a world formed without one of its members")
+    # The survivors form a world without it; a collective in it still waits the collective timeout.
+    patch.reform_world(store, rank, world_size - 1, generation=2, timeout=GROUP_TIMEOUT_S, connect_timeout=connect_s)
+    if rank == 1:
+        time.sleep(3 * connect_s)
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    return {"gave_up_s": gave_up_s, "sum": float(value)}
+
+
+def test_a_member_missing_from_a_rendezvous_costs_its_connect_bound_not_the_collective_timeout():
+    out = run_ranks(_rendezvous_rank, 3, 1.0, kill_rank=2)
+    assert sorted(out) == [0, 1]
+    for result in out.values():
+        assert result["gave_up_s"] < GROUP_TIMEOUT_S / 3, out
+        assert result["sum"] == 2.0, out
+
+
 def test_dense_ranks():
     from megatron.resihp.parallel_state_patch import dense_ranks
 

@@ -98,11 +98,13 @@ def test_a_working_rank_killed_while_the_world_grows_is_recovered_and_the_standb
 
 
 def test_a_joiner_killed_in_the_rendezvous_leaves_the_working_ranks_as_they_were(tmp_path, reference):
-    # Every member has said it is there, so the old world is left; the grown one never forms.
-    log = tmp_path / "events.jsonl"
+    # Every member has said it is there, so the old world is left; the grown one never forms. The
+    # rendezvous gives up at its own bound, not at the collective timeout.
+    log, collective_s = tmp_path / "events.jsonl", 60
     proc = run_job(4, [*SHAPE, "--resihp-enable", "--resihp-event-log", str(log), "--resihp-inject", SLOW,
                        "--resihp-inject", "kill:rank=3,at=1,during=rendezvous",
-                       "--resihp-collective-timeout-s", "5"], launcher="local")  # bounds the failed rendezvous
+                       "--resihp-collective-timeout-s", str(collective_s), "--resihp-rendezvous-timeout-s", "2"],
+                   launcher="local")
     check(proc)
     assert "did not form" in proc.stdout + proc.stderr
     rejoins = [p for p in read_events(log, "plan") if p.get("policy") == "readmission" and p["action"] == "adapt"]
@@ -113,6 +115,7 @@ def test_a_joiner_killed_in_the_rendezvous_leaves_the_working_ranks_as_they_were
     # No rank of the running layout failed: the same three ranks, the same split of the batch.
     assert [(a["iteration"], a["world_size"], a["failed_ranks"], a["quotas"]) for a in recovered] == \
         [(rejoins[0]["iteration"], 3, [], excluded["quotas"])], decisions(log)
+    assert recovered[0]["time"] - rejoins[0]["time"] < collective_s / 2, (rejoins, recovered)
     assert not [a for a in adapted if a.get("joined_launch_ranks")], decisions(log)
     assert_same_losses(log, reference, ITERS)
 
