@@ -53,6 +53,25 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def process_threads() -> dict[str, int]:
+    """This process's threads by name, as the kernel lists them (``/proc/self/task``; empty where
+    there is none). Recorded as a job starts and finishes, so that threads a re-formed world should
+    have released (gloo's, a data loader's) show up when they are not."""
+    counts: dict[str, int] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return counts
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as comm:
+                name = comm.read().strip()
+        except OSError:  # ended since the listing
+            continue
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def log_line(message: str) -> None:
     """A timestamped line on stdout, flushed (Megatron's print_rank_last style)."""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")

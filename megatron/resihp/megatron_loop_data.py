@@ -10,8 +10,8 @@ training at the job's consumed samples and this replica's quota of the global ba
 reads it once, as the job ends), each at this replica's share of the evaluation batch when the
 replicas do not split it evenly (``megatron_loop_replicas``). An evaluation then reads the rebuilt
 loader of the set it was given. The training iterator is handed to Megatron's step in place of the
-loop's own. Under the interleaved schedule each of them is a list, one per model chunk, as
-Megatron's own are.
+loop's own; the workers of the iterators a rebuild replaces end with it. Under the interleaved
+schedule each of them is a list, one per model chunk, as Megatron's own are.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class LoopData:
         self.valid_iterator = None
         self.test_iterator = None
         self.loop_valid = None  # the validation iterator Megatron's train() was given
+        self.loop_train = None  # the training iterator Megatron's train() was given
 
     def built(self, dataset) -> None:
         """Megatron built a loader of ``dataset`` (None for a set the job has not)."""
@@ -83,10 +84,26 @@ class LoopData:
         eval_split = eval_quotas(args, len(run.quotas))
         state = torch.get_rng_state()
         try:
+            stop_workers(self.train_iterator if self.train_iterator is not None else self.loop_train)
             self.train_iterator = per_chunk(train)
             if train_only:
                 return
+            stop_workers(self.valid_iterator if self.valid_iterator is not None else self.loop_valid)
+            stop_workers(self.test_iterator)
             self.valid_iterator = per_chunk(lambda chunk: evaluated(chunk, 1, args.consumed_valid_samples))
             self.test_iterator = per_chunk(lambda chunk: evaluated(chunk, 2, 0))
         finally:
             torch.set_rng_state(state)
+
+
+def stop_workers(iterator) -> None:
+    """End the worker processes of a loader iterator that will not be read again (one per model
+    chunk under the interleaved schedule). Dropping it is not enough: Megatron's ``train()`` holds
+    the iterators it was given for as long as it runs, and their workers (``--num-workers`` forked
+    processes each) would wait for indices until the job ends. A loader without workers, or one
+    already stopped, is left as it is."""
+    for one in iterator if isinstance(iterator, list) else [iterator]:
+        loader_iter = getattr(one, "iterable", one)  # Megatron wraps it in a RerunDataIterator
+        shutdown = getattr(loader_iter, "_shutdown_workers", None)  # torch's own, as its __del__ calls
+        if shutdown is not None:
+            shutdown()

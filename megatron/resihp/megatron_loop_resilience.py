@@ -48,9 +48,10 @@ import time
 
 import torch.distributed as dist
 
+from megatron.resihp import garbage_collection
 from megatron.resihp import megatron_loop_quotas as quota_split
 from megatron.resihp.data_samplers import even_quotas
-from megatron.resihp.logging_utils import EventLog, log_line
+from megatron.resihp.logging_utils import EventLog, log_line, process_threads
 from megatron.resihp.megatron_loop_counts import MicrobatchCount
 from megatron.resihp.megatron_loop_data import LoopData
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
@@ -91,6 +92,7 @@ class ResilientMegatronLoop:
         self._original: dict[str, object] = {}
         self._quotas_in_use: tuple[int, ...] | None = None  # what the loader, count and loss scale follow
         self._microbatches: int | None = None  # this replica's count when quotas are uneven
+        self._settled = None  # the run's objects at the last full garbage collection
 
     # ------------------------------------------------------------------ patches
     def install(self) -> None:
@@ -174,7 +176,15 @@ class ResilientMegatronLoop:
 
         if self.handles is None:
             self._start(model, optimizer, opt_param_scheduler)
+            self.data.loop_train = data_iterator
         number = iteration + 1  # the iteration being run, as Megatron logs it
+        if self.hooks.run.objects is not self._settled:
+            # At the first step, and at the first after an adaptation, which dropped the old model,
+            # optimizer and data loaders: their reference cycles (and with them the old world's
+            # groups, threads and loader workers) go now, on every rank, outside the timed step,
+            # rather than in a collection that starts inside an op on one rank.
+            garbage_collection.settle()
+            self._settled = self.hooks.run.objects
         self.spares.entering = False
         self.phases.enter(Position(number, Phase.STEP))  # a step is never skipped: nobody is past it
         self.counts.at_step(number)
@@ -370,7 +380,8 @@ class ResilientMegatronLoop:
         copies = self.hooks.run.part_copies
         self.events.emit("start", args.iteration, world_size=dist.get_world_size(), loop="megatron",
                          layers_per_stage=list(objects.layers_per_stage),
-                         optimizer_part_bytes=None if copies is None else part_bytes(optimizer))
+                         optimizer_part_bytes=None if copies is None else part_bytes(optimizer),
+                         threads=process_threads())
         if dist.get_rank() == dist.get_world_size() - 1:
             on = "on" if self.hooks.can_recover else "off (--resihp-enable turns it on)"
             kept = layer_moves_refused(args)
@@ -452,7 +463,13 @@ class ResilientMegatronLoop:
         optimizer.__class__ = type(new.optimizer)
         optimizer.__dict__ = dict(new.optimizer.__dict__)
         self.updates.watch(optimizer)
+        dropped = [chunk for chunk in model if not any(chunk is kept for kept in new.chunks)]
         model[:] = new.chunks
+        # Megatron's train() keeps the last chunk of its first model list in a local for as long as
+        # it runs (the variable of a loop over the chunks): emptied, a dropped chunk no longer holds
+        # its parameters, gradient buffers and the old world's groups (and their threads) alive.
+        for chunk in dropped:
+            vars(chunk).clear()
         config = new.config
         for name in ("timers", "finalize_model_grads_func"):
             setattr(config, name, getattr(old_config, name))
@@ -483,4 +500,7 @@ class ResilientMegatronLoop:
             self.hooks.inject(self.phases.position.iteration, "shutdown")
             self.hooks.close()
         if self.events is not None:
+            self.events.emit("finish", self.phases.position.iteration,
+                             world_size=dist.get_world_size() if dist.is_initialized() else None,
+                             threads=process_threads())
             self.events.close()

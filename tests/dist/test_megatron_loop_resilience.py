@@ -48,6 +48,16 @@ def test_a_sigkilled_rank_is_survived_in_place_with_the_failure_free_runs_losses
     adapted = read_events(events, "adapted")
     assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [5])], adapted
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
+    # The old world's groups went with the model that held them: no process finishes with more of
+    # gloo's threads than it started with in the larger world.
+    started = {e["pid"]: e["threads"] for e in read_events(events, "start")}
+    finished = {e["pid"]: e["threads"] for e in read_events(events, "finish")}
+
+    def held(threads: dict, kind: str) -> int:
+        return sum(count for name, count in threads.items() if kind in name)
+
+    assert len(finished) >= 4 and all(held(finished[pid], "gloo") <= held(started[pid], "gloo")
+                                      for pid in finished), (started, finished)
 
 
 def test_a_rank_killed_after_its_optimizer_step_leaves_that_iteration_done_and_the_data_where_it_was(
