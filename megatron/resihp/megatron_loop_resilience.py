@@ -29,12 +29,12 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   where the loop stands;
 
 ``train()`` and ``pretrain()`` bind the model list, the optimizer and the LR scheduler once. After a
-re-form they stay valid handles: the list's chunks are replaced; the optimizer object takes on the
-rebuilt optimizer's class and attributes (so every reference to it sees the new state); the
-scheduler already points at that object and keeps its own step count; the process-group collection
-``train()`` took from the first chunk for its logging is updated in place; and Megatron's global
-arguments (rank, world size, data-parallel size) and micro-batch calculator learn the new world
-(a data-parallel size that divides the global batch: ``megatron_loop_replicas``).
+re-form they stay valid handles (``megatron_loop_handles``); the scheduler already points at the
+optimizer object and keeps its own step count; the process-group collection ``train()`` took from
+the first chunk for its logging is updated in place; and Megatron's global arguments (rank, world
+size, data-parallel size) and micro-batch calculator learn the new world (a data-parallel size that
+divides the global batch: ``megatron_loop_replicas``). The first step after an adaptation starts
+with a full garbage collection, on every rank, outside the timed step, so what it dropped goes then.
 
 What the Megatron loop does not carry yet is refused before anything starts
 (``megatron_loop_support.unsupported_flags``).
@@ -54,6 +54,7 @@ from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line, process_threads
 from megatron.resihp.megatron_loop_counts import MicrobatchCount
 from megatron.resihp.megatron_loop_data import LoopData
+from megatron.resihp.megatron_loop_handles import adopt
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.megatron_loop_replicas import CountedSplit
 from megatron.resihp.megatron_loop_spares import SpareReentry
@@ -459,32 +460,8 @@ class ResilientMegatronLoop:
 
         args = self._args()
         new = self.hooks.run.objects
-        # The optimizer train() holds becomes the rebuilt one; the scheduler it holds drives it.
-        optimizer.__class__ = type(new.optimizer)
-        optimizer.__dict__ = dict(new.optimizer.__dict__)
+        adopt(model, optimizer, new, old_config, args)
         self.updates.watch(optimizer)
-        dropped = [chunk for chunk in model if not any(chunk is kept for kept in new.chunks)]
-        model[:] = new.chunks
-        # Megatron's train() keeps the last chunk of its first model list in a local for as long as
-        # it runs (the variable of a loop over the chunks): emptied, a dropped chunk no longer holds
-        # its parameters, gradient buffers and the old world's groups (and their threads) alive.
-        for chunk in dropped:
-            vars(chunk).clear()
-        config = new.config
-        for name in ("timers", "finalize_model_grads_func"):
-            setattr(config, name, getattr(old_config, name))
-        config.grad_scale_func = optimizer.scale_loss
-
-        def per_chunk(method: str):  # as train() sets them: one for one chunk, a list for several
-            found = [getattr(chunk, method) for chunk in model]
-            return found[0] if len(found) == 1 else found
-
-        if args.overlap_grad_reduce:
-            config.no_sync_func = per_chunk("no_sync")
-            if args.align_grad_reduce:
-                config.grad_sync_func = per_chunk("start_grad_sync")
-        if args.overlap_param_gather and args.align_param_gather:
-            config.param_sync_func = per_chunk("start_param_sync")
         self.hooks.run = self.hooks.run.replace(
             objects=dataclasses.replace(new, optimizer=optimizer, scheduler=opt_param_scheduler))
         vars(self.loop_groups).update(vars(get_attr_wrapped_model(model[0], "pg_collection")))

@@ -309,9 +309,16 @@ def _carry_into_grown(change: LayoutChange, run: RunState, new_objects) -> None:
     # joiner takes the step counts and parameter groups from a working rank's, in ``stage_parts``).
     if run.objects is not None:
         new_objects.optimizer.load_state_dict(run.objects.optimizer.state_dict())
+    _take_working_schedule(change, run.objects, new_objects)
+
+
+def _take_working_schedule(change: LayoutChange, old, new_objects) -> None:
+    """Into a world with members that were standing by: every member takes the working ranks' LR
+    schedule (``change.scheduler_state``) and loss scale (a working rank its own optimizer's, a
+    joiner the one the change carries)."""
     new_objects.scheduler.load_state_dict(change.scheduler_state)
     load_loss_scale_state(new_objects.optimizer,
-                          loss_scale_state(run.objects.optimizer) if run.objects is not None else change.loss_scale or [])
+                          loss_scale_state(old.optimizer) if old is not None else change.loss_scale or [])
 
 
 def _split_parts_anew(run: RunState, layout: Layout, rank: int, new_objects, staged: StagedParts) -> PartCopies:
@@ -401,16 +408,13 @@ def _move_state(change: LayoutChange, run: RunState, rank: int, new_objects, rec
                               received, adam_template=change.adam_template)
         if old is not None:
             carry_schedule(old, new_objects)
-        else:  # a standby taken back: the working ranks' schedule and loss scale
-            new_objects.scheduler.load_state_dict(change.scheduler_state)
-            load_loss_scale_state(new_objects.optimizer, change.loss_scale or [])
+        else:  # a standby taken back
+            _take_working_schedule(change, None, new_objects)
         return 0
     moved = apply_transfers(change.transfers, change.old_layout, change.new_layout, rank, old, new_objects,
                             adam_template=change.adam_template, ran=ran)
     if change.world is World.SAME:
         carry_schedule(old, new_objects)
     else:
-        new_objects.scheduler.load_state_dict(change.scheduler_state)
-        load_loss_scale_state(new_objects.optimizer,
-                              loss_scale_state(old.optimizer) if old is not None else change.loss_scale or [])
+        _take_working_schedule(change, old, new_objects)
     return moved
