@@ -12,7 +12,9 @@ chunks' sync functions).
 What the take-over drops must go too: ``train()`` keeps the last chunk of its first list in a local
 for as long as it runs (the variable of a loop over the chunks), so a dropped chunk is emptied;
 otherwise its parameters, gradient buffers and, through them, the old world's groups and their
-threads stay alive to the job's end.
+threads stay alive to the job's end. Emptied, nothing of it is left in a reference cycle that
+only a full garbage collection would free (measured: the old world's gloo threads are gone by the
+next step without one; a full collection then costs 0.7-1.0 s per rank on a 2-core host).
 """
 
 from __future__ import annotations

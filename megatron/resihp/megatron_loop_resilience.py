@@ -33,8 +33,7 @@ re-form they stay valid handles (``megatron_loop_handles``); the scheduler alrea
 optimizer object and keeps its own step count; the process-group collection ``train()`` took from
 the first chunk for its logging is updated in place; and Megatron's global arguments (rank, world
 size, data-parallel size) and micro-batch calculator learn the new world (a data-parallel size that
-divides the global batch: ``megatron_loop_replicas``). The first step after an adaptation starts
-with a full garbage collection, on every rank, outside the timed step, so what it dropped goes then.
+divides the global batch: ``megatron_loop_replicas``).
 
 What the Megatron loop does not carry yet is refused before anything starts
 (``megatron_loop_support.unsupported_flags``).
@@ -48,7 +47,6 @@ import time
 
 import torch.distributed as dist
 
-from megatron.resihp import garbage_collection
 from megatron.resihp import megatron_loop_quotas as quota_split
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line, process_threads
@@ -93,7 +91,6 @@ class ResilientMegatronLoop:
         self._original: dict[str, object] = {}
         self._quotas_in_use: tuple[int, ...] | None = None  # what the loader, count and loss scale follow
         self._microbatches: int | None = None  # this replica's count when quotas are uneven
-        self._settled = None  # the run's objects at the last full garbage collection
 
     # ------------------------------------------------------------------ patches
     def install(self) -> None:
@@ -179,13 +176,6 @@ class ResilientMegatronLoop:
             self._start(model, optimizer, opt_param_scheduler)
             self.data.loop_train = data_iterator
         number = iteration + 1  # the iteration being run, as Megatron logs it
-        if self.hooks.run.objects is not self._settled:
-            # At the first step, and at the first after an adaptation, which dropped the old model,
-            # optimizer and data loaders: their reference cycles (and with them the old world's
-            # groups, threads and loader workers) go now, on every rank, outside the timed step,
-            # rather than in a collection that starts inside an op on one rank.
-            garbage_collection.settle()
-            self._settled = self.hooks.run.objects
         self.spares.entering = False
         self.phases.enter(Position(number, Phase.STEP))  # a step is never skipped: nobody is past it
         self.counts.at_step(number)
