@@ -58,7 +58,6 @@ from megatron.resihp.megatron_loop_replicas import CountedSplit
 from megatron.resihp.megatron_loop_spares import SpareReentry
 from megatron.resihp.megatron_loop_stages import (build_objects, interleaving, launch_split, layer_moves_refused,
                                                   layout_layer_of)
-from megatron.resihp.megatron_loop_support import fail_slow_drops
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.megatron_loop_updates import UpdateWatch
 from megatron.resihp.optimizer_parts import PartCopies, part_bytes
@@ -338,14 +337,17 @@ class ResilientMegatronLoop:
         install_hooks()  # the detector's timings (and injected slowdowns) of every forward and backward
         RECORDER.use_device(args.device, args.cpu_device_time_scale)
         # A rank a fail-stop plan leaves out stands by as a spare (``spares``). Under the distributed
-        # optimizer fail-stop plans move no weights (the parts and their copies carry the state).
+        # optimizer fail-stop plans move no weights (the parts and their copies carry the state). A
+        # fail-slow plan may drop slow replicas down to any count a fail-stop plan may keep, their
+        # ranks standing by and probing (under the interleaved schedule too: the counts whose
+        # replicas each run whole groups of micro-batches).
+        counts = quota_split.replica_counts(args)
         self.hooks = ResilienceHooks(args, self.events, None, build_objects=self._build_objects,
                                      moves_state=False,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
                                      stands_by=True, stages_alike=layer_moves_refused(args) is None,
                                      recovery_keeps_shape=not args.use_distributed_optimizer,
-                                     replica_counts=quota_split.replica_counts(args), interleaving=interleaving(args),
-                                     fail_slow_drops=fail_slow_drops(args))
+                                     replica_counts=counts, interleaving=interleaving(args), fail_slow_drops=counts)
 
     def _start(self, model, optimizer, opt_param_scheduler) -> None:
         """At the first step: the loop's handles and objects become the run's."""

@@ -44,23 +44,6 @@ _UNSURVIVED_BETWEEN_STEPS = {
 }
 
 
-def fail_slow_drops(args: argparse.Namespace) -> frozenset[int] | None:
-    """The replica counts a fail-slow re-plan on this loop may drop slow replicas whole down to (their
-    ranks stand by, probe their devices and are taken back once healthy), or None when it drops none:
-    under the interleaved schedule, whose micro-batch groups a grown world's quotas would have to
-    keep. (Under the distributed optimizer the dropped ranks hand their parts of the optimizer state
-    to the replicas left, and receive their positions' parts back when taken back.)"""
-    if not _drops_replicas(args):
-        return None
-    from megatron.resihp.megatron_loop_quotas import replica_counts
-
-    return replica_counts(args)
-
-
-def _drops_replicas(args: argparse.Namespace) -> bool:
-    return args.virtual_pipeline_model_parallel_size is None
-
-
 def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int, ...] | None = None) -> list[str]:
     """What this job asks for that resilience on Megatron's loop cannot carry yet, one reason per
     item (empty: the job may run). ``args`` are Megatron's validated arguments, ``cfg`` the
@@ -94,9 +77,6 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
     for name, why in _OWN_LOOP_SETTINGS.items():
         if getattr(cfg, name) != defaults[name]:
             found.append(f"--resihp-{name.replace('_', '-')} ({why})")
-    if cfg.standby_probe_interval_s != defaults["standby_probe_interval_s"] and not _drops_replicas(args):
-        found.append("--resihp-standby-probe-interval-s (under the interleaved schedule no re-plan leaves a slow "
-                     "replica out to probe; spares come back at a failure without probing)")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
     # Every kind of injected fault runs on this loop. A ``link:`` slowdown slows its pipeline transfers

@@ -6,8 +6,9 @@ replica alone runs the batch sooner than any split between the two, and replica 
 place. Its ranks stand by and probe their devices; once both report healthy, the world grows back
 to 4 ranks, the joiners receive their stages' weights and Adam state from the working replica, and
 enter Megatron's ``train()`` at the iteration the others run. Every logged loss and the saved
-weights equal stock Megatron-LM's failure-free run on 4 ranks, with Megatron's own optimizer and with
-its distributed optimizer.
+weights equal stock Megatron-LM's failure-free run on 4 ranks, with Megatron's own optimizer, with
+its distributed optimizer, and under the interleaved schedule (two model chunks per rank, whose
+layers megatron-core places apart: stage 1 holds layers 1 and 3).
 """
 
 from __future__ import annotations
@@ -34,10 +35,21 @@ def failure_free(tmp_path_factory):
     return stock_training(4, pp2_dp2_args(tmp_path_factory.mktemp("standby_failure_free"), "ckpt"))
 
 
+# What each variant adds to the job's flags.
+VARIANTS = {"local": [], "distributed": ["--use-distributed-optimizer"],
+            "interleaved": ["--num-layers-per-virtual-pipeline-stage", "1"]}
+
+
 @pytest.fixture(scope="module")
 def failure_free_distributed(tmp_path_factory):
     return stock_training(4, [*pp2_dp2_args(tmp_path_factory.mktemp("standby_failure_free_do"), "ckpt"),
-                              "--use-distributed-optimizer"])
+                              *VARIANTS["distributed"]])
+
+
+@pytest.fixture(scope="module")
+def failure_free_interleaved(tmp_path_factory):
+    return stock_training(4, [*pp2_dp2_args(tmp_path_factory.mktemp("standby_failure_free_vp"), "ckpt"),
+                              *VARIANTS["interleaved"]])
 
 
 def slowed_run(tmp_path, *flags: str):
@@ -53,14 +65,14 @@ def slowed_run(tmp_path, *flags: str):
     return proc, events
 
 
-@pytest.mark.parametrize("optimizer", ["local", "distributed"])
-def test_a_very_slow_replica_is_dropped_and_taken_back_once_healthy_exactly(tmp_path, request, optimizer):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_very_slow_replica_is_dropped_and_taken_back_once_healthy_exactly(tmp_path, request, variant):
     # Under the distributed optimizer the dropped ranks hand their parts of the optimizer state to
     # replica 0's ranks, and at the readmission every rank receives its position's parts, the joiners
-    # their weights with them.
-    distributed = ["--use-distributed-optimizer"] if optimizer == "distributed" else []
-    failure_free = request.getfixturevalue("failure_free_distributed" if distributed else "failure_free")
-    proc, events = slowed_run(tmp_path, *distributed)
+    # their weights with them. Under the interleaved schedule a joiner receives both of its chunks,
+    # and the grown world's quotas are whole groups of the pipeline's size.
+    failure_free = request.getfixturevalue("failure_free" if variant == "local" else f"failure_free_{variant}")
+    proc, events = slowed_run(tmp_path, *VARIANTS[variant])
     assert len(read_events(events, "start")) == 4  # one start per process: nothing restarted
     dropped = [p for p in read_events(events, "plan") if p.get("policy") == "resihp" and p["action"] == "adapt"]
     assert dropped and dropped[0]["quotas"] == [8], decisions(events)
