@@ -152,3 +152,20 @@ def test_quotas_alone_may_drop_a_replica_too():
     fixed = plan_adaptation(LAYOUT, VERY_SLOW, HW, stages_fixed=True, drop_to={1, 2})
     assert fixed.action == "adapt" and fixed.layout.replicas == (LAYOUT.replicas[1],)
     assert plan_adaptation(LAYOUT, VERY_SLOW, HW, stages_fixed=True).layout.num_replicas == 2
+
+
+def test_under_the_interleaved_schedule_a_very_slow_replica_is_dropped_and_a_slow_one_keeps_whole_groups():
+    from resihp_ext.schedule import Interleaving
+
+    model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
+                      seq_length=64, micro_batch_size=2, global_batch_size=16)
+    layout = Layout.uniform(model, tp_degree=1, pp_degree=2, dp_degree=2)  # replica 1 is ranks 1 and 3
+    hw = HardwareModel(layer_forward_s=0.01, output_forward_s=0.002, regroup_s=0.5, interleaving=Interleaving(2))
+    kwargs = dict(stages_fixed=True, current_quotas=(4, 4), horizon_iters=20, drop_to={1, 2})
+    very_slow = plan_adaptation(layout, Health(speed={3: 1 / 16}), hw, **kwargs)
+    assert very_slow.layout.replicas == (layout.replicas[0],) and very_slow.quotas == (8,)
+    assert set(very_slow.spare_ranks) == {1, 3}
+    kept = plan_adaptation(layout, Health(speed={3: 1 / 16}), hw, **{**kwargs, "drop_to": None})
+    assert very_slow.iteration_s_after < kept.iteration_s_after
+    slow = plan_adaptation(layout, Health(speed={3: 1 / 3}), hw, **kwargs)
+    assert slow.layout.num_replicas == 2 and slow.quotas == (6, 2)  # whole groups of the pipeline's 2
