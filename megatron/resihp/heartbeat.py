@@ -45,7 +45,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from megatron.resihp import hang_rules
 from megatron.resihp.hang_rules import judge_progress
