@@ -10,13 +10,15 @@ every iteration (the job's event log):
 * not adapted: the same slowdown under ``--resihp-detect-only`` (named, nothing changed);
 * healthy: no slowdown, for scale.
 
+``--interleaved`` runs all three under the interleaved schedule (two model chunks per stage).
+
 Reported: the median iteration while slowed, from the iteration after the adapted run's re-plan to
 ``--slow-until``, in both runs (the same iterations); the median after the readmission, against the
 not-adapted run (the same four ranks, the same history) and the healthy one over those iterations;
 and the whole job's training seconds (the sum of its iterations) adapted / not adapted.
 
     python scripts/bench/slow_replica.py [--json] [--iters 40] [--factor 16] [--slow-at 5]
-        [--slow-until 22] [--workdir DIR]
+        [--slow-until 22] [--interleaved] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def _run(args, work: Path, name: str, extra: list[str]) -> tuple[dict[int, float
     log = work / f"{name}.events.jsonl"
     log.unlink(missing_ok=True)
     flags = [*MEGATRON_MODEL, "--tensor-model-parallel-size", "1", "--global-batch-size", str(GLOBAL_BATCH),
-             "--train-iters", str(args.iters), "--resihp-event-log", str(log), *extra]
+             "--train-iters", str(args.iters), "--resihp-event-log", str(log), *extra,
+             *(["--num-layers-per-virtual-pipeline-stage", "1"] if args.interleaved else [])]
     cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--nproc-per-node=4",
            str(REPO / "pretrain_gpt_resilient.py"), *flags]
     proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=900)
@@ -100,6 +103,8 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=16.0, help="how many times slower launch rank 3 runs")
     parser.add_argument("--slow-at", type=int, default=5, help="the first slowed iteration")
     parser.add_argument("--slow-until", type=int, default=22, help="the last slowed iteration")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="the interleaved schedule (--num-layers-per-virtual-pipeline-stage 1: two chunks per stage)")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     args = parser.parse_args()
     if not 2 <= args.slow_at < args.slow_until <= args.iters - 10:
@@ -109,7 +114,8 @@ def main() -> None:
         parser.error(f"--factor must be > 1; got {args.factor:g}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="slow_replica_"))
     work.mkdir(parents=True, exist_ok=True)
-    out = {"shape": "TP1 x PP2 x DP2 (4 processes, CPU), Megatron-LM's loop, global batch of 8 micro-batches",
+    schedule = "the interleaved schedule (2 chunks per stage)" if args.interleaved else "1F1B"
+    out = {"shape": f"TP1 x PP2 x DP2 (4 processes, CPU), Megatron-LM's loop, {schedule}, global batch of 8 micro-batches",
            "cpu_count": os.cpu_count(), "factor": args.factor, "slowed": [args.slow_at, args.slow_until],
            "loadavg_start": os.getloadavg(), "workdir": str(work)}
     out.update(measure(args, work))
