@@ -5,10 +5,10 @@ decision (``resihp_ext.planner.fail_slow.decide_fail_slow``, pure and determinis
 same gathered observations), so no agreement round is needed; a plan that keeps every rank asks
 the life cycle (``reconfigure.apply``) for a SAME-world change, one that leaves ranks out for a
 SHRINK change whose leavers stand by (``standby.py``) or exit. Quotas alone change in place.
-Megatron's loop, which builds every replica from one model configuration, is offered quotas, one
-layer split for every replica (``stages_alike``) and dropping slow replicas whole
-(``fail_slow_drops``). It never builds a group, a model or a world
-itself.
+Megatron's loop, which keeps every replica's ranks and TP groups, is offered quotas, a layer
+split of each replica's own (``own_splits``) or, where the job's features need replicas alike, one
+split for every replica (``stages_alike``), and dropping slow replicas whole (``fail_slow_drops``).
+It never builds a group, a model or a world itself.
 
 A re-plan that kept every rank is then on trial (``resihp_ext.planner.adaptation_check``): the
 iteration times after it, the same on every rank (the slowest rank's), are judged against those
@@ -83,8 +83,9 @@ class FailSlowReplan:
         decision = decide_fail_slow(run.layout, host.known_health, verdicts, host.calibrated_hardware(),
                                     list(run.quotas), max(host.args.train_iters - iteration, 1), host.launch_shape,
                                     rejected=self.rejected, misjudge=self._misjudge(),
-                                    stages_fixed=not (host.moves_state or host.stages_alike),
-                                    stages_alike=host.stages_alike, drop_to=host.fail_slow_drops)
+                                    stages_fixed=not (host.moves_state or host.stages_alike or host.own_splits),
+                                    stages_alike=host.stages_alike, ranks_fixed=host.own_splits,
+                                    drop_to=host.fail_slow_drops)
         plan, host.known_health = decision.plan, decision.known
         # Kept across the detector's reset below.
         host.live.detector.expect(decision.expected.slow_factors, decision.expected.bursts)

@@ -8,7 +8,10 @@ resharder uses. Its groups come from the group builder (``parallel_state_patch.b
 ``shard_map.sync_rank_sets``); this module never creates a group and never decides a layout.
 
 Per-token loss stays exact: the token count is summed once per replica over the whole job and
-every gradient is divided by it, as megatron-core's own finalize does within one DP group.
+every gradient is divided by it, as megatron-core's own finalize does within one DP group. Without
+a token count (Megatron-LM's loop without ``--calculate-per-token-loss``: each replica's loss is
+its micro-batches' mean) the sums are divided by the replica count, the average megatron-core's
+DDP takes over its DP group.
 """
 
 from __future__ import annotations
@@ -142,6 +145,9 @@ class LayoutGradSync:
             total = total_tokens(num_tokens, self.counts_tokens)
             for slot in slots:
                 slot.param.main_grad.div_(total)
+        elif len(self.layout.replicas) > 1:
+            for slot in slots:
+                slot.param.main_grad.mul_(1.0 / len(self.layout.replicas))
 
 
 def total_tokens(num_tokens: torch.Tensor, counts: bool) -> torch.Tensor:

@@ -31,8 +31,11 @@ def adopt(model: list, optimizer, new, old_config, args) -> None:
     for chunk in dropped:
         vars(chunk).clear()
     config = new.config
-    for name in ("timers", "finalize_model_grads_func"):
-        setattr(config, name, getattr(old_config, name))
+    config.timers = old_config.timers
+    if config.finalize_model_grads_func is None:  # as train() sets it; a layout's own sync stays
+        from megatron.core.distributed import finalize_model_grads
+
+        config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
 
     def per_chunk(method: str):  # as train() sets them: one for one chunk, a list for several

@@ -12,8 +12,8 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   the current objects, its forwards and backwards timed by the schedule hooks
   (``schedules.RECORDER``). After the step the detector judges the timings; a fail-slow verdict
   is planned for: micro-batches move between replicas (which ``megatron_loop_quotas`` makes
-  Megatron's step run), layers between stages with one split for every replica
-  (``megatron_loop_stages``), or a very slow replica is dropped whole, its ranks standing by; a
+  Megatron's step run), layers between stages, each replica in a split of its own or, where the
+  job's features need it, one split for all (``megatron_loop_stages``), or a very slow replica is dropped whole, its ranks standing by; a
   re-plan that kept every rank is on trial like on the resihp loop; a rebuilt model is taken
   over before the next step. At the top of each step, standbys that report healthy are taken
   back when it pays (``standby.Readmission``). When a collective fails, the
@@ -57,7 +57,7 @@ from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.megatron_loop_replicas import CountedSplit
 from megatron.resihp.megatron_loop_spares import SpareReentry
 from megatron.resihp.megatron_loop_stages import (build_objects, interleaving, launch_split, layer_moves_refused,
-                                                  layout_layer_of)
+                                                  layout_layer_of, own_splits_refused)
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.megatron_loop_updates import UpdateWatch
 from megatron.resihp.optimizer_parts import PartCopies, part_bytes
@@ -342,10 +342,14 @@ class ResilientMegatronLoop:
         # ranks standing by and probing (under the interleaved schedule too: the counts whose
         # replicas each run whole groups of micro-batches).
         counts = quota_split.replica_counts(args)
+        # Layers move between stages where a save after the move loads in a stock run; each replica
+        # takes a split of its own where the layer-wise gradient sync carries the job's features.
+        moves = layer_moves_refused(args) is None
+        own_splits = moves and own_splits_refused(args) is None
         self.hooks = ResilienceHooks(args, self.events, None, build_objects=self._build_objects,
                                      moves_state=False,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
-                                     stands_by=True, stages_alike=layer_moves_refused(args) is None,
+                                     stands_by=True, stages_alike=moves and not own_splits, own_splits=own_splits,
                                      recovery_keeps_shape=not args.use_distributed_optimizer,
                                      replica_counts=counts, interleaving=interleaving(args), fail_slow_drops=counts)
 
@@ -377,9 +381,10 @@ class ResilientMegatronLoop:
                          threads=process_threads())
         if dist.get_rank() == dist.get_world_size() - 1:
             on = "on" if self.hooks.can_recover else "off (--resihp-enable turns it on)"
-            kept = layer_moves_refused(args)
+            kept, alike = layer_moves_refused(args), own_splits_refused(args)
             replans = "off" if not self.cfg.enable else "of the micro-batch split" + (
-                f" only (layers stay on their stages: {kept})" if kept else " and of the layers per stage")
+                f" only (layers stay on their stages: {kept})" if kept else " and of the layers per stage" + (
+                    f", one split for every replica ({alike})" if alike else ", a split of each replica's own"))
             detection = "on" if self.hooks.live is not None else "off"
             log_line(f" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place {on}; fail-slow "
                      f"detection {detection}" + (f", re-plans {replans}" if self.hooks.live is not None else ""))

@@ -7,9 +7,12 @@ launch's split as megatron-core places it from the flags (``launch_split``: even
 layers between stages there:
 
 - ``split_config``: the model configuration Megatron's ``get_model`` builds a rank's chunk from
-  for a split other than the launch's. megatron-core places layers by
-  ``pipeline_model_parallel_layout``, and every rank of the world reads the same configuration, so
-  on this loop every replica runs one split (the planner's ``stages_alike``).
+  for a split other than the launch's (megatron-core places layers by
+  ``pipeline_model_parallel_layout``); each rank builds its replica's split.
+- ``own_splits_refused``: why a job's replicas must keep one split between them (the planner's
+  ``stages_alike``), or None: then each replica may take its own (``ranks_fixed``), and where
+  replicas differ their gradients are summed layer by layer (``layer_sync.LayoutGradSync``) in
+  place of megatron-core's DDP, which sums equal gradient buffers.
 - ``layer_moves_refused``: why a job's re-plans must keep every layer on its stage, or None.
   Megatron saves what each stage holds: a save in the torch format numbers a stage's layers from
   0, and the distributed optimizer's default ``torch_dist`` format lays its state out by the
@@ -122,6 +125,24 @@ def layer_moves_refused(args: argparse.Namespace) -> str | None:
     if args.use_distributed_optimizer and not getattr(args, "dist_ckpt_optim_fully_reshardable", False):
         return ("the distributed optimizer's torch_dist state is laid out by each stage's gradient buffer "
                 "(--dist-ckpt-optim-fully-reshardable lays it out by parameter, whatever the split)")
+    return None
+
+
+def own_splits_refused(args: argparse.Namespace) -> str | None:
+    """Why this job's replicas must share one layer split when layers move (None: each replica may
+    take its own). The layer-wise gradient sync replaces megatron-core's whole data-parallel sync
+    for replicas that differ; what it does not carry keeps them alike."""
+    if args.use_distributed_optimizer:
+        return ("--use-distributed-optimizer splits each stage's optimizer state over the replicas by their "
+                "gradient buffers, which must then hold the same layers")
+    if args.sequence_parallel:
+        return "--sequence-parallel leaves each TP rank a part of the norms' gradients, which the layer-wise sync averages"
+    if args.overlap_grad_reduce:
+        return "--overlap-grad-reduce starts megatron-core's own gradient sync during the backward pass"
+    if getattr(args, "num_experts", None):
+        return "--num-experts: expert and router gradients are synced by megatron-core alone"
+    if getattr(args, "mtp_num_layers", None):
+        return "--mtp-num-layers: multi-token prediction layers are synced by megatron-core alone"
     return None
 
 

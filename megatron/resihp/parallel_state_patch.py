@@ -45,8 +45,11 @@ not a world's: set once as Megatron's initialization sets them, they outlive eve
 
 Context parallelism and expert parallelism are 1: their groups are this rank alone or alias the
 TP / DP groups, exactly as ``initialize_model_parallel(tp, pp)`` lays them out. For a uniform
-Layout the memberships equal megatron-core's (tested). For a heterogeneous Layout the DP group is
-the set of ranks holding the same (stage index, layer range, TP degree, TP rank) position; the
+Layout the memberships equal megatron-core's (tested). Replicas that differ only in their layer
+split keep megatron-core's DP groups by position (stage index, TP rank): Megatron-LM's loop counts
+replicas, splits the data and averages the logged loss over them, and DDP, whose own sync those
+groups would carry, is not asked to sync. For other heterogeneous Layouts the DP group is the set
+of ranks holding the same (stage index, layer range, TP degree, TP rank) position. The
 layer-wise gradient sync sets of ``resihp_ext.shard_map.sync_rank_sets`` are built as well, in
 ``sync_groups``, for ``layer_sync.LayoutGradSync`` (only when replicas differ: alike ones sync
 through megatron-core's DDP).
@@ -171,6 +174,7 @@ def _group_specs(layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
     specs: list[tuple[str, tuple[int, ...]]] = []
     dp_classes: dict[tuple, list[int]] = {}
     tp_dp_classes: dict[tuple, list[int]] = {}
+    by_position = layout.replicas_alike_but_layers()
     for r, replica in enumerate(layout.replicas):
         degrees = {stage.tp_degree for stage in replica.stages}
         if len(degrees) != 1:
@@ -179,7 +183,7 @@ def _group_specs(layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
                 "pipeline p2p needs one TP degree per replica, so give every stage of a replica the same TP degree"
             )
         for s, stage in enumerate(replica.stages):
-            position = (s, stage.first_layer, stage.num_layers, stage.tp_degree)
+            position = (s, stage.tp_degree) if by_position else (s, stage.first_layer, stage.num_layers, stage.tp_degree)
             tp_dp_classes.setdefault(position, []).extend(stage.ranks)
             for t, rank in enumerate(stage.ranks):
                 dp_classes.setdefault((*position, t), []).append(rank)

@@ -59,7 +59,7 @@ class ResilienceHooks:
     def __init__(self, args: argparse.Namespace, events: EventLog, objects=None,
                  build_objects: Callable | None = None, moves_state: bool = True,
                  sharded_optimizer: bool = False, cfg=None, stands_by: bool = True, stages_alike: bool = False,
-                 recovery_keeps_shape: bool = False, replica_counts: frozenset[int] | None = None,
+                 own_splits: bool = False, recovery_keeps_shape: bool = False, replica_counts: frozenset[int] | None = None,
                  interleaving: Interleaving = Interleaving(), fail_slow_drops: frozenset[int] | None = None):
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
         groups (the resihp loop's ``model_builder.build_training_objects`` when None). Without
@@ -73,7 +73,10 @@ class ResilienceHooks:
         exits, whatever ``--resihp-no-standby`` says (the loop has no place for a standby). With
         ``stages_alike`` (and without ``moves_state``) a fail-slow plan may also move layers between
         stages, with one split for every replica (what a loop that builds every replica from one
-        model configuration runs). With ``recovery_keeps_shape`` (and without ``moves_state``) a
+        model configuration runs). With ``own_splits`` (and without ``moves_state``) each replica
+        may take a layer split of its own instead, keeping its ranks and TP groups (a loop that builds
+        each rank's model from its replica's split, its gradients then synced layer by layer:
+        ``layer_sync``). With ``recovery_keeps_shape`` (and without ``moves_state``) a
         fail-stop plan may move state as long as every replica keeps its shape: an intact stage
         group takes a stage that is short, a standby takes a dead rank's place; no replica runs
         at a smaller TP degree. ``replica_counts``: how many replicas the loop can split the global
@@ -86,6 +89,7 @@ class ResilienceHooks:
         self.build_objects = build_objects or build_training_objects
         self.moves_state = moves_state
         self.stages_alike = stages_alike and not moves_state
+        self.own_splits = own_splits and not moves_state
         self.recovery_keeps_shape = recovery_keeps_shape and not moves_state
         self.replica_counts = replica_counts
         self.fail_slow_drops = None if moves_state else fail_slow_drops

@@ -111,7 +111,8 @@ def decide_fail_slow(layout: Layout, known: Health, verdicts: Sequence[Verdict],
                      quotas: Sequence[int], horizon_iters: int, launch_shape: tuple,
                      rejected: RejectedPlans = RejectedPlans(),
                      misjudge: Mapping[int, float] | None = None, stages_fixed: bool = False,
-                     stages_alike: bool = False, drop_to: Iterable[int] | None = None) -> FailSlowDecision:
+                     stages_alike: bool = False, ranks_fixed: bool = False,
+                     drop_to: Iterable[int] | None = None) -> FailSlowDecision:
     """Plan for ``verdicts`` on top of every slowdown already ``known``.
 
     The plan sees every slowdown found so far, not only these verdicts', so quotas moved away from
@@ -136,7 +137,9 @@ def decide_fail_slow(layout: Layout, known: Health, verdicts: Sequence[Verdict],
         stages_fixed: only quotas may change (``plan_adaptation``'s ``stages_fixed``).
         stages_alike: quotas and one layer split shared by every replica may change
             (``plan_adaptation``'s ``stages_alike``).
-        drop_to: with either flag, the replica counts affected replicas may be dropped down to
+        ranks_fixed: quotas and each replica's own layer split may change, its ranks and TP groups
+            kept (``plan_adaptation``'s ``ranks_fixed``).
+        drop_to: with any of these flags, the replica counts affected replicas may be dropped down to
             (``plan_adaptation``'s ``drop_to``; None: none is dropped).
 
     Returns:
@@ -152,7 +155,8 @@ def decide_fail_slow(layout: Layout, known: Health, verdicts: Sequence[Verdict],
     plan = plan_adaptation(layout, misjudged(known, misjudge), hw, current_quotas=tuple(quotas),
                            horizon_iters=horizon_iters, uniform_tp_per_replica=True,
                            reshaped=[r for r, rep in enumerate(layout.replicas) if replica_shape(rep) != launch_shape],
-                           stages_fixed=stages_fixed, stages_alike=stages_alike, drop_to=drop_to)
+                           stages_fixed=stages_fixed, stages_alike=stages_alike, ranks_fixed=ranks_fixed,
+                           drop_to=drop_to)
     expected = known
     shares = [v.slow_share for v in verdicts if v.intermittent]
     if shares:

@@ -52,7 +52,7 @@ class _Candidate:
 
 def _replica_candidates(
     layout: Layout, index: int, health: Health, hw: HardwareModel, num_microbatches: int,
-    uniform_tp: bool = False, stages_fixed: bool = False, may_drop: bool = True,
+    uniform_tp: bool = False, stages_fixed: bool = False, may_drop: bool = True, ranks_fixed: bool = False,
 ) -> list[_Candidate]:
     model = layout.model
     rep = layout.replicas[index]
@@ -62,7 +62,7 @@ def _replica_candidates(
     keep = [] if has_dead else [_Candidate("keep layout", rep, replica_timing(rep, model, hw, health), (), False)]
     if stages_fixed:
         return [drop, *keep] if may_drop or not keep else keep  # a replica with a dead rank cannot be kept
-    out: list[_Candidate] = [drop, *keep]
+    out: list[_Candidate] = [drop, *keep] if may_drop or not keep else list(keep)
     per_stage: list[tuple[TpChoice, ...]] = []
     for p, st in enumerate(rep.stages):
         found = tp_candidates(st.ranks, health, model, hw, stage=p, num_stages=num_stages,
@@ -70,7 +70,7 @@ def _replica_candidates(
         if not found:
             return out
         per_stage.append(found)
-    variants = {
+    variants = {} if ranks_fixed else {
         "TP exclusion": [c[0] for c in per_stage],
         "widest TP": [max(c, key=lambda x: (x.tp_degree, x.score)) for c in per_stage],
     }
@@ -135,6 +135,7 @@ def plan_adaptation(
     reshaped: Iterable[int] = (),
     stages_fixed: bool = False,
     stages_alike: bool = False,
+    ranks_fixed: bool = False,
     drop_to: Iterable[int] | None = None,
 ) -> Plan:
     """Re-plan ``layout`` for ``health``: the ResiHP policy.
@@ -157,9 +158,13 @@ def plan_adaptation(
             one new layer split alike, or keep theirs; quotas change as well (what an executor
             whose replicas share one model definition runs; ``alike_stages``). ``stages_fixed``
             takes precedence.
-        drop_to: with ``stages_fixed`` or ``stages_alike``, the replica counts the executor can
+        ranks_fixed: every replica keeps its ranks per stage and TP groups; each affected one may
+            take a layer split of its own, and quotas change (what an executor that builds each
+            replica's model from its own split, but cannot change a TP group, runs). ``stages_fixed``
+            and ``stages_alike`` take precedence.
+        drop_to: with ``stages_fixed``, ``stages_alike`` or ``ranks_fixed``, the replica counts the executor can
             run: affected replicas may then be dropped whole down to one of them, their ranks left
-            out (None: no replica is dropped). Without either flag replicas may always be dropped.
+            out (None: no replica is dropped). Without any of them replicas may always be dropped.
 
     Returns:
         A Plan: "keep", "adapt" (new layout, quotas, moves) or "checkpoint-restart" with a reason.
@@ -180,7 +185,8 @@ def plan_adaptation(
     if len(quotas_now) != layout.num_replicas or sum(quotas_now) != num_mb:
         raise ValueError(f"current_quotas {quotas_now} must have one entry per replica and sum to {num_mb}")
     alike = stages_alike and not stages_fixed
-    restricted = stages_fixed or alike
+    own_splits = ranks_fixed and not (stages_fixed or alike)
+    restricted = stages_fixed or alike or own_splits
     drop_counts = frozenset(drop_to) if restricted and drop_to is not None else None
     if alike:
         check_alike(layout, health, num_mb)
@@ -207,7 +213,8 @@ def plan_adaptation(
     for r, rep in enumerate(layout.replicas):
         if r in affected:
             options.append(_replica_candidates(layout, r, health, hw, num_mb, uniform_tp_per_replica, stages_fixed,
-                                               may_drop=not stages_fixed or drop_counts is not None))
+                                               may_drop=not restricted or drop_counts is not None,
+                                               ranks_fixed=own_splits))
             continue
         key = tuple((st.num_layers, st.tp_degree) for st in rep.stages)
         if key not in shared:

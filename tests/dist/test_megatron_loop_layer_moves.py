@@ -107,3 +107,53 @@ def test_layers_stay_on_their_stages_when_the_checkpoint_format_numbers_them_per
     check(proc)
     assert "re-plans of the micro-batch split only (layers stay on their stages: --ckpt-format torch" in proc.stdout, \
         proc.stdout[-3000:]
+
+
+OWN_SPLIT_ITERATIONS = 24
+
+
+def own_split_job_args(tmp, name: str) -> list[str]:
+    """TP2 x PP2 x DP2 with Megatron's plain optimizer, saved in ``torch_dist``: each replica may take a
+    layer split of its own, its gradients then summed layer by layer (``layer_sync``)."""
+    return replaced(job_args(tmp, name), {"--train-iters": str(OWN_SPLIT_ITERATIONS), "--ckpt-format": "torch_dist"})
+
+
+@pytest.fixture(scope="module")
+def own_split_failure_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("own_split_failure_free")
+    proc = run_job(8, own_split_job_args(tmp, "ckpt"), timeout_s=420)
+    check(proc)
+    return logged_losses(proc.stdout), checkpoint_tensors(tmp / "ckpt", tmp)
+
+
+def test_a_slow_first_stage_of_one_replica_gives_a_layer_to_its_next_stage_alone_exactly(tmp_path,
+                                                                                          own_split_failure_free):
+    # Rank 2 is the first TP rank of replica 1's stage 0, slowed 3x from iteration 5: replica 1
+    # moves a layer to its second stage, replica 0 keeps the launch's split, and the replicas'
+    # gradients are then summed layer by layer, not by megatron-core's DDP over equal buffers.
+    # Rank 7 (replica 1's last stage) SIGKILLed later: replica 0 goes on alone.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*own_split_job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
+                       "--resihp-event-log", str(events), "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
+                       "--resihp-inject", "slow:rank=2,factor=3,at=5", "--resihp-inject", "kill:rank=7,at=18"],
+                   timeout_s=600)
+    check(proc)
+    assert "of the layers per stage, a split of each replica's own" in proc.stdout, proc.stdout[-3000:]
+    moved = [a for a in read_events(events, "adapted") if a["layers_per_replica"] != [[2, 2], [2, 2]]]
+    assert moved, decisions(events)
+    assert moved[0]["layers_per_replica"][0] == [2, 2], decisions(events)
+    assert moved[0]["layers_per_replica"][1][0] < 2 and moved[0]["iteration"] < 18, decisions(events)
+    assert_moved_as_planned(events)
+    after = read_events(events, "adapted")[-1]
+    assert after["iteration"] == 18 and after["world_size"] == 4 and after["layers_per_replica"] == [[2, 2]], \
+        decisions(events)
+    expected, want = own_split_failure_free
+    got = logged_losses(proc.stdout)
+    assert sorted(got) == list(range(1, OWN_SPLIT_ITERATIONS + 1)), proc.stdout[-3000:]
+    for i in got:
+        assert got[i] == pytest.approx(expected[i], rel=1e-5), (i, got[i], expected[i])
+    have = checkpoint_tensors(tmp_path / "ckpt", tmp_path)
+    assert sorted(have) == sorted(want)
+    for name, value in want.items():
+        atol = 1e-5 if name.endswith("linear_qkv.bias") else 1e-6  # as above
+        torch.testing.assert_close(have[name], value, rtol=1e-5, atol=atol, msg=name)
