@@ -103,7 +103,7 @@ class LayoutGradSync:
         mine = [h for hs in self.holders.values() for h in hs if h.rank == rank]
         self.me = mine[0] if mine else None
 
-    def _buckets(self, slots: list[ParamSlot]) -> dict[tuple[int, ...], list[tuple[torch.Tensor, float]]]:
+    def _buckets(self, slots: list[ParamSlot], config) -> dict[tuple[int, ...], list[tuple[torch.Tensor, float]]]:
         """Gradient views to sum per rank set, each with the factor this rank contributes it at."""
         buckets: dict[tuple[int, ...], list[tuple[torch.Tensor, float]]] = {}
         for slot in slots:
@@ -112,8 +112,10 @@ class LayoutGradSync:
             mine = next(h for h in hs if h.rank == self.rank)
             if slot.partition_dim is None:
                 ranks = replicated_sync_set(self.layout, slot.item)
-                # Every TP rank of a stage holds the same replicated gradient: count each replica once.
-                buckets.setdefault(ranks, []).append((grad, 1.0 / mine.tp_degree))
+                # A replicated gradient is whole on every TP rank of a stage (count each replica once),
+                # or, where megatron-core sums it over the TP group, each rank's part of it.
+                factor = 1.0 if tp_partial(slot, config) else 1.0 / mine.tp_degree
+                buckets.setdefault(ranks, []).append((grad, factor))
                 continue
             grid = finest_degree(hs)
             held = unit_range(mine, grid)
@@ -129,7 +131,7 @@ class LayoutGradSync:
         # Tied word embedding: first and last stage of this replica share one gradient.
         _allreduce_word_embedding_grads(model, config, self.embedding_group, self.pp_group)
         slots = param_slots(ddp.module)
-        buckets = self._buckets(slots)
+        buckets = self._buckets(slots, config)
         for ranks in sorted(buckets):  # one canonical order on every rank: no cross-group deadlock
             group = self.groups.get(ranks)
             if group is None:
@@ -148,6 +150,17 @@ class LayoutGradSync:
         elif len(self.layout.replicas) > 1:
             for slot in slots:
                 slot.param.main_grad.mul_(1.0 / len(self.layout.replicas))
+
+
+def tp_partial(slot: ParamSlot, config) -> bool:
+    """Whether each TP rank holds only its part of this replicated parameter's gradient, which
+    megatron-core's finalize sums over the TP group: the norms under sequence parallelism (each rank
+    saw its part of the sequence) and the query/key norms (each rank saw its heads)."""
+    if getattr(slot.param, "average_gradients_across_tp_domain", False):
+        return False
+    if getattr(config, "sequence_parallel", False) and getattr(slot.param, "sequence_parallel", False):
+        return True
+    return bool(getattr(config, "qk_layernorm", False)) and ("q_layernorm" in slot.name or "k_layernorm" in slot.name)
 
 
 def total_tokens(num_tokens: torch.Tensor, counts: bool) -> torch.Tensor:

@@ -42,7 +42,7 @@ def adopt(model: list, optimizer, new, old_config, args) -> None:
         found = [getattr(chunk, method) for chunk in model]
         return found[0] if len(found) == 1 else found
 
-    if args.overlap_grad_reduce:
+    if model[0].ddp_config.overlap_grad_reduce:  # off in chunks whose gradients a layout's own sync sums
         config.no_sync_func = per_chunk("no_sync")
         if args.align_grad_reduce:
             config.grad_sync_func = per_chunk("start_grad_sync")

@@ -390,8 +390,12 @@ class ResilientMegatronLoop:
                      f"detection {detection}" + (f", re-plans {replans}" if self.hooks.live is not None else ""))
 
     def _build_objects(self, args, layers_per_stage) -> TrainingObjects:
-        """Megatron's own model chunks, optimizer and LR schedule on the installed groups."""
-        return build_objects(self.model_provider, self.model_type, args, tuple(layers_per_stage))
+        """Megatron's own model chunks, optimizer and LR schedule on the installed groups (replicas
+        that differ have their gradients summed layer by layer, not by megatron-core's DDP)."""
+        from megatron.resihp.parallel_state_patch import installed
+
+        return build_objects(self.model_provider, self.model_type, args, tuple(layers_per_stage),
+                             ddp_syncs=installed().layout.replicas_alike())
 
     # ------------------------------------------------------------------ recovery
     def recover_at(self, position: Position, error: Exception) -> Position:

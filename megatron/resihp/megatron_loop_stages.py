@@ -135,10 +135,6 @@ def own_splits_refused(args: argparse.Namespace) -> str | None:
     if args.use_distributed_optimizer:
         return ("--use-distributed-optimizer splits each stage's optimizer state over the replicas by their "
                 "gradient buffers, which must then hold the same layers")
-    if args.sequence_parallel:
-        return "--sequence-parallel leaves each TP rank a part of the norms' gradients, which the layer-wise sync averages"
-    if args.overlap_grad_reduce:
-        return "--overlap-grad-reduce starts megatron-core's own gradient sync during the backward pass"
     if getattr(args, "num_experts", None):
         return "--num-experts: expert and router gradients are synced by megatron-core alone"
     if getattr(args, "mtp_num_layers", None):
@@ -146,9 +142,12 @@ def own_splits_refused(args: argparse.Namespace) -> str | None:
     return None
 
 
-def build_objects(model_provider, model_type, args: argparse.Namespace, layers_per_stage: tuple[int, ...]):
+def build_objects(model_provider, model_type, args: argparse.Namespace, layers_per_stage: tuple[int, ...],
+                  ddp_syncs: bool = True):
     """Megatron's own model chunks, optimizer and LR schedule for ``layers_per_stage`` on the
-    installed groups, as a ``model_builder.TrainingObjects``."""
+    installed groups, as a ``model_builder.TrainingObjects``. Without ``ddp_syncs`` (replicas that
+    differ, whose gradients another sync sums) the chunks' DDP never starts its own sync: no
+    ``--overlap-grad-reduce`` during the backward pass."""
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.utils import get_model_config
     from megatron.training.global_vars import get_timers
@@ -156,7 +155,12 @@ def build_objects(model_provider, model_type, args: argparse.Namespace, layers_p
 
     from megatron.resihp.model_builder import TrainingObjects
 
-    chunks = get_model(model_provider, model_type, config=split_config(args, layers_per_stage))
+    overlap = args.overlap_grad_reduce
+    args.overlap_grad_reduce = overlap and ddp_syncs  # what get_model configures DDP from
+    try:
+        chunks = get_model(model_provider, model_type, config=split_config(args, layers_per_stage))
+    finally:
+        args.overlap_grad_reduce = overlap
     config, overrides = get_megatron_optimizer_config(args)
     config.timers = get_timers()
     optimizer = get_megatron_optimizer(config, chunks, config_overrides=overrides,

@@ -113,9 +113,12 @@ OWN_SPLIT_ITERATIONS = 24
 
 
 def own_split_job_args(tmp, name: str) -> list[str]:
-    """TP2 x PP2 x DP2 with Megatron's plain optimizer, saved in ``torch_dist``: each replica may take a
-    layer split of its own, its gradients then summed layer by layer (``layer_sync``)."""
-    return replaced(job_args(tmp, name), {"--train-iters": str(OWN_SPLIT_ITERATIONS), "--ckpt-format": "torch_dist"})
+    """TP2 x PP2 x DP2 with Megatron's plain optimizer, sequence parallelism and overlapped gradient
+    reduction, saved in ``torch_dist``: each replica may take a layer split of its own, its gradients
+    then summed layer by layer (``layer_sync``; the norms' gradients, split over the TP group by
+    sequence parallelism, summed over it too) and DDP's overlapped reduction off while replicas differ."""
+    return [*replaced(job_args(tmp, name), {"--train-iters": str(OWN_SPLIT_ITERATIONS), "--ckpt-format": "torch_dist"}),
+            "--sequence-parallel", "--overlap-grad-reduce"]
 
 
 @pytest.fixture(scope="module")

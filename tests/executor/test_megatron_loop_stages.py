@@ -3,6 +3,7 @@ stage it leaves without transformer layers is refused before a resilient job sta
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -15,6 +16,16 @@ JOB = ["--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-att
        "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "2",
        "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
        "--pipeline-model-parallel-size", "2", "--eval-interval", "2"]
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """Megatron's argument checks set attention-backend variables (``NVTE_*``) in the process
+    environment; left there, every job launched later in the session would inherit them."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
 
 
 def _validated(monkeypatch, *extra: str):
@@ -84,3 +95,39 @@ def test_under_the_interleaved_schedule_a_stage_holds_its_chunks_layers_and_the_
         # Stage 0's second chunk starts where megatron-core puts it, and the Layout counts it right after the first.
         second = get_transformer_layer_offset(core_transformer_config_from_args(args), vp_stage=1, pp_rank=0)
         assert layout_of[second] == split[0] // 2
+
+
+def test_replicas_take_splits_of_their_own_unless_the_distributed_optimizer_pairs_their_buffers(monkeypatch):
+    from megatron.resihp.megatron_loop_stages import own_splits_refused
+
+    plain = _validated(monkeypatch)
+    assert own_splits_refused(plain) is None
+    # Set on the parsed arguments: Megatron's own checks of these flags ask a CUDA driver.
+    plain.sequence_parallel = plain.overlap_grad_reduce = True
+    assert own_splits_refused(plain) is None
+    assert "--use-distributed-optimizer" in own_splits_refused(_validated(monkeypatch, "--use-distributed-optimizer"))
+
+
+def test_the_layer_wise_sync_sums_the_norm_gradients_tp_ranks_hold_parts_of():
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron.resihp.layer_sync import ParamSlot, tp_partial
+
+    def slot(name, **attrs):
+        param = torch.nn.Parameter(torch.zeros(2))
+        for key, value in attrs.items():
+            setattr(param, key, value)
+        return ParamSlot(name, ("layer", 0), None, param)
+
+    norm = slot("decoder.layers.0.input_layernorm.weight", sequence_parallel=True)
+    assert tp_partial(norm, SimpleNamespace(sequence_parallel=True, qk_layernorm=False))
+    assert not tp_partial(norm, SimpleNamespace(sequence_parallel=False, qk_layernorm=False))
+    q_norm = slot("decoder.layers.0.self_attention.q_layernorm.weight")
+    assert tp_partial(q_norm, SimpleNamespace(sequence_parallel=False, qk_layernorm=True))
+    averaged = slot("decoder.layers.0.input_layernorm.weight", sequence_parallel=True,
+                    average_gradients_across_tp_domain=True)
+    assert not tp_partial(averaged, SimpleNamespace(sequence_parallel=True, qk_layernorm=False))
+    bias = slot("decoder.layers.0.self_attention.linear_proj.bias")
+    assert not tp_partial(bias, SimpleNamespace(sequence_parallel=True, qk_layernorm=True))
