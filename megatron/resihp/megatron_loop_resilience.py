@@ -13,7 +13,8 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   (``schedules.RECORDER``). After the step the detector judges the timings; a fail-slow verdict
   is planned for: micro-batches move between replicas (which ``megatron_loop_quotas`` makes
   Megatron's step run), layers between stages, each replica in a split of its own or, where the
-  job's features need it, one split for all (``megatron_loop_stages``), or a very slow replica is dropped whole, its ranks standing by; a
+  job's features need it, one split for all (``megatron_loop_stages``), or a very slow replica is
+  dropped whole, its ranks standing by; a
   re-plan that kept every rank is on trial like on the resihp loop; a rebuilt model is taken
   over before the next step. At the top of each step, standbys that report healthy are taken
   back when it pays (``standby.Readmission``). When a collective fails, the
