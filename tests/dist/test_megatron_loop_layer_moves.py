@@ -43,6 +43,25 @@ def checkpoint_tensors(root, scratch) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
 
 
+def assert_stock_training(stdout: str, tmp, failure_free, iterations: int) -> None:
+    """Every logged loss, and every tensor of the checkpoint saved under ``tmp / "ckpt"``, equal the
+    failure-free run's (``failure_free``: its losses and tensors)."""
+    expected, want = failure_free
+    got = logged_losses(stdout)
+    assert sorted(got) == list(range(1, iterations + 1)), stdout[-3000:]
+    for i in got:
+        assert got[i] == pytest.approx(expected[i], rel=1e-5), (i, got[i], expected[i])
+    have = checkpoint_tensors(tmp / "ckpt", tmp)
+    assert sorted(have) == sorted(want)
+    for name, value in want.items():
+        # Attention is invariant to the key part of the QKV bias, so its gradient is rounding noise,
+        # which Adam scales up towards its step size: after a move Megatron sums the gradient
+        # norm over other stages, and those elements (about 1e-6 in size) differ by about as much,
+        # while their moments agree to 1e-9.
+        atol = 1e-5 if name.endswith("linear_qkv.bias") else 1e-6
+        torch.testing.assert_close(have[name], value, rtol=1e-5, atol=atol, msg=name)
+
+
 @pytest.fixture(scope="module")
 def failure_free(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layer_moves_failure_free")
@@ -81,20 +100,7 @@ def test_a_slow_first_stage_gives_a_layer_to_the_next_in_every_replica_in_place_
     after = read_events(events, "adapted")[-1]
     assert after["iteration"] == 28 and after["world_size"] == 4 and after["layers_per_replica"] == [layers[0]], \
         decisions(events)
-    expected, want = failure_free
-    got = logged_losses(proc.stdout)
-    assert sorted(got) == list(range(1, ITERATIONS + 1)), proc.stdout[-3000:]
-    for i in got:
-        assert got[i] == pytest.approx(expected[i], rel=1e-5), (i, got[i], expected[i])
-    have = checkpoint_tensors(tmp_path / "ckpt", tmp_path)
-    assert sorted(have) == sorted(want)
-    for name, value in want.items():
-        # Attention is invariant to the key part of the QKV bias, so its gradient is rounding noise,
-        # which Adam scales up towards its step size: after the move Megatron sums the gradient
-        # norm over other stages, and those elements (about 1e-6 in size) differ by about as much,
-        # while their moments agree to 1e-9.
-        atol = 1e-5 if name.endswith("linear_qkv.bias") else 1e-6
-        torch.testing.assert_close(have[name], value, rtol=1e-5, atol=atol, msg=name)
+    assert_stock_training(proc.stdout, tmp_path, failure_free, ITERATIONS)
 
 
 def test_layers_stay_on_their_stages_when_the_checkpoint_format_numbers_them_per_stage(tmp_path):
@@ -150,13 +156,4 @@ def test_a_slow_first_stage_of_one_replica_gives_a_layer_to_its_next_stage_alone
     after = read_events(events, "adapted")[-1]
     assert after["iteration"] == 18 and after["world_size"] == 4 and after["layers_per_replica"] == [[2, 2]], \
         decisions(events)
-    expected, want = own_split_failure_free
-    got = logged_losses(proc.stdout)
-    assert sorted(got) == list(range(1, OWN_SPLIT_ITERATIONS + 1)), proc.stdout[-3000:]
-    for i in got:
-        assert got[i] == pytest.approx(expected[i], rel=1e-5), (i, got[i], expected[i])
-    have = checkpoint_tensors(tmp_path / "ckpt", tmp_path)
-    assert sorted(have) == sorted(want)
-    for name, value in want.items():
-        atol = 1e-5 if name.endswith("linear_qkv.bias") else 1e-6  # as above
-        torch.testing.assert_close(have[name], value, rtol=1e-5, atol=atol, msg=name)
+    assert_stock_training(proc.stdout, tmp_path, own_split_failure_free, OWN_SPLIT_ITERATIONS)
