@@ -60,9 +60,9 @@ def _replica_candidates(
     has_dead = any(r in health.dead for r in rep.ranks)
     drop = _Candidate("drop replica", None, None, (), True)
     keep = [] if has_dead else [_Candidate("keep layout", rep, replica_timing(rep, model, hw, health), (), False)]
+    out: list[_Candidate] = [drop, *keep] if may_drop or not keep else list(keep)  # a dead rank's cannot be kept
     if stages_fixed:
-        return [drop, *keep] if may_drop or not keep else keep  # a replica with a dead rank cannot be kept
-    out: list[_Candidate] = [drop, *keep] if may_drop or not keep else list(keep)
+        return out
     per_stage: list[tuple[TpChoice, ...]] = []
     for p, st in enumerate(rep.stages):
         found = tp_candidates(st.ranks, health, model, hw, stage=p, num_stages=num_stages,
@@ -162,8 +162,8 @@ def plan_adaptation(
             take a layer split of its own, and quotas change (what an executor that builds each
             replica's model from its own split, but cannot change a TP group, runs). ``stages_fixed``
             and ``stages_alike`` take precedence.
-        drop_to: with ``stages_fixed``, ``stages_alike`` or ``ranks_fixed``, the replica counts the executor can
-            run: affected replicas may then be dropped whole down to one of them, their ranks left
+        drop_to: with ``stages_fixed``, ``stages_alike`` or ``ranks_fixed``, the replica counts the
+            executor can run: affected replicas may then be dropped whole down to one of them, their ranks left
             out (None: no replica is dropped). Without any of them replicas may always be dropped.
 
     Returns:
