@@ -314,10 +314,11 @@ class Layout:
         """Whether every replica has one shape (megatron-core's DDP can then sync their gradients)."""
         return len({replica_shape(r) for r in self.replicas}) == 1
 
-    def replicas_alike_but_layers(self) -> bool:
-        """Whether every replica has as many stages, each at the same TP degree, whatever layers
-        each stage holds (their ranks then line up in megatron-core's data-parallel groups)."""
-        return len({tuple(s.tp_degree for s in r.stages) for r in self.replicas}) == 1
+    def replicas_line_up(self) -> bool:
+        """Whether every replica has as many stages, whatever layers each stage holds and at
+        whatever TP degree: their ranks then line up in megatron-core's data-parallel groups by
+        (stage, TP rank), a replica at a smaller degree having no rank at the larger TP ranks."""
+        return len({r.num_stages for r in self.replicas}) == 1
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:

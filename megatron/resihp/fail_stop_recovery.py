@@ -164,7 +164,8 @@ class FailStopRecovery:
             plan, failed, published = recovery.agree_on_plan(
                 host.store, run.generation, old_rank, run.layout, named | failed | left, self._preferred_plan,
                 wait_s=3 * cfg.collective_timeout_s, move_state=host.moves_state or host.recovery_keeps_shape,
-                keep_tp=host.recovery_keeps_shape, replica_counts=host.replica_counts, hw=self._survivor_hardware(),
+                keep_tp=host.recovery_keeps_shape and not host.shrinks_tp, tp_descending=host.shrinks_tp,
+                replica_counts=host.replica_counts, hw=self._survivor_hardware(),
                 health=host.known_health, sharded_optimizer=host.sharded_optimizer,
                 part_copies=run.part_copies is not None,
                 standbys=standbys, shared=lambda plan, run=run, left=left, answered=answered: self._shared(

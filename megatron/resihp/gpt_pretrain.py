@@ -99,21 +99,23 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     )
 
 
-def _dataset_built_on_this_rank(vp_stage: int | None = None) -> bool:
-    # Only the stages that read tokens or labels need the data, and only TP rank 0 of them reads it.
+def _dataset_built_on_this_rank(every_tp_rank: bool = False) -> bool:
+    # Only the stages that read tokens or labels need the data, and only TP rank 0 of them reads it;
+    # ``every_tp_rank``: any rank of theirs may read it later (at TP 1, its group having lost ranks).
     from megatron.core import parallel_state as mpu
 
     first = mpu.is_pipeline_first_stage(ignore_virtual=True)
     last = mpu.is_pipeline_last_stage(ignore_virtual=True)
-    return (first or last) and mpu.get_tensor_model_parallel_rank() == 0
+    return (first or last) and (every_tp_rank or mpu.get_tensor_model_parallel_rank() == 0)
 
 
-def datasets_provider(num_samples: list[int], vp_stage: int | None = None):
+def datasets_provider(num_samples: list[int], vp_stage: int | None = None, every_tp_rank: bool = False):
     """Train, validation and test ``GPTDataset``s (``MockGPTDataset``s with ``--mock-data``).
 
     Args:
         num_samples: how many samples each split must yield at least.
         vp_stage: unused; the datasets are the same for every chunk.
+        every_tp_rank: built on every TP rank of the first and last stages, not only TP rank 0.
 
     Returns:
         ``(train, valid, test)``, each None where the split is empty or not built on this rank.
@@ -147,7 +149,8 @@ def datasets_provider(num_samples: list[int], vp_stage: int | None = None):
         sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
     )
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(dataset_type, num_samples, _dataset_built_on_this_rank, config).build()
+    built_here = partial(_dataset_built_on_this_rank, every_tp_rank)
+    return BlendedMegatronDatasetBuilder(dataset_type, num_samples, built_here, config).build()
 
 
 # Every rank calls the provider; the builder itself decides which ranks build (``is_built_on_rank``).
@@ -384,8 +387,12 @@ def main(argv: list[str] | None = None) -> None:
             heartbeat_beacon.start_beacon(cfg.heartbeat_interval_s, stopped_after_s=cfg.heartbeat_timeout_s)
         loop = ResilientMegatronLoop(cfg, model_provider, ModelType.encoder_or_decoder)
         loop.install()
+    provider = datasets_provider
+    if loop is not None and loop.shrinks_tp(args):
+        provider = partial(datasets_provider, every_tp_rank=True)
+        provider.is_distributed = True
     try:
-        pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder, forward_step,
+        pretrain(pretrain_cfg_container_from_args(args), provider, ModelType.encoder_or_decoder, forward_step,
                  model_provider=model_provider)
     except RuntimeError as error:
         if loop is not None:

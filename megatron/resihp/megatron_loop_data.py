@@ -55,6 +55,8 @@ class LoopData:
         chunks = len(run.objects.chunks)
 
         def dataset(chunk: int, index: int):
+            if run.tp_rank != 0:  # TP rank 0 reads for its group (a rank may hold the data for a later TP 1)
+                return None
             index += 3 * chunk
             return self.datasets[index] if len(self.datasets) > index else None
 

@@ -8,10 +8,12 @@ replicas then run uneven quotas, as a fail-slow re-plan's (``megatron_loop_quota
   to R that divides the batch (``counted_data_parallel_size``). The calculator asserts that the size
   divides the batch, and ``train_step``'s LR-schedule increment and the logged batch size are its
   count times the micro-batch times that size: the global batch, as they must be;
-- ``train()`` adds the real data-parallel size times that count times the micro-batch to the
-  consumed samples after each step, and counts the step's FLOPs from the same product: the
-  over-count is taken off the consumed samples as the step returns (``after_step``, before
-  ``train()`` adds), and off the FLOPs where ``train()`` asks for them;
+- ``train()`` adds the size of this rank's data-parallel group times that count times the
+  micro-batch to the consumed samples after each step, and counts the step's FLOPs from the same
+  product: the over-count is taken off the consumed samples as the step returns (``after_step``,
+  before ``train()`` adds), and off the FLOPs where ``train()`` asks for them. The group has R
+  ranks, or fewer at a TP rank that a replica at a smaller TP degree lacks
+  (``parallel_state_patch``);
 - ``evaluate()`` gives every replica the evaluation batch over that size in micro-batches: its
   forward-only calls run this replica's quota of the evaluation batch instead (``eval_quotas``),
   which the validation and test loaders read (``megatron_loop_data``). Megatron sums the losses and
@@ -38,10 +40,10 @@ def counted_data_parallel_size(total_microbatches: int, replicas: int) -> int:
     return max(d for d in range(1, replicas + 1) if total_microbatches % d == 0)
 
 
-def overcounted_samples(args, replicas: int, microbatches: int) -> int:
-    """What ``train()`` over-counts of one step's samples: it adds ``replicas`` (the real
-    data-parallel size) times the calculator's ``microbatches`` times the micro-batch."""
-    return replicas * microbatches * args.micro_batch_size - args.global_batch_size
+def overcounted_samples(args, counted: int, microbatches: int) -> int:
+    """What ``train()`` over-counts of one step's samples: it adds ``counted`` (the size of this
+    rank's data-parallel group) times the calculator's ``microbatches`` times the micro-batch."""
+    return counted * microbatches * args.micro_batch_size - args.global_batch_size
 
 
 def eval_quotas(args, replicas: int) -> list[int] | None:
@@ -90,11 +92,12 @@ class CountedSplit:
 
     def after_step(self, args) -> None:
         """As Megatron's step returns: take off the consumed samples what ``train()`` is about to
-        over-count (it reads the same world size and micro-batch count)."""
+        over-count (it reads the same group size and micro-batch count)."""
+        from megatron.core import parallel_state
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-        _, replicas = self._replica_of()
-        args.consumed_train_samples -= overcounted_samples(args, replicas, get_num_microbatches())
+        counted = parallel_state.get_data_parallel_world_size()
+        args.consumed_train_samples -= overcounted_samples(args, counted, get_num_microbatches())
 
     def _get_forward_backward_func(self, *args, **kwargs):
         run = self._original["get_forward_backward_func"](*args, **kwargs)
@@ -113,11 +116,12 @@ class CountedSplit:
         return evaluating_quota
 
     def _num_floating_point_operations(self, args, batch_size, *rest, **kwargs):
+        from megatron.core import parallel_state
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-        _, replicas = self._replica_of()
-        # train() passes the real data-parallel size's product; its log passes Megatron's (the batch).
-        if replicas != args.data_parallel_size and \
-                batch_size == replicas * get_num_microbatches() * args.micro_batch_size:
+        counted = parallel_state.get_data_parallel_world_size()
+        # train() passes its data-parallel group's product; its log passes Megatron's (the batch).
+        if counted != args.data_parallel_size and \
+                batch_size == counted * get_num_microbatches() * args.micro_batch_size:
             batch_size = args.global_batch_size
         return self._original["num_floating_point_operations"](args, batch_size, *rest, **kwargs)

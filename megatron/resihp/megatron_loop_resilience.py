@@ -49,6 +49,7 @@ import time
 import torch.distributed as dist
 
 from megatron.resihp import megatron_loop_quotas as quota_split
+from megatron.resihp import mixed_tp_saves
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line, process_threads
 from megatron.resihp.megatron_loop_counts import MicrobatchCount
@@ -58,7 +59,7 @@ from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.megatron_loop_replicas import CountedSplit
 from megatron.resihp.megatron_loop_spares import SpareReentry
 from megatron.resihp.megatron_loop_stages import (build_objects, interleaving, launch_split, layer_moves_refused,
-                                                  layout_layer_of, own_splits_refused)
+                                                  layout_layer_of, own_splits_refused, tp_shrink_refused)
 from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.megatron_loop_updates import UpdateWatch
 from megatron.resihp.optimizer_parts import PartCopies, part_bytes
@@ -111,6 +112,7 @@ class ResilientMegatronLoop:
         self.phases.install()
         self.spares.install()
         self.split.install()
+        mixed_tp_saves.install()
 
     def uninstall(self) -> None:
         from megatron.core import parallel_state
@@ -122,6 +124,7 @@ class ResilientMegatronLoop:
         self.phases.uninstall()
         self.spares.uninstall()
         self.split.uninstall()
+        mixed_tp_saves.uninstall()
 
     def _initialize_model_parallel(self, *args, **kwargs) -> None:
         """The launch Layout's groups, built by the one group builder and installed for megatron-core."""
@@ -157,10 +160,19 @@ class ResilientMegatronLoop:
         return self.spares.train(original, *args, **kwargs)
 
     def _build_data_loader(self, dataset, consumed_samples):
+        from megatron.core import parallel_state
+
         if not self.data.datasets:
             self.hooks.inject(self._args().iteration + 1, "setup")
         self.data.built(dataset)
+        if parallel_state.get_tensor_model_parallel_rank() != 0:
+            return None  # opened for a later TP-1 replica (``shrinks_tp``); TP rank 0 reads for its group
         return self._loader(dataset, consumed_samples)
+
+    def shrinks_tp(self, args) -> bool:
+        """Whether a stage group that loses ranks may go on at a smaller TP degree: then every TP
+        rank of the first and last stages opens the data, which any of them may have to read."""
+        return self.cfg.enable and tp_shrink_refused(args) is None
 
     def _loader(self, dataset, consumed_samples):
         """Megatron's loader, its workers holding no copy of this rank's connections (``world_abort``)."""
@@ -352,6 +364,7 @@ class ResilientMegatronLoop:
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
                                      stands_by=True, stages_alike=moves and not own_splits, own_splits=own_splits,
                                      recovery_keeps_shape=not args.use_distributed_optimizer,
+                                     shrinks_tp=self.shrinks_tp(args),
                                      replica_counts=counts, interleaving=interleaving(args), fail_slow_drops=counts)
 
     def _start(self, model, optimizer, opt_param_scheduler) -> None:
@@ -386,17 +399,25 @@ class ResilientMegatronLoop:
             replans = "off" if not self.cfg.enable else "of the micro-batch split" + (
                 f" only (layers stay on their stages: {kept})" if kept else " and of the layers per stage" + (
                     f", one split for every replica ({alike})" if alike else ", a split of each replica's own"))
+            if self.hooks.can_recover:
+                narrower = tp_shrink_refused(args)
+                on += (", a stage group that lost ranks going on at a smaller TP degree" if narrower is None
+                       else f", every replica at TP {args.tensor_model_parallel_size} ({narrower})")
             detection = "on" if self.hooks.live is not None else "off"
             log_line(f" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place {on}; fail-slow "
                      f"detection {detection}" + (f", re-plans {replans}" if self.hooks.live is not None else ""))
 
     def _build_objects(self, args, layers_per_stage) -> TrainingObjects:
-        """Megatron's own model chunks, optimizer and LR schedule on the installed groups (replicas
-        that differ have their gradients summed layer by layer, not by megatron-core's DDP)."""
+        """Megatron's own model chunks, optimizer and LR schedule on the installed groups, at this
+        rank's replica's TP degree (replicas that differ have their gradients summed layer by layer,
+        not by megatron-core's DDP)."""
         from megatron.resihp.parallel_state_patch import installed
 
+        layout = installed().layout
+        replica, stage = layout.stage_of(dist.get_rank())
         return build_objects(self.model_provider, self.model_type, args, tuple(layers_per_stage),
-                             ddp_syncs=installed().layout.replicas_alike())
+                             ddp_syncs=layout.replicas_alike(),
+                             tp_degree=layout.replicas[replica].stages[stage].tp_degree)
 
     # ------------------------------------------------------------------ recovery
     def recover_at(self, position: Position, error: Exception) -> Position:
@@ -456,7 +477,6 @@ class ResilientMegatronLoop:
 
     def take_over(self, model, optimizer, opt_param_scheduler, old_config, consumed: int) -> None:
         """Make the loop's handles the re-formed world's objects, and Megatron's globals its size."""
-        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.utils import get_attr_wrapped_model
 
@@ -469,7 +489,9 @@ class ResilientMegatronLoop:
         vars(self.loop_groups).update(vars(get_attr_wrapped_model(model[0], "pg_collection")))
         self.forward_backward_func = get_forward_backward_func()
         args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
-        self.split.set_world(args, parallel_state.get_data_parallel_world_size())
+        # The layout's replica count: a rank at a TP rank a smaller-TP replica lacks has fewer in its
+        # data-parallel group (``parallel_state_patch``), and every rank must count alike.
+        self.split.set_world(args, self.hooks.run.data_parallel_size)
         self._quotas_in_use = None  # a new world: its loaders, count and scale are made anew
         self._follow_quotas(consumed)
 

@@ -1,10 +1,10 @@
-"""Layer splits between pipeline stages on Megatron-LM's own loop (``--resihp-loop megatron``).
+"""Replica shapes on Megatron-LM's own loop: layer splits between pipeline stages and TP degrees.
 
-Responsible for building Megatron's own training objects for a split (``build_objects``), for the
-launch's split as megatron-core places it from the flags (``launch_split``: even, or uneven through
-``--decoder-first/last-pipeline-num-layers``, ``--account-for-embedding/loss-in-pipeline-split`` or
-``--pipeline-model-parallel-layout``), and for two answers about a fail-slow re-plan that moves
-layers between stages there:
+Responsible for building Megatron's own training objects for a split and TP degree
+(``build_objects``), for the launch's split as megatron-core places it from the flags
+(``launch_split``: even, or uneven through ``--decoder-first/last-pipeline-num-layers``,
+``--account-for-embedding/loss-in-pipeline-split`` or ``--pipeline-model-parallel-layout``), and
+for what a re-plan may change there:
 
 - ``split_config``: the model configuration Megatron's ``get_model`` builds a rank's chunk from
   for a split other than the launch's (megatron-core places layers by
@@ -13,6 +13,9 @@ layers between stages there:
   ``stages_alike``), or None: then each replica may take its own (``ranks_fixed``), and where
   replicas differ their gradients are summed layer by layer (``layer_sync.LayoutGradSync``) in
   place of megatron-core's DDP, which sums equal gradient buffers.
+- ``tp_shrink_refused``: why a job's fail-stop plans keep every replica at the launch's TP degree,
+  or None: then a stage group that lost ranks may run its replica at a smaller degree
+  (``split_config`` sets it), its gradients summed by the layer-wise sync.
 - ``layer_moves_refused``: why a job's re-plans must keep every layer on its stage, or None.
   Megatron saves what each stage holds: a save in the torch format numbers a stage's layers from
   0, and the distributed optimizer's default ``torch_dist`` format lays its state out by the
@@ -21,7 +24,7 @@ layers between stages there:
   the distributed optimizer, under ``--dist-ckpt-optim-fully-reshardable``), and loads whatever
   split saved it.
 
-Megatron's global arguments are never changed: a checkpoint records the launch's split.
+Megatron's global arguments are never changed: a checkpoint records the launch's split and degree.
 """
 
 from __future__ import annotations
@@ -90,10 +93,13 @@ def layout_layer_of(args: argparse.Namespace) -> tuple[int, ...] | None:
     return tuple(layout_of)
 
 
-def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...]):
-    """The ``TransformerConfig`` for ``layers_per_stage``, or None for the launch's split (the model
-    provider then builds it from the flags, as stock Megatron-LM does)."""
-    if tuple(layers_per_stage) == launch_split(args):
+def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...], tp_degree: int | None = None):
+    """The ``TransformerConfig`` for ``layers_per_stage`` at ``tp_degree`` (None: the launch's), or
+    None for the launch's split and degree (the model provider then builds it from the flags, as
+    stock Megatron-LM does)."""
+    degree = args.tensor_model_parallel_size if tp_degree is None else tp_degree
+    moved = tuple(layers_per_stage) != launch_split(args)
+    if not moved and degree == args.tensor_model_parallel_size:
         return None
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
     from megatron.training.argument_utils import core_transformer_config_from_args
@@ -101,6 +107,14 @@ def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...]):
     from megatron.resihp.model_builder import pipeline_layout
 
     config = core_transformer_config_from_args(args)
+    if degree != args.tensor_model_parallel_size:
+        # A replica at a smaller TP degree than the launch's (a group that lost ranks): megatron-core
+        # sizes each shard by its TP group, which the installed layout gives; its configuration
+        # checks read the degree, and sequence parallelism needs a TP group of two or more.
+        config.tensor_model_parallel_size = degree
+        config.sequence_parallel = config.sequence_parallel and degree > 1
+    if not moved:
+        return config
     # Set after the configuration checked the flags: they ask for the launch's split, which this
     # replaces whole (the layout is what megatron-core's layer offsets and counts read first).
     layout = PipelineParallelLayerLayout(pipeline_layout(tuple(layers_per_stage)), args.pipeline_model_parallel_size)
@@ -142,12 +156,31 @@ def own_splits_refused(args: argparse.Namespace) -> str | None:
     return None
 
 
+def tp_shrink_refused(args: argparse.Namespace) -> str | None:
+    """Why this job's fail-stop plans keep every replica at the launch's TP degree (None: a stage
+    group that lost ranks may go on at a smaller degree beside the whole replicas). Such a replica
+    differs from the others, so what keeps replicas alike (``own_splits_refused``) keeps the
+    degree too; and a save must load in a stock run at the launch's degree."""
+    if args.tensor_model_parallel_size == 1:
+        return "TP 1"
+    alike = own_splits_refused(args)
+    if alike is not None:
+        return alike
+    if args.virtual_pipeline_model_parallel_size is not None:
+        return "the interleaved schedule's model chunks are rebuilt at the launch's shape only"
+    if args.save is not None and args.ckpt_format != "torch_dist":
+        return (f"--ckpt-format {args.ckpt_format} saves each TP shard as the rank that holds it, so a save from a "
+                f"smaller-TP replica would not load at the launch's degree (--ckpt-format torch_dist reshards)")
+    return None
+
+
 def build_objects(model_provider, model_type, args: argparse.Namespace, layers_per_stage: tuple[int, ...],
-                  ddp_syncs: bool = True):
-    """Megatron's own model chunks, optimizer and LR schedule for ``layers_per_stage`` on the
-    installed groups, as a ``model_builder.TrainingObjects``. Without ``ddp_syncs`` (replicas that
-    differ, whose gradients another sync sums) the chunks' DDP never starts its own sync: no
-    ``--overlap-grad-reduce`` during the backward pass."""
+                  ddp_syncs: bool = True, tp_degree: int | None = None):
+    """Megatron's own model chunks, optimizer and LR schedule for ``layers_per_stage`` at
+    ``tp_degree`` (None: the launch's) on the installed groups, as a
+    ``model_builder.TrainingObjects``. Without ``ddp_syncs`` (replicas that differ, whose gradients
+    another sync sums) the chunks' DDP never starts its own sync: no ``--overlap-grad-reduce``
+    during the backward pass."""
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.utils import get_model_config
     from megatron.training.global_vars import get_timers
@@ -158,7 +191,7 @@ def build_objects(model_provider, model_type, args: argparse.Namespace, layers_p
     overlap = args.overlap_grad_reduce
     args.overlap_grad_reduce = overlap and ddp_syncs  # what get_model configures DDP from
     try:
-        chunks = get_model(model_provider, model_type, config=split_config(args, layers_per_stage))
+        chunks = get_model(model_provider, model_type, config=split_config(args, layers_per_stage, tp_degree))
     finally:
         args.overlap_grad_reduce = overlap
     config, overrides = get_megatron_optimizer_config(args)

@@ -8,7 +8,8 @@ its reason, so that the job exits 2 naming them instead of running with a reques
 from __future__ import annotations
 
 import argparse
-import dataclasses
+
+from megatron.resihp.megatron_loop_stages import tp_shrink_refused
 
 # Megatron flags (as parsed) whose jobs the fail-stop path cannot yet carry through a re-form, and why.
 _UNSUPPORTED = {
@@ -30,12 +31,6 @@ _OTHER_PLACEMENT = {
 # optimizer also once it has updated this rank's parameters, before the update's copies go out.
 _PHASES = (None, "reform", "rendezvous", "readmission", "update", "optimizer", "log", "eval", "exit-check", "save", "save-write",
            "shutdown", "setup")
-# --resihp-* settings of what only the project's own loop does (``--resihp-loop resihp``), and why.
-# (--resihp-no-standby holds on both: a rank a plan leaves out exits instead of standing by.)
-_OWN_LOOP_SETTINGS = {
-    "device_memory_gb": "it sizes the smaller TP degree a stage may run at after a failure, which "
-                        "--resihp-loop resihp only plans; this loop keeps whole replicas",
-}
 # Megatron flags whose collectives between steps a failure is not survived in yet (with --resihp-enable).
 _UNSURVIVED_BETWEEN_STEPS = {
     "check_weight_hash_across_dp_replicas_interval": ("--check-weight-hash-across-dp-replicas-interval",
@@ -73,10 +68,11 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
     for dest, (flag, what) in _UNSURVIVED_BETWEEN_STEPS.items():
         if cfg.enable and getattr(args, dest, None) not in (None, False):
             found.append(f"{flag} ({what} between steps are not survived when a rank fails there)")
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    for name, why in _OWN_LOOP_SETTINGS.items():
-        if getattr(cfg, name) != defaults[name]:
-            found.append(f"--resihp-{name.replace('_', '-')} ({why})")
+    if cfg.device_memory_gb is not None:
+        kept = "--resihp-enable is off" if not cfg.enable else tp_shrink_refused(args)
+        if kept is not None:
+            found.append(f"--resihp-device-memory-gb (it sizes the smaller TP degree a stage group that lost ranks "
+                         f"may go on at, and this job keeps every replica at its launch degree: {kept})")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
     # Every kind of injected fault runs on this loop. A ``link:`` slowdown slows its pipeline transfers

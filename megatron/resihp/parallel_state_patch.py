@@ -174,7 +174,7 @@ def _group_specs(layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
     specs: list[tuple[str, tuple[int, ...]]] = []
     dp_classes: dict[tuple, list[int]] = {}
     tp_dp_classes: dict[tuple, list[int]] = {}
-    by_position = layout.replicas_alike_but_layers()
+    by_position = layout.replicas_line_up()
     for r, replica in enumerate(layout.replicas):
         degrees = {stage.tp_degree for stage in replica.stages}
         if len(degrees) != 1:
@@ -183,7 +183,7 @@ def _group_specs(layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
                 "pipeline p2p needs one TP degree per replica, so give every stage of a replica the same TP degree"
             )
         for s, stage in enumerate(replica.stages):
-            position = (s, stage.tp_degree) if by_position else (s, stage.first_layer, stage.num_layers, stage.tp_degree)
+            position = (s,) if by_position else (s, stage.first_layer, stage.num_layers, stage.tp_degree)
             tp_dp_classes.setdefault(position, []).extend(stage.ranks)
             for t, rank in enumerate(stage.ranks):
                 dp_classes.setdefault((*position, t), []).append(rank)

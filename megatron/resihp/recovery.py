@@ -120,6 +120,7 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
                   standbys: Callable[[], tuple[int, ...]] = tuple,
                   shared: Callable[[SurvivorPlan], dict] = lambda plan: {},
                   sharded_optimizer: bool = False, part_copies: bool = False, keep_tp: bool = False,
+                  tp_descending: bool = False,
                   replica_counts: frozenset[int] | None = None) -> tuple[SurvivorPlan, frozenset[int], dict]:
     """The lowest surviving rank decides and publishes; everyone reads the same plan back.
 
@@ -136,7 +137,7 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
     if rank == leader:
         plan = plan_survivors(layout, failed, move_state=move_state, hw=hw, health=health, standbys=standbys(),
                               sharded_optimizer=sharded_optimizer, part_copies=part_copies, keep_tp=keep_tp,
-                              replica_counts=replica_counts)
+                              tp_descending=tp_descending, replica_counts=replica_counts)
         store.set(key, json.dumps({**shared(plan), "plan": plan.to_dict(), "failed": sorted(failed),
                                    "preferred": describe_preferred(failed)}))
     wait_for_keys(store, [key], wait_s)

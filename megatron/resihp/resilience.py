@@ -59,7 +59,8 @@ class ResilienceHooks:
     def __init__(self, args: argparse.Namespace, events: EventLog, objects=None,
                  build_objects: Callable | None = None, moves_state: bool = True,
                  sharded_optimizer: bool = False, cfg=None, stands_by: bool = True, stages_alike: bool = False,
-                 own_splits: bool = False, recovery_keeps_shape: bool = False, replica_counts: frozenset[int] | None = None,
+                 own_splits: bool = False, recovery_keeps_shape: bool = False, shrinks_tp: bool = False,
+                 replica_counts: frozenset[int] | None = None,
                  interleaving: Interleaving = Interleaving(), fail_slow_drops: frozenset[int] | None = None):
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
         groups (the resihp loop's ``model_builder.build_training_objects`` when None). Without
@@ -79,7 +80,9 @@ class ResilienceHooks:
         ``layer_sync``). With ``recovery_keeps_shape`` (and without ``moves_state``) a
         fail-stop plan may move state as long as every replica keeps its shape: an intact stage
         group takes a stage that is short, a standby takes a dead rank's place; no replica runs
-        at a smaller TP degree. ``replica_counts``: how many replicas the loop can split the global
+        at a smaller TP degree, unless ``shrinks_tp``: then a stage group that lost ranks may also
+        run its replica at a smaller degree, after every replica at a larger one in DP order (a loop
+        that builds each rank's model at its replica's degree). ``replica_counts``: how many replicas the loop can split the global
         batch over (None: any), which a fail-stop plan keeps to. ``interleaving``: the replicas'
         pipeline schedule, which op timings are read by and plans are priced under.
         ``fail_slow_drops`` (without ``moves_state``): the replica counts a fail-slow plan may drop
@@ -91,6 +94,7 @@ class ResilienceHooks:
         self.stages_alike = stages_alike and not moves_state
         self.own_splits = own_splits and not moves_state
         self.recovery_keeps_shape = recovery_keeps_shape and not moves_state
+        self.shrinks_tp = self.recovery_keeps_shape and shrinks_tp
         self.replica_counts = replica_counts
         self.fail_slow_drops = None if moves_state else fail_slow_drops
         self.interleaving = interleaving

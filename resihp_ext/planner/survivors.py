@@ -176,8 +176,8 @@ def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: Har
         sources, lost = {}, tuple(sorted({(layout.stage_of(r)[1], layout.tp_rank_of(r)) for r in dead}))
     if lost:
         return _sharded_state_lost(layout, dead, lost, copies)
-    plan = _plan_on(layout, dead, False, hw, health, replica_counts=replica_counts)
-    filled = _with_standbys(layout, dead, standbys, False, hw, health, replica_counts=replica_counts) \
+    plan = _plan_on(layout, dead, False, hw, health, shape=_Shape(replica_counts=replica_counts))
+    filled = _with_standbys(layout, dead, standbys, False, hw, health, _Shape(replica_counts=replica_counts)) \
         if standbys else None
     if filled is not None:  # their state is the parts: no weights move
         plan = dataclasses.replace(filled, transfers=())
@@ -192,7 +192,7 @@ def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: Har
 def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True,
                    hw: HardwareModel | None = None, health: Health | None = None,
                    standbys: tuple[int, ...] = (), sharded_optimizer: bool = False,
-                   part_copies: bool = False, keep_tp: bool = False,
+                   part_copies: bool = False, keep_tp: bool = False, tp_descending: bool = False,
                    replica_counts: frozenset[int] | None = None) -> SurvivorPlan:
     """Keep every replica none of whose ranks died, rebuild what intact stage groups allow, renumber.
 
@@ -222,6 +222,11 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
         keep_tp: no replica runs at a smaller TP degree (a loop that builds every replica from one
             model configuration, Megatron-LM's, needs them alike); groups may still take another
             stage and standbys dead ranks' places, which keep the replicas' shapes.
+        tp_descending: replicas at a smaller TP degree only ever follow those at larger ones, in
+            DP order (Megatron-LM's loop: its data-parallel rank 0 writes the checkpoint and its
+            last rank logs the loss, so the largest degree must lead and the smallest close).
+            Groups that lost ranks then run at a smaller degree only beside replicas that are all
+            at one degree, and a rebuilt replica that would follow a smaller kept one stays out.
         replica_counts: how many replicas the executor can run the global batch on (None: any). A
             plan keeps the most of those it can, leaving out rebuilt replicas first, then the last
             whole ones (their ranks become spares): under Megatron-LM's interleaved schedule, for
@@ -237,15 +242,25 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
         raise ValueError(f"dead ranks {sorted(unknown)} are not in the layout")
     if sharded_optimizer and dead:
         return _plan_with_parts(layout, frozenset(dead), part_copies, hw, health, tuple(standbys), replica_counts)
-    plain = _plan_on(layout, frozenset(dead), move_state, hw, health, keep_tp=keep_tp, replica_counts=replica_counts)
+    shape = _Shape(keep_tp, tp_descending, replica_counts)
+    plain = _plan_on(layout, frozenset(dead), move_state, hw, health, shape=shape)
     if not (standbys and move_state):
         return plain
-    return _with_standbys(layout, frozenset(dead), standbys, move_state, hw, health, keep_tp, replica_counts) or plain
+    return _with_standbys(layout, frozenset(dead), standbys, move_state, hw, health, shape) or plain
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the executor lets a fail-stop plan's replicas be (``plan_survivors``' arguments of
+    the same names)."""
+
+    keep_tp: bool = False
+    tp_descending: bool = False
+    replica_counts: frozenset[int] | None = None
 
 
 def _with_standbys(layout: Layout, dead: frozenset[int], standbys: tuple[int, ...], move_state: bool,
-                   hw: HardwareModel | None, health: Health | None, keep_tp: bool = False,
-                   replica_counts: frozenset[int] | None = None) -> SurvivorPlan | None:
+                   hw: HardwareModel | None, health: Health | None, shape: _Shape = _Shape()) -> SurvivorPlan | None:
     """The plan with ``standbys`` in the places of dead ranks (``standby_places``), or None when no
     place can be filled or the filled layout has no in-place plan."""
     places = standby_places(layout, dead, standbys)
@@ -253,8 +268,7 @@ def _with_standbys(layout: Layout, dead: frozenset[int], standbys: tuple[int, ..
         return None
     taken = frozenset(places.values())
     try:
-        plan = _plan_on(filled_layout(layout, places), dead - set(places), move_state, hw, health, taken,
-                        keep_tp=keep_tp, replica_counts=replica_counts)
+        plan = _plan_on(filled_layout(layout, places), dead - set(places), move_state, hw, health, taken, shape)
     except NoSurvivingHolder:  # a rebuilt group would need a unit only the dead held: plan without them
         return None
     if plan.action != "adapt":
@@ -263,6 +277,21 @@ def _with_standbys(layout: Layout, dead: frozenset[int], standbys: tuple[int, ..
     reason = (f"dead ranks {sorted(dead)}; standing-by ranks {joined} take the places of dead ranks "
               f"{sorted(d for d, r in places.items() if r in joined)} and receive their state; {plan.reason}")
     return dataclasses.replace(plan, filled=places, reason=reason)
+
+
+def _degree(replica: ReplicaSpec) -> int:
+    return replica.stages[0].tp_degree
+
+
+def _not_above(replicas: tuple[ReplicaSpec, ...], degree: int | None) -> tuple[ReplicaSpec, ...]:
+    """The leading ``replicas`` whose TP degrees do not rise, none above ``degree`` (None: any)."""
+    kept: list[ReplicaSpec] = []
+    for replica in replicas:
+        if degree is not None and _degree(replica) > degree:
+            break
+        kept.append(replica)
+        degree = _degree(replica)
+    return tuple(kept)
 
 
 def _within_counts(kept: tuple[int, ...], rebuilt: tuple, counts: frozenset[int]) -> tuple[tuple, tuple, int]:
@@ -276,11 +305,12 @@ def _within_counts(kept: tuple[int, ...], rebuilt: tuple, counts: frozenset[int]
 
 
 def _plan_on(layout: Layout, dead: frozenset[int], move_state: bool, hw: HardwareModel | None,
-             health: Health | None, empty: frozenset[int] = frozenset(), keep_tp: bool = False,
-             replica_counts: frozenset[int] | None = None) -> SurvivorPlan:
+             health: Health | None, empty: frozenset[int] = frozenset(), shape: _Shape = _Shape()) -> SurvivorPlan:
     """``plan_survivors`` on ``layout``, where ``empty`` ranks are live but hold no state (standbys
     placed in it): they run where the layout puts them and receive everything they hold."""
     kept = tuple(i for i, r in enumerate(layout.replicas) if not set(r.ranks) & dead)
+    if shape.tp_descending:  # largest TP degree first; ``sorted`` keeps the old order among equals
+        kept = tuple(sorted(kept, key=lambda i: -_degree(layout.replicas[i])))
     lost = [i for i in range(layout.num_replicas) if i not in kept]
     rebuilt = rebuild_replicas(layout, lost, dead)
     quotas: tuple[int, ...] = ()
@@ -290,14 +320,20 @@ def _plan_on(layout: Layout, dead: frozenset[int], move_state: bool, hw: Hardwar
     sized = layout.model.global_batch_size is not None
     if move_state:
         rebuilt += repack_replicas(layout, lost, dead, (*(layout.replicas[i] for i in kept), *rebuilt), empty)
+        if shape.tp_descending:
+            rebuilt = _not_above(rebuilt, min((_degree(layout.replicas[i]) for i in kept), default=None))
         base = (*(layout.replicas[i] for i in kept), *rebuilt)
-        shrunk = shrink_replicas(layout, lost, dead, base, hw, empty) if sized and not keep_tp else ()
+        shrinks = sized and not shape.keep_tp and not (shape.tp_descending and len({_degree(r) for r in layout.replicas}) > 1)
+        shrunk = shrink_replicas(layout, lost, dead, base, hw, empty) if shrinks else ()
+        if shape.tp_descending:
+            shrunk = _not_above(tuple(sorted(shrunk, key=lambda r: -_degree(r))),
+                                min((_degree(r) for r in base), default=None))
         if shrunk:
             shrunk, quotas = worth_adding(base, shrunk, layout.model, hw, known)
             rebuilt += shrunk
     left_out = 0
-    if replica_counts is not None:
-        kept, rebuilt, left_out = _within_counts(kept, rebuilt, replica_counts)
+    if shape.replica_counts is not None:
+        kept, rebuilt, left_out = _within_counts(kept, rebuilt, shape.replica_counts)
     continuing = (*(layout.replicas[i] for i in kept), *rebuilt)
     slowed = sorted(r for rep in continuing for r in rep.ranks if r in known.affected_ranks)
     # Standbys may restore a replica beside others reshaped before: the batch follows their speeds.

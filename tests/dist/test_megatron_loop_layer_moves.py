@@ -14,10 +14,9 @@ run with no ``--resihp-*`` flag, which saved with its even split.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.dist.launch import assert_moved_as_planned, check, decisions, read_events, run_job
-from tests.dist.megatron_jobs import job_args, logged_losses, replaced
+from tests.dist.megatron_jobs import assert_stock_training, checkpoint_tensors, job_args, logged_losses, replaced
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -29,37 +28,6 @@ ITERATIONS = 36
 def layer_job_args(tmp, name: str) -> list[str]:
     return [*replaced(job_args(tmp, name), {"--train-iters": str(ITERATIONS), "--ckpt-format": "torch_dist"}),
             "--dist-ckpt-optim-fully-reshardable", "--use-distributed-optimizer", "--sequence-parallel"]
-
-
-def checkpoint_tensors(root, scratch) -> dict[str, torch.Tensor]:
-    """Every floating-point tensor of the last ``torch_dist`` checkpoint under ``root``, whole (as
-    the model has it, whatever split saved it), by key."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    iteration = int((root / "latest_checkpointed_iteration.txt").read_text().strip())
-    flat = scratch / f"{root.name}.pt"
-    dcp_to_torch_save(root / f"iter_{iteration:07d}", flat)
-    state = torch.load(flat, map_location="cpu", weights_only=False)
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
-
-
-def assert_stock_training(stdout: str, tmp, failure_free, iterations: int) -> None:
-    """Every logged loss, and every tensor of the checkpoint saved under ``tmp / "ckpt"``, equal the
-    failure-free run's (``failure_free``: its losses and tensors)."""
-    expected, want = failure_free
-    got = logged_losses(stdout)
-    assert sorted(got) == list(range(1, iterations + 1)), stdout[-3000:]
-    for i in got:
-        assert got[i] == pytest.approx(expected[i], rel=1e-5), (i, got[i], expected[i])
-    have = checkpoint_tensors(tmp / "ckpt", tmp)
-    assert sorted(have) == sorted(want)
-    for name, value in want.items():
-        # Attention is invariant to the key part of the QKV bias, so its gradient is rounding noise,
-        # which Adam scales up towards its step size: after a move Megatron sums the gradient
-        # norm over other stages, and those elements (about 1e-6 in size) differ by about as much,
-        # while their moments agree to 1e-9.
-        atol = 1e-5 if name.endswith("linear_qkv.bias") else 1e-6
-        torch.testing.assert_close(have[name], value, rtol=1e-5, atol=atol, msg=name)
 
 
 @pytest.fixture(scope="module")

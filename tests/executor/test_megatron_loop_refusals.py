@@ -13,7 +13,8 @@ def megatron_args(**changes) -> argparse.Namespace:
     args = argparse.Namespace(use_distributed_optimizer=False, virtual_pipeline_model_parallel_size=None,
                               context_parallel_size=1, expert_model_parallel_size=1, use_megatron_fsdp=False,
                               use_torch_fsdp2=False, dataloader_type="single", num_layers=4,
-                              pipeline_model_parallel_size=2)
+                              pipeline_model_parallel_size=2, tensor_model_parallel_size=1, save=None,
+                              ckpt_format="torch_dist")
     vars(args).update({k: v for k, v in changes.items() if k != "resihp"})
     return args
 
@@ -60,6 +61,22 @@ def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
 def test_each_feature_not_carried_yet_is_named(changes, named):
     found = unsupported_flags(megatron_args(**changes), changes.get("resihp", ResiHPConfig(enable=True)))
     assert len(found) == 1 and named in found[0], found
+
+
+def test_device_memory_sizes_smaller_tp_replicas_where_a_job_may_run_them():
+    # It bounds the degree a stage group that lost ranks goes on at: accepted where fail-stop plans
+    # may run such a replica, refused with the reason where every replica keeps the launch's degree.
+    sized = ResiHPConfig(enable=True, device_memory_gb=40.0)
+    assert unsupported_flags(megatron_args(tensor_model_parallel_size=2), sized) == []
+    assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, save="ckpt"), sized) == []
+    for changes, why in (({"use_distributed_optimizer": True}, "--use-distributed-optimizer"),
+                         ({"save": "ckpt", "ckpt_format": "torch"}, "--ckpt-format torch"),
+                         ({"virtual_pipeline_model_parallel_size": 2}, "interleaved"),
+                         ({"tensor_model_parallel_size": 1}, "TP 1")):
+        found = unsupported_flags(megatron_args(**{"tensor_model_parallel_size": 2, **changes}), sized)
+        assert len(found) == 1 and "--resihp-device-memory-gb" in found[0] and why in found[0], found
+    unrecovered = unsupported_flags(megatron_args(tensor_model_parallel_size=2), ResiHPConfig(device_memory_gb=40.0))
+    assert len(unrecovered) == 1 and "--resihp-enable is off" in unrecovered[0], unrecovered
 
 
 def test_standbys_probe_where_a_re_plan_may_drop_a_slow_replica():

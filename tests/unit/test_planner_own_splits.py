@@ -23,7 +23,7 @@ def test_only_the_slowed_replica_moves_layers_and_every_stage_keeps_its_ranks():
     assert _stage_ranks(plan.layout) == _stage_ranks(LAYOUT)
     assert plan.layout.replicas[0] == LAYOUT.replicas[0]  # the healthy replica keeps its split
     assert plan.layout.replicas[1].layers_per_stage[0] < 4
-    assert plan.layout.replicas_alike_but_layers() and not plan.layout.replicas_alike()
+    assert plan.layout.replicas_line_up() and not plan.layout.replicas_alike()
     assert plan.transfers == state_moves(LAYOUT, plan.layout, frozenset(), HW)
     # A layer goes from replica 1's first stage to its second, nothing else moves.
     assert {(t.src, t.dst) for t in plan.moves} == {(2, 6), (3, 7), (2, 7)}

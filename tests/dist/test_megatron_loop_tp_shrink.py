@@ -1,0 +1,52 @@
+"""A stage group that lost a rank goes on at a smaller TP degree on Megatron-LM's own loop, 8 CPU
+ranks TP2 x PP2 x DP2 with Megatron's plain optimizer, checkpoints in ``torch_dist``.
+
+Rank 5 (replica 0, stage 1, TP rank 1) is SIGKILLed: replica 1 goes on whole, and the live ranks
+of replica 0's two stage groups run it at TP 1, each keeping its TP half of every split tensor and
+receiving the other half; the replicas' gradients are then summed layer by layer. Training stays
+what stock Megatron-LM computes: every logged loss, and every tensor of the checkpoint saved after
+the shrink (weights and Adam's moments, whole), equal a failure-free run with no ``--resihp-*``
+flag.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.launch import check, decisions, read_events, run_job
+from tests.dist.megatron_jobs import assert_stock_training, checkpoint_tensors, job_args, logged_losses, replaced
+
+mcore = pytest.importorskip("megatron.core.package_info")
+pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
+                                reason="Megatron-LM's training package ships in megatron-core 0.19.2 (Python >= 3.12)")
+
+ITERATIONS = 8
+
+
+def shrink_job_args(tmp, name: str) -> list[str]:
+    return replaced(job_args(tmp, name), {"--ckpt-format": "torch_dist"})
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp_shrink_failure_free")
+    proc = run_job(8, shrink_job_args(tmp, "ckpt"), timeout_s=420)
+    check(proc)
+    return logged_losses(proc.stdout), checkpoint_tensors(tmp / "ckpt", tmp)
+
+
+def test_a_tp_group_that_lost_a_rank_goes_on_at_tp_1_beside_the_whole_replica_exactly(tmp_path, failure_free):
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*shrink_job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
+                       "--resihp-event-log", str(events), "--resihp-inject", "kill:rank=5,at=4"], timeout_s=420)
+    check(proc)
+    assert "a stage group that lost ranks going on at a smaller TP degree" in proc.stdout, proc.stdout[-3000:]
+    executed = read_events(events, "plan")[-1]["executed"]
+    assert executed["kept_replicas"] == [1], decisions(events)
+    assert [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[[0], [4]]], executed
+    quotas = executed["quotas"]
+    assert sum(quotas) == 8 and quotas[0] > quotas[1] >= 1, quotas  # the TP-1 replica is the slower
+    assert "launch rank 1 is a spare" in proc.stdout + proc.stderr
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 6)], adapted
+    assert_stock_training(proc.stdout, tmp_path, failure_free, ITERATIONS)

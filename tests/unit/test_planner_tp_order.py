@@ -1,0 +1,81 @@
+"""Fail-stop plans whose replicas keep TP degrees in descending DP order (``plan_survivors(...,
+tp_descending=True)``, what Megatron-LM's loop runs a smaller-TP replica under)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
+from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.survivors import continuing_layout, plan_survivors, surviving_layout
+
+MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
+                  seq_length=64, micro_batch_size=2, global_batch_size=16)
+# Compute dwarfs the gradient sync, as in the tiny CPU jobs: a smaller-TP replica is worth adding.
+HW = HardwareModel(layer_forward_s=0.01, output_forward_s=0.005, tp_efficiency=1.0)
+
+
+def _degrees(layout: Layout) -> list[int]:
+    return [r.stages[0].tp_degree for r in layout.replicas]
+
+
+def _replica(*stage_ranks: tuple[int, ...]) -> ReplicaSpec:
+    per = MODEL.num_layers // len(stage_ranks)
+    return ReplicaSpec(tuple(StageSpec(i * per, per, ranks) for i, ranks in enumerate(stage_ranks)))
+
+
+def test_a_uniform_job_shrinks_a_broken_replica_after_the_whole_one():
+    # Kill 5 of TP2 x PP2 x DP2: replica 1 goes on whole and ranks 0 and 4 of replica 0 run it at TP 1,
+    # after it in DP order; rank 1 is a spare.
+    layout = Layout.uniform(MODEL, 2, 2, 2)
+    plan = plan_survivors(layout, frozenset({5}), hw=HW, tp_descending=True)
+    assert plan.kept_replicas == (1,)
+    assert [[s.ranks for s in r.stages] for r in plan.rebuilt_replicas] == [[(0,), (4,)]]
+    assert plan.spares == (1,)
+    assert _degrees(continuing_layout(layout, plan)) == [2, 1]
+    assert plan == plan_survivors(layout, frozenset({5}), hw=HW)  # already in order: the same plan
+
+
+def test_a_job_already_mixing_degrees_shrinks_no_further():
+    # Replica 0 at TP 2, replica 1 at TP 1 (an earlier shrink). Rank 1 of replica 0 dies: its live rank 0
+    # could run stage 0 at TP 1 with rank 2 beside it, but a third degree order is not kept, so only
+    # replica 1 goes on.
+    layout = Layout((_replica((0, 1), (2, 3)), _replica((4,), (5,))), MODEL)
+    free = plan_survivors(layout, frozenset({1}), hw=HW)
+    assert free.rebuilt_replicas  # without the rule, a TP-1 replica from ranks 0 and 2
+    plan = plan_survivors(layout, frozenset({1}), hw=HW, tp_descending=True)
+    assert plan.kept_replicas == (1,) and plan.rebuilt_replicas == ()
+    assert set(plan.spares) == {0, 2, 3}
+
+
+def test_a_larger_replica_rebuilt_behind_a_smaller_kept_one_stays_out():
+    # Replicas at TP 2, 1 and 2. Ranks 3 and 10 die: replicas 0 and 2 break, and their intact stage-0
+    # groups (0, 1) and (8, 9) could make a TP-2 replica, one taking stage 1. It would follow the kept
+    # TP-1 replica, so it stays out; the kept one goes on alone.
+    layout = Layout((_replica((0, 1), (2, 3)), _replica((4,), (5,)), _replica((8, 9), (10, 11))), MODEL)
+    free = plan_survivors(layout, frozenset({3, 10}), hw=HW)
+    assert [r.stages[0].tp_degree for r in free.rebuilt_replicas][:1] == [2]
+    plan = plan_survivors(layout, frozenset({3, 10}), hw=HW, tp_descending=True)
+    assert plan.action == "adapt" and plan.kept_replicas == (1,) and plan.rebuilt_replicas == ()
+
+
+def test_kept_replicas_lead_by_degree():
+    # Replicas at TP 1 and 2 (in that order), and a third at TP 2 that dies whole: the TP-2 one leads.
+    layout = Layout((_replica((0,), (1,)), _replica((2, 3), (4, 5)), _replica((6, 7), (8, 9))), MODEL)
+    plan = plan_survivors(layout, frozenset({6, 7, 8, 9}), hw=HW, tp_descending=True)
+    assert plan.kept_replicas == (1, 0)
+    assert _degrees(continuing_layout(layout, plan)) == [2, 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(tp=st.sampled_from([2, 4]), pp=st.sampled_from([1, 2]), dp=st.integers(1, 3), data=st.data())
+def test_every_plan_keeps_degrees_descending_through_kills(tp, pp, dp, data):
+    layout = Layout.uniform(MODEL, tp, pp, dp)
+    for _ in range(3):
+        dead = frozenset(data.draw(st.sets(st.sampled_from(layout.world_ranks), min_size=1, max_size=2)))
+        plan = plan_survivors(layout, dead, hw=HW, tp_descending=True)
+        if plan.action != "adapt":
+            return
+        layout = surviving_layout(layout, plan)
+        degrees = _degrees(layout)
+        assert degrees == sorted(degrees, reverse=True), degrees
+        assert len(plan.quotas) in (0, len(layout.replicas))
