@@ -106,7 +106,8 @@ def _runs_at(degree: int, stage: StageSpec, position: int, num_stages: int, mode
 
 
 def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], continuing: tuple[ReplicaSpec, ...],
-                    hw: HardwareModel, empty: frozenset[int] = frozenset()) -> tuple[ReplicaSpec, ...]:
+                    hw: HardwareModel, empty: frozenset[int] = frozenset(),
+                    slow: frozenset[int] = frozenset()) -> tuple[ReplicaSpec, ...]:
     """Further replicas from the live ranks left in broken replicas' stage groups, at a smaller TP degree.
 
     Each stage of such a replica is run by ranks of one old group (so no TP group spans new
@@ -119,13 +120,15 @@ def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], con
     stay available, so one old group can serve several replicas (a TP-4 group that lost a rank
     gives a TP-2 replica its stage and a TP-1 replica too). A replica is made while groups are
     left for every stage of a broken replica's shape and some survivor holds its whole state
-    (``empty``: live ranks that hold none, standbys taken back, used after a group's other ranks).
+    (``empty``: live ranks that hold none, standbys taken back, used after a group's other ranks;
+    ``slow``: ranks known to be slow, used after a group's healthy ones).
     """
     used = {r for replica in continuing for r in replica.ranks}
     pool: list[tuple[tuple[int, int], tuple[int, ...]]] = []  # (layers held, live unused ranks)
     for i in broken:
         for stage in layout.replicas[i].stages:
-            ranks = tuple(sorted((r for r in stage.ranks if r not in dead and r not in used), key=lambda r: r in empty))
+            ranks = tuple(sorted((r for r in stage.ranks if r not in dead and r not in used),
+                                 key=lambda r: (r in empty, r in slow)))
             if ranks:
                 pool.append(((stage.first_layer, stage.num_layers), ranks))
 

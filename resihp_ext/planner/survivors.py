@@ -324,7 +324,7 @@ def _plan_on(layout: Layout, dead: frozenset[int], move_state: bool, hw: Hardwar
             rebuilt = _not_above(rebuilt, min((_degree(layout.replicas[i]) for i in kept), default=None))
         base = (*(layout.replicas[i] for i in kept), *rebuilt)
         shrinks = sized and not shape.keep_tp and not (shape.tp_descending and len({_degree(r) for r in layout.replicas}) > 1)
-        shrunk = shrink_replicas(layout, lost, dead, base, hw, empty) if shrinks else ()
+        shrunk = shrink_replicas(layout, lost, dead, base, hw, empty, known.affected_ranks) if shrinks else ()
         if shape.tp_descending:
             shrunk = _not_above(tuple(sorted(shrunk, key=lambda r: -_degree(r))),
                                 min((_degree(r) for r in base), default=None))

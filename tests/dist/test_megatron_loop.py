@@ -116,16 +116,19 @@ def test_megatron_example_script_runs_to_its_last_iteration(tmp_path, flags, las
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
 
 
-@pytest.mark.parametrize("flags", [gpt3_175b_args, llama3_8b_fp8_args], ids=["gpt3_175b_distributed", "llama3_8b_h100_fp8"])
-def test_megatron_example_script_with_resilience_survives_a_sigkilled_rank_in_place(tmp_path, flags):
+@pytest.mark.parametrize("flags, world", [(gpt3_175b_args, 6), (llama3_8b_fp8_args, 4)],
+                         ids=["gpt3_175b_distributed", "llama3_8b_h100_fp8"])
+def test_megatron_example_script_with_resilience_survives_a_sigkilled_rank_in_place(tmp_path, flags, world):
     """The same flag sets with ``--resihp-enable`` added (Megatron-LM's loop is the default for resilient jobs
-    too): rank 5, SIGKILLed in iteration 4, is survived in place, and the job runs to its last iteration."""
+    too): rank 5, SIGKILLed in iteration 4, is survived in place, and the job runs to its last iteration.
+    Replica 1 goes on whole; under the gpt3 script's plain optimizer ranks 0 and 4 of replica 0 go on
+    beside it at TP 1 (world 6), under the llama script's distributed optimizer replica 1 alone (world 4)."""
     events = tmp_path / "events.jsonl"
     proc = run_job(8, [*flags(tmp_path), "--resihp-enable", "--resihp-event-log", str(events),
                        "--resihp-inject", "kill:rank=5,at=4"], timeout_s=420)
     check(proc)
     adapted = read_events(events, "adapted")
-    assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [5])], adapted
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, world, [5])], adapted
     assert sorted(int(i) for i in _ITERATION.findall(proc.stdout)) == list(range(1, 7)), proc.stdout[-3000:]
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 

@@ -108,7 +108,9 @@ def test_a_slow_first_stage_of_one_replica_gives_a_layer_to_its_next_stage_alone
     # Rank 2 is the first TP rank of replica 1's stage 0, slowed 3x from iteration 5: replica 1
     # moves a layer to its second stage, replica 0 keeps the launch's split, and the replicas'
     # gradients are then summed layer by layer, not by megatron-core's DDP over equal buffers.
-    # Rank 7 (replica 1's last stage) SIGKILLed later: replica 0 goes on alone.
+    # Rank 7 (replica 1's last stage) SIGKILLed later: replica 0 goes on whole, and replica 1 goes on
+    # at TP 1 in its own split, its stage 0 run by rank 3 (rank 2 is known slow and stands by), without
+    # sequence parallelism, which needs a TP group of two.
     events = tmp_path / "events.jsonl"
     proc = run_job(8, [*own_split_job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
                        "--resihp-event-log", str(events), "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
@@ -122,6 +124,8 @@ def test_a_slow_first_stage_of_one_replica_gives_a_layer_to_its_next_stage_alone
     assert moved[0]["layers_per_replica"][1][0] < 2 and moved[0]["iteration"] < 18, decisions(events)
     assert_moved_as_planned(events)
     after = read_events(events, "adapted")[-1]
-    assert after["iteration"] == 18 and after["world_size"] == 4 and after["layers_per_replica"] == [[2, 2]], \
-        decisions(events)
+    assert after["iteration"] == 18 and after["world_size"] == 6, decisions(events)
+    assert after["layers_per_replica"] == [[2, 2], moved[0]["layers_per_replica"][1]], decisions(events)
+    executed = read_events(events, "plan")[-1]["executed"]
+    assert [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[[3], [6]]], executed
     assert_stock_training(proc.stdout, tmp_path, own_split_failure_free, OWN_SPLIT_ITERATIONS)

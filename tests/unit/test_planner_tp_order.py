@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
 from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.health import Health
 from resihp_ext.planner.survivors import continuing_layout, plan_survivors, surviving_layout
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
@@ -33,6 +34,15 @@ def test_a_uniform_job_shrinks_a_broken_replica_after_the_whole_one():
     assert plan.spares == (1,)
     assert _degrees(continuing_layout(layout, plan)) == [2, 1]
     assert plan == plan_survivors(layout, frozenset({5}), hw=HW)  # already in order: the same plan
+
+
+def test_a_known_slow_rank_is_the_last_of_its_group_to_run_a_smaller_replica():
+    # Rank 2 (replica 1, stage 0) is known 3x slow when rank 7 dies: of its group, healthy rank 3
+    # runs stage 0 of the TP-1 replica, and the batch splits by speed.
+    layout = Layout.uniform(MODEL, 2, 2, 2)
+    plan = plan_survivors(layout, frozenset({7}), hw=HW, health=Health(speed={2: 1 / 3}), tp_descending=True)
+    assert [[s.ranks for s in r.stages] for r in plan.rebuilt_replicas] == [[(3,), (6,)]]
+    assert plan.spares == (2,)
 
 
 def test_a_job_already_mixing_degrees_shrinks_no_further():
