@@ -72,6 +72,7 @@ def plan_readmission(
     current_quotas: Sequence[int],
     horizon_iters: int,
     alike: bool = False,
+    tp_descending: bool = False,
 ) -> Readmission:
     """Whether to take back the standbys in ``ready``, and the grown layout if so.
 
@@ -87,6 +88,9 @@ def plan_readmission(
         alike: every replica must hold one layer split (an executor that builds every replica
             from one model definition): a restored replica takes the running replicas' split
             rather than its launch one.
+        tp_descending: replicas at a smaller TP degree only ever follow those at larger ones
+            (``survivors.plan_survivors``' rule of the same name). The standbys take the ranks after
+            the working ones, so a restored replica may not run at a larger degree than a working one.
 
     Returns:
         A ``Readmission``; "keep" with the reason when no launch replica can be restored or
@@ -118,6 +122,11 @@ def plan_readmission(
                 and _restorable(rep, working, ready, current)]
     if alike and current:
         restored = [replica_with_split(rep, current[0].layers_per_stage) for rep in restored]
+    if tp_descending and current:
+        smallest = min(rep.stages[0].tp_degree for rep in current)
+        if any(rep.stages[0].tp_degree > smallest for rep in restored):
+            return keep(f"a launch replica restored from standbys {sorted(ready)} would follow a working replica at "
+                        f"TP {smallest}, a smaller degree than its own")
     if not restored:
         return keep(f"standbys {sorted(ready)} complete no launch replica beside the working ones")
     replicas: list[ReplicaSpec] = []

@@ -1,5 +1,6 @@
-"""Fail-stop plans whose replicas keep TP degrees in descending DP order (``plan_survivors(...,
-tp_descending=True)``, what Megatron-LM's loop runs a smaller-TP replica under)."""
+"""Plans whose replicas keep TP degrees in descending DP order (``plan_survivors(...,
+tp_descending=True)`` and ``plan_readmission(..., tp_descending=True)``, what Megatron-LM's loop
+runs a smaller-TP replica under)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -7,6 +8,7 @@ from hypothesis import strategies as st
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
+from resihp_ext.planner.readmission import plan_readmission
 from resihp_ext.planner.survivors import continuing_layout, plan_survivors, surviving_layout
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
@@ -89,3 +91,17 @@ def test_every_plan_keeps_degrees_descending_through_kills(tp, pp, dp, data):
         degrees = _degrees(layout)
         assert degrees == sorted(degrees, reverse=True), degrees
         assert len(plan.quotas) in (0, len(layout.replicas))
+
+
+def test_standbys_restore_no_replica_at_a_larger_degree_behind_a_smaller_one():
+    # Launched TP2 x PP2 x DP3; replica 2 was dropped (its ranks 4, 5, 10, 11 stand by) and replica 1
+    # runs at TP 1 on launch ranks 2 and 8. Restoring replica 2 at TP 2 would put it behind the TP-1
+    # replica in rank order: with the rule the standbys stay out, saying why.
+    launch = Layout.uniform(MODEL, 2, 2, 3)
+    layout = Layout((_replica((0, 1), (3, 4)), _replica((2,), (5,))), MODEL)
+    identity = (0, 1, 2, 6, 7, 8)
+    ready = {4: 1.0, 5: 1.0, 10: 1.0, 11: 1.0}
+    free = plan_readmission(layout, identity, launch, ready, Health(), HW, (5, 3), 100)
+    assert free.plan.action == "adapt"
+    kept = plan_readmission(layout, identity, launch, ready, Health(), HW, (5, 3), 100, tp_descending=True)
+    assert kept.plan.action == "keep" and "TP 1" in kept.plan.reason, kept.plan.reason
