@@ -23,7 +23,7 @@ def _loop_data(datasets, built):
 
 ARGS = types.SimpleNamespace(micro_batch_size=2, consumed_valid_samples=24, data_parallel_size=2, global_batch_size=16,
                              eval_global_batch_size=16, eval_micro_batch_size=2)
-EVEN = types.SimpleNamespace(quotas=(4, 4), replica=0, objects=types.SimpleNamespace(chunks=("chunk",)))
+EVEN = types.SimpleNamespace(quotas=(4, 4), replica=0, tp_rank=0, objects=types.SimpleNamespace(chunks=("chunk",)))
 
 
 def test_before_a_re_form_every_evaluation_reads_megatrons_own_iterator():
@@ -47,6 +47,14 @@ def test_after_a_re_form_each_set_is_read_from_its_own_rebuilt_loader():
     assert next(data.eval_iterator(test)) == "test@0"
 
 
+def test_a_rank_other_than_its_groups_tp_rank_0_builds_no_loader():
+    # It may hold the datasets (opened for a later TP-1 replica), but TP rank 0 reads for its group.
+    built = []
+    data = _loop_data(["train", "valid", "test"], built)
+    data.rebuild(ARGS, types.SimpleNamespace(quotas=(4, 4), replica=0, tp_rank=1, objects=EVEN.objects), consumed=96)
+    assert built == [] and data.train_iterator is None
+
+
 def test_a_quota_change_rebuilds_training_only_and_a_missing_set_stays_megatrons():
     built = []
     data = _loop_data(["train", "valid", None], built)
@@ -64,7 +72,7 @@ def test_under_the_interleaved_schedule_each_model_chunk_reads_its_own_rebuilt_l
     data = _loop_data(["train0", "valid0", "test0", "train1", "valid1", "test1"], built)
     valid, test = [iter([]), iter([])], [iter([]), iter([])]
     data.loop_valid = valid
-    two_chunks = types.SimpleNamespace(quotas=(4, 4), replica=1, objects=types.SimpleNamespace(chunks=("c0", "c1")))
+    two_chunks = types.SimpleNamespace(quotas=(4, 4), replica=1, tp_rank=0, objects=types.SimpleNamespace(chunks=("c0", "c1")))
     data.rebuild(ARGS, two_chunks, consumed=96)
     assert built == [("train0", 96), ("train1", 96), ("valid0", 24), ("valid1", 24), ("test0", 0), ("test1", 0)]
     assert [next(it) for it in data.train_iterator] == ["train0@96", "train1@96"]
@@ -90,7 +98,7 @@ def test_replicas_that_do_not_split_the_evaluation_batch_evenly_each_read_their_
             data.built(dataset)
         valid, test = iter([]), iter([])
         data.loop_valid = valid
-        run = types.SimpleNamespace(quotas=(3, 3, 2), replica=replica, objects=types.SimpleNamespace(chunks=("c",)))
+        run = types.SimpleNamespace(quotas=(3, 3, 2), replica=replica, tp_rank=0, objects=types.SimpleNamespace(chunks=("c",)))
         data.rebuild(args, run, consumed=48)
         quota = run.quotas[replica]
         read[replica] = {name: [int(next(it)) for _ in range(quota)]
