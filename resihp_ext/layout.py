@@ -11,6 +11,8 @@ front end's job; nothing here imports ``megatron`` or ``torch.distributed``.
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import Any, Iterable, Mapping
@@ -319,6 +321,25 @@ class Layout:
         whatever TP degree: their ranks then line up in megatron-core's data-parallel groups by
         (stage, TP rank), a replica at a smaller degree having no rank at the larger TP ranks."""
         return len({r.num_stages for r in self.replicas}) == 1
+
+    def tp_degrees_descend(self) -> bool:
+        """Whether replicas at a smaller TP degree follow those at larger ones in rank order: at
+        every stage each rank of a replica at a larger degree comes before every rank of one at a
+        smaller degree, and the world's last rank runs at the smallest degree. Megatron-core's
+        data-parallel groups (by stage and TP rank, sorted) then have a largest-degree rank first
+        (rank 0 writes the checkpoint) and the last rank's group holds every replica (it logs the
+        loss). True where every replica runs at one degree."""
+        degree = [r.stages[0].tp_degree for r in self.replicas]
+        if len(set(degree)) <= 1:
+            return True
+        if not self.replicas_line_up():
+            return False
+        for s in range(self.replicas[0].num_stages):
+            for a, b in itertools.permutations(range(len(self.replicas)), 2):
+                if degree[a] > degree[b] and max(self.replicas[a].stages[s].ranks) > min(self.replicas[b].stages[s].ranks):
+                    return False
+        last = self.replica_of(max(self.world_ranks))
+        return degree[last] == min(degree)
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:

@@ -5,9 +5,10 @@ decision (``resihp_ext.planner.fail_slow.decide_fail_slow``, pure and determinis
 same gathered observations), so no agreement round is needed; a plan that keeps every rank asks
 the life cycle (``reconfigure.apply``) for a SAME-world change, one that leaves ranks out for a
 SHRINK change whose leavers stand by (``standby.py``) or exit. Quotas alone change in place.
-Megatron's loop, which keeps every replica's ranks and TP groups, is offered quotas, a layer
-split of each replica's own (``own_splits``) or, where the job's features need replicas alike, one
-split for every replica (``stages_alike``), and dropping slow replicas whole (``fail_slow_drops``).
+Megatron's loop, which keeps every replica's ranks, is offered quotas, a layer split of each
+replica's own (``own_splits``) or, where the job's features need replicas alike, one split for
+every replica (``stages_alike``), slow ranks left out of their TP groups where a replica may run at
+a smaller TP degree (``shrinks_tp``), and dropping slow replicas whole (``fail_slow_drops``).
 It never builds a group, a model or a world itself.
 
 A re-plan that kept every rank is then on trial (``resihp_ext.planner.adaptation_check``): the
@@ -32,6 +33,7 @@ from resihp_ext.faults import FaultKind
 from resihp_ext.layout import Layout
 from resihp_ext.planner.adaptation_check import AdaptationTrial, RejectedPlans
 from resihp_ext.planner.fail_slow import decide_fail_slow
+from resihp_ext.planner.survivors import megatron_order
 from resihp_ext.shard_map import transfers as shard_transfers
 
 # Iterations before a re-plan whose median is the time it is judged against: the verdict comes a few
@@ -83,9 +85,10 @@ class FailSlowReplan:
         decision = decide_fail_slow(run.layout, host.known_health, verdicts, host.calibrated_hardware(),
                                     list(run.quotas), max(host.args.train_iters - iteration, 1), host.launch_shape,
                                     rejected=self.rejected, misjudge=self._misjudge(),
-                                    stages_fixed=not (host.moves_state or host.stages_alike or host.own_splits),
-                                    stages_alike=host.stages_alike, ranks_fixed=host.own_splits,
-                                    drop_to=host.fail_slow_drops)
+                                    stages_fixed=not (host.moves_state or host.stages_alike or host.own_splits
+                                                      or host.shrinks_tp),
+                                    stages_alike=host.stages_alike, ranks_fixed=host.own_splits or host.shrinks_tp,
+                                    tp_exclusion=host.shrinks_tp, drop_to=host.fail_slow_drops)
         plan, host.known_health = decision.plan, decision.known
         # Kept across the detector's reset below.
         host.live.detector.expect(decision.expected.slow_factors, decision.expected.bursts)
@@ -185,7 +188,9 @@ class FailSlowReplan:
                                   new_layout=new_layout, transfers=tuple(transfers))
             host.commit(apply(change, run, host), world_changed=False)
             return host.run
-        kept = sorted(new_layout.world_ranks)
+        # Megatron-LM's loop numbers the replicas in the plan's order (largest TP degree first where a
+        # slow rank left its group: ``Layout.tp_degrees_descend``); otherwise the kept ranks keep theirs.
+        kept = megatron_order(new_layout.replicas) if host.shrinks_tp else sorted(new_layout.world_ranks)
         dense = {old: new for new, old in enumerate(kept)}
         # A world number no earlier one used; the leavers' standbys keep it too.
         run = run.replace(generation=run.generation + 1)

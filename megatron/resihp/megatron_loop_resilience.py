@@ -396,9 +396,13 @@ class ResilientMegatronLoop:
         if dist.get_rank() == dist.get_world_size() - 1:
             on = "on" if self.hooks.can_recover else "off (--resihp-enable turns it on)"
             kept, alike = layer_moves_refused(args), own_splits_refused(args)
+            excluded = self.cfg.enable and self.hooks.shrinks_tp
             replans = "off" if not self.cfg.enable else "of the micro-batch split" + (
-                f" only (layers stay on their stages: {kept})" if kept else " and of the layers per stage" + (
+                f"{'' if excluded else ' only'} (layers stay on their stages: {kept})" if kept
+                else " and of the layers per stage" + (
                     f", one split for every replica ({alike})" if alike else ", a split of each replica's own"))
+            if excluded:
+                replans += ", and a very slow rank left out of its TP group (its replica at a smaller degree)"
             if self.hooks.can_recover:
                 narrower = tp_shrink_refused(args)
                 on += (", a stage group that lost ranks going on at a smaller TP degree" if narrower is None

@@ -111,7 +111,7 @@ def decide_fail_slow(layout: Layout, known: Health, verdicts: Sequence[Verdict],
                      quotas: Sequence[int], horizon_iters: int, launch_shape: tuple,
                      rejected: RejectedPlans = RejectedPlans(),
                      misjudge: Mapping[int, float] | None = None, stages_fixed: bool = False,
-                     stages_alike: bool = False, ranks_fixed: bool = False,
+                     stages_alike: bool = False, ranks_fixed: bool = False, tp_exclusion: bool = False,
                      drop_to: Iterable[int] | None = None) -> FailSlowDecision:
     """Plan for ``verdicts`` on top of every slowdown already ``known``.
 
@@ -139,6 +139,8 @@ def decide_fail_slow(layout: Layout, known: Health, verdicts: Sequence[Verdict],
             (``plan_adaptation``'s ``stages_alike``).
         ranks_fixed: quotas and each replica's own layer split may change, its ranks and TP groups
             kept (``plan_adaptation``'s ``ranks_fixed``).
+        tp_exclusion: with ``ranks_fixed``, slow ranks may also leave their TP groups, replicas then
+            listed in descending TP degree (``plan_adaptation``'s ``tp_exclusion``).
         drop_to: with any of these flags, the replica counts affected replicas may be dropped down to
             (``plan_adaptation``'s ``drop_to``; None: none is dropped).
 
@@ -156,7 +158,7 @@ def decide_fail_slow(layout: Layout, known: Health, verdicts: Sequence[Verdict],
                            horizon_iters=horizon_iters, uniform_tp_per_replica=True,
                            reshaped=[r for r, rep in enumerate(layout.replicas) if replica_shape(rep) != launch_shape],
                            stages_fixed=stages_fixed, stages_alike=stages_alike, ranks_fixed=ranks_fixed,
-                           drop_to=drop_to)
+                           tp_exclusion=tp_exclusion, drop_to=drop_to)
     expected = known
     shares = [v.slow_share for v in verdicts if v.intermittent]
     if shares:

@@ -53,6 +53,7 @@ class _Candidate:
 def _replica_candidates(
     layout: Layout, index: int, health: Health, hw: HardwareModel, num_microbatches: int,
     uniform_tp: bool = False, stages_fixed: bool = False, may_drop: bool = True, ranks_fixed: bool = False,
+    tp_exclusion: bool = False,
 ) -> list[_Candidate]:
     model = layout.model
     rep = layout.replicas[index]
@@ -70,10 +71,11 @@ def _replica_candidates(
         if not found:
             return out
         per_stage.append(found)
-    variants = {} if ranks_fixed else {
-        "TP exclusion": [c[0] for c in per_stage],
-        "widest TP": [max(c, key=lambda x: (x.tp_degree, x.score)) for c in per_stage],
-    }
+    variants = {}
+    if not ranks_fixed or tp_exclusion:  # each stage keeps ranks of its own group, maybe fewer
+        variants["TP exclusion"] = [c[0] for c in per_stage]
+    if not ranks_fixed:
+        variants["widest TP"] = [max(c, key=lambda x: (x.tp_degree, x.score)) for c in per_stage]
     if not has_dead:
         current = []
         for p, st in enumerate(rep.stages):
@@ -136,6 +138,7 @@ def plan_adaptation(
     stages_fixed: bool = False,
     stages_alike: bool = False,
     ranks_fixed: bool = False,
+    tp_exclusion: bool = False,
     drop_to: Iterable[int] | None = None,
 ) -> Plan:
     """Re-plan ``layout`` for ``health``: the ResiHP policy.
@@ -162,6 +165,11 @@ def plan_adaptation(
             take a layer split of its own, and quotas change (what an executor that builds each
             replica's model from its own split, but cannot change a TP group, runs). ``stages_fixed``
             and ``stages_alike`` take precedence.
+        tp_exclusion: with ``ranks_fixed``, an affected replica may also leave slow ranks out of
+            its stages' TP groups (one degree for the whole replica, each stage on ranks of its own
+            group), the ranks left out leaving the layout; the new layout then lists its replicas
+            in descending TP degree (an executor that numbers them in that order keeps
+            ``Layout.tp_degrees_descend``).
         drop_to: with ``stages_fixed``, ``stages_alike`` or ``ranks_fixed``, the replica counts the
             executor can run: affected replicas may then be dropped whole down to one of them, their ranks left
             out (None: no replica is dropped). Without any of them replicas may always be dropped.
@@ -214,7 +222,7 @@ def plan_adaptation(
         if r in affected:
             options.append(_replica_candidates(layout, r, health, hw, num_mb, uniform_tp_per_replica, stages_fixed,
                                                may_drop=not restricted or drop_counts is not None,
-                                               ranks_fixed=own_splits))
+                                               ranks_fixed=own_splits, tp_exclusion=own_splits and tp_exclusion))
             continue
         key = tuple((st.num_layers, st.tp_degree) for st in rep.stages)
         if key not in shared:
@@ -305,6 +313,11 @@ def plan_adaptation(
     _, combo, chosen, kept, quotas, _, _, after_s = best
     notes = [f"replica {r}: {_describe(layout.replicas[r], c, health)}" for r, c in zip(aff, combo)]
     new_layout = layout if not any(c.changed for c in chosen) else layout.with_replicas(c.replica for c in kept)
+    if own_splits and tp_exclusion and new_layout is not layout:
+        # Largest TP degree first (``sorted`` keeps the order among equals), each quota with its replica.
+        order = sorted(range(len(kept)), key=lambda i: -kept[i].replica.stages[0].tp_degree)
+        new_layout = layout.with_replicas(kept[i].replica for i in order)
+        quotas = tuple(quotas[i] for i in order)
     return _conclude(layout, new_layout, quotas, after_s, health, hw, before_s=before_s, quotas_now=quotas_now,
                      horizon_iters=horizon_iters, notes=notes)
 

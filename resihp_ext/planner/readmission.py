@@ -88,9 +88,11 @@ def plan_readmission(
         alike: every replica must hold one layer split (an executor that builds every replica
             from one model definition): a restored replica takes the running replicas' split
             rather than its launch one.
-        tp_descending: replicas at a smaller TP degree only ever follow those at larger ones
-            (``survivors.plan_survivors``' rule of the same name). The standbys take the ranks after
-            the working ones, so a restored replica may not run at a larger degree than a working one.
+        tp_descending: replicas at a smaller TP degree only ever follow those at larger ones in
+            rank order (``Layout.tp_degrees_descend``; ``survivors.plan_survivors``' rule of the same
+            name). The standbys take the ranks after the working ones, so a replica they restore
+            whole beside one at a smaller degree would break it; one restored in the place of a
+            smaller replica of its own ranks need not.
 
     Returns:
         A ``Readmission``; "keep" with the reason when no launch replica can be restored or
@@ -122,11 +124,6 @@ def plan_readmission(
                 and _restorable(rep, working, ready, current)]
     if alike and current:
         restored = [replica_with_split(rep, current[0].layers_per_stage) for rep in restored]
-    if tp_descending and current:
-        smallest = min(rep.stages[0].tp_degree for rep in current)
-        if any(rep.stages[0].tp_degree > smallest for rep in restored):
-            return keep(f"a launch replica restored from standbys {sorted(ready)} would follow a working replica at "
-                        f"TP {smallest}, a smaller degree than its own")
     if not restored:
         return keep(f"standbys {sorted(ready)} complete no launch replica beside the working ones")
     replicas: list[ReplicaSpec] = []
@@ -141,6 +138,9 @@ def plan_readmission(
     to_new = {launch: rank for rank, launch in enumerate(identity)}
     to_new.update({launch: len(identity) + i for i, launch in enumerate(joiners)})
     grown = Layout(tuple(rep.relabel(to_new) for rep in replicas), layout.model)
+    if tp_descending and not grown.tp_degrees_descend():
+        return keep(f"standbys {sorted(ready)} would restore a launch replica after one at a smaller TP degree "
+                    f"in rank order (the standbys take the ranks after the working ones)")
     grown_health = health.updated(Health(speed={to_new[r]: 1.0 / ready[r] for r in joiners}))
     quotas, after_s = speed_quotas(grown, grown_health, hw, num_mb)
     transfers = state_moves(layout, grown, grown_health.dead, hw)

@@ -1,12 +1,16 @@
-"""A stage group that lost a rank goes on at a smaller TP degree on Megatron-LM's own loop, 8 CPU
-ranks TP2 x PP2 x DP2 with Megatron's plain optimizer, checkpoints in ``torch_dist``.
+"""Replicas at a smaller TP degree on Megatron-LM's own loop, with Megatron's plain optimizer and
+checkpoints in ``torch_dist``: after a failure, and around a very slow rank.
 
-Rank 5 (replica 0, stage 1, TP rank 1) is SIGKILLed: replica 1 goes on whole, and the live ranks
+On 8 CPU ranks, TP2 x PP2 x DP2, rank 5 (replica 0, stage 1, TP rank 1) is SIGKILLed: replica 1 goes on whole, and the live ranks
 of replica 0's two stage groups run it at TP 1, each keeping its TP half of every split tensor and
 receiving the other half; the replicas' gradients are then summed layer by layer. Training stays
 what stock Megatron-LM computes: every logged loss, and every tensor of the checkpoint saved after
 the shrink (weights and Adam's moments, whole), equal a failure-free run with no ``--resihp-*``
 flag.
+
+On 4 CPU ranks, TP2 x DP2: a very slow rank leaves its TP group, its replica going on at TP 1 and
+after the other in Megatron's rank order, and rejoins once healthy, training equal to stock
+Megatron-LM's as above.
 """
 
 from __future__ import annotations
@@ -50,3 +54,38 @@ def test_a_tp_group_that_lost_a_rank_goes_on_at_tp_1_beside_the_whole_replica_ex
     adapted = read_events(events, "adapted")
     assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 6)], adapted
     assert_stock_training(proc.stdout, tmp_path, failure_free, ITERATIONS)
+
+
+EXCLUSION_ITERATIONS = 24
+
+
+def exclusion_job_args(tmp, name: str) -> list[str]:
+    """TP2 x DP2 (PP 1) on 4 ranks, Megatron's plain optimizer, saved in ``torch_dist``."""
+    return replaced(job_args(tmp, name), {"--ckpt-format": "torch_dist", "--pipeline-model-parallel-size": "1",
+                                          "--train-iters": str(EXCLUSION_ITERATIONS)})
+
+
+@pytest.fixture(scope="module")
+def exclusion_failure_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp_exclusion_failure_free")
+    proc = run_job(4, exclusion_job_args(tmp, "ckpt"), timeout_s=420)
+    check(proc)
+    return logged_losses(proc.stdout), checkpoint_tensors(tmp / "ckpt", tmp)
+
+
+def test_a_very_slow_rank_leaves_its_tp_group_and_rejoins_once_healthy_exactly(tmp_path, exclusion_failure_free):
+    # Rank 1 (replica 0, TP rank 1) runs 8x slow from iteration 3 until 14. Replica 0 goes on at TP 1 on
+    # rank 0, numbered after replica 1 (the largest degree leads Megatron's data-parallel groups), and
+    # rank 1 stands by, probing its device; once healthy it rejoins and replica 0 runs at TP 2 again.
+    # Every rank acts as a device of its own (--cpu-device-time-scale 4: 4 ranks on 2 cores).
+    events = tmp_path / "events.jsonl"
+    proc = run_job(4, [*exclusion_job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
+                       "--resihp-event-log", str(events), "--cpu-device-time-scale", "4",
+                       "--resihp-inject", "slow:rank=1,factor=8,at=3,until=14"], timeout_s=600)
+    check(proc)
+    assert "and a very slow rank left out of its TP group" in proc.stdout, proc.stdout[-3000:]
+    assert "TP 2->1 excluding ranks [1]" in read_events(events, "plan")[0]["reason"], decisions(events)
+    adapted = read_events(events, "adapted")
+    assert [a["world_size"] for a in adapted] == [3, 4], decisions(events)
+    assert adapted[1]["joined_launch_ranks"] == [1] and adapted[1]["quotas"] == [4, 4], decisions(events)
+    assert_stock_training(proc.stdout, tmp_path, exclusion_failure_free, EXCLUSION_ITERATIONS)

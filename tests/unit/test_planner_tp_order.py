@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
+from resihp_ext.planner.joint import plan_adaptation
 from resihp_ext.planner.readmission import plan_readmission
-from resihp_ext.planner.survivors import continuing_layout, plan_survivors, surviving_layout
+from resihp_ext.planner.survivors import continuing_layout, megatron_order, plan_survivors, surviving_layout
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
                   seq_length=64, micro_batch_size=2, global_batch_size=16)
@@ -104,4 +105,36 @@ def test_standbys_restore_no_replica_at_a_larger_degree_behind_a_smaller_one():
     free = plan_readmission(layout, identity, launch, ready, Health(), HW, (5, 3), 100)
     assert free.plan.action == "adapt"
     kept = plan_readmission(layout, identity, launch, ready, Health(), HW, (5, 3), 100, tp_descending=True)
-    assert kept.plan.action == "keep" and "TP 1" in kept.plan.reason, kept.plan.reason
+    assert kept.plan.action == "keep" and "smaller TP degree" in kept.plan.reason, kept.plan.reason
+
+
+def test_a_replica_restored_in_place_of_its_smaller_self_keeps_the_order():
+    # Launched TP2 x DP2 (PP 1); replica 0 ran at TP 1 on launch rank 0 after rank 1 was left out, and
+    # was put after replica 1. Rank 1 back restores replica 0 where its TP-1 self ran: one degree again.
+    launch = Layout.uniform(MODEL, 2, 1, 2)
+    layout = Layout((_replica((0, 1)), _replica((2,))), MODEL)
+    plan = plan_readmission(layout, (2, 3, 0), launch, {1: 1.0}, Health(), HW, (5, 3), 100, tp_descending=True)
+    assert plan.plan.action == "adapt", plan.plan.reason
+    assert [r.stages[0].tp_degree for r in plan.plan.layout.replicas] == [2, 2]
+
+
+def test_degrees_descend_in_rank_order_at_every_stage_and_the_last_rank_runs_the_smallest():
+    assert Layout((_replica((0, 1), (3, 4)), _replica((2,), (5,))), MODEL).tp_degrees_descend()
+    assert not Layout((_replica((0,), (3,)), _replica((1, 2), (4, 5))), MODEL).tp_degrees_descend()
+    assert not Layout((_replica((0, 1), (4, 5)), _replica((2,), (3,))), MODEL).tp_degrees_descend()
+    assert Layout.uniform(MODEL, 2, 2, 2).tp_degrees_descend()
+
+
+def test_a_very_slow_rank_leaves_its_tp_group_and_its_replica_goes_last():
+    # TP2 x DP2 (PP 1), rank 1 of replica 0 8x slow: with tp_exclusion rank 0 runs replica 0 at TP 1,
+    # listed after replica 1 with its quota; numbered in that order, the degrees descend.
+    layout = Layout.uniform(MODEL, 2, 1, 2)
+    health = Health(speed={1: 1 / 8})
+    kept = plan_adaptation(layout, health, HW, ranks_fixed=True, drop_to=(1, 2))
+    assert all(r.stages[0].tp_degree == 2 for r in (kept.layout or layout).replicas)
+    plan = plan_adaptation(layout, health, HW, ranks_fixed=True, tp_exclusion=True, drop_to=(1, 2))
+    assert plan.action == "adapt", plan.reason
+    assert [[s.ranks for s in r.stages] for r in plan.layout.replicas] == [[(2, 3)], [(0,)]]
+    assert plan.quotas[0] > plan.quotas[1] >= 1 and sum(plan.quotas) == MODEL.num_microbatches
+    renumbered = plan.layout.relabel({old: new for new, old in enumerate(megatron_order(plan.layout.replicas))})
+    assert renumbered.tp_degrees_descend()
