@@ -51,8 +51,9 @@ documents):
       relaunch with ``--load`` until the killed iteration is done again. Assumes the relaunch
       starts at once (no scheduler queue); the per-iteration saving cost is reported, not added.
 
-    With ``--loop megatron`` the fail-stop runs, the slow-rank throughput runs and the runs after a
-    fail-stop (with and without the smaller-TP replica) use Megatron-LM's own loop
+    With ``--loop megatron`` the fail-stop runs, the slow-rank throughput runs, the runs whose
+    left-out rank stands by or exits and the runs after a fail-stop (with and without the smaller-TP
+    replica) use Megatron-LM's own loop
     (``--resihp-loop megatron``, fixed-length mock samples, torch-format checkpoints where a run
     saves); the other throughput parts are left out.
     ``--interleaved`` runs them under its interleaved schedule (two model chunks per stage).
@@ -475,8 +476,8 @@ def main() -> None:
                              "with and without a smaller-TP replica), fail_stop (time to resume)")
     parser.add_argument("--loop", choices=("resihp", "megatron"), default="resihp",
                         help="training loop: resihp (the project's own) or megatron (Megatron-LM's own loop, "
-                             "--resihp-loop megatron: the fail-stop runs, the slow-rank runs and the runs after a "
-                             "fail-stop; the other throughput parts are the resihp loop's)")
+                             "--resihp-loop megatron: the fail-stop runs, the slow-rank runs, the standby runs and the "
+                             "runs after a fail-stop; the other throughput parts are the resihp loop's)")
     parser.add_argument("--interleaved", action="store_true",
                         help="with --loop megatron: Megatron-LM's interleaved schedule, two model chunks per stage "
                              "(--num-layers-per-virtual-pipeline-stage 1)")
@@ -485,7 +486,7 @@ def main() -> None:
     if args.interleaved and args.loop != "megatron":
         parser.error("--interleaved runs on Megatron-LM's loop only; add --loop megatron")
     if args.loop == "megatron":
-        resihp_only = [p for p in ("link", "bursts", "recover", "standby") if p not in args.skip]
+        resihp_only = [p for p in ("link", "bursts", "recover") if p not in args.skip]
         if resihp_only and "throughput" not in args.skip:
             print(f"--loop megatron: the {', '.join(resihp_only)} runs are the resihp loop's; not run", file=sys.stderr)
         args.skip.extend(resihp_only)
