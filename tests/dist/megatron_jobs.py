@@ -68,6 +68,15 @@ def stock_training(nproc: int, args: list[str]) -> tuple[dict[int, float], dict[
     return training_of(proc, args)
 
 
+def stock_dist_training(nproc: int, tmp, args: list[str]) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """Stock Megatron-LM's loop on ``nproc`` ranks saving in ``torch_dist`` under ``tmp / "ckpt"``, no
+    ``--resihp-*`` flag: the losses it logs for every iteration and every floating-point tensor of
+    its last checkpoint (``checkpoint_tensors``)."""
+    proc = run_job(nproc, args, timeout_s=420)
+    check(proc)
+    return logged_losses(proc.stdout), checkpoint_tensors(tmp / "ckpt", tmp)
+
+
 def training_of(proc, args: list[str]) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     """What a finished run of ``args`` trained: the loss logged for every iteration and the weights
     saved under ``--save``."""
@@ -143,7 +152,12 @@ def assert_stock_training(stdout: str, tmp, failure_free, iterations: int) -> No
 
 
 def resilient(tmp, events) -> list[str]:
-    return [*job_args(tmp, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable", "--resihp-event-log", str(events)]
+    return [*job_args(tmp, "ckpt"), *resilience_flags(events)]
+
+
+def resilience_flags(events) -> list[str]:
+    """Resilience on Megatron-LM's loop, its events written to ``events``."""
+    return ["--resihp-loop", "megatron", "--resihp-enable", "--resihp-event-log", str(events)]
 
 
 def replaced(args: list[str], values: dict[str, str]) -> list[str]:

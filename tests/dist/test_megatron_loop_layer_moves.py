@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.launch import assert_moved_as_planned, check, decisions, read_events, run_job
-from tests.dist.megatron_jobs import assert_stock_training, checkpoint_tensors, job_args, logged_losses, replaced
+from tests.dist.megatron_jobs import (assert_stock_training, job_args, replaced, resilience_flags,
+                                     stock_dist_training)
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -33,10 +34,7 @@ def layer_job_args(tmp, name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def failure_free(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layer_moves_failure_free")
-    args = layer_job_args(tmp, "ckpt")
-    proc = run_job(8, args, timeout_s=420)
-    check(proc)
-    return logged_losses(proc.stdout), checkpoint_tensors(tmp / "ckpt", tmp)
+    return stock_dist_training(8, tmp, layer_job_args(tmp, "ckpt"))
 
 
 def test_a_slow_first_stage_gives_a_layer_to_the_next_in_every_replica_in_place_exactly(tmp_path, failure_free):
@@ -48,8 +46,8 @@ def test_a_slow_first_stage_gives_a_layer_to_the_next_in_every_replica_in_place_
     # length of the job. The trial is off (--resihp-verify-iters 0): this test holds the moves to
     # Megatron's numbers.
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*layer_job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
-                       "--resihp-event-log", str(events), "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
+    proc = run_job(8, [*layer_job_args(tmp_path, "ckpt"), *resilience_flags(events),
+                       "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
                        "--resihp-inject", "slow:rank=0,factor=3,at=5", "--resihp-inject", "slow:rank=2,factor=3,at=5",
                        "--resihp-inject", "kill:rank=7,at=28"],
                    timeout_s=600)
@@ -98,9 +96,7 @@ def own_split_job_args(tmp, name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def own_split_failure_free(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("own_split_failure_free")
-    proc = run_job(8, own_split_job_args(tmp, "ckpt"), timeout_s=420)
-    check(proc)
-    return logged_losses(proc.stdout), checkpoint_tensors(tmp / "ckpt", tmp)
+    return stock_dist_training(8, tmp, own_split_job_args(tmp, "ckpt"))
 
 
 def test_a_slow_first_stage_of_one_replica_gives_a_layer_to_its_next_stage_alone_exactly(tmp_path,
@@ -112,8 +108,8 @@ def test_a_slow_first_stage_of_one_replica_gives_a_layer_to_its_next_stage_alone
     # at TP 1 in its own split, its stage 0 run by rank 3 (rank 2 is known slow and stands by), without
     # sequence parallelism, which needs a TP group of two.
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*own_split_job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
-                       "--resihp-event-log", str(events), "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
+    proc = run_job(8, [*own_split_job_args(tmp_path, "ckpt"), *resilience_flags(events),
+                       "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
                        "--resihp-inject", "slow:rank=2,factor=3,at=5", "--resihp-inject", "kill:rank=7,at=18"],
                    timeout_s=600)
     check(proc)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.launch import check, decisions, read_events, run_job
-from tests.dist.megatron_jobs import assert_stock_training, checkpoint_tensors, job_args, logged_losses, replaced
+from tests.dist.megatron_jobs import (assert_stock_training, job_args, replaced, resilience_flags,
+                                     stock_dist_training)
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -34,15 +35,13 @@ def shrink_job_args(tmp, name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def failure_free(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp_shrink_failure_free")
-    proc = run_job(8, shrink_job_args(tmp, "ckpt"), timeout_s=420)
-    check(proc)
-    return logged_losses(proc.stdout), checkpoint_tensors(tmp / "ckpt", tmp)
+    return stock_dist_training(8, tmp, shrink_job_args(tmp, "ckpt"))
 
 
 def test_a_tp_group_that_lost_a_rank_goes_on_at_tp_1_beside_the_whole_replica_exactly(tmp_path, failure_free):
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*shrink_job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
-                       "--resihp-event-log", str(events), "--resihp-inject", "kill:rank=5,at=4"], timeout_s=420)
+    proc = run_job(8, [*shrink_job_args(tmp_path, "ckpt"), *resilience_flags(events),
+                       "--resihp-inject", "kill:rank=5,at=4"], timeout_s=420)
     check(proc)
     assert "a stage group that lost ranks going on at a smaller TP degree" in proc.stdout, proc.stdout[-3000:]
     executed = read_events(events, "plan")[-1]["executed"]
@@ -68,9 +67,7 @@ def exclusion_job_args(tmp, name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def exclusion_failure_free(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp_exclusion_failure_free")
-    proc = run_job(4, exclusion_job_args(tmp, "ckpt"), timeout_s=420)
-    check(proc)
-    return logged_losses(proc.stdout), checkpoint_tensors(tmp / "ckpt", tmp)
+    return stock_dist_training(4, tmp, exclusion_job_args(tmp, "ckpt"))
 
 
 def test_a_very_slow_rank_leaves_its_tp_group_and_rejoins_once_healthy_exactly(tmp_path, exclusion_failure_free):
@@ -79,8 +76,8 @@ def test_a_very_slow_rank_leaves_its_tp_group_and_rejoins_once_healthy_exactly(t
     # rank 1 stands by, probing its device; once healthy it rejoins and replica 0 runs at TP 2 again.
     # Every rank acts as a device of its own (--cpu-device-time-scale 4: 4 ranks on 2 cores).
     events = tmp_path / "events.jsonl"
-    proc = run_job(4, [*exclusion_job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
-                       "--resihp-event-log", str(events), "--cpu-device-time-scale", "4",
+    proc = run_job(4, [*exclusion_job_args(tmp_path, "ckpt"), *resilience_flags(events),
+                       "--cpu-device-time-scale", "4",
                        "--resihp-inject", "slow:rank=1,factor=8,at=3,until=14"], timeout_s=600)
     check(proc)
     assert "and a very slow rank left out of its TP group" in proc.stdout, proc.stdout[-3000:]
