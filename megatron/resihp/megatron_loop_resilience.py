@@ -13,18 +13,24 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   (``schedules.RECORDER``). After the step the detector judges the timings; a fail-slow verdict
   is planned for: micro-batches move between replicas (which ``megatron_loop_quotas`` makes
   Megatron's step run), layers between stages, each replica in a split of its own or, where the
-  job's features need it, one split for all (``megatron_loop_stages``), or a very slow replica is
-  dropped whole, its ranks standing by; a
+  job's features need it, one split for all (``megatron_loop_stages``), a very slow rank leaves its
+  TP group (its replica going on at a smaller degree), or a very slow replica is dropped whole,
+  the ranks left out standing by; a
   re-plan that kept every rank is on trial like on the resihp loop; a rebuilt model is taken
   over before the next step. At the top of each step, standbys that report healthy are taken
   back when it pays (``standby.Readmission``). When a collective fails, the
-  survivors agree on a plan and re-form in place; the same iteration then runs again on the new
-  world, or, when this rank's optimizer had already stepped, counts as done;
+  survivors agree on a plan and re-form in place (a stage group that lost ranks may run its
+  replica at a smaller TP degree, the replicas numbered largest degree first); the same iteration
+  then runs again on the new world, or, when this rank's optimizer had already stepped, counts as
+  done;
 - ``training.train``: a rank a plan leaves out stands by outside it, and enters it again when a
   later recovery gives it a dead rank's place, or a readmission takes it back
   (``megatron_loop_spares``);
 - ``training.build_pretraining_data_loader``: remembers the datasets, so that a re-formed world's
-  loaders are rebuilt at the samples already consumed, for the new data-parallel rank and size;
+  loaders are rebuilt at the samples already consumed, for the new data-parallel rank and size
+  (TP rank 0 of each group reads; the others hold the datasets for a later TP 1);
+- ``checkpointing.generate_state_dict``: in a world at two TP degrees, the smaller replicas' ranks
+  hand no shared shards to a ``torch_dist`` save (``mixed_tp_saves``);
 - the phases between two steps (the log, the evaluation, the save) and the timers' barriers
   around them: ``megatron_loop_phases.BetweenSteps``, which also agrees, after every re-form,
   where the loop stands;
