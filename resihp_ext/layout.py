@@ -12,7 +12,6 @@ front end's job; nothing here imports ``megatron`` or ``torch.distributed``.
 from __future__ import annotations
 
 import itertools
-
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import Any, Iterable, Mapping
@@ -335,8 +334,9 @@ class Layout:
         if not self.replicas_line_up():
             return False
         for s in range(self.replicas[0].num_stages):
+            ranks = [r.stages[s].ranks for r in self.replicas]
             for a, b in itertools.permutations(range(len(self.replicas)), 2):
-                if degree[a] > degree[b] and max(self.replicas[a].stages[s].ranks) > min(self.replicas[b].stages[s].ranks):
+                if degree[a] > degree[b] and max(ranks[a]) > min(ranks[b]):
                     return False
         last = self.replica_of(max(self.world_ranks))
         return degree[last] == min(degree)

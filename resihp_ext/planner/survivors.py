@@ -219,9 +219,10 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
             moves between stages), and only when every dead rank's part survives.
         part_copies: with ``sharded_optimizer``, whether each part has a copy on the next rank of
             its position (``resihp_ext.optimizer_parts``); without copies a dead rank's part is lost.
-        keep_tp: no replica runs at a smaller TP degree (a loop that builds every replica from one
-            model configuration, Megatron-LM's, needs them alike); groups may still take another
-            stage and standbys dead ranks' places, which keep the replicas' shapes.
+        keep_tp: no replica runs at a smaller TP degree (a loop whose replicas must stay alike:
+            Megatron-LM's under the distributed optimizer, whose parts pair equal buffers); groups
+            may still take another stage and standbys dead ranks' places, which keep the replicas'
+            shapes.
         tp_descending: replicas at a smaller TP degree only ever follow those at larger ones, in
             DP order (Megatron-LM's loop: its data-parallel rank 0 writes the checkpoint and its
             last rank logs the loss, so the largest degree must lead and the smallest close).
