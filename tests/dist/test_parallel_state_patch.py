@@ -49,8 +49,9 @@ def _memberships(ps) -> dict:
     }
 
 
-def _train_one_step(seed: int = 1234) -> tuple[float, float]:
-    """A tiny GPTModel + megatron DDP + optimizer, one step through megatron's 1F1B schedule.
+def _train_one_step(seed: int = 1234, finalize=None) -> tuple[float, float]:
+    """A tiny GPTModel + megatron DDP + optimizer, one step through megatron's 1F1B schedule, its
+    gradients synced by ``finalize`` (megatron-core's ``finalize_model_grads`` when None).
 
     Returns (this rank's summed loss, 0 off the last stage; checksum of this rank's parameters).
     """
@@ -82,7 +83,7 @@ def _train_one_step(seed: int = 1234) -> tuple[float, float]:
                      post_process=ps.is_pipeline_last_stage())
     ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=model)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp])
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize or finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync
 
@@ -159,6 +160,7 @@ def _hetero_rank(rank, world_size, store):
     from megatron.core import parallel_state as ps
 
     from megatron.resihp import parallel_state_patch as patch
+    from megatron.resihp.layer_sync import LayoutGradSync
 
     groups = patch.build_groups(HETERO, rank, timeout=GROUP_TIMEOUT_S)
     collection = patch.install(groups)
@@ -176,12 +178,15 @@ def _hetero_rank(rank, world_size, store):
             dist.all_reduce(value, group=group)
             sums[ranks] = float(value)
         result["sync"] = sums
-        result["loss"], _ = _train_one_step()
+        # Replicas of different TP degrees sync layer by layer (megatron-core's DDP sums equal buffers).
+        result["loss"], _ = _train_one_step(finalize=LayoutGradSync(HETERO, rank, groups))
     else:
         # megatron-core's optimizer factory all-gathers param-group keys over the whole default
         # group (once for dense, once for expert params), so a spare rank has to take part.
         for _ in range(2):
             dist.all_gather_object([None] * world_size, [])
+        # The layer-wise sync sums the batch's token count over the whole default group too.
+        dist.all_reduce(torch.zeros(1, dtype=torch.float64))
     patch.teardown(groups)
     return result
 
@@ -193,12 +198,14 @@ def test_heterogeneous_layout_builds_and_installs_on_every_rank():
         assert out[rank]["member"] and out[rank]["initialized"] and out[rank]["collection"]
         assert out[rank]["loss"] > 0  # single stage: every member rank is the last stage
     assert out[0]["tp"] == out[1]["tp"] == [0, 1] and out[2]["tp"] == [2]
-    assert [out[r]["dp"] for r in (0, 1, 2)] == [[0], [1], [2]]
+    # Megatron's data-parallel groups by (stage, TP rank): the TP-1 replica's rank beside TP rank 0.
+    assert [out[r]["dp"] for r in (0, 1, 2)] == [[0, 2], [1], [0, 2]]
     # One group per shard_map.sync_rank_sets set: each TP-2 unit with the TP-1 replica, and every
     # holder for the replicated tensors (norms, row-parallel biases).
     assert out[0]["sync"] == {(0, 2): 4.0, (0, 1, 2): 6.0} and out[1]["sync"] == {(1, 2): 5.0, (0, 1, 2): 6.0}
     assert out[2]["sync"] == {(0, 2): 4.0, (1, 2): 5.0, (0, 1, 2): 6.0}
-    assert out[0]["facts"][:6] == (0, 0, 0, 2, 1, 1) and out[2]["facts"][:6] == (0, 0, 0, 1, 1, 1)
+    # (TP rank, PP rank, DP rank, TP size, PP size, DP size)
+    assert [out[r]["facts"][:6] for r in (0, 1, 2)] == [(0, 0, 0, 2, 1, 2), (1, 0, 0, 2, 1, 1), (0, 0, 1, 1, 1, 2)]
 
 
 # ---------------------------------------------------------------- (c) repeated re-forms leak nothing
