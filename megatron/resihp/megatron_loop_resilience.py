@@ -402,7 +402,7 @@ class ResilientMegatronLoop:
         if dist.get_rank() == dist.get_world_size() - 1:
             on = "on" if self.hooks.can_recover else "off (--resihp-enable turns it on)"
             kept, alike = layer_moves_refused(args), own_splits_refused(args)
-            excluded = self.cfg.enable and self.hooks.shrinks_tp
+            excluded = self.hooks.shrinks_tp  # ``shrinks_tp`` holds only with --resihp-enable
             replans = "off" if not self.cfg.enable else "of the micro-batch split" + (
                 f"{'' if excluded else ' only'} (layers stay on their stages: {kept})" if kept
                 else " and of the layers per stage" + (
