@@ -35,7 +35,10 @@ REFUSED_FLAGS = {
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron's ``extra_args_provider``: the ``--device`` flag."""
+    """Megatron's ``extra_args_provider``: the ``--device`` flag and those of packed documents."""
+    from megatron.resihp import packed_documents
+
+    packed_documents.add_args(parser)
     group = parser.add_argument_group(title="device")
     group.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                        help="where the job runs; cpu runs every rank on the host over gloo and implies "
@@ -74,12 +77,15 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron.training import get_args
     from megatron.training.argument_utils import core_transformer_config_from_args
 
+    from megatron.resihp import packed_documents
+
     args = get_args()
     if config is None:
         config = core_transformer_config_from_args(args)
     use_te = args.transformer_impl == "transformer_engine" and has_transformer_engine()
     block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
                                             qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
+    block_spec = packed_documents.with_document_attention(block_spec, args)
     return GPTModel(
         config=config,
         transformer_layer_spec=block_spec,
@@ -99,18 +105,20 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     )
 
 
-def _dataset_built_on_this_rank(every_tp_rank: bool = False) -> bool:
-    # Only the stages that read tokens or labels need the data, and only TP rank 0 of them reads it;
-    # ``every_tp_rank``: any rank of theirs may read it later (at TP 1, its group having lost ranks).
+def _dataset_built_on_this_rank(every_tp_rank: bool = False, every_stage: bool = False) -> bool:
+    # Only the stages that read tokens or labels need the data (``every_stage``: all of them read
+    # the documents' bounds), and only TP rank 0 of them reads it; ``every_tp_rank``: any rank of
+    # theirs may read it later (at TP 1, its group having lost ranks).
     from megatron.core import parallel_state as mpu
 
     first = mpu.is_pipeline_first_stage(ignore_virtual=True)
     last = mpu.is_pipeline_last_stage(ignore_virtual=True)
-    return (first or last) and (every_tp_rank or mpu.get_tensor_model_parallel_rank() == 0)
+    return (first or last or every_stage) and (every_tp_rank or mpu.get_tensor_model_parallel_rank() == 0)
 
 
 def datasets_provider(num_samples: list[int], vp_stage: int | None = None, every_tp_rank: bool = False):
-    """Train, validation and test ``GPTDataset``s (``MockGPTDataset``s with ``--mock-data``).
+    """Train, validation and test ``GPTDataset``s (``MockGPTDataset``s with ``--mock-data``, of documents
+    whose lengths ``--mock-doc-lengths`` draws when given).
 
     Args:
         num_samples: how many samples each split must yield at least.
@@ -125,9 +133,14 @@ def datasets_provider(num_samples: list[int], vp_stage: int | None = None, every
     from megatron.training import get_args, get_tokenizer
     from megatron.training.utils import get_blend_and_blend_per_split
 
+    from megatron.resihp import packed_documents
+    from megatron.resihp.data.datasets import ResiHPGPTDatasetConfig, VariableLengthMockGPTDataset
+
     args = get_args()
     blend, blend_per_split = get_blend_and_blend_per_split(args)
-    config = GPTDatasetConfig(
+    variable = args.mock_data and args.mock_doc_lengths is not None
+    extra = {"mock_doc_lengths": args.mock_doc_lengths} if variable else {}
+    config = (ResiHPGPTDatasetConfig if variable else GPTDatasetConfig)(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=blend,
@@ -147,9 +160,10 @@ def datasets_provider(num_samples: list[int], vp_stage: int | None = None, every
         context_parallel_size=args.context_parallel_size,
         data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
+        **extra,
     )
-    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
-    built_here = partial(_dataset_built_on_this_rank, every_tp_rank)
+    dataset_type = (VariableLengthMockGPTDataset if variable else MockGPTDataset) if args.mock_data else GPTDataset
+    built_here = partial(_dataset_built_on_this_rank, every_tp_rank, packed_documents.every_stage_reads(args))
     return BlendedMegatronDatasetBuilder(dataset_type, num_samples, built_here, config).build()
 
 
@@ -158,16 +172,20 @@ datasets_provider.is_distributed = True
 
 
 def _batch(data_iterator, vp_stage: int | None):
-    """This rank's part of the next micro-batch: TP rank 0 reads it, the others receive it."""
+    """This rank's part of the next micro-batch (TP rank 0 reads it, the others receive it), or None
+    on a stage that reads none; with whether the stage is the first and whether it is the last."""
     from megatron.core import parallel_state as mpu
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
 
+    from megatron.resihp import packed_documents
+
     args = get_args()
     first = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     last = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if not (first or last):
-        return None, None, None, None, None
+    every_stage = packed_documents.every_stage_reads(args)
+    if not (first or last or every_stage):
+        return None, first, last
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch = {}
     if tp_rank == 0:
@@ -180,12 +198,14 @@ def _batch(data_iterator, vp_stage: int | None):
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
         broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
         tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        mtp_on_this_rank=False,
+        # One stage's worth (every tensor) where every stage reads: each finds the documents' bounds.
+        pipeline_model_parallel_size=1 if every_stage else args.pipeline_model_parallel_size,
         is_pipeline_first_stage=first, is_pipeline_last_stage=last,
     )
     batch.setdefault("cu_seqlens", None)
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
-    return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
+    return batch, first, last
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -207,10 +227,21 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     from megatron.core.utils import get_attr_wrapped_model
 
     # The schedule hands over a chunk wrapped in DDP (and Float16Module): the stage is the GPT model's.
+    from megatron.training import get_args
+
+    from megatron.resihp import packed_documents
+
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    tokens, labels, loss_mask, attention_mask, position_ids = _batch(data_iterator, vp_stage)
-    output = model(tokens, position_ids, attention_mask, labels=labels)
-    return output, partial(loss_func, loss_mask)
+    batch, first, last = _batch(data_iterator, vp_stage)
+    if batch is None:  # a middle stage: its input comes from the previous one
+        return model(None, None, None, labels=None), partial(loss_func, None)
+    if packed_documents.document_attention(get_args()):
+        (tokens, position_ids, attention_mask, labels), extra = packed_documents.forward_inputs(
+            batch, get_args(), first, last)
+        loss_mask = extra.pop("loss_mask")
+        return model(tokens, position_ids, attention_mask, labels=labels, **extra), partial(loss_func, loss_mask)
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
 
 
 def selects_megatron_loop(argv: list[str]) -> bool:
@@ -368,6 +399,10 @@ def main(argv: list[str] | None = None) -> None:
     # validation already reads a checkpoint (--use-checkpoint-args) and builds the tokenizer.
     parsed = parse_args(extra_args_provider=extra_args)
     refuse_missing_flags(parsed)
+    from megatron.resihp import packed_documents
+
+    if (packed := packed_documents.refusal(parsed)) is not None:
+        _refuse(packed)
     refuse_bad_inputs(parsed, ARGS_DEFAULTS)
     sys.argv = [sys.argv[0], *with_data_cache_path(parsed, argv)]
     try:

@@ -55,7 +55,7 @@ import time
 import torch.distributed as dist
 
 from megatron.resihp import megatron_loop_quotas as quota_split
-from megatron.resihp import mixed_tp_saves
+from megatron.resihp import mixed_tp_saves, packed_documents
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.logging_utils import EventLog, log_line, process_threads
 from megatron.resihp.megatron_loop_counts import MicrobatchCount
@@ -303,13 +303,15 @@ class ResilientMegatronLoop:
 
         RECORDER.collect()
         args = self._args()
-        # Megatron's attention costs the square of the sequence per sample whatever documents it
-        # packs, so every micro-batch has the same cost features: (tokens, sum of squares, samples),
-        # one per op column (under the interleaved schedule, one per model chunk's op).
+        # Attention kept within packed documents costs what the forward steps recorded per
+        # micro-batch; otherwise the square of the sequence per sample whatever documents it packs,
+        # the same features for every micro-batch: (tokens, sum of squares, samples), one per op
+        # column (under the interleaved schedule, one per model chunk's op).
         mbs, seq = args.micro_batch_size, args.seq_length
         columns = (self._microbatches or get_num_microbatches()) * self.hooks.interleaving.num_chunks
+        features = packed_documents.recorded_features(columns, self.hooks.interleaving.num_chunks) if packed_documents.document_attention(args) else None
         timings = StepTimings(ops=list(RECORDER.ops), busy=list(RECORDER.busy),
-                              features=[(mbs * seq, mbs * seq * seq, mbs)] * columns,
+                              features=features or [(mbs * seq, mbs * seq * seq, mbs)] * columns,
                               iteration_s=time.perf_counter() - RECORDER.iteration_start_s)
         self.hooks.after_iteration(number, elapsed_s, timings, self.hooks.run.objects, list(self.hooks.run.quotas))
 
