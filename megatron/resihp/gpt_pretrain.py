@@ -296,6 +296,7 @@ def resilience_config(args: argparse.Namespace):
     import dataclasses
     import os
 
+    from megatron.resihp import detection_cost
     from megatron.resihp.megatron_loop_stages import launch_split
     from megatron.resihp.megatron_loop_support import unsupported_flags
     from resihp_ext.config import ResiHPConfig
@@ -304,6 +305,10 @@ def resilience_config(args: argparse.Namespace):
     try:
         cfg = ResiHPConfig(**{f.name: getattr(args, "resihp_" + f.name) for f in dataclasses.fields(ResiHPConfig)})
         check_ranks_exist(cfg.faults, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as error:
+        _refuse(str(error))
+    try:
+        detection_cost.period_and_phase()
     except ValueError as error:
         _refuse(str(error))
     scale = args.cpu_device_time_scale

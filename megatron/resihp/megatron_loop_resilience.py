@@ -57,6 +57,7 @@ import torch.distributed as dist
 from megatron.resihp import megatron_loop_quotas as quota_split
 from megatron.resihp import mixed_tp_saves, packed_documents
 from megatron.resihp.data_samplers import even_quotas
+from megatron.resihp.detection_cost import AlternateDetection
 from megatron.resihp.logging_utils import EventLog, log_line, process_threads
 from megatron.resihp.megatron_loop_counts import MicrobatchCount
 from megatron.resihp.megatron_loop_data import LoopData
@@ -98,6 +99,7 @@ class ResilientMegatronLoop:
         self._original: dict[str, object] = {}
         self._quotas_in_use: tuple[int, ...] | None = None  # what the loader, count and loss scale follow
         self._microbatches: int | None = None  # this replica's count when quotas are uneven
+        self.alternate = AlternateDetection.from_environment()  # measuring detection's cost, or None
 
     # ------------------------------------------------------------------ patches
     def install(self) -> None:
@@ -204,6 +206,7 @@ class ResilientMegatronLoop:
             self.leave(number, stop)
         self._check_standbys(number)
         step = self._original["train_step"]
+        detecting = self.alternate is None or self.alternate.begin(number)
         start = time.perf_counter()
         while True:
             scheduler_steps = opt_param_scheduler.num_steps
@@ -225,7 +228,8 @@ class ResilientMegatronLoop:
                     RECORDER.active = False
                 before, replicas = self.hooks.run.objects, self.hooks.run.data_parallel_size
                 try:
-                    self._judge(number, time.perf_counter() - start)
+                    if detecting:
+                        self._judge(number, time.perf_counter() - start)
                 except StandingBy:  # a re-plan dropped this rank's replica: out of train() (``spares``)
                     raise
                 except StopTraining as stop:  # ... and this rank does not stand by
@@ -339,9 +343,10 @@ class ResilientMegatronLoop:
             return
         loss = result[0].get("lm loss")
         args = self._args()
+        measured = {} if self.alternate is None else self.alternate.measured(self.hooks.probe_rounds_run())
         self.events.emit("iteration", number, lm_loss=None if loss is None else float(loss), elapsed_s=elapsed_s,
                          consumed_samples=args.consumed_train_samples + args.global_batch_size,
-                         grad_norm=None if result[5] is None else float(result[5]))
+                         grad_norm=None if result[5] is None else float(result[5]), **measured)
 
     def _args(self):
         from megatron.training import get_args

@@ -1,4 +1,5 @@
-"""Live fail-slow detection on a real TP2 x PP2 x DP2 CPU job (8 gloo processes under scripts/launch_local.py).
+"""Live fail-slow detection on Megatron-LM's loop, a real TP2 x PP2 x DP2 CPU job (8 gloo processes under
+scripts/launch_local.py).
 
 Four checks on packed variable-length documents (per-document attention, so a micro-batch costs
 about alpha*N + beta*sum(l_i^2)):
@@ -30,13 +31,13 @@ import pytest
 
 from resihp_ext.schedule import one_f_one_b
 from resihp_ext.detection.traces import load_trace
-from tests.dist.launch import (CORE_SPEED_SPREAD, OWN_LOOP, check, decisions, iteration_losses, read_events, run_job,
-                               running_quotas)
+from tests.dist.launch import CORE_SPEED_SPREAD, check, decisions, read_events, run_job, running_quotas
+from tests.dist.megatron_jobs import logged_losses
 
 NPROC, TP, PP, DP = 8, 2, 2, 2
 MICRO_BATCH, GLOBAL_BATCH = 2, 16
 SHAPE = [
-    *OWN_LOOP, "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--device", "cpu", "--eval-iters", "0", "--eval-interval", "1000", "--split", "99,1,0", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", str(MICRO_BATCH),
     "--global-batch-size", str(GLOBAL_BATCH), "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
     "--vocab-size", "512", "--log-interval", "1",
@@ -96,6 +97,7 @@ def test_recorded_op_order_is_one_f_one_b(healthy_run):
     assert sorted(trace.iterations) == list(range(1, HEALTHY_ITERS + 1))
     per_replica = GLOBAL_BATCH // MICRO_BATCH // DP  # even quotas: no re-plan in a detect-only run
     expected = one_f_one_b(PP, per_replica)
+    by_replica = {}
     for iteration, observations in trace.iterations.items():
         assert sorted(o.rank for o in observations) == list(range(NPROC))
         for obs in observations:
@@ -104,6 +106,9 @@ def test_recorded_op_order_is_one_f_one_b(healthy_run):
             want = [(op.kind.value, op.microbatch) for op in expected[obs.stage]]
             assert recorded == want, f"iteration {iteration} rank {obs.rank} stage {obs.stage}: {recorded} != {want}"
             assert len(obs.features) == per_replica
+            # Each micro-batch's cost as its documents make it (attention within each), the same on every stage.
+            assert len(set(obs.features)) > 1, obs.features
+            assert obs.features == by_replica.setdefault((iteration, obs.replica), obs.features)
             assert all(start <= end for _, _, start, end in obs.ops)
 
 
@@ -119,13 +124,14 @@ def test_injected_link_slowdown_is_named_by_link_probes_and_replanned(tmp_path):
     for flag, value in (("--seq-length", "256"), ("--max-position-embeddings", "256"),
                         ("--tensor-model-parallel-size", "1")):
         shape[shape.index(flag) + 1] = value
-    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "events.jsonl"
-    reference = [a if a != str(PP) or shape[i - 1] != "--pipeline-model-parallel-size" else "1"
-                 for i, a in enumerate(shape)]
-    check(run_job(1, [*reference, "--train-iters", "20", "--resihp-event-log", str(ref_log)]))
-    check(run_job(4, [*shape, "--train-iters", "20", "--resihp-enable", "--cpu-device-time-scale", "4",
-                      "--resihp-event-log", str(log), "--resihp-inject", "link:src=0,dst=2,factor=1000,at=8"],
-                  timeout_s=240))
+    log = tmp_path / "events.jsonl"
+    # Stock Megatron-LM on one replica of the same stages (its weights start as each stage's do).
+    reference = run_job(2, [*shape, "--train-iters", "20"], timeout_s=240)
+    check(reference)
+    proc = run_job(4, [*shape, "--train-iters", "20", "--resihp-enable", "--cpu-device-time-scale", "4",
+                       "--resihp-event-log", str(log), "--resihp-inject", "link:src=0,dst=2,factor=1000,at=8"],
+                   timeout_s=240)
+    check(proc)
     injected = read_events(log, "inject")
     assert [e["rank"] for e in injected] == [0] and injected[0]["healthy_s_per_mib"] > 0, injected
     context = [e for e in read_events(log) if e["event"] in ("suspicion", "cleared", "verdict", "plan")]
@@ -157,7 +163,7 @@ def test_injected_link_slowdown_is_named_by_link_probes_and_replanned(tmp_path):
         assert "replica 0: dropped" in plans[0]["reason"] and adapted[0] == quotas, (plans, adapted)
     else:
         assert quotas[0] < quotas[1] and adapted == [quotas], (plans, adapted)
-    ours, ref = iteration_losses(log), iteration_losses(ref_log)
+    ours, ref = logged_losses(proc.stdout), logged_losses(reference.stdout)
     assert sorted(ours) == list(range(1, 21))
     assert [ours[i] for i in range(1, 21)] == pytest.approx([ref[i] for i in range(1, 21)], rel=1e-5)
 

@@ -163,3 +163,62 @@ def test_a_spare_standing_by_when_the_jobs_store_dies_leaves_cleanly(tmp_path):
     assert [e["launch_rank"] for e in read_events(events, "standby")] == [1], output[-3000:]
     assert "the job's store stopped answering while launch rank 1 stood by" in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+
+
+@pytest.mark.parametrize("phase", ["reform", "rendezvous"])
+def test_a_rank_lost_while_the_survivors_reform_is_planned_around_again(tmp_path, failure_free, phase):
+    # TP1 x PP2 x DP3: replicas (0 | 3), (1 | 4), (2 | 5). Rank 2 dies at 4; rank 1 dies as it is about
+    # to join the re-formed world (reform), or once every member has said it is there and the process
+    # group is forming (rendezvous), so that world never forms. The survivors name rank 1 through the
+    # old world's heartbeats and plan again: replica 0 and a replica rebuilt of stage-1 rank 4 or 5
+    # (the other standing by) taking stage 0 with its state finish the job.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(6, [*_args(tmp_path, "ckpt"), "--resihp-enable", "--resihp-event-log", str(events),
+                       "--resihp-inject=kill:rank=2,at=4", f"--resihp-inject=kill:rank=1,at=4,during={phase}"],
+                   timeout_s=600)
+    check(proc)
+    output = proc.stdout + proc.stderr
+    assert f"launch rank 1: injecting kill:rank=1,at=4,during={phase}" in output
+    assert "re-forming world 1 failed" in output
+    plans = read_events(events, "plan")
+    assert [p["attempt"] for p in plans] == [1, 2], plans
+    adapted = [a for a in read_events(events, "adapted") if "failed_ranks" in a]
+    assert [(sorted(a["failed_launch_ranks"]), a["data_parallel_size"]) for a in adapted] == [([1, 2], 2)], adapted
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, key_bias_atol=5e-6)
+
+
+def test_a_receiver_lost_while_a_stage_moves_to_it_is_planned_around_again(tmp_path, failure_free):
+    # Ranks 1 and 2 (stage 0) die at 4, and the stage-1 rank chosen to take stage 0 from rank 0 dies once
+    # the moves' world has formed, before its state arrives. The moves only read the senders' state, so
+    # the survivors plan again from what they hold and finish on replica 0 alone.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(6, [*_args(tmp_path, "ckpt"), "--resihp-enable", "--resihp-event-log", str(events),
+                       "--resihp-inject=kill:rank=1,at=4", "--resihp-inject=kill:rank=2,at=4",
+                       "--resihp-inject=kill:rank=4,at=4,during=moves",
+                       "--resihp-inject=kill:rank=5,at=4,during=moves"], timeout_s=600)
+    check(proc)
+    output = proc.stdout + proc.stderr
+    assert "injecting kill:rank=4,at=4,during=moves" in output or "injecting kill:rank=5,at=4,during=moves" in output
+    plans = read_events(events, "plan")
+    assert [p["attempt"] for p in plans] == [1, 2], plans
+    adapted = [a for a in read_events(events, "adapted") if "failed_ranks" in a]
+    assert [a["data_parallel_size"] for a in adapted] == [1], adapted
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, key_bias_atol=5e-6)
+
+
+def test_a_sender_lost_while_its_stage_moves_ends_at_the_last_checkpoint(tmp_path):
+    # Rank 0, the one holder of stage 0 left after ranks 1 and 2 died, dies while it is to send that
+    # stage: no survivor holds it, so nothing is assembled and the job ends pointing at the checkpoint
+    # --save-interval wrote, with the cause named and the command that resumes it.
+    events, ckpt = tmp_path / "events.jsonl", tmp_path / "ckpt"
+    args = [*_args(tmp_path, "ckpt"), "--resihp-enable", "--resihp-event-log", str(events),
+            "--resihp-inject=kill:rank=1,at=4", "--resihp-inject=kill:rank=2,at=4",
+            "--resihp-inject=kill:rank=0,at=4,during=moves"]
+    args[args.index("--save-interval") + 1] = "2"
+    proc = run_job(6, args, timeout_s=600)
+    assert proc.returncode == 3, (proc.stdout + proc.stderr)[-3000:]
+    fallback = read_events(events, "fallback_checkpoint")
+    assert len(fallback) == 1 and "(0, 0)" in fallback[0]["reason"], fallback
+    assert fallback[0]["resume_command"].endswith(f"--load {ckpt}")
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert not [a for a in read_events(events, "adapted") if "failed_ranks" in a]
