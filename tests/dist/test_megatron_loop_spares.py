@@ -183,7 +183,9 @@ def test_a_rank_lost_while_the_survivors_reform_is_planned_around_again(tmp_path
     plans = read_events(events, "plan")
     assert [p["attempt"] for p in plans] == [1, 2], plans
     adapted = [a for a in read_events(events, "adapted") if "failed_ranks" in a]
-    assert [(sorted(a["failed_launch_ranks"]), a["data_parallel_size"]) for a in adapted] == [([1, 2], 2)], adapted
+    assert [a["data_parallel_size"] for a in adapted] == [2], adapted
+    # A rank standing by for the first plan, left out of the world that did not form, is named with them.
+    assert {1, 2} <= set(adapted[0]["failed_launch_ranks"]) <= {1, 2, 4, 5}, adapted
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, key_bias_atol=5e-6)
 
 
