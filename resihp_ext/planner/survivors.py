@@ -336,6 +336,8 @@ def _plan_on(layout: Layout, dead: frozenset[int], move_state: bool, hw: Hardwar
     if shape.replica_counts is not None:
         kept, rebuilt, left_out = _within_counts(kept, rebuilt, shape.replica_counts)
     continuing = (*(layout.replicas[i] for i in kept), *rebuilt)
+    if left_out and quotas:  # weighed for the replicas before the cut: the batch is split again
+        quotas = balanced_quotas(continuing, layout.model, hw, known)[0] if len(continuing) > 1 else ()
     slowed = sorted(r for rep in continuing for r in rep.ranks if r in known.affected_ranks)
     # Standbys may restore a replica beside others reshaped before: the batch follows their speeds.
     differ = bool(empty) and not Layout(continuing, layout.model).replicas_alike()

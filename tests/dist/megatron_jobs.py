@@ -60,6 +60,13 @@ def saved_weights(root) -> dict[str, torch.Tensor]:
     return weights
 
 
+def saved_states(root) -> dict[str, dict]:
+    """Every (TP, PP) shard's whole saved state of the last ``torch``-format checkpoint under ``root``, by folder."""
+    iteration = int((root / "latest_checkpointed_iteration.txt").read_text().strip())
+    return {path.parent.name: torch.load(path, map_location="cpu", weights_only=False)
+            for path in sorted((root / f"iter_{iteration:07d}").glob("mp_rank_*/model_optim_rng.pt"))}
+
+
 def stock_training(nproc: int, args: list[str]) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     """Stock Megatron-LM's loop on ``nproc`` ranks, no ``--resihp-*`` flag: the losses it logs for
     every iteration and the weights it saves under ``--save``."""

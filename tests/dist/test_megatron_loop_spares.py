@@ -14,10 +14,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from scripts.child_env import job_env
-from tests.dist.launch import REPO, assert_moved_as_planned, check, read_events, run_job
-from tests.dist.megatron_jobs import assert_same_training, evaluated_losses, job_args, training_of, wait_for
+from tests.dist.launch import REPO, assert_moved_as_planned, check, main_copies, read_events, run_job
+from tests.dist.megatron_jobs import (assert_same_training, evaluated_losses, job_args, saved_states, training_of,
+                                     wait_for)
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -120,6 +122,40 @@ def test_a_stage_group_takes_a_stage_that_is_short_with_its_state(tmp_path, fail
     # The same global batch over 4 replicas (the reference) and over 3, then 2: equal to rounding,
     # which in the key biases (no true gradient) Adam makes 1.1e-6 (measured; elsewhere 4e-9).
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, key_bias_atol=5e-6)
+
+
+# Per-token loss: each micro-batch's backward then starts from its loss sum, not from the loss over
+# the micro-batches a replica runs, so its bf16 gradients round alike whatever the replica count.
+BF16 = ["--bf16", "--calculate-per-token-loss"]
+
+
+@pytest.fixture(scope="module")
+def failure_free_bf16(tmp_path_factory):
+    """Stock Megatron-LM in bf16 (bf16 weights, fp32 main copies in the optimizer), failure-free."""
+    tmp = tmp_path_factory.mktemp("failure_free_bf16")
+    args = [*_args(tmp, "ckpt"), *BF16]
+    proc = run_job(8, args, timeout_s=420)
+    check(proc)
+    return training_of(proc, args), tmp / "ckpt"
+
+
+def test_a_stage_taken_over_in_bf16_arrives_with_its_fp32_main_copies(tmp_path, failure_free_bf16):
+    # The bf16 twin of the test above: the rank taking stage 0 receives its bf16 weights, the
+    # optimizer's fp32 main copies of them and their Adam moments. Rebuilt from the bf16 weights
+    # instead, the main copies would lose every update smaller than bf16's rounding (about 4e-3 of
+    # a weight), and the saved main copies would differ by that much.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(6, [*_args(tmp_path, "ckpt"), *BF16, "--resihp-enable", "--resihp-event-log", str(events),
+                       "--resihp-inject=kill:rank=1,at=4", "--resihp-inject=kill:rank=2,at=4"], timeout_s=600)
+    check(proc)
+    adapted = [a for a in read_events(events, "adapted") if "failed_ranks" in a]
+    assert [a["data_parallel_size"] for a in adapted] == [2], adapted
+    stock_training, stock_root = failure_free_bf16
+    assert_same_training(proc.stdout, tmp_path / "ckpt", stock_training, key_bias_atol=5e-6)
+    ours, stock = (main_copies(saved_states(root)) for root in (tmp_path / "ckpt", stock_root))
+    assert sorted(ours) == sorted(stock)
+    for shard in stock:
+        torch.testing.assert_close(ours[shard], stock[shard], rtol=0, atol=1e-6, msg=shard)
 
 
 def test_a_spare_standing_by_when_the_jobs_store_dies_leaves_cleanly(tmp_path):

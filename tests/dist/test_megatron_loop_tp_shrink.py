@@ -86,3 +86,32 @@ def test_a_very_slow_rank_leaves_its_tp_group_and_rejoins_once_healthy_exactly(t
     assert [a["world_size"] for a in adapted] == [3, 4], decisions(events)
     assert adapted[1]["joined_launch_ranks"] == [1] and adapted[1]["quotas"] == [4, 4], decisions(events)
     assert_stock_training(proc.stdout, tmp_path, exclusion_failure_free, EXCLUSION_ITERATIONS)
+
+
+def split_job_args(tmp, name: str) -> list[str]:
+    """TP4 x DP2 (PP 1) on 8 ranks, saved in ``torch_dist``."""
+    return replaced(job_args(tmp, name), {"--ckpt-format": "torch_dist", "--pipeline-model-parallel-size": "1",
+                                          "--tensor-model-parallel-size": "4"})
+
+
+@pytest.fixture(scope="module")
+def split_failure_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp_split_failure_free")
+    return stock_dist_training(8, tmp, split_job_args(tmp, "ckpt"))
+
+
+def test_a_tp4_group_that_lost_a_rank_goes_on_at_tp_2_beside_the_whole_replica_exactly(tmp_path, split_failure_free):
+    # TP4 x DP2: replica 0 is ranks 0-3, replica 1 ranks 4-7. Rank 0 dies. Replica 1 goes on whole and
+    # leads; ranks 1 and 2 run replica 0 at TP 2, and rank 3 stands by (a third replica at TP 1
+    # would leave the batch of 8 micro-batches split over three).
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*split_job_args(tmp_path, "ckpt"), *resilience_flags(events),
+                       "--resihp-inject", "kill:rank=0,at=4"], timeout_s=420)
+    check(proc)
+    assert "launch rank 3 is a spare" in proc.stdout + proc.stderr
+    executed = read_events(events, "plan")[-1]["executed"]
+    assert executed["kept_replicas"] == [1], decisions(events)
+    assert [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[[1, 2]]], executed
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"], a["data_parallel_size"]) for a in adapted] == [(4, 6, 2)], adapted
+    assert_stock_training(proc.stdout, tmp_path, split_failure_free, ITERATIONS)

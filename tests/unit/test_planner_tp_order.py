@@ -39,6 +39,17 @@ def test_a_uniform_job_shrinks_a_broken_replica_after_the_whole_one():
     assert plan == plan_survivors(layout, frozenset({5}), hw=HW)  # already in order: the same plan
 
 
+def test_replicas_cut_to_the_counts_the_loop_runs_split_the_whole_batch_between_them():
+    # Kill 0 of TP4 x DP2: ranks 1-3 could run replica 0 at TP 2 and TP 1, but the loop runs at most
+    # 2 replicas; the quotas are those of the 2 that go on, the whole batch between them.
+    layout = Layout.uniform(MODEL, 4, 1, 2)
+    plan = plan_survivors(layout, frozenset({0}), hw=HW, tp_descending=True, replica_counts=frozenset({1, 2}))
+    continuing = continuing_layout(layout, plan)
+    assert _degrees(continuing) == [4, 2]
+    assert len(plan.quotas) in (0, 2) and sum(plan.quotas or (4, 4)) == MODEL.num_microbatches, plan.quotas
+    assert plan.spares == (3,)
+
+
 def test_a_known_slow_rank_is_the_last_of_its_group_to_run_a_smaller_replica():
     # Rank 2 (replica 1, stage 0) is known 3x slow when rank 7 dies: of its group, healthy rank 3
     # runs stage 0 of the TP-1 replica, and the batch splits by speed.
