@@ -317,7 +317,9 @@ def resilience_config(args: argparse.Namespace):
     try:
         split = launch_split(args)
     except (AssertionError, ValueError) as error:
-        _refuse(f"megatron-core places this job's layers on no pipeline split it can rebuild: {error or 'an assertion'}")
+        flag = "--pipeline-model-parallel-layout" if getattr(args, "pipeline_model_parallel_layout", None) else "--num-layers"
+        _refuse(f"{flag}: megatron-core places this job's layers on no pipeline split it can rebuild: "
+                f"{str(error).strip() or 'an assertion'}")
     lacking = unsupported_flags(args, cfg, split)
     if lacking:
         _refuse("resilience on Megatron-LM's loop (the default, --resihp-loop megatron) cannot carry yet: " + "; ".join(lacking)

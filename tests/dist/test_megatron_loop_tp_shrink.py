@@ -115,3 +115,19 @@ def test_a_tp4_group_that_lost_a_rank_goes_on_at_tp_2_beside_the_whole_replica_e
     adapted = read_events(events, "adapted")
     assert [(a["iteration"], a["world_size"], a["data_parallel_size"]) for a in adapted] == [(4, 6, 2)], adapted
     assert_stock_training(proc.stdout, tmp_path, split_failure_free, ITERATIONS)
+
+
+def test_two_tp_groups_that_each_lost_a_rank_go_on_as_two_tp_1_replicas_exactly(tmp_path, exclusion_failure_free):
+    # TP2 x DP2: replica 0 is ranks 0, 1 and replica 1 ranks 2, 3. Ranks 0 and 3 die, so neither TP
+    # group is whole. Ranks 1 and 2 each run the whole model at TP 1 (DP 2), each keeping its own
+    # half of every TP-split tensor and receiving the other half from the other.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(4, [*exclusion_job_args(tmp_path, "ckpt"), *resilience_flags(events),
+                       *(f"--resihp-inject=kill:rank={r},at=4" for r in (0, 3))], timeout_s=420)
+    check(proc)
+    assert "is a spare" not in proc.stdout + proc.stderr
+    executed = read_events(events, "plan")[-1]["executed"]
+    assert [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[[1]], [[2]]], executed
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 2)], adapted
+    assert_stock_training(proc.stdout, tmp_path, exclusion_failure_free, EXCLUSION_ITERATIONS)

@@ -20,11 +20,12 @@ import torch
 from megatron.core import package_info
 
 from tests.dist import slurm_cluster
-from tests.dist.launch import OWN_LOOP, iteration_losses, read_events
+from tests.dist.launch import iteration_losses, read_events
 from tests.dist.megatron_jobs import logged_losses, saved_weights
 
 MODEL = [
-    *OWN_LOOP, "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--device", "cpu", "--eval-iters", "0", "--eval-interval", "1000", "--split", "99,1,0", "--save-interval", "1000",
+    "--ckpt-format", "torch", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--lr", "1e-3",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "1",
     "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -78,7 +79,7 @@ def _assert_same_training(log, ckpt, ref_losses, ref_ckpt):
     ours, ref = _checkpoint(ckpt), _checkpoint(ref_ckpt)
     assert ours.keys() == ref.keys() and ours
     for shard in ours:
-        assert ours[shard]["consumed_samples"] == ref[shard]["consumed_samples"] == ITERS * GLOBAL_BATCH
+        assert ours[shard]["args"].consumed_train_samples == ITERS * GLOBAL_BATCH
         for name, value in ref[shard]["model"].items():
             if torch.is_tensor(value) and value.is_floating_point():
                 torch.testing.assert_close(ours[shard]["model"][name], value, rtol=0, atol=1e-5, msg=f"{shard} {name}")
@@ -99,7 +100,7 @@ def test_sbatch_job_trains_to_the_end(reference):
     assert sorted(losses) == list(range(1, ITERS + 1)), output[-3000:]
     assert losses[ITERS] < losses[1]
     assert "4 ranks on 1 node(s), store at" in output
-    assert {s["consumed_samples"] for s in _checkpoint(ckpt).values()} == {ITERS * GLOBAL_BATCH}
+    assert {s["args"].consumed_train_samples for s in _checkpoint(ckpt).values()} == {ITERS * GLOBAL_BATCH}
 
 
 def test_rank_sigkilled_by_pid_is_survived_in_place(cluster, reference, tmp_path):
