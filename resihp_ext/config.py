@@ -1,6 +1,6 @@
 """The one dataclass behind every ``--resihp-*`` flag.
 
-The training front end generates its argparse group from the fields below (field ``foo_bar``
+The ``--resihp-*`` argparse group (``megatron/resihp/resihp_flags.py``) is generated from the fields below (field ``foo_bar``
 becomes ``--resihp-foo-bar``; the first paragraph of the docstring after a field is its help
 text). All validation happens in ``__post_init__`` and raises ``ValueError`` naming the flag and
 the fix.
@@ -12,17 +12,11 @@ from dataclasses import dataclass, field
 
 from resihp_ext.faults import Fault, parse_fault
 
-# The training loops a resilient job can run on (``--resihp-loop``).
-LOOPS = ("resihp", "megatron")
-
 
 @dataclass(kw_only=True)
 class ResiHPConfig:
     enable: bool = False
     """Turn on in-place adaptation: detected failures are re-planned and applied without restart."""
-
-    loop: str = "megatron"
-    """The training loop a resilient job runs: megatron (the default: Megatron-LM's own loop, every Megatron flag stock, the distributed optimizer included; fail-stop recovery of whole replicas, fail-slow detection and re-plans of the micro-batch split and of the layers per stage) or resihp (the project's own loop with its own flag list: also stages taken over and TP shrunk after a failure, a layer split per replica, spares and standbys)."""
 
     detect_only: bool = False
     """Run detection (and log verdicts) but never adapt, so an injected slowdown stays in place."""
@@ -127,8 +121,6 @@ class ResiHPConfig:
     """GiB of one device a stage may use; a fail-stop plan runs a stage at a smaller TP degree only if it fits (default: the CUDA device's total memory; 80e9 bytes without CUDA)."""
 
     def __post_init__(self) -> None:
-        if self.loop not in LOOPS:
-            raise ValueError(f"--resihp-loop must be one of {', '.join(LOOPS)}, got {self.loop!r}")
         if self.device_memory_gb is not None and not self.device_memory_gb > 0:
             raise ValueError(f"--resihp-device-memory-gb must be > 0 (GiB per device), got {self.device_memory_gb}")
         if self.slowdown_threshold <= 1.0:

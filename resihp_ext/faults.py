@@ -94,10 +94,6 @@ RECOVERY_PHASES = ("reform", "moves", "replan", "readmission", "rendezvous")
 SAVE_PHASES = ("save", "save-write", "save-rename", "save-tracker")
 # Every phase a kill can wait for: an iteration's log, and the end of a finished job last.
 PHASES = (*RECOVERY_PHASES, *SAVE_PHASES, "update", "optimizer", "log", "eval", "exit-check", "shutdown", "setup")
-# Phases only Megatron-LM's loop (the default, --resihp-loop megatron) can be struck in and survive. "update":
-# once the distributed optimizer updated the rank's parameters, before the update's copies go out;
-# "exit-check": as the ranks agree whether --exit-duration-in-mins has passed.
-MEGATRON_LOOP_PHASES = ("update", "optimizer", "eval", "exit-check", "setup")
 # Where in a step a rank can raise an error of its own.
 RAISE_PHASES = ("forward", "backward", "optimizer")
 _REQUIRED = {

@@ -24,6 +24,15 @@ _DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a torch_d
 _FIX = "resume from an earlier checkpoint (edit latest_checkpointed_iteration.txt) or drop --load"
 
 
+def latest_iteration(root: str) -> int | None:
+    """The iteration the tracker file under ``root`` names, or None when it has none."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return int(f.read().strip())
+
+
 def latest_iteration_folder(load_dir: str) -> str | None:
     """The folder the tracker file names, or None when ``load_dir`` holds no checkpoint yet.
 

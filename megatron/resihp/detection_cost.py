@@ -11,13 +11,39 @@ from waiting on the device. Two runs of different phases time iterations both wa
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
-from megatron.resihp.garbage_collection import PauseClock
 from megatron.resihp.schedules import install_hooks, uninstall_hooks
 
 VARIABLE = "RESIHP_ALTERNATE_DETECTION"
+
+
+class PauseClock:
+    """Seconds the cyclic collector has paused this process, and its full collections, since the
+    clock was made (``gc.callbacks``). For measurements that must tell a collection from the work
+    around it; ``stop()`` removes the callback."""
+
+    def __init__(self) -> None:
+        self.paused_s, self.full_collections = 0.0, 0
+        self._began = 0.0
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        self.paused_s += time.perf_counter() - self._began
+        self.full_collections += info["generation"] == 2
+
+    def read(self) -> tuple[float, int]:
+        """``(paused seconds, full collections)`` so far."""
+        return self.paused_s, self.full_collections
+
+    def stop(self) -> None:
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
 
 
 def period_and_phase() -> tuple[int, int] | None:

@@ -85,8 +85,7 @@ class FailSlowReplan:
         decision = decide_fail_slow(run.layout, host.known_health, verdicts, host.calibrated_hardware(),
                                     list(run.quotas), max(host.args.train_iters - iteration, 1), host.launch_shape,
                                     rejected=self.rejected, misjudge=self._misjudge(),
-                                    stages_fixed=not (host.moves_state or host.stages_alike or host.own_splits
-                                                      or host.shrinks_tp),
+                                    stages_fixed=not (host.stages_alike or host.own_splits or host.shrinks_tp),
                                     stages_alike=host.stages_alike, ranks_fixed=host.own_splits or host.shrinks_tp,
                                     tp_exclusion=host.shrinks_tp, drop_to=host.fail_slow_drops)
         plan, host.known_health = decision.plan, decision.known

@@ -24,7 +24,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from megatron.resihp import checkpointing, recovery
+from megatron.resihp import recovery
+from megatron.resihp.checkpoint_files import latest_iteration
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.failure_origin import is_peer_failure
 from megatron.resihp.heartbeat import STORE_LOSS_TIMEOUTS, STORE_OP_TIMEOUT_S
@@ -163,7 +164,7 @@ class FailStopRecovery:
 
             plan, failed, published = recovery.agree_on_plan(
                 host.store, run.generation, old_rank, run.layout, named | failed | left, self._preferred_plan,
-                wait_s=3 * cfg.collective_timeout_s, move_state=host.moves_state or host.recovery_keeps_shape,
+                wait_s=3 * cfg.collective_timeout_s, move_state=host.recovery_keeps_shape,
                 keep_tp=host.recovery_keeps_shape and not host.shrinks_tp, tp_descending=host.shrinks_tp,
                 replica_counts=host.replica_counts, hw=self._survivor_hardware(),
                 health=host.known_health, sharded_optimizer=host.sharded_optimizer,
@@ -263,7 +264,7 @@ class FailStopRecovery:
             StopTraining: always; ``EXIT_NEEDS_RESTART`` when a checkpoint exists to resume from.
         """
         host, args, run = self.host, self.host.args, self.host.run
-        last = checkpointing.latest_iteration(args.save) if args.save else None
+        last = latest_iteration(args.save) if args.save else None
         address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         cause = (f"the job's store at {address} stopped answering (the process or node that hosts it is gone): "
                  f"no failure can be named or survived without it, so {rank_name(run.rank, run.identity)} leaves "
@@ -359,37 +360,24 @@ class FailStopRecovery:
         return {"action": plan.action, "policy": plan.policy, "reason": plan.reason}
 
     def _fallback_checkpoint(self, old_rank, iteration, plan, consumed_samples, failed, completed):
-        """No replica can go on: survivors assemble a checkpoint if every shard survived, then stop.
-
-        If some shard died with every holder, the last periodic checkpoint under ``--save`` (if
-        any) is the one to resume from; the iterations after it are trained again.
-        """
+        """No replica can go on: the survivors stop, naming the last periodic checkpoint under
+        ``--save`` (if any) to resume from; the iterations after it are trained again."""
         host, args, run = self.host, self.host.args, self.host.run
         survivors = sorted(set(run.layout.world_ranks) - failed)
         # The event keeps the planner's reason as it wrote it; what people read says its numbering.
         told = world_numbered(plan.reason, run.identity)
         root = args.save or os.path.abspath("resihp_fallback_checkpoint")
         saved = None
-        if not plan.missing_shards and completed > 0 and host.moves_state:
-            position = (run.layout.stage_of(old_rank)[1], run.layout.tp_rank_of(old_rank))
-            recovery.meet_and_reform(host.store, str(run.generation), survivors.index(old_rank), len(survivors),
-                                     host.backend, host.cfg.collective_timeout_s,
-                                     stop=host.failure_among(survivors), connect_s=host.cfg.rendezvous_timeout_s)
-            writer = plan.checkpoint_writers.get(position) == old_rank
-            saved = recovery.save_assembled_checkpoint(args, root, completed, consumed_samples, run.objects,
-                                                       position, writer)
-            then = f"; saved iteration {completed} to {saved}"
+        last = latest_iteration(args.save) if args.save else None
+        if last is not None:
+            saved = os.path.join(root, f"iter_{last:07d}")
+            redo = (f"iteration {completed} is" if completed == last + 1
+                    else f"iterations {last + 1}-{completed} are") if completed > last else "no iteration is"
+            then = (f"; nothing could be saved now, so resume from the last checkpoint, iteration "
+                    f"{last} ({saved}): {redo} trained again")
         else:
-            last = checkpointing.latest_iteration(args.save) if args.save else None
-            if last is not None:
-                saved = os.path.join(root, f"iter_{last:07d}")
-                redo = (f"iteration {completed} is" if completed == last + 1
-                        else f"iterations {last + 1}-{completed} are") if completed > last else "no iteration is"
-                then = (f"; nothing could be saved now, so resume from the last checkpoint, iteration "
-                        f"{last} ({saved}): {redo} trained again")
-            else:
-                then = ("; nothing saved, and no earlier checkpoint exists: pass --save DIR "
-                        "--save-interval N so that a failure of every holder of a shard can resume")
+            then = ("; nothing saved, and no earlier checkpoint exists: pass --save DIR "
+                    "--save-interval N so that a failure of every holder of a shard can resume")
         resume = resume_command(sys.argv, len(host.launch_layout.world_ranks), root) if saved else None
         if old_rank == survivors[0]:
             mark_job_done(host.store)

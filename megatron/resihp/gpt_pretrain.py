@@ -244,27 +244,9 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def selects_megatron_loop(argv: list[str]) -> bool:
-    """Whether a command line runs on Megatron-LM's loop: every job does unless it names
-    ``--resihp-loop resihp`` (the project's own loop), given a megatron-core that ships the training
-    package (0.19 on; 0.16 has none, and there the project's own loop runs every job)."""
-    from megatron.core import package_info
-
-    major, minor = (int(x) for x in package_info.__version__.split(".")[:2])
-    return (major, minor) >= (0, 19) and resilience_loop(argv) != "resihp"
-
-
-def resilience_loop(argv: list[str]) -> str | None:
-    """The ``--resihp-loop`` the command line names (None when absent); argparse checks its value later."""
-    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    probe.add_argument("--resihp-loop", default=None)
-    known, _ = probe.parse_known_args(argv)
-    return known.resihp_loop
-
-
 def add_resilient_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's ``extra_args_provider`` of a resilient job: ``--device`` and the ``--resihp-*`` flags."""
-    from megatron.resihp.arguments import add_resihp_args
+    from megatron.resihp.resihp_flags import add_resihp_args
 
     add_resihp_args(add_device_args(parser))
     # Only with resilience: the schedule hooks that pad each op are installed by it.
@@ -322,7 +304,7 @@ def resilience_config(args: argparse.Namespace):
                 f"{str(error).strip() or 'an assertion'}")
     lacking = unsupported_flags(args, cfg, split)
     if lacking:
-        _refuse("resilience on Megatron-LM's loop (the default, --resihp-loop megatron) cannot carry yet: " + "; ".join(lacking)
+        _refuse("resilience on Megatron-LM's loop cannot carry yet: " + "; ".join(lacking)
                 + ". Remove these flags, or drop the --resihp-* flags to run Megatron-LM's loop without resilience")
     return cfg
 
@@ -376,6 +358,26 @@ def device_of(argv: list[str]) -> str:
     return known.device
 
 
+def _run_as_a_device() -> None:
+    """A CPU rank keeps the memory it frees (``host_memory``), runs ``RESIHP_CPU_THREADS`` torch
+    threads (default 1) and, where the host has a core for every rank, on a core of its own
+    (``cpu_affinity``): what its ops take then varies as a device's would, not with page faults or
+    the cores the scheduler moves it between."""
+    import os
+
+    from megatron.resihp import cpu_affinity, host_memory
+
+    host_memory.keep_freed_memory()
+    threads = os.environ.get("RESIHP_CPU_THREADS", "1")
+    if not threads.isdigit() or int(threads) < 1:
+        _refuse(f"RESIHP_CPU_THREADS must be a whole number >= 1 (torch threads per CPU rank), got {threads!r}")
+    torch.set_num_threads(int(threads))
+    try:
+        cpu_affinity.pin_this_rank()
+    except ValueError as error:
+        _refuse(str(error))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run Megatron-LM's ``pretrain()`` for GPT with the command line ``argv`` (``sys.argv[1:]`` if None)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -388,6 +390,7 @@ def main(argv: list[str] | None = None) -> None:
         from megatron.resihp import cpu_training
 
         cpu_training.enable()
+        _run_as_a_device()
         # First, so that a flag the user passes again takes precedence (argparse keeps the last).
         argv = cpu_training.implied_flags() + argv
     from megatron.core.enums import ModelType

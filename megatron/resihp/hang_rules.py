@@ -38,8 +38,7 @@ _WAITING_IN = ("/torch/distributed/", "/megatron/core/pipeline_parallel/p2p_comm
 _NOT_WAITING_IN = ("/torch/distributed/elastic/",)
 _INNERMOST = 12
 # Where it reads or writes a checkpoint.
-_IO_IN = ("/megatron/training/checkpointing.py", "/megatron/core/dist_checkpointing/", "/torch/serialization.py",
-          "/megatron/resihp/checkpointing.py", "/megatron/resihp/resilient_save.py")
+_IO_IN = ("/megatron/training/checkpointing.py", "/megatron/core/dist_checkpointing/", "/torch/serialization.py")
 # Iterations of a world timed before its ranks may be named this way.
 MIN_TIMED_ITERATIONS = 3
 

@@ -1,4 +1,4 @@
-"""Resilience inside Megatron-LM's own training loop (``--resihp-loop megatron``).
+"""Resilience inside Megatron-LM's own training loop (the loop every job runs on).
 
 Responsible for the patch points of megatron-core 0.19.2's ``megatron.training`` through which this
 process's executor (``ResilienceHooks``, its fail-stop driver and the one life cycle,
@@ -16,7 +16,7 @@ process's executor (``ResilienceHooks``, its fail-stop driver and the one life c
   job's features need it, one split for all (``megatron_loop_stages``), a very slow rank leaves its
   TP group (its replica going on at a smaller degree), or a very slow replica is dropped whole,
   the ranks left out standing by; a
-  re-plan that kept every rank is on trial like on the resihp loop; a rebuilt model is taken
+  re-plan that kept every rank is on trial (verified, and undone when it does not pay); a rebuilt model is taken
   over before the next step. At the top of each step, standbys that report healthy are taken
   back when it pays (``standby.Readmission``). When a collective fails, the
   survivors agree on a plan and re-form in place (a stage group that lost ranks may run its
@@ -67,7 +67,7 @@ from megatron.resihp.megatron_loop_replicas import CountedSplit
 from megatron.resihp.megatron_loop_spares import SpareReentry
 from megatron.resihp.megatron_loop_stages import (build_objects, interleaving, launch_split, layer_moves_refused,
                                                   layout_layer_of, own_splits_refused, tp_shrink_refused)
-from megatron.resihp.model_builder import TrainingObjects
+from megatron.resihp.training_objects import TrainingObjects
 from megatron.resihp.megatron_loop_updates import UpdateWatch
 from megatron.resihp.optimizer_parts import PartCopies, part_bytes
 from megatron.resihp.raised_faults import RaisedFaults
@@ -373,7 +373,6 @@ class ResilientMegatronLoop:
         moves = layer_moves_refused(args) is None
         own_splits = moves and own_splits_refused(args) is None
         self.hooks = ResilienceHooks(args, self.events, None, build_objects=self._build_objects,
-                                     moves_state=False,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
                                      stands_by=True, stages_alike=moves and not own_splits, own_splits=own_splits,
                                      recovery_keeps_shape=not args.use_distributed_optimizer,

@@ -104,7 +104,7 @@ def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...], tp
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    from megatron.resihp.model_builder import pipeline_layout
+    from megatron.resihp.training_objects import pipeline_layout
 
     config = core_transformer_config_from_args(args)
     if degree != args.tensor_model_parallel_size:
@@ -186,7 +186,7 @@ def build_objects(model_provider, model_type, args: argparse.Namespace, layers_p
     from megatron.training.global_vars import get_timers
     from megatron.training.training import get_megatron_optimizer_config, get_model, get_optimizer_param_scheduler
 
-    from megatron.resihp.model_builder import TrainingObjects
+    from megatron.resihp.training_objects import TrainingObjects
 
     overlap = args.overlap_grad_reduce
     args.overlap_grad_reduce = overlap and ddp_syncs  # what get_model configures DDP from

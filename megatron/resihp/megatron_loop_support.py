@@ -1,4 +1,4 @@
-"""What resilience on Megatron-LM's own loop (``--resihp-loop megatron``, the default) can carry, checked before a job starts.
+"""What resilience on Megatron-LM's own loop can carry, checked before a job starts.
 
 Responsible for one answer, ``unsupported_flags``: the Megatron flags and ``--resihp-*`` settings of
 a job that ``megatron_loop_resilience`` cannot carry through a re-form or a re-plan yet, each with

@@ -33,7 +33,7 @@ from megatron.resihp import recovery
 from megatron.resihp.failure_origin import PeerFailed
 from megatron.resihp.layer_sync import LayoutGradSync
 from megatron.resihp.logging_utils import log_line, rank_name
-from megatron.resihp.model_builder import TrainingObjects
+from megatron.resihp.training_objects import TrainingObjects
 from megatron.resihp.optimizer_parts import (
     PartCopies, StagedParts, is_distributed, position_parts, regather, set_back_adam_steps, stage_parts, whole_part,
     whole_states, write_parts,

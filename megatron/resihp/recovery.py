@@ -1,7 +1,6 @@
 """The store protocols of in-place adaptation, one function per step.
 
     await_failed_ranks -> agree_on_plan -> [stage_moves] -> meet_and_reform -> (rebuild: reconfigure) -> resume
-                                        or -> save_assembled_checkpoint (no in-place plan)
     agree_on_commit: one answer for every member of a layout change (commit or go back)
 
 Responsible for carrying out a ``SurvivorPlan`` (``resihp_ext/planner/survivors.py``) in the
@@ -16,19 +15,11 @@ before spares leave. Nothing here decides what to keep.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import shutil
 import time
 from collections.abc import Callable
 
-import torch
-import torch.distributed as dist
-
-from megatron.resihp import checkpointing
 from megatron.resihp.failure_origin import PeerFailed
-from megatron.resihp.model_builder import TrainingObjects
 from megatron.resihp.parallel_state_patch import reform_world
 from megatron.resihp.reshard import stage_transfers
 from resihp_ext.layout import Layout
@@ -185,31 +176,3 @@ def stage_moves(store, generation: int, rank: int, survivors: list[int], moves, 
                     connect_s=connect_s)
     joined()
     return stage_transfers(moves, layout, rank, objects, peer_rank=survivors.index, ran=ran)
-
-
-def save_assembled_checkpoint(args: argparse.Namespace, root: str, iteration: int, consumed_samples: int,
-                              objects: TrainingObjects, position: tuple[int, int], writer: bool) -> str:
-    """Collective over the survivors' world: each writer saves the (TP, PP) shard it holds.
-
-    Same on-disk layout and atomic protocol as ``checkpointing.save_checkpoint``, but shards come
-    from whichever survivor holds them, across replicas.
-    """
-    final = os.path.join(root, f"iter_{iteration:07d}")
-    tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
-    stage, tp_rank = position
-    if writer:
-        shard = os.path.join(tmp, f"mp_rank_{tp_rank:02d}_{stage:03d}")
-        os.makedirs(shard, exist_ok=True)
-        torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
-                    "model": objects.model.state_dict(), "optimizer": objects.optimizer.state_dict(),
-                    "scheduler": objects.scheduler.state_dict()},
-                   os.path.join(shard, "model_optim_rng.pt"))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        checkpointing.finalize_checkpoint(args, root, tmp, final, iteration, consumed_samples)
-    dist.barrier()
-    return final

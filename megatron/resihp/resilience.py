@@ -31,10 +31,8 @@ from megatron.resihp.detection import (
 from megatron.resihp.fail_slow_replan import FailSlowReplan
 from megatron.resihp.fail_stop_recovery import EXIT_NEEDS_RESTART, FailStopRecovery, resume_command  # noqa: F401
 from megatron.resihp.heartbeat import HeartbeatMonitor, connect_store
-from megatron.resihp.initialize import world_backend
 from megatron.resihp.injected_faults import InjectedFaults
 from megatron.resihp.logging_utils import EventLog, log_line, rank_name, ranks_name, world_numbered
-from megatron.resihp.model_builder import build_training_objects
 from megatron.resihp.parallel_state_patch import installed, message_group
 from megatron.resihp.run_state import RunState, StopTraining  # noqa: F401
 from megatron.resihp.standby import Readmission, Rejoined
@@ -56,47 +54,41 @@ class ResilienceHooks:
     (``replan``, ``recovery``, ``readmission``) decide changes, ``reconfigure.apply`` makes them.
     """
 
-    def __init__(self, args: argparse.Namespace, events: EventLog, objects=None,
-                 build_objects: Callable | None = None, moves_state: bool = True,
+    def __init__(self, args: argparse.Namespace, events: EventLog, objects, build_objects: Callable,
                  sharded_optimizer: bool = False, cfg=None, stands_by: bool = True, stages_alike: bool = False,
                  own_splits: bool = False, recovery_keeps_shape: bool = False, shrinks_tp: bool = False,
                  replica_counts: frozenset[int] | None = None,
                  interleaving: Interleaving = Interleaving(), fail_slow_drops: frozenset[int] | None = None):
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
-        groups (the resihp loop's ``model_builder.build_training_objects`` when None). Without
-        ``moves_state`` a fail-stop plan keeps every rank at the stage it holds, a fail-slow plan
-        changes the micro-batch quotas alone, and a fallback points to the last periodic checkpoint
-        instead of assembling one from the survivors. With
-        ``sharded_optimizer`` (Megatron's distributed optimizer) whole replicas go on only when
-        every dead rank's part of the optimizer state survives as a copy (``run.part_copies``, made
-        by the loop; without them every fail-stop falls back to that checkpoint). ``cfg``: the
-        ``ResiHPConfig`` (``args.resihp`` when None). Without ``stands_by`` a rank a plan leaves out
-        exits, whatever ``--resihp-no-standby`` says (the loop has no place for a standby). With
-        ``stages_alike`` (and without ``moves_state``) a fail-slow plan may also move layers between
-        stages, with one split for every replica (what a loop that builds every replica from one
-        model configuration runs). With ``own_splits`` (and without ``moves_state``) each replica
-        may take a layer split of its own instead, keeping its ranks and TP groups (a loop that builds
-        each rank's model from its replica's split, its gradients then synced layer by layer:
-        ``layer_sync``). With ``recovery_keeps_shape`` (and without ``moves_state``) a
+        groups. A fail-stop plan keeps every rank at the stage it holds, a fail-slow plan changes
+        the micro-batch quotas alone, and a fallback points to the last periodic checkpoint, except
+        where the flags below allow more. With ``sharded_optimizer`` (Megatron's distributed
+        optimizer) whole replicas go on only when every dead rank's part of the optimizer state
+        survives as a copy (``run.part_copies``, made by the loop; without them every fail-stop
+        falls back to that checkpoint). ``cfg``: the ``ResiHPConfig`` (``args.resihp`` when None).
+        Without ``stands_by`` a rank a plan leaves out exits, whatever ``--resihp-no-standby`` says.
+        With ``stages_alike`` a fail-slow plan may also move layers between stages, with one split
+        for every replica (what a loop that builds every replica from one model configuration runs).
+        With ``own_splits`` each replica may take a layer split of its own instead, keeping its
+        ranks and TP groups (a loop that builds each rank's model from its replica's split, its
+        gradients then synced layer by layer: ``layer_sync``). With ``recovery_keeps_shape`` a
         fail-stop plan may move state as long as every replica keeps its shape: an intact stage
-        group takes a stage that is short, a standby takes a dead rank's place; no replica runs
-        at a smaller TP degree, unless ``shrinks_tp``: then a stage group that lost ranks may also
-        run its replica at a smaller degree, after every replica at a larger one in DP order (a loop
-        that builds each rank's model at its replica's degree). ``replica_counts``: how many replicas the loop can split the global
-        batch over (None: any), which a fail-stop plan keeps to. ``interleaving``: the replicas'
-        pipeline schedule, which op timings are read by and plans are priced under.
-        ``fail_slow_drops`` (without ``moves_state``): the replica counts a fail-slow plan may drop
-        slow replicas whole down to, their ranks standing by (None: it drops none; with
-        ``moves_state`` a plan may always drop replicas)."""
+        group takes a stage that is short, a standby takes a dead rank's place; no replica runs at a
+        smaller TP degree, unless ``shrinks_tp``: then a stage group that lost ranks may also run its
+        replica at a smaller degree, after every replica at a larger one in DP order (a loop that
+        builds each rank's model at its replica's degree). ``replica_counts``: how many replicas the
+        loop can split the global batch over (None: any), which a fail-stop plan keeps to.
+        ``interleaving``: the replicas' pipeline schedule, which op timings are read by and plans are
+        priced under. ``fail_slow_drops``: the replica counts a fail-slow plan may drop slow
+        replicas whole down to, their ranks standing by (None: it drops none)."""
         self.args = args
-        self.build_objects = build_objects or build_training_objects
-        self.moves_state = moves_state
-        self.stages_alike = stages_alike and not moves_state
-        self.own_splits = own_splits and not moves_state
-        self.recovery_keeps_shape = recovery_keeps_shape and not moves_state
-        self.shrinks_tp = self.recovery_keeps_shape and shrinks_tp
+        self.build_objects = build_objects
+        self.stages_alike = stages_alike
+        self.own_splits = own_splits
+        self.recovery_keeps_shape = recovery_keeps_shape
+        self.shrinks_tp = recovery_keeps_shape and shrinks_tp
         self.replica_counts = replica_counts
-        self.fail_slow_drops = None if moves_state else fail_slow_drops
+        self.fail_slow_drops = fail_slow_drops
         self.interleaving = interleaving
         self.sharded_optimizer = sharded_optimizer
         self.cfg = args.resihp if cfg is None else cfg
@@ -334,7 +326,10 @@ class ResilienceHooks:
     # ------------------------------------------------------------------ what the life cycle uses
     @property
     def backend(self) -> str:
-        return world_backend(self.args.device)
+        """The default group's backend: gloo on CPU; on CUDA, NCCL for GPU tensors and gloo for the
+        host tensors that the loss sum, detection's messages and re-planning exchange (NCCL alone
+        rejects a host tensor, and every group made without a backend inherits both)."""
+        return "gloo" if self.args.device == "cpu" else "cpu:gloo,cuda:nccl"
 
     def failure_among(self, members) -> Callable[[], str | None]:
         """A reason to give up on a world of ``members`` (old ranks): the heartbeats name one failed."""
@@ -461,10 +456,3 @@ class ResilienceHooks:
         if self.live is not None and self.live.deciding:
             self.events.emit("detector_overhead", -1, decision_s=self.live.decision_s,
                              decision_cpu_s=self.live.decision_cpu_s)
-
-
-def build_resilience(args: argparse.Namespace, events: EventLog, objects) -> ResilienceHooks | None:
-    cfg = args.resihp
-    if not (cfg.detection_on or cfg.inject):
-        return None
-    return ResilienceHooks(args, events, objects)

@@ -1,9 +1,8 @@
-"""Hooks around megatron-core's pipeline schedule, and one training step.
+"""Hooks around megatron-core's pipeline schedules.
 
 Responsible for recording the start and end of every forward and backward of every micro-batch
-on this rank (the detector's raw input), for stretching them when a compute slowdown is injected,
-and for running megatron-core's own 1F1B schedule with this replica's micro-batch count. It never
-decides anything: timings go out as plain tuples.
+on this rank (the detector's raw input), and for stretching them when a compute slowdown is
+injected. It never decides anything: timings go out as plain tuples.
 
 Each op gets two times. Its wall-clock start and end place it on the job's timeline (pipeline
 transfers are the gaps between ops). Its *busy* time is how long the device worked on it, which
@@ -35,10 +34,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from resihp_ext.schedule import OpKind
 
@@ -217,63 +215,3 @@ class StepTimings:
     busy: list[float]  # per op, device seconds (see the module docstring)
     features: list[tuple[int, ...]]  # per micro-batch, its cost features
     iteration_s: float  # schedule start to optimizer step end, on this rank
-
-
-@dataclasses.dataclass
-class StepResult(StepTimings):
-    """One step of the resihp loop: its timings, its loss and what the optimizer did."""
-
-    loss_sum: float  # summed over this replica's micro-batches (last stage only, else 0)
-    num_tokens: int
-    grad_norm: float | None
-    skipped: bool
-    iteration_start_s: float
-
-
-def train_step(
-    forward_step_func: Callable,
-    data_iterator: Iterator,
-    objects,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    global_batch_size: int,
-) -> StepResult:
-    """One optimizer step over this replica's ``num_microbatches`` (may differ across replicas)."""
-    model, optimizer = objects.model, objects.optimizer
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    RECORDER.start_iteration()
-    try:
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=[model],
-            num_microbatches=num_microbatches,
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            decoder_seq_length=seq_length,
-            forward_only=False,
-        )
-    finally:
-        RECORDER.active = False
-    update_successful, grad_norm, _ = optimizer.step()
-    if update_successful:
-        objects.scheduler.step(increment=global_batch_size)
-    RECORDER.collect()
-    loss_sum, num_tokens = 0.0, 0
-    for item in losses or []:
-        pair = item["lm loss"]
-        loss_sum += float(pair[0])
-        num_tokens += int(pair[1])
-    return StepResult(
-        loss_sum=loss_sum,
-        num_tokens=num_tokens,
-        grad_norm=None if grad_norm is None else float(grad_norm),
-        skipped=not update_successful,
-        ops=list(RECORDER.ops),
-        busy=list(RECORDER.busy),
-        features=list(RECORDER.features),
-        iteration_start_s=RECORDER.iteration_start_s,
-        iteration_s=time.perf_counter() - RECORDER.iteration_start_s,
-    )

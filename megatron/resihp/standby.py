@@ -368,7 +368,7 @@ class Readmission:
         horizon = max(host.args.train_iters - iteration + 1, 1)
         decision = plan_readmission(run.layout, list(run.identity), host.launch_layout, ready, host.known_health,
                                     host.calibrated_hardware(), list(run.quotas), horizon,
-                                    alike=not (host.moves_state or host.own_splits), tp_descending=host.shrinks_tp)
+                                    alike=not host.own_splits, tp_descending=host.shrinks_tp)
         plan = decision.plan
         if run.rank == 0:
             host.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,

@@ -26,21 +26,14 @@ REPO = Path(__file__).resolve().parents[2]
 # compares its probe with its own baseline taken seconds before, so its factors carry this.
 CORE_SPEED_SPREAD = 4.24 / 2.46
 
-# The project's own loop, which the tests of its stage takeovers, TP shrinks, spares and standbys
-# run; a job with --resihp-* flags runs Megatron-LM's loop unless it names this one.
-OWN_LOOP = ["--resihp-loop", "resihp"]
-
-# A tiny GPT on the project's own loop.
+# A tiny GPT on Megatron-LM's flags (no evaluation, torch-format checkpoints when --save is given).
 TINY_GPT = [
-    *OWN_LOOP, "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
     "--global-batch-size", "16", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "512", "--log-interval", "1",
+    "--vocab-size", "512", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+    "--split", "99,1,0", "--save-interval", "1000", "--ckpt-format", "torch",
 ]
-
-
-# TINY_GPT without dropout, so that a job's losses equal a failure-free run's exactly.
-EXACT_GPT = [*TINY_GPT, "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 def run_job(nproc: int, args: list[str], timeout_s: float = 300, launcher: str = "local",

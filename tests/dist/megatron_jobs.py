@@ -164,7 +164,7 @@ def resilient(tmp, events) -> list[str]:
 
 def resilience_flags(events) -> list[str]:
     """Resilience on Megatron-LM's loop, its events written to ``events``."""
-    return ["--resihp-loop", "megatron", "--resihp-enable", "--resihp-event-log", str(events)]
+    return ["--resihp-enable", "--resihp-event-log", str(events)]
 
 
 def replaced(args: list[str], values: dict[str, str]) -> list[str]:

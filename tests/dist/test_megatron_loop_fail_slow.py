@@ -1,4 +1,4 @@
-"""Fail-slow on Megatron-LM's own loop (``--resihp-loop megatron``), 8 CPU ranks TP2 x PP2 x DP2 with
+"""Fail-slow on Megatron-LM's own loop, 8 CPU ranks TP2 x PP2 x DP2 with
 the distributed optimizer and sequence parallelism, as real jobs run.
 
 A rank slowed 3x is named by the detector from the timings of Megatron's own schedule, and the
@@ -28,7 +28,7 @@ def real_job_args(tmp, name: str) -> list[str]:
 
 def resilient_run(nproc: int, args: list[str], events, *flags: str):
     """``args`` on Megatron-LM's loop with resilience on and ``flags``, which must finish."""
-    proc = run_job(nproc, [*args, "--resihp-loop", "megatron", "--resihp-enable", "--resihp-event-log", str(events),
+    proc = run_job(nproc, [*args, "--resihp-enable", "--resihp-event-log", str(events),
                            *flags], timeout_s=480)
     check(proc)
     return proc
@@ -98,8 +98,7 @@ def test_a_slowed_pipeline_link_is_named_from_megatrons_schedule(tmp_path):
     # transfer. Link 0->4 (replica 0's stage boundary) 600x slow from iteration 10 is named as
     # that link, not as a slow rank.
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*replaced(job_args(tmp_path, "ckpt"), {"--train-iters": "24"}), "--resihp-loop", "megatron",
-                       "--resihp-detect-only", "--cpu-device-time-scale", "16", "--resihp-event-log", str(events),
+    proc = run_job(8, [*replaced(job_args(tmp_path, "ckpt"), {"--train-iters": "24"}), "--resihp-detect-only", "--cpu-device-time-scale", "16", "--resihp-event-log", str(events),
                        "--resihp-inject", "link:src=0,dst=4,factor=600,at=10"], timeout_s=480)
     check(proc)
     links = [v for v in read_events(events, "verdict") if v["kind"] == "link"]

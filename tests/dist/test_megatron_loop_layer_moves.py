@@ -1,4 +1,4 @@
-"""Layers moved between stages on Megatron-LM's own loop (``--resihp-loop megatron``), 8 CPU ranks
+"""Layers moved between stages on Megatron-LM's own loop, 8 CPU ranks
 TP2 x PP2 x DP2 with the distributed optimizer and sequence parallelism, checkpoints in
 ``torch_dist``.
 
@@ -74,7 +74,7 @@ def test_layers_stay_on_their_stages_when_the_checkpoint_format_numbers_them_per
     # not load in a stock run, so the job says at start that re-plans keep the stages.
     events = tmp_path / "events.jsonl"
     proc = run_job(8, [*replaced(layer_job_args(tmp_path, "ckpt"), {"--ckpt-format": "torch", "--train-iters": "2"}),
-                       "--resihp-loop", "megatron", "--resihp-enable", "--resihp-event-log", str(events)],
+                       "--resihp-enable", "--resihp-event-log", str(events)],
                    timeout_s=420)
     check(proc)
     assert "re-plans of the micro-batch split only (layers stay on their stages: --ckpt-format torch" in proc.stdout, \

@@ -1,4 +1,4 @@
-"""Resilience on Megatron-LM's own training loop (``--resihp-loop megatron``), 8 CPU ranks TP2 x PP2 x DP2.
+"""Resilience on Megatron-LM's own training loop, 8 CPU ranks TP2 x PP2 x DP2.
 
 A rank SIGKILLed mid-run is survived in place: the survivors re-form without it, Megatron's loop goes
 on to its last iteration, and every logged loss and the saved weights equal a failure-free run of
@@ -302,7 +302,7 @@ def test_a_launch_that_places_layers_unevenly_is_survived_in_place_on_its_own_sp
 
 def test_what_the_fail_stop_path_cannot_carry_is_refused_before_anything_starts(tmp_path):
     # One launch with three such flags: one message (from one rank) names each, exit 2, nothing written.
-    proc = run_job(8, [*job_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
+    proc = run_job(8, [*job_args(tmp_path, "ckpt"), "--resihp-enable",
                        "--resihp-device-memory-gb", "40",
                        "--context-parallel-size", "2", "--resihp-inject", "kill:rank=1,at=3,during=save-rename"],
                    timeout_s=300)

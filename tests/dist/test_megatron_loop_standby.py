@@ -1,4 +1,4 @@
-"""A slow replica left out and taken back on Megatron-LM's own loop (``--resihp-loop megatron``).
+"""A slow replica left out and taken back on Megatron-LM's own loop.
 
 PP2 x DP2 on 4 CPU ranks. Rank 3 (replica 1, stage 1) runs 16x slow from iteration 5 to 14: the
 detector names it from the timings of Megatron's own schedule, the planner finds that the healthy
@@ -58,7 +58,7 @@ def slowed_run(tmp_path, *flags: str):
     and these tests hold the whole run to stock Megatron-LM's numbers. Returns the finished process
     and its event log."""
     events = tmp_path / "events.jsonl"
-    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), "--resihp-loop", "megatron", "--resihp-enable",
+    proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), "--resihp-enable",
                        "--resihp-event-log", str(events), "--resihp-verify-iters", "0",
                        "--resihp-standby-probe-interval-s", "0.3", "--resihp-inject", SLOW, *flags], timeout_s=420)
     check(proc)

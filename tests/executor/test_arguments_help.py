@@ -4,13 +4,20 @@ import dataclasses
 
 import pytest
 
-from megatron.resihp.arguments import build_parser, parse_args
+from megatron.resihp.resihp_flags import add_resihp_args
 from resihp_ext.config import ResiHPConfig
-from tests.cli_args import TINY_CPU_ARGS
+
+
+def _parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="pretrain_gpt_resilient.py")
+    add_resihp_args(parser)
+    return parser
 
 
 def test_help_lists_every_resihp_flag():
-    text = build_parser().format_help()  # argparse %-formats help strings: a bare % used to crash it
+    text = _parser().format_help()  # argparse %-formats help strings: a bare % used to crash it
     for field in dataclasses.fields(ResiHPConfig):
         assert "--resihp-" + field.name.replace("_", "-") in text
     assert "(0.05 = 5%)" in " ".join(text.split())
@@ -23,25 +30,26 @@ def test_help_lists_every_resihp_flag():
     ("--resihp-persistence-iters", "0", "must be >= 1"),
     ("--resihp-max-speed-drift", "0.3", "below --resihp-slowdown-threshold - 1"),
     ("--resihp-verify-margin", "1.5", "must be in [0, 1)"),
-    # This loop's evaluation and step have no recovery around a kill aimed there: refused, not ignored.
-    ("--resihp-inject", "kill:rank=0,at=3,during=eval", "drop --resihp-loop resihp"),
-    ("--resihp-inject", "kill:rank=0,at=3,during=optimizer", "drop --resihp-loop resihp"),
-    ("--resihp-inject", "kill:rank=0,at=1,during=setup", "drop --resihp-loop resihp"),
-    ("--resihp-inject", "raise:rank=0,at=3", "drop --resihp-loop resihp"),
 ])
 def test_a_bad_resihp_value_exits_2_naming_its_flag(monkeypatch, capsys, flag, value, says):
+    from megatron.resihp.gpt_pretrain import resilience_config
+
     monkeypatch.setenv("WORLD_SIZE", "1")
+    args = _parser().parse_args([flag, value])
     with pytest.raises(SystemExit) as exit_info:
-        parse_args([*TINY_CPU_ARGS, flag, value])
+        resilience_config(args)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and says in err, err
 
 
-def test_the_persistence_gap_reaches_the_detectors_config(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert parse_args(list(TINY_CPU_ARGS)).resihp.persistence_gap_iters == 1
-    assert parse_args([*TINY_CPU_ARGS, "--resihp-persistence-gap-iters", "0"]).resihp.persistence_gap_iters == 0
+def test_the_persistence_gap_reaches_the_config():
+    def config(*argv):
+        args = _parser().parse_args(list(argv))
+        return ResiHPConfig(**{f.name: getattr(args, "resihp_" + f.name) for f in dataclasses.fields(ResiHPConfig)})
+
+    assert config().persistence_gap_iters == 1
+    assert config("--resihp-persistence-gap-iters", "0").persistence_gap_iters == 0
 
 
 def test_the_resilient_script_prints_megatrons_flags_and_the_resihp_flags_on_help():

@@ -1,4 +1,4 @@
-"""Corpus -> preprocess -> megatron datasets, and the variable-length mock workload."""
+"""Corpus -> preprocess -> indexed files, and the variable-length mock documents (``--mock-doc-lengths``)."""
 
 import importlib.util
 import json
@@ -15,7 +15,7 @@ import torch
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
 from megatron.resihp.data.batch import document_lengths  # noqa: E402
-from megatron.resihp.data.datasets import build_pretraining_datasets  # noqa: E402
+from megatron.resihp.data.datasets import ResiHPGPTDatasetConfig, VariableLengthMockGPTDataset  # noqa: E402
 from megatron.resihp.data.tokenizer import build_tokenizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,14 +23,16 @@ PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")
 TOK = build_tokenizer("ByteLevelTokenizer")
 
 
-def _common(**kw):
-    args = dict(
-        data_path=None, split="90,10,0", mock_data=False, seq_length=64, seed=1234, tokenizer=TOK,
-        num_samples=(40, 4, 0), reset_position_ids=True, reset_attention_mask=True,
-        eod_mask_loss=True, create_attention_mask=False, path_to_cache=None,
+def _mock_documents(spec: str, seed: int = 1234, seq_length: int = 256):
+    """The training split of ``--mock-data --mock-doc-lengths spec`` as Megatron's dataset builder makes it."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    config = ResiHPGPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, blend=None, split="90,10,0", tokenizer=TOK,
+        reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True, create_attention_mask=False,
+        path_to_cache=None, mock_doc_lengths=spec,
     )
-    args.update(kw)
-    return args
+    return BlendedMegatronDatasetBuilder(VariableLengthMockGPTDataset, [40, 4, 0], lambda: True, config).build()[0]
 
 
 def _load_tool():
@@ -78,43 +80,9 @@ def test_preprocess_writes_documents_with_eod(real_prefix):
     assert first[-1] == TOK.eod and TOK.detokenize(first[:-1]) == docs[0]
 
 
-def test_real_data_sample(real_prefix, tmp_path):
-    prefix, _ = real_prefix
-    train, valid, test = build_pretraining_datasets(
-        **_common(data_path=[prefix], path_to_cache=str(tmp_path / "cache"), create_attention_mask=True)
-    )
-    assert test is None and len(train) >= 40 and len(valid) >= 4
-    sample = train[0]
-    assert set(sample) == {"tokens", "labels", "attention_mask", "loss_mask", "position_ids"}
-    assert sample["tokens"].shape == (64,) and sample["attention_mask"].shape == (1, 64, 64)
-    assert torch.equal(sample["loss_mask"] == 0, sample["tokens"] == TOK.eod)
-    assert "quick brown fox" in TOK.detokenize(torch.cat([train[i]["tokens"] for i in range(3)]).tolist())
-
-
-def test_weighted_blend(real_prefix, tmp_path):
-    prefix, _ = real_prefix
-    train, _, _ = build_pretraining_datasets(
-        **_common(data_path=[f"0.3 {prefix} 0.7 {prefix}"], path_to_cache=str(tmp_path))
-    )
-    assert len(train) == 40
-
-
-def test_flag_errors(tmp_path):
-    with pytest.raises(ValueError, match="--data-path"):
-        build_pretraining_datasets(**_common(data_path=[str(tmp_path / "missing")]))
-    with pytest.raises(ValueError, match="--mock-data"):
-        build_pretraining_datasets(**_common(mock_doc_lengths="fixed:length=8"))
-    with pytest.raises(ValueError, match="--mock-doc-lengths"):
-        build_pretraining_datasets(**_common(mock_data=True, mock_doc_lengths="gamma:k=1"))
-    with pytest.raises(ValueError, match="--data-path"):
-        build_pretraining_datasets(**_common())
-
-
 def test_variable_length_mock_documents_follow_the_spec():
     spec = "lognormal:median=24,sigma=1.0,min=4,max=200"
-    train, _, _ = build_pretraining_datasets(
-        **_common(mock_data=True, seq_length=256, mock_doc_lengths=spec)
-    )
+    train = _mock_documents(spec)
     lengths = []
     for i in range(40):
         sample = train[i]
@@ -129,10 +97,7 @@ def test_variable_length_mock_documents_follow_the_spec():
     assert lengths.min() >= 4 and lengths.max() <= 200
     assert 16 <= np.median(lengths) <= 34
     # Different seeds give different workloads; the same seed the same.
-    again, _, _ = build_pretraining_datasets(**_common(mock_data=True, seq_length=256, mock_doc_lengths=spec))
-    other, _, _ = build_pretraining_datasets(
-        **_common(mock_data=True, seq_length=256, mock_doc_lengths=spec, seed=7)
-    )
+    again, other = _mock_documents(spec), _mock_documents(spec, seed=7)
     assert torch.equal(again[5]["tokens"], train[5]["tokens"])
     assert not torch.equal(other[5]["tokens"], train[5]["tokens"])
 
@@ -162,17 +127,3 @@ def test_an_index_and_data_file_that_disagree_are_named(real_prefix, tmp_path):
         os.truncate(path, max(0, os.path.getsize(path) - cut))
         with pytest.raises(ValueError, match=rf"--data-path: .*copy\{suffix}.*{message}"):
             check_indexed_dataset(str(copy))
-
-
-def test_the_resilient_front_end_refuses_a_split_without_a_document(real_prefix, capsys):
-    from megatron.resihp.arguments import parse_args
-
-    prefix, docs = real_prefix
-    argv = ["--data-path", prefix, "--tokenizer-type", "ByteLevelTokenizer", "--num-layers", "2", "--hidden-size", "64",
-            "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
-            "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "2"]
-    assert parse_args([*argv, "--split", "98,2,0"], world_size=1).split == "98,2,0"
-    with pytest.raises(SystemExit) as stop:
-        parse_args(argv, world_size=1)  # the default split, 969,30,1, gives 60 documents' test split none
-    assert stop.value.code == 2
-    assert f"the test split gets none of the {len(docs)} documents" in capsys.readouterr().err

@@ -277,46 +277,24 @@ def test_document_attention_replaces_only_the_core_attention_of_a_spec():
         with_document_attention(get_gpt_layer_local_spec(multi_latent_attention=True))
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_the_layer_spec_attends_within_documents_only_when_packing_is_on(device):
-    """Without Transformer Engine a CUDA job gets the local spec, as a CPU one does (megatron-core's
-    extension module imports without TE, so it is no proof that TE is there)."""
-    import argparse
-    import importlib.util
-
-    from megatron.resihp.model_builder import layer_spec
-
-    if device == "cuda" and importlib.util.find_spec("transformer_engine") is not None:
-        pytest.skip("Transformer Engine is installed: the GPU tests cover its spec")
-
-    def core(reset, layout="sbhd"):
-        spec = layer_spec(argparse.Namespace(device=device, reset_attention_mask=reset, packed_seq_layout=layout))
-        return spec.submodules.self_attention.submodules.core_attention
-
-    assert core(True) is DocumentCausalAttention
-    assert core(True, "thd") is DocumentCausalAttention  # without TE it reads the thd layout itself
-    assert core(False) is DotProductAttention
-
-
-@pytest.mark.parametrize("reset", [False, True])
-def test_a_model_without_te_layers_ends_in_its_layers_norm_whatever_megatron_core_would_pick(
-        one_rank, monkeypatch, reset):
-    """With Transformer Engine installed, megatron-core ends every decoder built from a layer spec
-    in TE's norm, which fails on CPU tensors; a CPU model's final norm must be its layers' own."""
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_every_layer_of_a_decoder_attends_within_documents_only_when_packing_is_on(monkeypatch, layout):
+    """What the model provider of Megatron-LM's loop builds (``packed_documents.with_document_attention``
+    on megatron-core's decoder block spec): without Transformer Engine our attention reads both layouts."""
     import argparse
 
-    from megatron.core.transformer import transformer_block
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from megatron.resihp.model_builder import decoder_spec
+    from megatron.resihp import gpt_pretrain, packed_documents
 
-    class CudaOnlyNorm(torch.nn.Module):
-        def __init__(self, *args, **kwargs):
-            raise AssertionError("megatron-core's default final norm was built")
+    monkeypatch.setattr(gpt_pretrain, "has_transformer_engine", lambda: False)
 
-    monkeypatch.setattr(transformer_block, "LayerNormImpl", CudaOnlyNorm)
-    config = _config(num_layers=3)
-    args = argparse.Namespace(device="cpu", reset_attention_mask=reset, packed_seq_layout="sbhd")
-    spec = decoder_spec(args, config)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=32)
-    assert len(model.decoder.layers) == 3
-    assert type(model.decoder.final_layernorm) is type(model.decoder.layers[0].input_layernorm)
+    def cores(reset):
+        args = argparse.Namespace(device="cpu", reset_attention_mask=reset, packed_seq_layout=layout,
+                                  transformer_impl="local", bf16=False, fp16=False)
+        block = get_gpt_decoder_block_spec(_config(num_layers=3), use_transformer_engine=False)
+        block = packed_documents.with_document_attention(block, args)
+        return [layer.submodules.self_attention.submodules.core_attention for layer in block.layer_specs]
+
+    assert cores(True) == [DocumentCausalAttention] * 3
+    assert cores(False) == [DotProductAttention] * 3

@@ -63,13 +63,10 @@ def test_torch_norms_take_sequence_parallel_and_layernorm_1p(normalization):
 
 
 def test_rampup_batch_size_is_refused_before_anything_starts(capsys):
-    from megatron.resihp.gpt_pretrain import refuse_ignored_flags, selects_megatron_loop
+    from megatron.resihp.gpt_pretrain import refuse_ignored_flags
 
     with pytest.raises(SystemExit) as stop:
         refuse_ignored_flags(["--num-layers", "2", "--rampup-batch-size", "16", "16", "5859375"])
     assert stop.value.code == 2
     assert "--step-batch-size-schedule" in capsys.readouterr().err
     refuse_ignored_flags(["--step-batch-size-schedule", "0:8 64:16"])
-    assert selects_megatron_loop(["--num-layers", "2"]) and selects_megatron_loop(["--resihp-enable"])
-    assert not selects_megatron_loop(["--resihp-enable", "--resihp-loop", "resihp"])
-    assert not selects_megatron_loop(["--resihp-loop=resihp"])

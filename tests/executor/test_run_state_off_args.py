@@ -82,9 +82,9 @@ def _calls(path: Path, names: set[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("names,allowed", [
-    # Installing a layout's groups: start-up installs the first (the resihp loop's, or Megatron
-    # loop's in place of initialize_model_parallel), the life cycle every later one.
-    ({"install", "build_groups"}, {"initialize.py", "megatron_loop_resilience.py", "reconfigure.py",
+    # Installing a layout's groups: start-up installs the first (in place of Megatron's
+    # initialize_model_parallel), the life cycle every later one.
+    ({"install", "build_groups"}, {"megatron_loop_resilience.py", "reconfigure.py",
                                    "parallel_state_patch.py"}),
     # Creating a process group: only the group builder does.
     ({"new_group"}, {"parallel_state_patch.py"}),

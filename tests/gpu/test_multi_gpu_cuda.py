@@ -76,7 +76,7 @@ def test_sigkill_on_nccl_is_survived_in_place_with_exact_parameters(tmp_path):
     a, b = _params(ref / "ckpt", 6), _params(ours / "ckpt", 6)
     assert a.keys() == b.keys() and a
     for shard in a:
-        assert a[shard]["consumed_samples"] == b[shard]["consumed_samples"] == 6 * 16
+        assert a[shard]["args"].consumed_train_samples == b[shard]["args"].consumed_train_samples == 6 * 16
         for name, value in a[shard]["model"].items():
             if torch.is_tensor(value) and value.is_floating_point():
                 torch.testing.assert_close(b[shard]["model"][name], value, rtol=0, atol=1e-4, msg=f"{shard} {name}")

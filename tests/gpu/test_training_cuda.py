@@ -61,9 +61,15 @@ def test_packed_documents_use_transformer_engines_thd_attention(tmp_path):
     pytest.importorskip("transformer_engine", reason="needs Transformer Engine")
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
-    from megatron.resihp.model_builder import layer_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    spec = layer_spec(argparse.Namespace(device="cuda", reset_attention_mask=True, packed_seq_layout="thd"))
+    from megatron.resihp import packed_documents
+
+    spec = get_gpt_layer_with_transformer_engine_spec()
+    chosen = argparse.Namespace(device="cuda", reset_attention_mask=True, packed_seq_layout="auto", bf16=True,
+                                fp16=False, transformer_impl="transformer_engine")
+    assert packed_documents.layout(chosen) == "thd"
+    packed_documents.with_document_attention(argparse.Namespace(layer_specs=[spec]), chosen)
     assert spec.submodules.self_attention.submodules.core_attention is TEDotProductAttention
     args = [a if a != "cpu" else "cuda" for a in TINY_GPT]
     losses = {}
