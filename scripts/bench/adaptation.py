@@ -1,7 +1,8 @@
 """Adaptation benchmark on CPU: throughput under a slow rank, and time from a dead rank to training.
 
-Measured in one invocation on a TP2 x PP2 x DP2 CPU job (8 gloo processes, packed variable-length
-documents):
+Measured in one invocation on a TP2 x PP2 x DP2 CPU job on Megatron-LM's loop (8 gloo processes,
+fixed-length mock samples; with ``--packed-documents`` packed variable-length documents, attention
+kept within each; torch-format checkpoints where a run saves):
 
 (i) throughput (samples/s = global batch / median iteration ``elapsed_s``) of
     * a healthy run (``--resihp-detect-only``, so detection costs the same in every run),
@@ -51,17 +52,13 @@ documents):
       relaunch with ``--load`` until the killed iteration is done again. Assumes the relaunch
       starts at once (no scheduler queue); the per-iteration saving cost is reported, not added.
 
-    With ``--loop megatron`` the fail-stop runs, the slow-rank throughput runs, the runs whose
-    left-out rank stands by or exits and the runs after a fail-stop (with and without the smaller-TP
-    replica) use Megatron-LM's own loop
-    (``--resihp-loop megatron``, fixed-length mock samples, torch-format checkpoints where a run
-    saves); the other throughput parts are left out.
-    ``--interleaved`` runs them under its interleaved schedule (two model chunks per stage).
+    ``--interleaved`` runs the job under Megatron-LM's interleaved schedule (two model chunks per
+    stage).
 
     python scripts/bench/adaptation.py [--json] [--iters 40] [--factor 2.0] [--slow-rank 7]
         [--link 0:4] [--link-factor 600] [--recover-at 22] [--kill 5]... [--restart-save-interval 4]
         [--standby-factor 8] [--bursts 4:4] [--burst-iters 80]
-        [--skip throughput|slow|link|bursts|recover|standby|shrunk|fail_stop]... [--loop resihp|megatron]
+        [--skip throughput|slow|link|bursts|recover|standby|shrunk|fail_stop]... [--packed-documents]
         [--interleaved]
 """
 
@@ -88,34 +85,29 @@ GLOBAL_BATCH = 16  # fail-stop runs; the throughput runs take --global-batch
 KILL_RANKS = (5,)
 LINK_FACTOR = 600.0
 
+# Megatron's loop needs an evaluation interval (--eval-iters 0: it never evaluates). A run that
+# saves writes the torch format: the torch_dist default starts asynchronous writers on the first
+# save, which would charge the restart baseline tens of seconds that a warm cluster does not pay.
 MODEL = [
-    "--resihp-loop", "resihp", "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
-    "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "512", "--log-interval", "10", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--tensor-model-parallel-size", str(TP), "--pipeline-model-parallel-size", str(PP),
-    "--mock-doc-lengths", "lognormal:median=48,sigma=1.0,min=8,max=1024",
-    "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
-]
-# The same job on Megatron-LM's own loop (--loop megatron), in Megatron's flags: its mock data are
-# fixed-length samples, it needs an evaluation interval, and it saves in the torch format (the
-# torch_dist default starts asynchronous writers on the first save, which would charge the restart
-# baseline tens of seconds that a warm cluster does not pay).
-MEGATRON_MODEL = [
     "--device", "cpu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
     "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
     "--vocab-size", "512", "--log-interval", "10", "--hidden-dropout", "0", "--attention-dropout", "0",
     "--tensor-model-parallel-size", str(TP), "--pipeline-model-parallel-size", str(PP),
-    "--eval-iters", "0", "--eval-interval", "1000", "--ckpt-format", "torch", "--resihp-loop", "megatron",
+    "--eval-iters", "0", "--eval-interval", "1000", "--ckpt-format", "torch",
+]
+# --packed-documents: several documents of lognormal lengths per sample, attention within each, so
+# that micro-batches differ in cost as real packed data does.
+PACKED_DOCUMENTS = [
+    "--mock-doc-lengths", "lognormal:median=48,sigma=1.0,min=8,max=1024",
+    "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
 ]
 
 
 def job_model(args) -> list[str]:
-    """The job's model flags for ``--loop`` (and ``--interleaved``)."""
-    if args.loop != "megatron":
-        return MODEL
-    return [*MEGATRON_MODEL, *(["--num-layers-per-virtual-pipeline-stage", "1"] if args.interleaved else [])]
+    """The job's model flags, with ``args.packed_documents`` and ``args.interleaved`` (absent: off)."""
+    return [*MODEL, *(PACKED_DOCUMENTS if getattr(args, "packed_documents", False) else []),
+            *(["--num-layers-per-virtual-pipeline-stage", "1"] if getattr(args, "interleaved", False) else [])]
 
 
 def launch(args: list[str], launcher: str = "torchrun", check: bool = True, timeout_s: float = 900):
@@ -348,7 +340,7 @@ def fail_stop(args, work: Path) -> dict:
     interval = _restart(work, model, f"restart_every_{args.restart_save_interval}", kills, k, iters,
                         args.restart_save_interval)
     done = inplace["kill_to_first_iteration_after_s"]
-    return {"loop": args.loop, "kill_at": k, "killed_ranks": list(args.kill), "in_place": inplace,
+    return {"kill_at": k, "killed_ranks": list(args.kill), "in_place": inplace,
             "stopped_in_place": _stopped_in_place(work, model, k, iters, args.kill[0]),
             "checkpoint_restart": every, "checkpoint_restart_interval": interval,
             "restart_over_in_place": round(every["kill_to_killed_iteration_done_s"] / done, 3),
@@ -474,32 +466,29 @@ def main() -> None:
                              "(the slow-link runs), bursts (the runs with a rank slow in bursts), recover (the recovery runs), standby (the runs whose left-out ranks stand "
                              "by or exit), shrunk (the runs after a fail-stop, "
                              "with and without a smaller-TP replica), fail_stop (time to resume)")
-    parser.add_argument("--loop", choices=("resihp", "megatron"), default="resihp",
-                        help="training loop: resihp (the project's own) or megatron (Megatron-LM's own loop, "
-                             "--resihp-loop megatron: the fail-stop runs, the slow-rank runs, the standby runs and the "
-                             "runs after a fail-stop; the other throughput parts are the resihp loop's)")
+    parser.add_argument("--packed-documents", action="store_true",
+                        help="packed variable-length mock documents with attention within each (--mock-doc-lengths "
+                             "lognormal:median=48,sigma=1.0,min=8,max=1024 --reset-attention-mask "
+                             "--reset-position-ids --eod-mask-loss) instead of fixed-length samples")
     parser.add_argument("--interleaved", action="store_true",
-                        help="with --loop megatron: Megatron-LM's interleaved schedule, two model chunks per stage "
+                        help="Megatron-LM's interleaved schedule, two model chunks per stage "
                              "(--num-layers-per-virtual-pipeline-stage 1)")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     args = parser.parse_args()
-    if args.interleaved and args.loop != "megatron":
-        parser.error("--interleaved runs on Megatron-LM's loop only; add --loop megatron")
-    if args.loop == "megatron":
-        resihp_only = [p for p in ("link", "bursts", "recover") if p not in args.skip]
-        if resihp_only and "throughput" not in args.skip:
-            print(f"--loop megatron: the {', '.join(resihp_only)} runs are the resihp loop's; not run", file=sys.stderr)
-        args.skip.extend(resihp_only)
     args.kill = sorted(set(args.kill or KILL_RANKS))
     if not {"recover", "standby"} <= set(args.skip) and "throughput" not in args.skip and not (
             args.slow_at < args.recover_at <= args.iters - 12):
         parser.error(f"--recover-at must be after --slow-at ({args.slow_at}) and at least 12 iterations before "
                      f"the end (--iters {args.iters}); got {args.recover_at}, or pass --skip recover --skip standby")
+    if "fail_stop" not in args.skip and not 1 <= args.restart_save_interval < args.kill_at:
+        parser.error(f"--restart-save-interval must be at least 1 and below --kill-at ({args.kill_at}), so that a "
+                     f"checkpoint exists when the kill strikes; got {args.restart_save_interval}")
     if any(not 0 <= r < NPROC for r in args.kill):
         parser.error(f"--kill takes ranks 0-{NPROC - 1}; got {args.kill}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="adaptation_"))
     work.mkdir(parents=True, exist_ok=True)
-    out = {"shape": f"TP{TP} x PP{PP} x DP{NPROC // (TP * PP)} ({NPROC} processes, CPU)"
+    out = {"shape": f"TP{TP} x PP{PP} x DP{NPROC // (TP * PP)} ({NPROC} processes, CPU, Megatron-LM's loop)"
+                    + (", packed variable-length documents" if args.packed_documents else ", fixed-length samples")
                     + (", interleaved schedule, 2 chunks per stage" if args.interleaved else ""),
            "cpu_count": os.cpu_count(),
            "cpu_device_time_scale": args.device_time_scale,
@@ -555,7 +544,7 @@ def main() -> None:
                         "killed_smaller_tp_over_whole_replicas_only", "smaller-TP replica kept / whole replicas only")
     if "fail_stop" in out:
         f = out["fail_stop"]
-        print(f"fail-stop on the {f['loop']} loop (ranks {f['killed_ranks']} SIGKILLed at iteration {f['kill_at']}):")
+        print(f"fail-stop (ranks {f['killed_ranks']} SIGKILLed at iteration {f['kill_at']}):")
         print(f"  in place:           {f['in_place']}")
         print(f"  SIGSTOP of rank {f['killed_ranks'][0]} from outside, in place: {f['stopped_in_place']}")
         print(f"  checkpoint-restart, saving every iteration: {f['checkpoint_restart']}")

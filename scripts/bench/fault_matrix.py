@@ -1,8 +1,9 @@
 """Fault matrix: each kind of failure at each moment it can strike, and what the job made of it.
 
-Runs a TP2 x PP2 x DP2 job (8 gloo processes, tiny GPT, dropout off, 8 iterations of global batch
-16, a checkpoint every 2 iterations) once failure-free and once per case, under
-``scripts/launch_local.py`` with ``--resihp-enable`` and default flags, and prints one row per case:
+Runs a TP2 x PP2 x DP2 job on Megatron-LM's loop (8 gloo processes, tiny GPT, dropout off, 8
+iterations of global batch 16, an evaluation and a checkpoint in Megatron's torch format every 2
+iterations) once failure-free and once per case, under ``scripts/launch_local.py`` with
+``--resihp-enable`` and default flags, and prints one row per case:
 
     case -> outcome -> recovery time
 
@@ -10,40 +11,43 @@ Runs a TP2 x PP2 x DP2 job (8 gloo processes, tiny GPT, dropout off, 8 iteration
   and SIGSTOP, each at three moments of iteration 4 (early, middle and late in the iteration:
   forward, backward, the gradient sync and the optimizer step, as this job's iteration spreads
   them);
-* kills injected at named phases (``--resihp-inject kill:...,during=PHASE``): the checkpoint save's
-  four phases, the end of a finished job, and a second failure in each phase of a recovery;
+* kills injected at named phases (``--resihp-inject kill:...,during=PHASE``): as a rank's optimizer
+  step returns, as the iteration is logged, as an evaluation begins, as a save begins and once a
+  rank's checkpoint files are written (Megatron's save writes its files in place and then its
+  tracker file, with no rename between: those two are the save's phases a kill can wait for), the
+  end of a finished job, and a second failure in a recovery's re-form and its rendezvous;
+* a kill at iteration 1, before the rank's first batch (Megatron's loop reads an iteration's
+  batches inside its step);
+* an error of one rank's own raised in its forward, backward or optimizer step (``raise:``: that
+  rank leaves, exit 4, and the others go on as after a kill);
 * a rank hung in Python (``hang:``), named once it has worked without progress for ``--resihp-hang-iters``
   iterations while the others wait for it (``megatron/resihp/hang_rules.py``);
-* cascades: a second and a third kill after the first adaptation.
+* cascades: a second and a third kill after the first adaptation (after the first kill one
+  replica goes on and the other's ranks stand by as spares; a later kill may take a shard no live
+  rank holds, spares or not, and then the job falls back).
 
 Outcomes: ``in place, exact`` (exit 0, losses of every iteration equal the failure-free run's
 within 1e-5 and consumed samples exact), ``in place, differs``, ``fallback`` (exit 3 with a resume
-command), or ``failed (exit N)``. Recovery time: from the fault (the signal, or the ``inject``
-event) to the first iteration finished after the last adaptation.
+command), or ``failed (exit N)``; a row says how many of its case's injected faults never struck
+(the job ended, or never reached their phase, first). Megatron logs no loss for an iteration whose
+step finished before the failure surfaced on the logging rank: such an iteration counts as exact
+when every loss logged matches (the row says how many were not logged). Recovery time: from the
+fault (the signal, or the ``inject`` event) to the first iteration finished after the last
+adaptation.
 
-    python scripts/bench/fault_matrix.py [--loop resihp|megatron] [--distributed-optimizer] [--json]
-        [--cases NAME ...] [--list]
+    python scripts/bench/fault_matrix.py [--distributed-optimizer] [--json] [--cases TEXT ...] [--list]
 
-``--loop megatron`` runs the same job on Megatron-LM's own loop (``--resihp-loop megatron``,
-checkpoints in Megatron's torch format, an evaluation every 2 iterations), with the faults that
-loop takes: the signals, kills as a rank's optimizer step returns, as the iteration is logged, as
-an evaluation and a save begin and once a rank's checkpoint files are written, as the job ends, a
-second failure in a recovery's re-form and rendezvous, an error of one rank's own raised in its forward, backward or optimizer step
-(``raise:``: that rank leaves, exit 4, and the others go on as after a kill), a hang, and the
-cascades (after the first kill one replica goes on and the other's ranks stand by as spares; a
-second kill then takes a shard no live rank holds, spares or not, so it falls back). Megatron logs no loss for an iteration whose step finished
-before the failure surfaced on the logging rank: such an iteration counts as exact when every
-loss logged matches (the table says how many were not logged).
+``--distributed-optimizer`` runs every job with ``--use-distributed-optimizer``, where a dead rank's
+part of the optimizer state comes from its copy on another rank, and adds a kill between a rank's
+update and its copy (``during=update``), which the survivors undo: every part goes back to the
+update before, and the iteration runs again, and a second kill while a recovery moves the dead
+replica's parts to the survivors (``during=moves``; with the plain optimizer this job's plans move
+no state).
 
-``--distributed-optimizer`` (with ``--loop megatron``) runs every job with ``--use-distributed-optimizer``,
-where a dead rank's part of the optimizer state comes from its copy on another rank, and adds a
-kill between a rank's update and its copy (``during=update``), which the survivors undo: every part goes back
-to the update before, and the iteration runs again.
-
-Not covered (yet): an exception raised inside one rank's step on the resihp loop, and failures
-before the first iteration (model build, checkpoint load, the loaders' set-up). The store host's death is not a case here: the store lives in
-the launcher, whose ranks die with it; ``tests/dist/test_megatron_loop_resilience.py`` kills
-torchrun's agent, whose ranks outlive it, instead.
+Not covered: failures before the first iteration (model build, checkpoint load, the loaders'
+set-up). The store host's death is not a case here: the store lives in the launcher, whose ranks
+die with it; ``tests/dist/test_megatron_loop_resilience.py`` kills torchrun's agent, whose ranks
+outlive it, instead.
 """
 
 from __future__ import annotations
@@ -71,8 +75,13 @@ MODEL = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "1",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--tensor-model-parallel-size", "2",
     "--pipeline-model-parallel-size", "2", "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(ITERS),
-    "--save-interval", "2",
+    "--save-interval", "2", "--ckpt-format", "torch", "--split", "99,1,0", "--eval-interval", "2", "--eval-iters", "1",
 ]
+# Save phases of the fault grammar that no case here strikes (--cases naming one exits 2 with why).
+SAVE_PHASES_NOT_STRUCK = ("save-rename", "save-tracker")
+SAVE_PHASES_WHY = ("Megatron's save writes each rank's files in place, with no rename, and then its tracker file; "
+                   "on Megatron's loop a kill waits for a save as it begins (save) or once a rank's files are "
+                   "written (save-write)")
 
 
 @dataclass(frozen=True)
@@ -83,53 +92,32 @@ class Case:
     at_fraction: float = 0.5  # how far into iteration 4, as a fraction of a median iteration
 
 
-MEGATRON_MODEL = [
-    *MODEL, "--ckpt-format", "torch", "--split", "99,1,0", "--eval-interval", "2", "--eval-iters", "1",
-    "--resihp-loop", "megatron",
-]
-
-
-def cases(loop: str = "resihp", distributed_optimizer: bool = False) -> list[Case]:
-    if loop == "megatron":
-        return megatron_cases(distributed_optimizer)
-    out = []
-    for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP):
-        for label, fraction in (("early", 0.1), ("middle", 0.5), ("late", 0.9)):
-            out.append(Case(f"{sig.name} {label} in iteration 4", signal=sig, at_fraction=fraction))
-    for phase, rank in (("save", 3), ("save-write", 2), ("save-rename", 0), ("save-tracker", 0)):
-        out.append(Case(f"kill rank {rank} during {phase} at 4", (f"kill:rank={rank},at=4,during={phase}",)))
-    out.append(Case("kill rank 3 during shutdown", ("kill:rank=3,at=8,during=shutdown",)))
-    for phase, rank in (("reform", 0), ("rendezvous", 4), ("moves", 4)):
-        out.append(Case(f"kill 5 at 4, then rank {rank} during {phase}",
-                        ("kill:rank=5,at=4", f"kill:rank={rank},at=4,during={phase}")))
-    out.append(Case("hang rank 5 at 4", ("hang:rank=5,at=4",)))
-    out.append(Case("kill 5 at 4, then 2 at 6", ("kill:rank=5,at=4", "kill:rank=2,at=6")))
-    out.append(Case("kill 5 at 3, 2 at 5, 0 at 7", ("kill:rank=5,at=3", "kill:rank=2,at=5", "kill:rank=0,at=7")))
-    return out
-
-
-def megatron_cases(distributed_optimizer: bool = False) -> list[Case]:
+def cases(distributed_optimizer: bool = False) -> list[Case]:
     out = [Case(f"{sig.name} {label} in iteration 4", signal=sig, at_fraction=fraction)
            for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP)
            for label, fraction in (("early", 0.1), ("middle", 0.5), ("late", 0.9))]
     phases = (("update", 5),) if distributed_optimizer else ()
     for phase, rank in (*phases, ("optimizer", 5), ("log", 5), ("eval", 5), ("save", 3), ("save-write", 2)):
         out.append(Case(f"kill rank {rank} during {phase} at 4", (f"kill:rank={rank},at=4,during={phase}",)))
-    for phase, rank in (("reform", 0), ("rendezvous", 4)):
+    # State moves after a kill only where the dead replica's optimizer parts go to the survivors:
+    # with the plain optimizer, this job's plans move nothing (its torch-format saves keep every
+    # replica at the launch's TP degree, so no survivor goes on at a smaller one), and a kill
+    # waiting for the moves would never strike.
+    moves = (("moves", 4),) if distributed_optimizer else ()
+    for phase, rank in (("reform", 0), *moves, ("rendezvous", 4)):
         out.append(Case(f"kill 5 at 4, then rank {rank} during {phase}",
                         ("kill:rank=5,at=4", f"kill:rank={rank},at=4,during={phase}")))
     out.append(Case("kill rank 3 during shutdown", ("kill:rank=3,at=8,during=shutdown",)))
-    # Megatron's loop reads an iteration's batches inside its step: the loader's first batch is
-    # iteration 1's, before any state was trained.
     out.append(Case("kill rank 5 at 1, before its first batch", ("kill:rank=5,at=1",)))
     for phase in RAISE_PHASES:
         out.append(Case(f"rank 5 raises in its {phase} at 4", (f"raise:rank=5,at=4,during={phase}",)))
     out.append(Case("hang rank 5 at 4", ("hang:rank=5,at=4",)))
     out.append(Case("kill 5 at 4, then 2 at 6", ("kill:rank=5,at=4", "kill:rank=2,at=6")))
+    out.append(Case("kill 5 at 3, 2 at 5, 0 at 7", ("kill:rank=5,at=3", "kill:rank=2,at=5", "kill:rank=0,at=7")))
     return out
 
 
-def run(case: Case | None, work: Path, median_s: float, model: list[str] = MODEL) -> dict:
+def run(case: Case | None, work: Path, median_s: float, model: list[str]) -> dict:
     """One job; ``case`` None is the failure-free reference."""
     name = "reference" if case is None else case.name.replace(" ", "_").replace(",", "")
     log, ckpt = work / f"{name}.events.jsonl", work / f"{name}_ckpt"
@@ -144,7 +132,7 @@ def run(case: Case | None, work: Path, median_s: float, model: list[str] = MODEL
         proc = subprocess.run(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=900)
         code, output, fault_at = proc.returncode, proc.stdout, None
-    return {"log": log, "code": code, "output": output, "fault_at": fault_at}
+    return {"log": log, "code": code, "output": output, "fault_at": fault_at, "faults": case.inject if case else ()}
 
 
 def judge(result: dict, reference: dict[int, float]) -> dict:
@@ -158,6 +146,8 @@ def judge(result: dict, reference: dict[int, float]) -> dict:
         after = [e["time"] for e in events(log, "iteration") if e["time"] > adapted[-1]["time"]]
         recovery_s = round(min(after) - fault_at, 3) if after else None
     unlogged = sum(loss is None for loss in losses.values())
+    # A fault whose moment never came (a phase the job did not reach) writes no inject event.
+    never_struck = len(result["faults"]) - len({e.get("fault") for e in events(log, "inject")})
     exact = (sorted(losses) == list(range(1, ITERS + 1))
              and all(losses[i] is None or abs(losses[i] - reference[i]) <= 1e-5 * abs(reference[i])
                      for i in range(1, ITERS + 1)))
@@ -169,6 +159,8 @@ def judge(result: dict, reference: dict[int, float]) -> dict:
         outcome = "fallback"
     else:
         outcome = f"failed (exit {code})"
+    if never_struck:
+        outcome += f" ({never_struck} of {len(result['faults'])} faults never struck)"
     return {"outcome": outcome, "exit_code": code, "adaptations": len(adapted), "recovery_s": recovery_s,
             "world_size_after": adapted[-1]["world_size"] if adapted else None}
 
@@ -180,17 +172,19 @@ def main() -> None:
                         help="run only the cases whose name contains one of these texts")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
-    parser.add_argument("--loop", choices=("resihp", "megatron"), default="resihp",
-                        help="the training loop the jobs run (--resihp-loop)")
     parser.add_argument("--distributed-optimizer", action="store_true",
-                        help="with --loop megatron: every job with --use-distributed-optimizer")
+                        help="every job with --use-distributed-optimizer, and a kill between a rank's update and "
+                             "its copy (during=update)")
     args = parser.parse_args()
-    if args.distributed_optimizer and args.loop != "megatron":
-        parser.error("--distributed-optimizer needs --loop megatron (the resihp loop refuses the distributed optimizer)")
-    model = MEGATRON_MODEL if args.loop == "megatron" else [*MODEL, "--resihp-loop", "resihp"]
-    if args.distributed_optimizer:
-        model = [*model, "--use-distributed-optimizer"]
-    every = cases(args.loop, args.distributed_optimizer)
+    for text in args.cases or ():
+        for phase in SAVE_PHASES_NOT_STRUCK:
+            if phase in text:
+                parser.error(f"--cases {text!r}: no case kills during {phase}: {SAVE_PHASES_WHY}")
+        if "moves" in text and not args.distributed_optimizer:
+            parser.error(f"--cases {text!r}: a kill during a recovery's state moves needs --distributed-optimizer: "
+                         f"with the plain optimizer this job's plans move no state, so the kill would never strike")
+    model = [*MODEL, "--use-distributed-optimizer"] if args.distributed_optimizer else MODEL
+    every = cases(args.distributed_optimizer)
     chosen = [c for c in every if not args.cases or any(t in c.name for t in args.cases)]
     if args.list:
         print("\n".join(c.name for c in every))
@@ -214,7 +208,7 @@ def main() -> None:
             print(f"{case.name:<44} {row['outcome']:<18} {took:>8}  (adaptations {row['adaptations']}, "
                   f"world {row['world_size_after']})", flush=True)
     if args.json:
-        print(json.dumps({"loop": args.loop, "distributed_optimizer": args.distributed_optimizer,
+        print(json.dumps({"distributed_optimizer": args.distributed_optimizer,
                           "median_iteration_s": median_s, "cases": rows}, indent=1))
 
 

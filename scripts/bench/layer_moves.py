@@ -1,9 +1,9 @@
-"""Layer moves on Megatron-LM's own loop: throughput when one stage is slow in every replica.
+"""Layer moves on Megatron-LM's loop: throughput when one stage is slow in every replica.
 
-Measured in one invocation on the TP2 x PP2 x DP2 CPU job of ``adaptation.py --loop megatron``
-(8 gloo processes, ``--resihp-loop megatron``, one emulated device per rank with
-``--cpu-device-time-scale``): the first TP rank of ``--stage`` in every replica slowed ``--factor`` x
-from ``--slow-at`` (a stage of one device type, or behind one slow switch, in every replica), and
+Measured in one invocation on the TP2 x PP2 x DP2 CPU job of ``adaptation.py`` (8 gloo processes,
+fixed-length mock samples, one emulated device per rank with ``--cpu-device-time-scale``): the first
+TP rank of ``--stage`` in every replica slowed ``--factor`` x from ``--slow-at`` (a stage of one
+device type, or behind one slow switch, in every replica), and
 throughput (samples/s = global batch / median iteration ``elapsed_s`` after the last re-plan) of
 
 * a healthy run and the slowed run without adaptation (``--resihp-detect-only``);
@@ -74,7 +74,6 @@ def main() -> None:
         parser.error(f"--stage takes 0-{PP - 1}; got {args.stage}")
     if args.slow_at + 12 > args.iters:
         parser.error(f"--iters must leave at least 12 iterations after --slow-at ({args.slow_at}); got {args.iters}")
-    args.loop = "megatron"  # what _throughput_run builds the job for
     work = Path(args.workdir or tempfile.mkdtemp(prefix="layer_moves_"))
     work.mkdir(parents=True, exist_ok=True)
     out = {"shape": f"TP{TP} x PP{PP} x DP{NPROC // (TP * PP)} ({NPROC} processes, CPU), Megatron-LM's loop",

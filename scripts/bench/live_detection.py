@@ -1,7 +1,7 @@
 """Live detection benchmark: real CPU training runs, their op timings, and every detector on them.
 
-Runs pretrain_gpt_resilient.py on CPU (gloo, packed variable-length documents with per-document
-attention) and measures, in one invocation:
+Runs pretrain_gpt_resilient.py on Megatron-LM's loop on CPU (gloo, packed variable-length documents
+with per-document attention) and measures, in one invocation:
 
 (a) a healthy run of ``--healthy-iters`` iterations with ``--resihp-detect-only --resihp-trace``;
 (b) the same job with ``slow:rank=3,factor=1.5,at=10`` injected;
@@ -68,10 +68,10 @@ MICRO_BATCH, GLOBAL_BATCH = 2, 16
 def model_args(tp: int, pp: int, device: str = "cpu", model: str = "tiny") -> list[str]:
     hidden, heads, seq = MODELS[model]
     return [
-        "--resihp-loop", "resihp", "--device", device, "--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+        "--device", device, "--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
         "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(MICRO_BATCH),
         "--global-batch-size", str(GLOBAL_BATCH), "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "512", "--log-interval", "10",
+        "--vocab-size", "512", "--log-interval", "10", "--eval-iters", "0", "--eval-interval", "1000",
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--mock-doc-lengths", "lognormal:median=48,sigma=1.0,min=8,max=1024",
         "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
@@ -127,8 +127,13 @@ def _pct(log_ratio: float) -> float:
 ALTERNATE_PHASES = ("4:0", "4:2")
 
 
-def paired_overhead(logs: list[Path], skip: int) -> dict:
+def paired_overhead(logs: list[Path], skip: int, elapsed_includes_detection: bool = False) -> dict:
     """Detection's cost from the two runs of ``ALTERNATE_PHASES`` (``RESIHP_ALTERNATE_DETECTION``).
+
+    ``elapsed_includes_detection``: whether the iteration events' ``elapsed_s`` covers the
+    detection step as well as the training step, as Megatron-LM's loop times them (its
+    ``train_step`` ends in the detection step); else ``elapsed_s`` is the training step alone and
+    ``step_s`` less ``elapsed_s`` times the detection step apart.
 
     Detecting after iteration ``i`` costs time in ``i`` (the detection step) and in ``i + 1``: the
     decider judges after its step, so it may start ``i + 1`` late, and the ranks that wait for it in the
@@ -155,23 +160,27 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
     ..., 32nd detection and never again, and a round costs tens of iterations' judging, so in a
     short run they would be most of the estimate of a cost that stops. They are reported apart:
     how many rounds each run took (``probe_rounds``) and what one cost (``probe_round_ms``: such a
-    step's time less the median probe-free step's, per round). ``overhead_pct_with_probes`` is the
-    within-runs estimate over every detection, probes included.
+    detection step's time less the median probe-free one's, per round; where ``elapsed_s``
+    includes the detection step, such an iteration's time less the median probe-free detecting
+    iteration's). ``overhead_pct_with_probes`` is the within-runs estimate over every detection,
+    probes included.
 
-    ``decider_cpu_pct`` is the decider's judging per detecting iteration, in CPU seconds
-    (``decision_cpu_s`` of the ``detector_overhead`` events), over the median clean iteration.
+    ``judging_pct`` and ``decider_cpu_pct`` are the decider's judging per detecting iteration, in
+    wall and in CPU seconds (``decision_s`` and ``decision_cpu_s`` of the ``detector_overhead``
+    events), over the median clean iteration.
 
     Where the cost lies: ``detecting_iteration_pct`` and ``next_iteration_pct`` are the same
-    within-runs estimate made of one iteration's training step (``elapsed_s``) instead of the
-    pair, for the iteration that detects (its ops ran hooked) and the one after; with
-    ``after_step_pct`` (the detection step) they add up to about ``overhead_pct``. Where the
-    events carry them (``cpu_s``, ``gc_s``, ``gc_full``), ``host_busy_pct`` is the median share of
-    an iteration the process spent on CPU (near 100: the host, not the device, sets the pace),
-    ``gc_ms_per_iteration`` the collector's mean pause per iteration and ``gc_full`` its full
-    collections, over both runs.
+    within-runs estimate made of one iteration (``elapsed_s``) instead of the pair, for the
+    iteration that detects (its ops ran hooked) and the one after. Where ``elapsed_s`` includes
+    the detection step they add up to about ``overhead_pct``; else ``after_step_pct`` (the
+    detection step, ``step_s`` less ``elapsed_s``) makes up the rest, and is None where it is not
+    timed apart. Where the events carry them (``cpu_s``, ``gc_s``, ``gc_full``), ``host_busy_pct``
+    is the median share of an iteration the process spent on CPU (near 100: the host, not the
+    device, sets the pace), ``gc_ms_per_iteration`` the collector's mean pause per iteration and
+    ``gc_full`` its full collections, over both runs.
     """
     times, detecting, elapsed, probed = [{}, {}], [{}, {}], [{}, {}], [{}, {}]
-    decision_cpu_s, decided = 0.0, 0
+    decision_s, decision_cpu_s, decided = 0.0, 0.0, 0
     for run, log in enumerate(logs):
         for e in events(log, "iteration"):
             times[run][e["iteration"]] = e["step_s"]
@@ -179,7 +188,9 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
             detecting[run][e["iteration"]] = e["detecting"]
             probed[run][e["iteration"]] = e.get("probe_rounds", 0)
             decided += e["detecting"]
-        decision_cpu_s += sum(e.get("decision_cpu_s", 0.0) for e in events(log, "detector_overhead"))
+        for e in events(log, "detector_overhead"):
+            decision_s += e.get("decision_s", 0.0)
+            decision_cpu_s += e.get("decision_cpu_s", 0.0)
 
     def pair(run: int, i: int) -> float:
         return math.log(times[run][i] + times[run][i + 1])
@@ -189,7 +200,7 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
 
     cross, within, within_all, clean, on, after_step = [], [], [], [], [], []
     in_detecting, in_next = [], []  # per iteration: half the difference between the runs
-    probe_steps: list[tuple[float, int]] = []  # (detection step seconds, probe rounds it ran)
+    probe_steps: list[tuple[float, int]] = []  # (seconds of a step that probed, probe rounds it ran)
     for x in (0, 1):
         y = 1 - x
         for i in sorted(times[x]):
@@ -202,7 +213,8 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
             dx = pair(x, i) - (pair(x, i - 2) + pair(x, i + 2)) / 2
             dy = pair(y, i) - (pair(y, i - 2) + pair(y, i + 2)) / 2
             within_all.append(dx - dy)  # twice the half difference: per iteration, not per pair
-            step_s = times[x][i] - elapsed[x][i]  # the detection step, timed directly
+            # The detection step: the whole iteration where elapsed_s includes it, else timed apart.
+            step_s = times[x][i] if elapsed_includes_detection else times[x][i] - elapsed[x][i]
             if probed[x][i]:
                 probe_steps.append((step_s, probed[x][i]))
             if probed[x][i] or probed[y][i - 2] or probed[y][i + 2]:
@@ -230,7 +242,9 @@ def paired_overhead(logs: list[Path], skip: int) -> dict:
             "decider_cpu_pct": round(100 * decision_cpu_s / max(decided, 1) / median_off, 3),
             "cross_run_pct": _pct(cross_mean), "cross_run_ci95_pct": [_pct(cross_mean - cross_half),
                                                                       _pct(cross_mean + cross_half)],
-            "after_step_pct": round(100 * statistics.mean(after_step) / statistics.mean(clean), 3),
+            "after_step_pct": (None if elapsed_includes_detection
+                               else round(100 * statistics.mean(after_step) / statistics.mean(clean), 3)),
+            "judging_pct": round(100 * decision_s / max(decided, 1) / median_off, 3),
             "median_step_s_on": round(statistics.median(on), 4),
             "median_step_s_off": round(median_off, 4),
             "detecting_iteration_pct": _pct(statistics.mean(in_detecting)),
@@ -398,15 +412,15 @@ def main() -> None:
             launch(nproc, [*base, "--train-iters", str(args.overhead_iters), "--resihp-detect-only",
                            "--resihp-event-log", str(log)], {"RESIHP_ALTERNATE_DETECTION": phase})
             logs.append(log)
-        pairs.append(paired_overhead(logs, skip=10))
+        pairs.append(paired_overhead(logs, skip=10, elapsed_includes_detection=True))
     paired = pairs[0]
     if len(pairs) > 1:  # the pairs' figures apart, the pooled estimate in their place
         paired = {**paired, "pair_results": pairs, **pooled_overhead(pairs)}
-    # Direct account: the detection step's own time, plus the hooks' cost per op times the ops a
-    # rank runs per iteration (a forward and a backward per micro-batch of its replica).
+    # Direct account: the decider's judging, plus the hooks' cost per op times the ops a rank runs
+    # per iteration (a forward and a backward per micro-batch of its replica).
     ops_per_iteration = 2 * (GLOBAL_BATCH // MICRO_BATCH) // dp
     hooks_pct = 100 * hook_cost_s(args.device) * ops_per_iteration / paired["median_step_s_off"]
-    paired.update(hooks_pct=round(hooks_pct, 4), direct_pct=round(paired["after_step_pct"] + hooks_pct, 3))
+    paired.update(hooks_pct=round(hooks_pct, 4), direct_pct=round(paired["judging_pct"] + hooks_pct, 3))
     out["detection_overhead"] = {**paired, "loadavg_after": os.getloadavg()}
     (work / "detection_overhead.json").write_text(json.dumps(out["detection_overhead"]))
 
@@ -458,23 +472,22 @@ def main() -> None:
     h = out["detection_overhead"]
     print(f"\ndetection on/off, {h['detections_paired']} detections timed with the next iteration against the same "
           f"iterations clean: overhead {h['overhead_pct']}% of an iteration "
-          f"(95% interval {h['ci95_pct']}), within runs; the decider's judging took {h['decider_cpu_pct']}% of an "
-          f"iteration in CPU; across runs {h['cross_run_pct']}% "
+          f"(95% interval {h['ci95_pct']}), within runs; across runs {h['cross_run_pct']}% "
           f"(95% interval {h['cross_run_ci95_pct']}); median iteration {h['median_step_s_on']} / "
-          f"{h['median_step_s_off']} s; the detection step after each training step took {h['after_step_pct']}% "
-          f"of an iteration on the last rank, the hooks {h['hooks_pct']}%: {h['direct_pct']}% in all")
+          f"{h['median_step_s_off']} s; timed directly, the decider's judging took {h['judging_pct']}% of an "
+          f"iteration ({h['decider_cpu_pct']}% in CPU), the hooks {h['hooks_pct']}%: {h['direct_pct']}% in all")
     if "pair_results" in h:
         print(f"that estimate is pooled over {h['pairs']} pairs of runs, which read {h['pair_overhead_pct']}%; its "
               f"interval's half width is the wider of {h['between_pairs_half_pct']}% between the pairs and "
               f"{h['within_pairs_half_pct']}% within them; the other figures are the first pair's")
-    print(f"where it lay: the detecting iteration's training step {h['detecting_iteration_pct']}%, the next "
-          f"iteration's {h['next_iteration_pct']}%, the detection step {h['after_step_pct']}%")
+    print(f"where it lay: the detecting iteration (its training and detection steps) {h['detecting_iteration_pct']}%, "
+          f"the next iteration {h['next_iteration_pct']}%")
     if "host_busy_pct" in h:
         print(f"the host was busy {h['host_busy_pct']}% of an iteration (median); the collector paused "
               f"{h['gc_ms_per_iteration']} ms per iteration, with {h['gc_full']} full collections")
     if h["probe_round_ms"] is not None:
-        print(f"detection steps with probe rounds, left out of the above: {h['probe_rounds']} rounds in the two runs, "
-              f"{h['probe_round_ms']} ms each; the estimate with them in: {h['overhead_pct_with_probes']}%")
+        print(f"detecting iterations with probe rounds, left out of the above: {h['probe_rounds']} rounds in the two "
+              f"runs, {h['probe_round_ms']} ms each; the estimate with them in: {h['overhead_pct_with_probes']}%")
     print(f"load average at end {out['loadavg_end']}")
 
 

@@ -1,7 +1,7 @@
 """What the copies of the distributed optimizer's parts cost per iteration, and what they buy.
 
-Measured in one invocation on Megatron-LM's own loop (``--resihp-loop megatron``), TP2 x PP2 x DP2 on
-8 CPU gloo processes, ``--use-distributed-optimizer``, fixed-length mock samples:
+Measured in one invocation on Megatron-LM's loop, TP2 x PP2 x DP2 on 8 CPU gloo processes,
+``--use-distributed-optimizer``, fixed-length mock samples:
 
 - per-iteration cost: median iteration time (``elapsed_s`` of the ``iteration`` events, from
   iteration 5 on) with ``--resihp-enable`` (each rank's part copied on the next rank of its
@@ -45,7 +45,7 @@ def model_args(hidden: int, iters: int) -> list[str]:
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "10",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--tensor-model-parallel-size", "2",
         "--pipeline-model-parallel-size", "2", "--eval-iters", "0", "--eval-interval", "1000",
-        "--use-distributed-optimizer", "--resihp-loop", "megatron",
+        "--use-distributed-optimizer",
     ]
 
 

@@ -1,4 +1,4 @@
-"""Every live replica kept after a failure, against Megatron's even split, on Megatron-LM's own loop.
+"""Every live replica kept after a failure, against Megatron's even split, on Megatron-LM's loop.
 
 A TP1 x PP2 x DP4 job (8 gloo processes, one emulated device per rank with
 ``--cpu-device-time-scale``) whose global batch of 8 micro-batches does not split evenly over 3
@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench.adaptation import MEGATRON_MODEL  # noqa: E402
+from scripts.bench.adaptation import MODEL  # noqa: E402
 from scripts.child_env import job_env  # noqa: E402
 from scripts.signal_rank import events  # noqa: E402
 
@@ -45,7 +45,7 @@ KILLED = 7
 def _run(args, work: Path, name: str, nproc: int, extra: list[str], measure_from: int) -> dict:
     log = work / f"{name}.events.jsonl"
     log.unlink(missing_ok=True)
-    flags = [*MEGATRON_MODEL, "--tensor-model-parallel-size", "1", "--micro-batch-size", str(MICRO_BATCH),
+    flags = [*MODEL, "--tensor-model-parallel-size", "1", "--micro-batch-size", str(MICRO_BATCH),
              "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(args.iters),
              "--cpu-device-time-scale", str(args.device_time_scale), "--resihp-enable", "--resihp-event-log", str(log),
              *extra]

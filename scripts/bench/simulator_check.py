@@ -4,7 +4,8 @@ Every ``plan`` event a live job writes carries what the planner's simulator pred
 iteration if nothing changed (``predicted_iteration_s_before``) and under the plan
 (``predicted_iteration_s_after``; a fail-stop plan has both in ``executed``). The job's
 ``iteration`` events carry what each iteration measured (``elapsed_s``). This script runs a live CPU
-job that emulates one device per rank (``--cpu-device-time-scale``, so a slow rank bounds its
+job on Megatron-LM's loop (``adaptation.py``'s TP2 x PP2 x DP2 job with packed variable-length
+documents) that emulates one device per rank (``--cpu-device-time-scale``, so a slow rank bounds its
 pipeline as on GPUs and the cores do not), with one rank slowed and later fast again, and prints,
 per re-plan, predicted and measured iteration seconds on both sides and their error as a ratio
 against the measurement (goal: within 5%).
@@ -156,13 +157,13 @@ def _refuse(message: str) -> int:
 
 def run_job(args, work: Path) -> Path:
     """The live job: one rank slowed, then fast again, adapted in place; returns its event log."""
-    from scripts.bench.adaptation import MODEL, launch  # noqa: PLC0415 - only a live run needs them
+    from scripts.bench.adaptation import MODEL, PACKED_DOCUMENTS, launch  # noqa: PLC0415 - only a live run needs them
     log = work / "simulator_check.events.jsonl"
     log.unlink(missing_ok=True)
     spec = f"slow:rank={args.slow_rank},factor={args.factor},at={args.slow_at}"
     if args.recover_at:
         spec += f",until={args.recover_at}"
-    launch([*MODEL, "--global-batch-size", str(args.global_batch), "--train-iters", str(args.iters),
+    launch([*MODEL, *PACKED_DOCUMENTS, "--global-batch-size", str(args.global_batch), "--train-iters", str(args.iters),
             "--cpu-device-time-scale", str(args.device_time_scale), "--resihp-event-log", str(log),
             "--resihp-enable", "--resihp-inject", spec])
     return log

@@ -1,4 +1,4 @@
-"""A very slow replica dropped and taken back, against running on with it, on Megatron-LM's own loop.
+"""A very slow replica dropped and taken back, against running on with it, on Megatron-LM's loop.
 
 A PP2 x DP2 job (4 gloo processes) whose launch rank 3 (replica 1, stage 1) runs ``--factor`` times
 slow from ``--slow-at`` to ``--slow-until``. Measured in one invocation, from the ``elapsed_s`` of
@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench.adaptation import MEGATRON_MODEL  # noqa: E402
+from scripts.bench.adaptation import MODEL  # noqa: E402
 from scripts.child_env import job_env  # noqa: E402
 from scripts.signal_rank import events  # noqa: E402
 
@@ -47,7 +47,7 @@ def _run(args, work: Path, name: str, extra: list[str]) -> tuple[dict[int, float
     """Seconds of every iteration of one job, and its event log."""
     log = work / f"{name}.events.jsonl"
     log.unlink(missing_ok=True)
-    flags = [*MEGATRON_MODEL, "--tensor-model-parallel-size", "1", "--global-batch-size", str(GLOBAL_BATCH),
+    flags = [*MODEL, "--tensor-model-parallel-size", "1", "--global-batch-size", str(GLOBAL_BATCH),
              "--train-iters", str(args.iters), "--resihp-event-log", str(log), *extra,
              *(["--num-layers-per-virtual-pipeline-stage", "1"] if args.interleaved else [])]
     cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--nproc-per-node=4",
