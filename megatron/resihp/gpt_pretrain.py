@@ -236,10 +236,8 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     if batch is None:  # a middle stage: its input comes from the previous one
         return model(None, None, None, labels=None), partial(loss_func, None)
     if packed_documents.document_attention(get_args()):
-        (tokens, position_ids, attention_mask, labels), extra = packed_documents.forward_inputs(
-            batch, get_args(), first, last)
-        loss_mask = extra.pop("loss_mask")
-        return model(tokens, position_ids, attention_mask, labels=labels, **extra), partial(loss_func, loss_mask)
+        output, loss_mask = packed_documents.forward(model, batch, get_args(), first, last)
+        return output, partial(loss_func, loss_mask)
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 

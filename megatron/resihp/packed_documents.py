@@ -120,26 +120,28 @@ def every_stage_reads(args: argparse.Namespace) -> bool:
     return document_attention(args) and args.pipeline_model_parallel_size > 1
 
 
-def forward_inputs(batch: dict, args: argparse.Namespace, first: bool, last: bool) -> tuple[tuple, dict]:
-    """What ``GPTModel.forward`` is given for the micro-batch ``batch`` (every tensor of it, on every
-    stage): ``(tokens, position_ids, attention_mask, labels), extra`` with ``packed_seq_params``
-    in ``extra``, the loss mask in ``extra["loss_mask"]``. The micro-batch's cost features are recorded."""
+def forward(model, batch: dict, args: argparse.Namespace, first: bool, last: bool):
+    """The micro-batch ``batch`` (every tensor of it, on every stage) through ``model`` with
+    attention kept within its documents; its cost features are recorded. Returns the model's
+    output and the loss mask the loss is taken with (None before the last stage)."""
     from megatron.resihp.data.batch import microbatch_features
     from megatron.resihp.models.document_attention import flatten_for_thd, packed_seq_params_for
     from megatron.resihp.schedules import RECORDER
 
     from megatron.training import get_tokenizer
 
+    packing = layout(args)
     tokens = batch["tokens"]
-    params = packed_seq_params_for(tokens.cpu(), get_tokenizer().eod, layout(args), device=tokens.device)
+    params = packed_seq_params_for(tokens.cpu(), get_tokenizer().eod, packing, device=tokens.device)
     if RECORDER.active:
         RECORDER.features.append(microbatch_features(params.bounds))
     labels, loss_mask, position_ids = batch["labels"], batch["loss_mask"], batch["position_ids"]
-    if layout(args) == "thd":
+    if packing == "thd":
         tokens, labels, loss_mask, position_ids = flatten_for_thd(tokens, labels, loss_mask, position_ids)
     # A stage is given what stock Megatron gives it, with the documents' bounds in place of a mask.
-    inputs = (tokens if first else None, position_ids if first else None, None, labels if last else None)
-    return inputs, {"packed_seq_params": params, "loss_mask": loss_mask if last else None}
+    output = model(tokens if first else None, position_ids if first else None, None,
+                   labels=labels if last else None, packed_seq_params=params)
+    return output, loss_mask if last else None
 
 
 def recorded_features(columns: int, chunks: int) -> list | None:
