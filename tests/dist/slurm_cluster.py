@@ -96,6 +96,28 @@ class Job:
     def text(self) -> str:
         return self.output.read_text(errors="replace") if self.output.exists() else ""
 
+    def story(self, limit: int = 12000) -> str:
+        """What the job's output says happened, for a failing test's message: the project's own
+        lines (``resihp:``, the beacons'), Slurm's (``srun:``, the batch script's) and every
+        traceback whole, without Megatron's per-iteration lines that bury them."""
+        return told(self.text())[-limit:]
+
+
+_TOLD = (" resihp: ", "heartbeat:", "srun:", "pretrain_resilient.sbatch:", "Error", "error:")
+
+
+def told(output: str) -> str:
+    """The lines of ``output`` that tell what happened (``Job.story``)."""
+    kept, in_traceback = [], False
+    for line in output.splitlines():
+        if line.startswith("Traceback"):
+            in_traceback = True
+        if in_traceback or any(mark in line for mark in _TOLD):
+            kept.append(line)
+        if in_traceback and line and not line[0].isspace() and not line.startswith(("Traceback", "During", "The above")):
+            in_traceback = False  # the exception's own line ends it
+    return "\n".join(kept)
+
 
 def submit(cluster: Cluster, out_dir: Path, ntasks_per_node: int, args: list[str], nodes: int = 1) -> Job:
     """``sbatch scripts/slurm/pretrain_resilient.sbatch pretrain_gpt_resilient.py ARGS`` from the checkout."""
@@ -126,7 +148,7 @@ def wait(cluster: Cluster, job: Job, timeout_s: float) -> dict[str, str]:
             return fields
         time.sleep(0.5)
     cluster.run("scancel", job.job_id)
-    raise AssertionError(f"job {job.job_id} still running after {timeout_s} s; cancelled:\n{job.text()[-3000:]}")
+    raise AssertionError(f"job {job.job_id} still running after {timeout_s} s; cancelled:\n{job.story()}")
 
 
 def task_pids(cluster: Cluster, job: Job, step: int = 0) -> dict[int, int]:
