@@ -27,6 +27,8 @@ setup(
         # NVIDIA apex is built from source (the PyPI package named "apex" is unrelated).
         "te": ["transformer_engine[pytorch]"],
         "tensorboard": ["tensorboard"],
+        # Megatron's HuggingFaceTokenizer and GPT2BPETokenizer build on transformers.
+        "hf": ["transformers"],
         "test": ["pytest", "hypothesis"],
     },
 )

@@ -6,7 +6,13 @@ tokenize the chosen keys with the tokenizer training will use, and write
 written under temporary names and renamed only when complete, so a failed run leaves nothing
 that training could mistake for a dataset.
 
-Usage (same flags as Megatron-LM's ``tools/preprocess_data.py``)::
+The tokenizer is the one training builds: Megatron-LM's tokenizer flags (``--tokenizer-type``,
+``--tokenizer-model``, ``--vocab-file``, ``--merge-file``, ``--vocab-size``, ...) parsed by its own
+argument group and built by megatron-core's ``build_tokenizer``. One more type needs no file and no
+download: ``ByteLevelTokenizer``, megatron-core's byte-level tokenizer with ids 0..255 and EOD 256,
+which training reads with ``--tokenizer-type NullTokenizer --vocab-size 257`` (whose EOD is 256).
+
+Usage (the flags of Megatron-LM's ``tools/preprocess_data.py``)::
 
     python tools/preprocess_data.py --input data/generated/corpus.jsonl --json-keys text \\
         --output-prefix data/generated/corpus --tokenizer-type ByteLevelTokenizer \\
@@ -27,10 +33,8 @@ import time
 
 import numpy as np
 
-# Allow ``python tools/preprocess_data.py`` from a checkout without installing the package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.resihp.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+BYTE_LEVEL = "ByteLevelTokenizer"
+BYTE_LEVEL_EOD = 256
 
 
 class InputError(Exception):
@@ -41,10 +45,36 @@ _TOKENIZER = None
 _ARGS = None
 
 
+def build_tokenizer(args: argparse.Namespace):
+    """The tokenizer training builds from the same flags (``ByteLevelTokenizer``: megatron-core's
+    byte-level one, EOD 256).
+
+    Raises:
+        InputError: the flags name no tokenizer that can be built here, with megatron-core's reason.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # megatron-core's notes on missing TE/apex
+        from megatron.core.tokenizers import MegatronTokenizer
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as build_megatrons
+
+    if args.tokenizer_type == BYTE_LEVEL:
+        return MegatronTokenizer.from_pretrained(metadata_path={"library": "byte-level"}, vocab_size=BYTE_LEVEL_EOD + 1,
+                                                 _eos_id=BYTE_LEVEL_EOD, _pad_id=BYTE_LEVEL_EOD)
+    args.pad_vocab_size = False  # the ids are the tokenizer's; padding is the model's business
+    try:
+        return build_megatrons(args)
+    except (ValueError, AssertionError, OSError, ImportError, NameError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise InputError(f"--tokenizer-type {args.tokenizer_type}: megatron-core could not build it ({first}); "
+                         f"check --tokenizer-model, --vocab-file, --merge-file and --vocab-size") from None
+
+
 def _init_worker(args: argparse.Namespace) -> None:
     global _TOKENIZER, _ARGS
     _ARGS = args
-    _TOKENIZER = build_tokenizer(args.tokenizer_type, args.vocab_size, args.vocab_file, args.merge_file)
+    _TOKENIZER = build_tokenizer(args)
 
 
 def _encode(numbered_line: tuple[int, str]) -> tuple[int, dict[str, list[int]] | str]:
@@ -92,7 +122,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, int]:
         InputError: On bad input; no output file is left behind.
     """
     # Imported here, not at module level: spawned tokenizer workers re-import this module and
-    # need neither torch nor megatron-core (whose import is slow and warns about TE/apex).
+    # need only megatron-core's tokenizers, not its datasets.
     import warnings
 
     import torch
@@ -104,10 +134,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, int]:
 
     if not os.path.isfile(args.input):
         raise InputError(f"--input {args.input!r} is not a file")
-    try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.vocab_file, args.merge_file)
-    except ValueError as err:
-        raise InputError(str(err)) from None
+    tokenizer = build_tokenizer(args)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
@@ -154,15 +181,22 @@ def preprocess(args: argparse.Namespace) -> dict[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.training.arguments import _add_tokenizer_args
+
     parser = argparse.ArgumentParser(description="Tokenize JSONL into megatron .bin/.idx files.")
     group = parser.add_argument_group("input")
     group.add_argument("--input", required=True, help="JSONL file, one object per line")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize")
-    group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
-    group.add_argument("--vocab-file", default=None, help="for GPT2BPETokenizer")
-    group.add_argument("--merge-file", default=None, help="for GPT2BPETokenizer")
+    _add_tokenizer_args(parser)  # Megatron-LM's tokenizer flags, as training parses them
+    (kind,) = [a for a in parser._actions if "--tokenizer-type" in a.option_strings]
+    kind.required = True
+    kind.choices = [*kind.choices, BYTE_LEVEL]
+    kind.help = f"{kind.help} {BYTE_LEVEL}: UTF-8 bytes 0..255, EOD 256, no file (train with NullTokenizer --vocab-size 257)"
+    group = parser.add_argument_group("documents")
     group.add_argument("--append-eod", action="store_true", help="end every document with EOD")
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")

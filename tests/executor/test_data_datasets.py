@@ -16,11 +16,20 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
 from megatron.resihp.data.batch import document_lengths  # noqa: E402
 from megatron.resihp.data.datasets import ResiHPGPTDatasetConfig, VariableLengthMockGPTDataset  # noqa: E402
-from megatron.resihp.data.tokenizer import build_tokenizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")
-TOK = build_tokenizer("ByteLevelTokenizer")
+
+
+def _training_tokenizer():
+    """What training builds from ``--tokenizer-type NullTokenizer --vocab-size 257`` for the
+    byte-level files preprocess_data writes: ids as they are, EOD 256."""
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=257)
+
+
+TOK = _training_tokenizer()
 
 
 def _mock_documents(spec: str, seed: int = 1234, seq_length: int = 256):
@@ -77,7 +86,7 @@ def test_preprocess_writes_documents_with_eod(real_prefix):
     ds = IndexedDataset(prefix)
     assert len(ds) == len(docs)
     first = ds[0].tolist()
-    assert first[-1] == TOK.eod and TOK.detokenize(first[:-1]) == docs[0]
+    assert first[-1] == TOK.eod and bytes(first[:-1]).decode("utf-8") == docs[0]
 
 
 def test_variable_length_mock_documents_follow_the_spec():

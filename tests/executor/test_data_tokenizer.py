@@ -1,84 +1,90 @@
-"""Offline tokenizers: round trips, EOD ids, GPT-2 BPE merges from user files."""
+"""``tools/preprocess_data.py`` tokenizes with the tokenizer training builds from the same flags:
+megatron-core's, from Megatron-LM's own tokenizer flags, plus megatron-core's byte-level one."""
 
+import importlib.util
 import json
+import os
+import sys
 
 import pytest
 
-from megatron.resihp.data.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.resihp.data.tokenizer import _byte_to_unicode
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_byte_level_round_trip_and_eod():
-    tok = build_tokenizer("ByteLevelTokenizer")
+def _tool():
+    spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(ROOT, "tools", "preprocess_data.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["preprocess_data"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tokenizer(*flags):
+    tool = _tool()
+    return tool.build_tokenizer(tool.build_parser().parse_args(["--input", "x", "--output-prefix", "y", *flags]))
+
+
+def _written(tmp_path, texts, *flags):
+    """The documents preprocess_data writes for ``texts``, as token id lists."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    assert _tool().main(["--input", str(corpus), "--output-prefix", str(tmp_path / "out"), "--append-eod", *flags]) == 0
+    written = IndexedDataset(str(tmp_path / "out_text_document"))
+    return [written[i].tolist() for i in range(len(written))]
+
+
+def test_byte_level_ids_are_the_utf8_bytes_and_its_eod_is_the_one_training_reads():
     text = "Größe – naïve café 🙂"
-    ids = tok.tokenize(text)
-    assert all(0 <= i < 256 for i in ids) and len(ids) == len(text.encode("utf-8"))
-    assert tok.detokenize(ids + [tok.eod]) == text
-    assert (tok.vocab_size, tok.eod, tok.pad) == (257, 256, -1)
-    assert tok.unique_identifiers["class"] == "ByteLevelTokenizer"
+    tok = _tokenizer("--tokenizer-type", "ByteLevelTokenizer")
+    assert tok.tokenize(text) == list(text.encode("utf-8")) and tok.eod == 256
+    # Training reads the files with Megatron's NullTokenizer --vocab-size 257: ids as they are, EOD 256.
+    training = _tokenizer("--tokenizer-type", "NullTokenizer", "--vocab-size", "257")
+    assert (training.eod, training.vocab_size) == (tok.eod, 257)
 
 
-def test_null_tokenizer_follows_megatron():
-    tok = build_tokenizer("NullTokenizer", vocab_size=100)
-    assert tok.tokenize("3 14 99") == [3, 14, 99]
-    assert tok.detokenize([3, 14]) == "3 14"
-    assert (tok.vocab_size, tok.eod) == (101, 100)
-    with pytest.raises(ValueError, match="--vocab-size"):
-        tok.tokenize("100")
-    with pytest.raises(ValueError, match="--vocab-size"):
-        build_tokenizer("NullTokenizer", vocab_size=None)
+def test_megatrons_null_tokenizer_is_built_from_its_flags(tmp_path):
+    assert _written(tmp_path, ["3 14 99"], "--tokenizer-type", "NullTokenizer", "--vocab-size", "100") == [[3, 14, 99, 99]]
 
 
-def test_unknown_type_names_flag_and_choices():
-    with pytest.raises(ValueError) as err:
-        build_tokenizer("SentencePieceTokenizer")
-    assert "--tokenizer-type" in str(err.value) and "ByteLevelTokenizer" in str(err.value)
+def test_a_hugging_face_tokenizer_in_a_local_folder_is_read_offline(tmp_path):
+    """``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` (as Megatron-LM's Llama scripts
+    pass it) with a folder made here: no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["the cat sat on the mat", "naïve café über alles"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(folder)
+    flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(folder)]
+    tok = _tokenizer(*flags)
+    written = _written(tmp_path, corpus, *flags)
+    assert written == [bpe.encode(t).ids + [tok.eod] for t in corpus]
+    assert [tok.detokenize(ids[:-1]) for ids in written] == corpus and tok.eod == bpe.token_to_id("<|endoftext|>")
 
 
-@pytest.fixture
-def bpe_files(tmp_path):
-    """A tiny GPT-2-format vocabulary: all bytes, a few merges, and <|endoftext|>."""
-    byte_chars = [_byte_to_unicode()[b] for b in range(256)]
-    space = _byte_to_unicode()[ord(" ")]
-    merges = [("t", "h"), ("th", "e"), (space, "the"), ("a", "t")]
-    vocab = {c: i for i, c in enumerate(byte_chars)}
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
-    vocab_file = tmp_path / "vocab.json"
-    merge_file = tmp_path / "merges.txt"
-    vocab_file.write_text(json.dumps(vocab))
-    merge_file.write_text("#version: 0.2\n" + "\n".join(f"{a} {b}" for a, b in merges) + "\n")
-    return str(vocab_file), str(merge_file), vocab
+def test_a_tokenizer_megatron_cannot_build_exits_2_naming_the_flag(tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "x"}\n')
+    argv = ["--input", str(corpus), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
+            "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "no-such-folder")]
+    os.environ["HF_HUB_OFFLINE"] = "1"  # a missing folder is a hub name to transformers: never ask the hub
+    try:
+        assert _tool().main(argv) == 2
+    finally:
+        del os.environ["HF_HUB_OFFLINE"]
+    err = capsys.readouterr().err
+    assert "--tokenizer-type HuggingFaceTokenizer" in err and "--tokenizer-model" in err
+    assert not list(tmp_path.glob("out*"))
 
 
-def test_gpt2_bpe_applies_merges(bpe_files):
-    vocab_file, merge_file, vocab = bpe_files
-    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
-    space = _byte_to_unicode()[ord(" ")]
-    ids = tok.tokenize("the cat sat on the mat")
-    assert ids[0] == vocab["the"]
-    assert vocab[space + "the"] in ids and vocab["at"] in ids
-    assert tok.detokenize(ids) == "the cat sat on the mat"
-    assert tok.eod == vocab["<|endoftext|>"] and tok.vocab_size == len(vocab)
-    text = "naïve 123 über\n\nnew_line"
-    assert tok.detokenize(tok.tokenize(text)) == text
-
-
-def test_gpt2_bpe_needs_files(tmp_path):
-    with pytest.raises(ValueError, match="--vocab-file"):
-        build_tokenizer("GPT2BPETokenizer", vocab_file=None, merge_file=None)
-    vocab = tmp_path / "v.json"
-    vocab.write_text(json.dumps({"a": 0}))
-    merges = tmp_path / "m.txt"
-    merges.write_text("")
-    with pytest.raises(ValueError, match="endoftext"):
-        build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
-
-
-def test_padded_vocab_size():
-    tok = build_tokenizer("ByteLevelTokenizer")
-    assert padded_vocab_size(tok, 128, 1) == 384
-    assert padded_vocab_size(tok, 128, 2) == 512
-    with pytest.raises(ValueError, match="--make-vocab-size-divisible-by"):
-        padded_vocab_size(tok, 0, 1)
+def test_an_unknown_tokenizer_type_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _tokenizer("--tokenizer-type", "NoSuchTokenizer")
+    assert exit_.value.code == 2 and "ByteLevelTokenizer" in capsys.readouterr().err
