@@ -372,7 +372,7 @@ class ResilientMegatronLoop:
         # takes a split of its own where the layer-wise gradient sync carries the job's features.
         moves = layer_moves_refused(args) is None
         own_splits = moves and own_splits_refused(args) is None
-        self.hooks = ResilienceHooks(args, self.events, None, build_objects=self._build_objects,
+        self.hooks = ResilienceHooks(args, self.events, build_objects=self._build_objects,
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
                                      stands_by=True, stages_alike=moves and not own_splits, own_splits=own_splits,
                                      recovery_keeps_shape=not args.use_distributed_optimizer,

@@ -54,13 +54,13 @@ class ResilienceHooks:
     (``replan``, ``recovery``, ``readmission``) decide changes, ``reconfigure.apply`` makes them.
     """
 
-    def __init__(self, args: argparse.Namespace, events: EventLog, objects, build_objects: Callable,
+    def __init__(self, args: argparse.Namespace, events: EventLog, build_objects: Callable,
                  sharded_optimizer: bool = False, cfg=None, stands_by: bool = True, stages_alike: bool = False,
                  own_splits: bool = False, recovery_keeps_shape: bool = False, shrinks_tp: bool = False,
                  replica_counts: frozenset[int] | None = None,
                  interleaving: Interleaving = Interleaving(), fail_slow_drops: frozenset[int] | None = None):
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
-        groups. A fail-stop plan keeps every rank at the stage it holds, a fail-slow plan changes
+        groups; the loop hands its own to each call (``run.objects`` holds none until then). A fail-stop plan keeps every rank at the stage it holds, a fail-slow plan changes
         the micro-batch quotas alone, and a fallback points to the last periodic checkpoint, except
         where the flags below allow more. With ``sharded_optimizer`` (Megatron's distributed
         optimizer) whole replicas go on only when every dead rank's part of the optimizer state
@@ -97,7 +97,7 @@ class ResilienceHooks:
         groups = installed()
         # The layout start-up installed; from here on the run lives in ``run``, never on ``args``.
         self.run = RunState(layout=groups.layout, groups=groups, rank=rank, launch_rank=rank,
-                            identity=tuple(range(dist.get_world_size())), generation=0, objects=objects,
+                            identity=tuple(range(dist.get_world_size())), generation=0, objects=None,
                             quotas=(), messages=message_group(self.cfg.collective_timeout_s),
                             sync=None)
         # A link fault involves its receiver too: it takes part in measuring the healthy link.
