@@ -323,11 +323,16 @@ class BetweenSteps:
 
     @contextlib.contextmanager
     def _faults_in_save(self, iteration: int):
-        """``during=save-write`` kills: the save's first barrier is the one after this rank's files."""
-        if not any(f.during == "save-write" for f in self.loop.hooks.faults):
+        """``during=save-write`` kills: the save's first barrier is the one after this rank's files.
+        ``during=save-tracker`` kills (rank 0, which writes Megatron's tracker): as rank 0 names the
+        tracker file, after every rank's files are written and before the tracker says so."""
+        import megatron.training.checkpointing as checkpointing
+
+        phases = {f.during for f in self.loop.hooks.faults} & {"save-write", "save-tracker"}
+        if not phases:
             yield
             return
-        barrier = dist.barrier
+        barrier, tracker = dist.barrier, checkpointing.get_checkpoint_tracker_filename
         calls = []
 
         def first_barrier_kills(*args, **kwargs):
@@ -336,11 +341,18 @@ class BetweenSteps:
                 self.loop.hooks.inject(iteration, "save-write")
             return barrier(*args, **kwargs)
 
-        dist.barrier = first_barrier_kills
+        def tracker_kills(*args, **kwargs):
+            self.loop.hooks.inject(iteration, "save-tracker")
+            return tracker(*args, **kwargs)
+
+        if "save-write" in phases:
+            dist.barrier = first_barrier_kills
+        if "save-tracker" in phases:
+            checkpointing.get_checkpoint_tracker_filename = tracker_kills
         try:
             yield
         finally:
-            dist.barrier = barrier
+            dist.barrier, checkpointing.get_checkpoint_tracker_filename = barrier, tracker
 
     def _save_checkpoint_and_time(self, iteration, *args, **kwargs):
         """Megatron's ``save_checkpoint_and_time``: around the save (survived in ``_save_checkpoint``)

@@ -25,12 +25,12 @@ _OTHER_PLACEMENT = {
 }
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous, the world its
 # state moves run in once formed (moves), a readmission's grown world once its groups are formed, this rank's optimizer step, the iteration's log, an evaluation, the ranks' agreement whether
-# --exit-duration-in-mins has passed, a save as it begins and once this rank's files are written
-# (Megatron's save has no rename), and the job's end, as ``pretrain()`` returns, and Megatron's set-up,
+# --exit-duration-in-mins has passed, a save as it begins, once this rank's files are written and
+# (on rank 0, which writes it) before the tracker names it (Megatron's save has no rename), and the job's end, as ``pretrain()`` returns, and Megatron's set-up,
 # as it builds the data loaders. Under the distributed
 # optimizer also once it has updated this rank's parameters, before the update's copies go out.
 _PHASES = (None, "reform", "rendezvous", "moves", "readmission", "update", "optimizer", "log", "eval", "exit-check", "save", "save-write",
-           "shutdown", "setup")
+           "save-tracker", "shutdown", "setup")
 # Megatron flags whose collectives between steps a failure is not survived in yet (with --resihp-enable).
 _UNSURVIVED_BETWEEN_STEPS = {
     "check_weight_hash_across_dp_replicas_interval": ("--check-weight-hash-across-dp-replicas-interval",
@@ -83,6 +83,9 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
         if fault.kind.value == "kill" and fault.during not in _PHASES:
             found.append(f"--resihp-inject {fault.spec()} (on this loop a kill can wait for the phases "
                          f"{', '.join(p for p in _PHASES if p)} only)")
+        elif fault.during == "save-tracker" and fault.rank != 0:
+            found.append(f"--resihp-inject {fault.spec()} (rank 0 alone writes Megatron's tracker file: "
+                         f"use rank=0)")
         elif fault.during == "update" and not (cfg.enable and args.use_distributed_optimizer):
             found.append(f"--resihp-inject {fault.spec()} (the update phase is the distributed optimizer's, "
                          f"with --resihp-enable: pass --use-distributed-optimizer)")

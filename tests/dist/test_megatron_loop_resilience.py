@@ -120,6 +120,21 @@ def test_a_rank_killed_while_a_checkpoint_is_saved_is_survived_and_the_save_made
         assert_same_training(resumed.stdout, tmp_path / "ckpt", failure_free, iterations=range(5, ITERATIONS + 1))
 
 
+def test_rank_0_killed_after_every_file_of_a_save_and_before_the_tracker_is_survived_and_the_tracker_written(
+        tmp_path, failure_free):
+    # Every rank's files of iteration 4 are written; rank 0, the one that writes Megatron's tracker,
+    # dies before it does. Replica 1 goes on after iteration 4, and every later save is named.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), "--save-interval", "2",
+                       "--resihp-inject", "kill:rank=0,at=4,during=save-tracker"], timeout_s=420)
+    check(proc)
+    assert [e["iteration"] for e in read_events(events, "inject")] == [4]
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"], a["failed_ranks"]) for a in adapted] == [(4, 4, [0])], adapted
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERATIONS)
+
+
 def test_a_rank_killed_as_the_evaluation_begins_costs_that_evaluation_only(tmp_path, failure_free):
     # Evaluation every 2 iterations: the one at iteration 4 is lost (every survivor skips its rest),
     # training goes on after iteration 4, and the evaluation at 6 runs on the re-formed world.

@@ -23,7 +23,8 @@ def test_a_plain_job_with_kills_hangs_and_recovery_phase_kills_may_run():
     cfg = ResiHPConfig(enable=True, inject=["kill:rank=1,at=2", "hang:rank=2,at=3", "kill:rank=3,at=4,during=reform",
                                             "kill:rank=4,at=4,during=rendezvous", "kill:rank=5,at=8,during=shutdown",
                                             "raise:rank=6,at=2,during=backward", "kill:rank=7,at=1,during=setup",
-                                            "kill:rank=2,at=5,during=exit-check", "kill:rank=3,at=6,during=readmission"])
+                                            "kill:rank=2,at=5,during=exit-check", "kill:rank=3,at=6,during=readmission",
+                                            "kill:rank=0,at=4,during=save-tracker"])
     assert unsupported_flags(megatron_args(), cfg) == []
     # Each rank's part of Adam's state is copied on another rank, so its failures are survived too.
     assert unsupported_flags(megatron_args(use_distributed_optimizer=True), cfg) == []
@@ -53,7 +54,7 @@ def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
     ({"use_distributed_optimizer": True, "use_precision_aware_optimizer": True}, "--use-precision-aware-optimizer"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=update"])}, "pass --use-distributed-optimizer"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-rename"])}, "during=save-rename"),
-    ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-tracker"])}, "during=save-tracker"),
+    ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-tracker"])}, "use rank=0"),
     ({"check_weight_hash_across_dp_replicas_interval": 10}, "--check-weight-hash-across-dp-replicas-interval"),
     ({"log_straggler": True}, "--log-straggler"),
     ({"resihp": ResiHPConfig(enable=True, device_memory_gb=40.0)}, "--resihp-device-memory-gb"),
