@@ -1,5 +1,5 @@
-"""Input files for the bad-input tests of both front ends: a small real corpus, damaged copies of
-it, and a listing that shows whether a job wrote anything."""
+"""Input files for the tests: a small real corpus, damaged copies of it, a Hugging Face tokenizer
+folder made on the spot, and a listing that shows whether a job wrote anything."""
 
 from __future__ import annotations
 
@@ -37,3 +37,20 @@ def truncated_copy(prefix: Path, folder: Path, suffix: str) -> Path:
     path = folder / f"data{suffix}"
     os.truncate(path, path.stat().st_size - 7)
     return folder / "data"
+
+
+def hugging_face_tokenizer(folder: Path, texts: list[str], vocab_size: int = 300):
+    """A byte-level BPE tokenizer trained on ``texts`` and saved in ``folder`` as Hugging Face saves
+    one (``tokenizer.json``, ``tokenizer_config.json``; EOS ``<|endoftext|>``): what
+    ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model FOLDER`` reads, with no download.
+    Returns the ``tokenizers.Tokenizer``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts * 20, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(folder)
+    return bpe

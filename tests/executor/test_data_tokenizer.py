@@ -51,17 +51,11 @@ def test_megatrons_null_tokenizer_is_built_from_its_flags(tmp_path):
 def test_a_hugging_face_tokenizer_in_a_local_folder_is_read_offline(tmp_path):
     """``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` (as Megatron-LM's Llama scripts
     pass it) with a folder made here: no download."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tests.dist.input_files import hugging_face_tokenizer
 
     corpus = ["the cat sat on the mat", "naïve café über alles"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     folder = tmp_path / "tokenizer"
-    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(folder)
+    bpe = hugging_face_tokenizer(folder, corpus)
     flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(folder)]
     tok = _tokenizer(*flags)
     written = _written(tmp_path, corpus, *flags)
