@@ -18,16 +18,22 @@ def listing(folder: Path) -> list[tuple[str, int]]:
     return sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*"))
 
 
-def write_corpus(folder: Path) -> Path:
-    """40 short documents preprocessed with the byte-level tokenizer; returns the dataset prefix."""
-    docs = [f"Document {i}: " + "a resilient job reads whole files. " * (i % 5 + 1) for i in range(40)]
-    (folder / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+def corpus_texts() -> list[str]:
+    """The small real corpus's 40 short documents."""
+    return [f"Document {i}: " + "a resilient job reads whole files. " * (i % 5 + 1) for i in range(40)]
+
+
+def write_corpus(folder: Path, tokenizer: tuple[str, ...] = ("--tokenizer-type", "ByteLevelTokenizer"),
+                 name: str = "good") -> Path:
+    """``corpus_texts`` preprocessed with ``tokenizer`` (Megatron's tokenizer flags; the byte-level
+    tokenizer unless named) under ``folder / name``; returns the dataset prefix."""
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus_texts()))
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(folder / "corpus.jsonl"),
-         "--output-prefix", str(folder / "good"), "--tokenizer-type", "ByteLevelTokenizer", "--append-eod",
-         "--workers", "1"], capture_output=True, text=True, timeout=120)
+         "--output-prefix", str(folder / name), *tokenizer, "--append-eod", "--workers", "1"],
+        capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    return folder / "good_text_document"
+    return folder / f"{name}_text_document"
 
 
 def truncated_copy(prefix: Path, folder: Path, suffix: str) -> Path:

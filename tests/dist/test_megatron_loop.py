@@ -9,7 +9,6 @@ and resuming reproduces the uninterrupted run's losses.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -131,20 +130,15 @@ def test_a_corpus_preprocessed_with_a_hugging_face_tokenizer_trains_with_the_sam
     HuggingFaceTokenizer --tokenizer-model DIR``, the folder given to ``tools/preprocess_data.py``
     too (made here, read offline). Megatron pads the tokenizer's vocabulary for the model, and the
     resilient job trains every iteration on the documents."""
-    from tests.dist.input_files import hugging_face_tokenizer
+    from tests.dist.input_files import corpus_texts, hugging_face_tokenizer, write_corpus
 
-    texts = [f"Document {i}: " + "a resilient job reads whole files. " * (i % 5 + 1) for i in range(40)]
-    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    vocab = hugging_face_tokenizer(tmp_path / "tokenizer", texts).get_vocab_size()
-    tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tokenizer")]
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input",
-                           str(tmp_path / "corpus.jsonl"), "--output-prefix", str(tmp_path / "hf"), "--append-eod",
-                           *tokenizer], capture_output=True, text=True, timeout=120, env=job_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    vocab = hugging_face_tokenizer(tmp_path / "tokenizer", corpus_texts()).get_vocab_size()
+    tokenizer = ("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tokenizer"))
+    prefix = write_corpus(tmp_path, tokenizer, name="hf")
     proc = run_job(2, [
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", "4", "--lr", "1e-3", "--data-path", str(tmp_path / "hf_text_document"), *tokenizer,
+        "--train-iters", "4", "--lr", "1e-3", "--data-path", str(prefix), *tokenizer,
         "--split", "100,0,0", "--data-cache-path", str(tmp_path / "cache"), "--eval-iters", "0",
         "--eval-interval", "1000", "--log-interval", "1", "--device", "cpu", "--resihp-enable",
         "--resihp-event-log", str(tmp_path / "events.jsonl")], timeout_s=300)
