@@ -211,6 +211,10 @@ class FailStopRecovery:
             except ChangeFailed as exc:
                 # The old world's heartbeats are still watched, so a rank that died while the new
                 # world formed is named like the first; the next attempt plans without it.
+                if dist.is_initialized():
+                    # This rank left the world the change ran in (its moves, the optimizer's
+                    # parts): a peer still blocked on it there would wait out the collective timeout.
+                    host.abandon_world()
                 if attempt == REFORM_ATTEMPTS:
                     raise
                 run = exc.run

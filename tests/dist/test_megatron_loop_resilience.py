@@ -301,6 +301,25 @@ def test_a_rank_killed_between_its_update_and_its_copies_is_survived_in_place_by
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
 
 
+def test_with_the_distributed_optimizer_a_rank_lost_while_the_parts_move_is_planned_around_in_seconds(
+        tmp_path, failure_free):
+    # Rank 5 dies at 4; rank 4, a member of the world the dead replica's optimizer parts move in,
+    # dies there. The member that meets the failure shuts its connections of that world, so the
+    # members blocked on it leave at once instead of waiting out the collective timeout (30 s), and
+    # plan again: replica 0 finishes alone, exact.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*resilient(tmp_path, events), "--use-distributed-optimizer",
+                       "--resihp-inject", "kill:rank=5,at=4", "--resihp-inject", "kill:rank=4,at=4,during=moves"],
+                   timeout_s=420)
+    check(proc)
+    moves_kill = [e for e in read_events(events, "inject") if "during=moves" in e["fault"]]
+    adapted = read_events(events, "adapted")
+    assert len(moves_kill) == 1 and [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 4)], adapted
+    assert {4, 5} <= set(adapted[0]["failed_launch_ranks"]), adapted
+    assert adapted[0]["time"] - moves_kill[0]["time"] < 15, (moves_kill, adapted)
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free)
+
+
 def test_a_launch_that_places_layers_unevenly_is_survived_in_place_on_its_own_split(tmp_path):
     # Megatron-LM's example scripts may give a stage fewer layers (--decoder-first-pipeline-num-layers,
     # a --pipeline-model-parallel-layout): the survivors rebuild that split, and every loss and weight
