@@ -3,6 +3,7 @@ folder made on the spot, and a listing that shows whether a job wrote anything."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -11,6 +12,16 @@ import sys
 from pathlib import Path
 
 from tests.dist.launch import REPO
+
+
+def preprocess_tool():
+    """``tools/preprocess_data.py`` loaded as a module (registered in ``sys.modules``, so its
+    worker processes can unpickle its functions), for tests that call it in-process."""
+    spec = importlib.util.spec_from_file_location("preprocess_data", REPO / "tools" / "preprocess_data.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["preprocess_data"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def listing(folder: Path) -> list[tuple[str, int]]:

@@ -96,18 +96,18 @@ class Job:
     def text(self) -> str:
         return self.output.read_text(errors="replace") if self.output.exists() else ""
 
-    def story(self, limit: int = 12000) -> str:
+    def story(self) -> str:
         """What the job's output says happened, for a failing test's message: the project's own
         lines (``resihp:``, the beacons'), Slurm's (``srun:``, the batch script's) and every
         traceback whole, without Megatron's per-iteration lines that bury them."""
-        return told(self.text())[-limit:]
+        return told(self.text())
 
 
 _TOLD = (" resihp: ", "heartbeat:", "srun:", "pretrain_resilient.sbatch:", "Error", "error:")
 
 
-def told(output: str) -> str:
-    """The lines of ``output`` that tell what happened (``Job.story``)."""
+def told(output: str, limit: int = 12000) -> str:
+    """The last ``limit`` characters of the lines of ``output`` that tell what happened (``Job.story``)."""
     kept, in_traceback = [], False
     for line in output.splitlines():
         if line.startswith("Traceback"):
@@ -116,7 +116,7 @@ def told(output: str) -> str:
             kept.append(line)
         if in_traceback and line and not line[0].isspace() and not line.startswith(("Traceback", "During", "The above")):
             in_traceback = False  # the exception's own line ends it
-    return "\n".join(kept)
+    return "\n".join(kept)[-limit:]
 
 
 def submit(cluster: Cluster, out_dir: Path, ntasks_per_node: int, args: list[str], nodes: int = 1) -> Job:

@@ -96,8 +96,8 @@ def reference(cluster, tmp_path_factory):
 
 def test_sbatch_job_trains_to_the_end(reference):
     fields, output, losses, ckpt = reference
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{slurm_cluster.told(output)[-12000:]}"
-    assert sorted(losses) == list(range(1, ITERS + 1)), slurm_cluster.told(output)[-12000:]
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{slurm_cluster.told(output)}"
+    assert sorted(losses) == list(range(1, ITERS + 1)), slurm_cluster.told(output)
     assert losses[ITERS] < losses[1]
     assert "4 ranks on 1 node(s), store at" in output
     assert {s["args"].consumed_train_samples for s in _checkpoint(ckpt).values()} == {ITERS * GLOBAL_BATCH}
@@ -118,14 +118,14 @@ def test_rank_sigkilled_by_pid_is_survived_in_place(cluster, reference, tmp_path
     assert killed_at_iteration < ITERS, "the job had finished before the kill"
     # srun kept the step (--kill-on-bad-exit=0) and reports the task's end. Its exit code is the
     # worst task's (128 + SIGKILL), so Slurm marks the job failed although its survivors finished.
-    assert f"task {VICTIM}: Killed" in output, slurm_cluster.told(output)[-12000:]
+    assert f"task {VICTIM}: Killed" in output, slurm_cluster.told(output)
     assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "137:0"), fields
     # Replica 0 goes on whole with the whole global batch; rank 3, whose replica lost its stage 0,
     # is left a spare: it stands by for a later failure, and leaves as the job ends.
     adapted = read_events(log, "adapted")
-    assert len(adapted) == 1 and adapted[0]["world_size"] == 2, slurm_cluster.told(output)[-12000:]
+    assert len(adapted) == 1 and adapted[0]["world_size"] == 2, slurm_cluster.told(output)
     assert "launch rank 3 is a spare" in output
-    assert {r["rank"] for r in read_events(log, "finish")} == {0, 2}, slurm_cluster.told(output)[-12000:]
+    assert {r["rank"] for r in read_events(log, "finish")} == {0, 2}, slurm_cluster.told(output)
     # Same iterations, same losses, same parameters, exact consumed samples.
     _assert_same_training(log, tmp_path / "ckpt", ref_losses, ref_ckpt)
 
@@ -184,17 +184,17 @@ def test_whole_node_lost_is_survived_in_place_on_megatrons_loop(two_nodes, tmp_p
         fields = slurm_cluster.wait(two_nodes, job, JOB_TIMEOUT_S)
         runs[name] = (fields, job.text(), log, folder / "ckpt")
     fields, output, _, ckpt = runs["stock"]
-    assert fields["JobState"] == "COMPLETED" and "4 ranks on 2 node(s)" in output, f"{fields}\n{slurm_cluster.told(output)[-12000:]}"
+    assert fields["JobState"] == "COMPLETED" and "4 ranks on 2 node(s)" in output, f"{fields}\n{slurm_cluster.told(output)}"
     want, want_weights = logged_losses(output), saved_weights(ckpt)
-    assert sorted(want) == list(range(1, ITERS + 1)), slurm_cluster.told(output)[-12000:]
+    assert sorted(want) == list(range(1, ITERS + 1)), slurm_cluster.told(output)
     _, output, log, ckpt = runs["ours"]
-    assert "Node failure on n2" in output, slurm_cluster.told(output)[-12000:]
+    assert "Node failure on n2" in output, slurm_cluster.told(output)
     adapted = read_events(log, "adapted")
-    assert len(adapted) == 1 and adapted[0]["world_size"] == 2, slurm_cluster.told(output)[-12000:]
+    assert len(adapted) == 1 and adapted[0]["world_size"] == 2, slurm_cluster.told(output)
     # From the event log: Megatron prints an iteration's line on the world's last rank, and what n2's
     # ranks printed just before it was lost never reached the job's output.
     got = iteration_losses(log)
-    assert sorted(got) == list(range(1, ITERS + 1)), slurm_cluster.told(output)[-12000:]
+    assert sorted(got) == list(range(1, ITERS + 1)), slurm_cluster.told(output)
     # Megatron's second line reports the mean of its first two iterations (it does not restart its loss
     # average after the first line); the events hold each iteration's own loss.
     printed = {**got, 2: (got[1] + got[2]) / 2}
@@ -225,7 +225,7 @@ def test_when_the_jobs_store_dies_every_rank_leaves_with_the_sbatch_command_that
     fields = slurm_cluster.wait(cluster, job, JOB_TIMEOUT_S)
     output = job.text()
     exits = {e["rank"]: e["exit_code"] for e in read_events(log, "exit")}
-    assert exits == {0: 3, 1: 3, 2: 3, 3: 3} and fields["ExitCode"] == "3:0", f"{fields}\n{slurm_cluster.told(output)[-12000:]}"
+    assert exits == {0: 3, 1: 3, 2: 3, 3: 3} and fields["ExitCode"] == "3:0", f"{fields}\n{slurm_cluster.told(output)}"
     assert "stopped answering (the process or node that hosts it is gone)" in output and "Traceback" not in output
     lost = read_events(log, "store_lost")
     saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())

@@ -1,6 +1,5 @@
 """Corpus -> preprocess -> indexed files, and the variable-length mock documents (``--mock-doc-lengths``)."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
 from megatron.resihp.data.batch import document_lengths  # noqa: E402
 from megatron.resihp.data.datasets import ResiHPGPTDatasetConfig, VariableLengthMockGPTDataset  # noqa: E402
+from tests.dist.input_files import preprocess_tool  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")
@@ -44,21 +44,13 @@ def _mock_documents(spec: str, seed: int = 1234, seq_length: int = 256):
     return BlendedMegatronDatasetBuilder(VariableLengthMockGPTDataset, [40, 4, 0], lambda: True, config).build()[0]
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("preprocess_data", PREPROCESS)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["preprocess_data"] = module  # so worker processes can unpickle its functions
-    spec.loader.exec_module(module)
-    return module
-
-
 def _preprocess(tmp_path, lines, *extra):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(lines))
     prefix = tmp_path / "out" / "corpus"
     argv = ["--input", str(corpus), "--json-keys", "text", "--output-prefix", str(prefix),
             "--tokenizer-type", "ByteLevelTokenizer", *extra]
-    return _load_tool().main(argv), f"{prefix}_text_document"
+    return preprocess_tool().main(argv), f"{prefix}_text_document"
 
 
 @pytest.fixture(scope="module")

@@ -1,22 +1,12 @@
 """``tools/preprocess_data.py`` tokenizes with the tokenizer training builds from the same flags:
 megatron-core's, from Megatron-LM's own tokenizer flags, plus megatron-core's byte-level one."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(ROOT, "tools", "preprocess_data.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["preprocess_data"] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.dist.input_files import preprocess_tool as _tool
 
 
 def _tokenizer(*flags):
