@@ -26,8 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 # Suites whose tests start jobs through scripts/launch_local.py.
 LAUNCHING = ("dist", "executor")
 # Variables a launch may set apart from the session's: read only once a rank runs (pytest's name of
-# the running test; the cache folder of megatron-core's dataset indexes), never while the server imports.
-RUN_TIME_ONLY = ("PYTEST_CURRENT_TEST", "XDG_CACHE_HOME")
+# the running test; the cache folder of megatron-core's dataset indexes; the attention backend, which
+# megatron-core sets in the environment of a process that builds a GPT model, as tests here do), never
+# while the server imports.
+RUN_TIME_ONLY = ("PYTEST_CURRENT_TEST", "XDG_CACHE_HOME", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 START_TIMEOUT_S = 120
 
 

@@ -18,10 +18,19 @@ rather than dropped: ``--rampup-batch-size``, which megatron-core 0.19.2 accepts
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from functools import partial
 
 import torch
+
+# Every rank imports these, and they take seconds of CPU (megatron-core pulls in much of torch):
+# imported at the top, a launcher's fork server (scripts/rank_fork_server.py) imports them once for
+# all of its ranks. None of them patches anything on import; the patches are installed in main().
+import megatron.core.tokenizers.text  # noqa: E402,F401 (Megatron's tokenizers; imports transformers)
+import megatron.training.training  # noqa: E402,F401
+from megatron.resihp import cpu_training, megatron_loop_resilience, training_compat  # noqa: E402,F401
 
 # What this script sets where the command line says nothing (Megatron's args_defaults).
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -376,8 +385,40 @@ def _run_as_a_device() -> None:
         _refuse(str(error))
 
 
+def _process_start() -> float:
+    """When this process started, in ``time.time()``'s clock, to the kernel's clock tick (10 ms) on
+    Linux (psutil's ``create_time`` adds the boot time, which Linux gives in whole seconds)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except OSError:
+        import psutil
+
+        return psutil.Process().create_time()
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def count_time_from_process_start() -> None:
+    """Make Megatron count the job's time (``--exit-duration-in-mins``, "time to initialize megatron")
+    from this process's start.
+
+    Megatron takes the moment ``megatron.training.training`` was imported as the start. This module
+    imports it at its top, so in a rank forked from a fork server that moment is the server's, which
+    may have imported it long before (a shared server serves many launches): a job would count that
+    wait against its time limit. A forked process's start is its fork.
+    """
+    from megatron.training import training
+
+    start = _process_start()
+    training.set_startup_timestamps(program_start=start, main_entry=time.time())
+    training._LEGACY_TRAIN_START_TIME = start  # what Megatron's "time to initialize megatron" counts from
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run Megatron-LM's ``pretrain()`` for GPT with the command line ``argv`` (``sys.argv[1:]`` if None)."""
+    count_time_from_process_start()
     argv = list(sys.argv[1:] if argv is None else argv)
     command_line = [sys.argv[0], *argv]
     refuse_ignored_flags(argv)
