@@ -24,14 +24,15 @@ _OTHER_PLACEMENT = {
     "use_tp_pp_dp_mapping": "--use-tp-pp-dp-mapping",
 }
 # Phases a kill can wait for on this loop: a recovery's re-form and its rendezvous, the world its
-# state moves run in once formed (moves), a readmission's grown world once its groups are formed,
+# state moves run in once formed (moves), a fail-slow re-plan's rebuilt objects before its state
+# moves (replan), a readmission's grown world once its groups are formed,
 # this rank's optimizer step, the iteration's log, an evaluation, the ranks' agreement whether
 # --exit-duration-in-mins has passed, a save as it begins, once this rank's files are written and
 # (on rank 0, which writes it) before the tracker names it (Megatron's save has no rename), the
 # job's end, as ``pretrain()`` returns, and Megatron's set-up, as it builds the data loaders. Under
 # the distributed optimizer also once it has updated this rank's parameters, before the update's
 # copies go out.
-_PHASES = (None, "reform", "rendezvous", "moves", "readmission", "update", "optimizer", "log", "eval", "exit-check", "save", "save-write",
+_PHASES = (None, "reform", "rendezvous", "moves", "replan", "readmission", "update", "optimizer", "log", "eval", "exit-check", "save", "save-write",
            "save-tracker", "shutdown", "setup")
 # Megatron flags whose collectives between steps a failure is not survived in yet (with --resihp-enable).
 _UNSURVIVED_BETWEEN_STEPS = {

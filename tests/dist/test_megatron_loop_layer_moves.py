@@ -125,3 +125,29 @@ def test_a_slow_first_stage_of_one_replica_gives_a_layer_to_its_next_stage_alone
     executed = read_events(events, "plan")[-1]["executed"]
     assert [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[[3], [6]]], executed
     assert_stock_training(proc.stdout, tmp_path, own_split_failure_free, OWN_SPLIT_ITERATIONS)
+
+
+def test_a_rank_killed_while_a_layer_moves_leaves_every_survivor_on_the_split_they_held_exactly(
+        tmp_path, own_split_failure_free):
+    # Replica 1's first stage (rank 2) slowed 3x from iteration 5, as above; as the re-plan moves a
+    # layer from its stage 0 (ranks 2, 3) to its stage 1 (ranks 6, 7), rank 6 is SIGKILLed. The move
+    # is abandoned: every survivor goes back to the split all of them still hold whole, and the
+    # fail-stop recovery goes on from there without rank 6. Training stays stock Megatron-LM's.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*own_split_job_args(tmp_path, "ckpt"), *resilience_flags(events),
+                       "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
+                       "--resihp-inject", "slow:rank=2,factor=3,at=5", "--resihp-inject", "kill:rank=6,at=5,during=replan"],
+                   timeout_s=600)
+    check(proc)
+    killed = [e for e in read_events(events, "inject") if e["fault"].startswith("kill:")]
+    assert [e["fault"] for e in killed] == ["kill:rank=6,at=5,during=replan"], decisions(events)
+    plans = [p for p in read_events(events, "plan") if p["iteration"] == killed[0]["iteration"]]
+    assert plans and "layers [2, 2]->[1, 3]" in plans[0]["reason"], decisions(events)  # it struck a layer move
+    assert "back on the old layout" in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    adapted = read_events(events, "adapted")
+    recovered = [a for a in adapted if a["world_size"] < 8]
+    assert recovered and recovered[0]["failed_launch_ranks"] == [6], decisions(events)
+    # Nothing adapted to the move the kill broke: until the recovery, every replica ran the launch's split.
+    assert all(a["layers_per_replica"] == [[2, 2], [2, 2]] for a in adapted if a["time"] < recovered[0]["time"]), \
+        decisions(events)
+    assert_stock_training(proc.stdout, tmp_path, own_split_failure_free, OWN_SPLIT_ITERATIONS)
