@@ -13,7 +13,10 @@ import warnings
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
-from megatron.resihp.gpt_pretrain import main  # noqa: E402
-
 if __name__ == "__main__":
+    # Here, not at the top: a process that multiprocessing's spawn starts (megatron-core's
+    # checkpoint writer starts one per rank) runs this file's top level again, and this import
+    # costs seconds of CPU. A launcher's fork server imports it all the same (it reads this block).
+    from megatron.resihp.gpt_pretrain import main
+
     main()

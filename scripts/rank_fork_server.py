@@ -64,15 +64,18 @@ class Preload:
 
 
 def script_preload(script: str) -> Preload:
-    """The absolute modules the script imports at its top level (``from x import y`` gives ``x``)
-    and the warning filters it sets there with literal arguments: what every rank does before
+    """The absolute modules the script imports at its top level (``from x import y`` gives ``x``),
+    and those its ``if __name__ == "__main__":`` block imports before any other statement, and the
+    warning filters it sets at its top level with literal arguments: what every rank does before
     anything rank-specific. The filters come along so that a warning the script silences before
-    its imports stays silent when the server does the importing."""
+    its imports stays silent when the server does the importing. A script keeps in its main block
+    what a process it spawns must not import again (``multiprocessing``'s spawn runs the script's
+    top level, as ``__mp_main__``, in every process it starts)."""
     with open(script, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=script)
     modules: list[str] = []
     filters = []
-    for node in tree.body:
+    for node in [*tree.body, *_main_block_imports(tree)]:
         if isinstance(node, ast.Import):
             modules += [a.name for a in node.names if a.name not in modules]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
@@ -86,6 +89,22 @@ def script_preload(script: str) -> Preload:
                 continue  # not literal: the rank sets it when it runs the script
             filters.append((call.func.attr, args, kwargs))
     return Preload(tuple(modules), tuple(filters))
+
+
+def _main_block_imports(tree: ast.Module) -> list[ast.stmt]:
+    """The import statements that open the script's ``if __name__ == "__main__":`` block."""
+    for node in tree.body:
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__" \
+                and len(test.comparators) == 1 and isinstance(test.ops[0], ast.Eq) \
+                and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == "__main__":
+            leading = []
+            for statement in node.body:
+                if not isinstance(statement, (ast.Import, ast.ImportFrom)):
+                    break
+                leading.append(statement)
+            return leading
+    return []
 
 
 def _is_warning_filter(node: ast.stmt) -> bool:

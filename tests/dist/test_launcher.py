@@ -158,9 +158,10 @@ def test_preload_reads_the_scripts_top_level_imports_and_warning_filters(tmp_pat
     script.write_text("from __future__ import annotations\nimport os, json\nimport warnings\n"
                       "warnings.filterwarnings('ignore', message='noisy')\nwarnings.simplefilter(mode)\n"
                       "from collections import abc\nfrom . import sibling\n"
-                      "def f():\n    import email\nif True:\n    import csv\n")
+                      "def f():\n    import email\nif True:\n    import csv\n"
+                      "if __name__ == '__main__':\n    import glob\n    from pathlib import Path\n    f()\n    import csv\n")
     preload = script_preload(str(script))
-    assert preload.modules == ("os", "json", "warnings", "collections")
+    assert preload.modules == ("os", "json", "warnings", "collections", "glob", "pathlib")
     assert preload.warning_filters == (("filterwarnings", ("ignore",), {"message": "noisy"}),)
 
 
