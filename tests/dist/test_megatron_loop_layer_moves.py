@@ -13,6 +13,8 @@ run with no ``--resihp-*`` flag, which saved with its even split.
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
@@ -32,6 +34,18 @@ def layer_job_args(tmp, name: str) -> list[str]:
             "--dist-ckpt-optim-fully-reshardable", "--use-distributed-optimizer", "--sequence-parallel"]
 
 
+def slowed_run(args: list[str], events, *faults: str) -> subprocess.CompletedProcess:
+    """``args`` with resilience on and each ``faults`` injected, each rank a device of its own
+    (``--cpu-device-time-scale 4``: 8 ranks on 2 cores, so that a slowed rank waits instead of
+    taking its neighbours' cores) and the trial off (``--resihp-verify-iters 0``: these tests hold the
+    moves to Megatron's numbers). The job must finish."""
+    injected = [arg for fault in faults for arg in ("--resihp-inject", fault)]
+    proc = run_job(8, [*args, *resilience_flags(events), "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
+                       *injected], timeout_s=600)
+    check(proc)
+    return proc
+
+
 @pytest.fixture(scope="module")
 def failure_free(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layer_moves_failure_free")
@@ -40,19 +54,11 @@ def failure_free(tmp_path_factory):
 
 def test_a_slow_first_stage_gives_a_layer_to_the_next_in_every_replica_in_place_exactly(tmp_path, failure_free):
     # Ranks 0 and 2 are the first TP rank of stage 0 in replicas 0 and 1: both first stages run
-    # 3x slow from iteration 5, which moving micro-batches between replicas cannot help. Each rank
-    # acts as a device of its own (--cpu-device-time-scale 4: 8 ranks on 2 cores), so the slowed
-    # ranks wait instead of taking their neighbours' cores and the detector measures them as
-    # slowed. The move pays back over about 15 iterations in the planner's model, hence the
-    # length of the job. The trial is off (--resihp-verify-iters 0): this test holds the moves to
-    # Megatron's numbers.
+    # 3x slow from iteration 5, which moving micro-batches between replicas cannot help. The move
+    # pays back over about 15 iterations in the planner's model, hence the length of the job.
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*layer_job_args(tmp_path, "ckpt"), *resilience_flags(events),
-                       "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
-                       "--resihp-inject", "slow:rank=0,factor=3,at=5", "--resihp-inject", "slow:rank=2,factor=3,at=5",
-                       "--resihp-inject", "kill:rank=7,at=28"],
-                   timeout_s=600)
-    check(proc)
+    proc = slowed_run(layer_job_args(tmp_path, "ckpt"), events, "slow:rank=0,factor=3,at=5", "slow:rank=2,factor=3,at=5",
+                      "kill:rank=7,at=28")
     assert "re-plans of the micro-batch split and of the layers per stage" in proc.stdout, proc.stdout[-3000:]
     assert len(read_events(events, "start")) == 8  # one start per process: nothing restarted
     # The first verdict may move micro-batches alone (the other first stage not yet named).
@@ -87,11 +93,8 @@ def test_in_bf16_a_moved_layer_carries_its_fp32_main_parameters_and_moments(tmp_
     # 2.5e-5 (absolute), the QKV bias aside (its key third's gradient is rounding noise, see
     # megatron_jobs.assert_stock_training).
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*layer_job_args(tmp_path, "ckpt"), "--bf16", *resilience_flags(events),
-                       "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
-                       "--resihp-inject", "slow:rank=0,factor=3,at=5", "--resihp-inject", "slow:rank=2,factor=3,at=5"],
-                   timeout_s=600)
-    check(proc)
+    proc = slowed_run([*layer_job_args(tmp_path, "ckpt"), "--bf16"], events, "slow:rank=0,factor=3,at=5",
+                      "slow:rank=2,factor=3,at=5")
     moved = [a for a in read_events(events, "adapted") if a["layers_per_replica"] != [[2, 2], [2, 2]]]
     assert moved and moved[0]["layers_per_replica"][0][0] < 2, decisions(events)
     assert_moved_as_planned(events)
@@ -145,11 +148,7 @@ def test_a_slow_first_stage_of_one_replica_gives_a_layer_to_its_next_stage_alone
     # at TP 1 in its own split, its stage 0 run by rank 3 (rank 2 is known slow and stands by), without
     # sequence parallelism, which needs a TP group of two.
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*own_split_job_args(tmp_path, "ckpt"), *resilience_flags(events),
-                       "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
-                       "--resihp-inject", "slow:rank=2,factor=3,at=5", "--resihp-inject", "kill:rank=7,at=18"],
-                   timeout_s=600)
-    check(proc)
+    proc = slowed_run(own_split_job_args(tmp_path, "ckpt"), events, "slow:rank=2,factor=3,at=5", "kill:rank=7,at=18")
     assert "of the layers per stage, a split of each replica's own" in proc.stdout, proc.stdout[-3000:]
     moved = [a for a in read_events(events, "adapted") if a["layers_per_replica"] != [[2, 2], [2, 2]]]
     assert moved, decisions(events)
@@ -171,11 +170,8 @@ def test_a_rank_killed_while_a_layer_moves_leaves_every_survivor_on_the_split_th
     # is abandoned: every survivor goes back to the split all of them still hold whole, and the
     # fail-stop recovery goes on from there without rank 6. Training stays stock Megatron-LM's.
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*own_split_job_args(tmp_path, "ckpt"), *resilience_flags(events),
-                       "--resihp-verify-iters", "0", "--cpu-device-time-scale", "4",
-                       "--resihp-inject", "slow:rank=2,factor=3,at=5", "--resihp-inject", "kill:rank=6,at=5,during=replan"],
-                   timeout_s=600)
-    check(proc)
+    proc = slowed_run(own_split_job_args(tmp_path, "ckpt"), events, "slow:rank=2,factor=3,at=5",
+                      "kill:rank=6,at=5,during=replan")
     killed = [e for e in read_events(events, "inject") if e["fault"].startswith("kill:")]
     assert [e["fault"] for e in killed] == ["kill:rank=6,at=5,during=replan"], decisions(events)
     plans = [p for p in read_events(events, "plan") if p["iteration"] == killed[0]["iteration"]]
