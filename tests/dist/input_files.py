@@ -24,6 +24,13 @@ def preprocess_tool():
     return module
 
 
+def tokenizer_from_flags(*flags: str):
+    """The tokenizer megatron-core builds from Megatron's tokenizer flags ``flags``, as training and
+    ``tools/preprocess_data.py`` build it."""
+    tool = preprocess_tool()
+    return tool.build_tokenizer(tool.build_parser().parse_args(["--input", "x", "--output-prefix", "y", *flags]))
+
+
 def listing(folder: Path) -> list[tuple[str, int]]:
     """Every path under ``folder`` with its size: equal before and after when nothing was written."""
     return sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*"))

@@ -15,21 +15,14 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
 from megatron.resihp.data.batch import document_lengths  # noqa: E402
 from megatron.resihp.data.datasets import ResiHPGPTDatasetConfig, VariableLengthMockGPTDataset  # noqa: E402
-from tests.dist.input_files import preprocess_tool  # noqa: E402
+from tests.dist.input_files import preprocess_tool, tokenizer_from_flags  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")
 
 
-def _training_tokenizer():
-    """What training builds from ``--tokenizer-type NullTokenizer --vocab-size 257`` for the
-    byte-level files preprocess_data writes: ids as they are, EOD 256."""
-    from megatron.core.tokenizers import MegatronTokenizer
-
-    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=257)
-
-
-TOK = _training_tokenizer()
+# What training builds for the byte-level files preprocess_data writes: ids as they are, EOD 256.
+TOK = tokenizer_from_flags("--tokenizer-type", "NullTokenizer", "--vocab-size", "257")
 
 
 def _mock_documents(spec: str, seed: int = 1234, seq_length: int = 256):

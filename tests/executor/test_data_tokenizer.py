@@ -7,11 +7,7 @@ import os
 import pytest
 
 from tests.dist.input_files import preprocess_tool as _tool
-
-
-def _tokenizer(*flags):
-    tool = _tool()
-    return tool.build_tokenizer(tool.build_parser().parse_args(["--input", "x", "--output-prefix", "y", *flags]))
+from tests.dist.input_files import tokenizer_from_flags as _tokenizer
 
 
 def _written(tmp_path, texts, *flags):
