@@ -94,10 +94,7 @@ def script_preload(script: str) -> Preload:
 def _main_block_imports(tree: ast.Module) -> list[ast.stmt]:
     """The import statements that open the script's ``if __name__ == "__main__":`` block."""
     for node in tree.body:
-        test = node.test if isinstance(node, ast.If) else None
-        if isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__" \
-                and len(test.comparators) == 1 and isinstance(test.ops[0], ast.Eq) \
-                and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == "__main__":
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":  # unparse writes ' quotes
             leading = []
             for statement in node.body:
                 if not isinstance(statement, (ast.Import, ast.ImportFrom)):

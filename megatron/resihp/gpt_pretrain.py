@@ -28,9 +28,9 @@ import torch
 # Every rank imports these, and they take seconds of CPU (megatron-core pulls in much of torch):
 # imported at the top, a launcher's fork server (scripts/rank_fork_server.py) imports them once for
 # all of its ranks. None of them patches anything on import; the patches are installed in main().
-import megatron.core.tokenizers.text  # noqa: E402,F401 (Megatron's tokenizers; imports transformers)
-import megatron.training.training  # noqa: E402,F401
-from megatron.resihp import cpu_training, megatron_loop_resilience, training_compat  # noqa: E402,F401
+import megatron.core.tokenizers.text  # noqa: F401 (Megatron's tokenizers; imports transformers)
+import megatron.training.training  # noqa: F401
+from megatron.resihp import cpu_training, megatron_loop_resilience, training_compat  # noqa: F401
 
 # What this script sets where the command line says nothing (Megatron's args_defaults).
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
