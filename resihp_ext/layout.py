@@ -2,8 +2,10 @@
 
 A Layout describes every data-parallel replica separately (replicas may differ after an
 adaptation): replica -> pipeline stages -> (contiguous layer range, TP group ranks in TP-rank
-order). It validates itself on construction, derives the gradient synchronisation sets that a
-heterogeneous layout needs, and round-trips through plain JSON.
+order). Under the interleaved schedule a stage's range counts its layers, and the model's layers
+it holds lie apart, in its model chunks (``Layout.held_layers``). It validates itself on
+construction, derives the gradient synchronisation sets that a heterogeneous layout needs, and
+round-trips through plain JSON.
 
 This module only describes placements. Building process groups from a Layout is the training
 front end's job; nothing here imports ``megatron`` or ``torch.distributed``.
@@ -16,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import Any, Iterable, Mapping
 
+from resihp_ext.interleaved_split import check_chunks, chunk_layers, stage_layers
 
 
 def is_power_of_two(value: int) -> bool:
@@ -26,8 +29,9 @@ def is_power_of_two(value: int) -> bool:
 class StageSpec:
     """One pipeline stage of one replica.
 
-    The stage holds layers ``[first_layer, first_layer + num_layers)`` (0-based) and its TP group
-    is ``ranks`` in TP-rank order (``ranks[i]`` has TP rank ``i``).
+    The stage holds layers ``[first_layer, first_layer + num_layers)`` (0-based; under the
+    interleaved schedule, ``num_layers`` of the model's layers, which ``Layout.held_layers`` names)
+    and its TP group is ``ranks`` in TP-rank order (``ranks[i]`` has TP rank ``i``).
     """
 
     first_layer: int
@@ -105,6 +109,9 @@ class ModelSpec:
     """The model facts needed for divisibility checks, memory and time estimates.
 
     ``global_batch_size`` is optional; when set it must be a multiple of ``micro_batch_size``.
+    ``launch_chunks``: under the interleaved schedule, the decoder layers of each model chunk of each
+    pipeline stage at launch (``resihp_ext.interleaved_split``): a stage then holds the model's layers
+    its chunks give it, not one range. None: one chunk per stage.
     """
 
     num_layers: int
@@ -115,8 +122,15 @@ class ModelSpec:
     seq_length: int
     micro_batch_size: int
     global_batch_size: int | None = None
+    launch_chunks: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.launch_chunks is not None:
+            object.__setattr__(self, "launch_chunks", tuple(tuple(int(n) for n in s) for s in self.launch_chunks))
+            check_chunks(self.launch_chunks)
+            if sum(map(sum, self.launch_chunks)) != self.num_layers:
+                raise ValueError(f"ModelSpec.launch_chunks {self.launch_chunks} do not hold the model's "
+                                 f"{self.num_layers} layers")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                      "seq_length", "micro_batch_size"):
             if getattr(self, name) < 1:
@@ -290,6 +304,22 @@ class Layout:
     def stage_spec_of(self, rank: int) -> StageSpec:
         r, s, _ = self._place(rank)
         return self.replicas[r].stages[s]
+
+    def held_layers(self, replica: int) -> tuple[tuple[int, ...], ...]:
+        """The model's layer numbers each stage of replica ``replica`` holds: its range, or under the
+        interleaved schedule (``ModelSpec.launch_chunks``) what its chunks hold for the replica's split.
+
+        Raises:
+            ValueError: under the interleaved schedule, a replica with another stage count than the launch's.
+        """
+        spec = self.replicas[replica]
+        chunks = self.model.launch_chunks
+        if chunks is None:
+            return tuple(tuple(stage.layers) for stage in spec.stages)
+        if spec.num_stages != len(chunks):
+            raise ValueError(f"replica {replica} has {spec.num_stages} stages; the interleaved schedule's chunks "
+                             f"are laid out over the launch's {len(chunks)}")
+        return stage_layers(chunk_layers(chunks, spec.layers_per_stage))
 
     def contains(self, rank: int) -> bool:
         return rank in self._places

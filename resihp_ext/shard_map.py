@@ -6,8 +6,9 @@ a Layout, who holds each item's units (``holders``) and which rank sets sum each
 the other's (``transfers``). The planner prices exactly these transfers, a Plan carries them, the
 executor runs exactly them, and the executor's gradient-sync groups are ``sync_rank_sets``.
 
-An *item* is a group of parameters that always lives together: ``("layer", g)`` for transformer
-layer ``g``, ``("first",)`` for what the first stage adds (embeddings), ``("last",)`` for what the
+An *item* is a group of parameters that always lives together: ``("layer", g)`` for the model's
+transformer layer ``g`` (megatron-core's number, wherever the interleaved schedule places it:
+``Layout.held_layers``), ``("first",)`` for what the first stage adds (embeddings), ``("last",)`` for what the
 last stage adds (final norm, output layer). A TP-partitioned tensor of an item is cut into
 ``grid`` equal *units* along its partition dimension (``grid`` a power of two >= every TP degree
 involved); a rank at TP degree ``k`` and TP rank ``i`` holds units ``[i*grid/k, (i+1)*grid/k)``.
@@ -47,8 +48,8 @@ def holders(layout: Layout) -> dict[Item, tuple[Holding, ...]]:
     out: dict[Item, list[Holding]] = {item: [] for item in items(layout.model.num_layers)}
     for r, replica in enumerate(layout.replicas):
         last = replica.num_stages - 1
-        for p, stage in enumerate(replica.stages):
-            held = [("layer", g) for g in stage.layers]
+        for p, (stage, layers) in enumerate(zip(replica.stages, layout.held_layers(r))):
+            held = [("layer", g) for g in layers]
             if p == 0:
                 held.append(("first",))
             if p == last:

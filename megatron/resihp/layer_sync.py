@@ -45,15 +45,14 @@ def _item_of(global_name: str, layer: int | None) -> tuple:
     return ("last",)  # decoder.final_layernorm.*, output_layer.*
 
 
-def param_slots(gpt_model: torch.nn.Module, layout_layer_of: tuple[int, ...] | None = None) -> list[ParamSlot]:
+def param_slots(gpt_model: torch.nn.Module) -> list[ParamSlot]:
     """Every local parameter with its global name and item, sorted by global name. Under
     --bf16/--fp16 Megatron's own builder wraps the model (``Float16Module``); names are the model's.
-    ``layout_layer_of``: the Layout's number of each of megatron-core's layers, where they differ
-    (``TrainingObjects.layout_layer_of``)."""
+    A layer is named by its number in the whole model (megatron-core's, also under the interleaved
+    schedule, whose chunks hold layers apart), as the Layout's items name it."""
     gpt_model = unwrap_model(gpt_model)
     layers = getattr(getattr(gpt_model, "decoder", None), "layers", [])
-    renumber = (lambda g: g) if layout_layer_of is None else layout_layer_of.__getitem__
-    local_to_global = {i: renumber(layer.layer_number - 1) for i, layer in enumerate(layers)}
+    local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
     slots = []
     for name, param in gpt_model.named_parameters():
         parts = name.split(".")
@@ -70,7 +69,7 @@ def param_slots(gpt_model: torch.nn.Module, layout_layer_of: tuple[int, ...] | N
 
 def objects_slots(objects) -> list[ParamSlot]:
     """``param_slots`` of every model chunk of a rank's ``TrainingObjects``, sorted by global name."""
-    slots = [s for chunk in objects.chunks for s in param_slots(chunk.module, objects.layout_layer_of)]
+    slots = [s for chunk in objects.chunks for s in param_slots(chunk.module)]
     return sorted(slots, key=lambda s: s.name)
 
 
@@ -126,11 +125,11 @@ class LayoutGradSync:
         return buckets
 
     def __call__(self, model, num_tokens=None, pg_collection=None, force_all_reduce=False):
-        ddp = model[0]
-        config = ddp.config
+        config = model[0].config
         # Tied word embedding: first and last stage of this replica share one gradient.
         _allreduce_word_embedding_grads(model, config, self.embedding_group, self.pp_group)
-        slots = param_slots(ddp.module)
+        # Every model chunk's (the interleaved schedule's), by name: one order on every rank.
+        slots = sorted((s for chunk in model for s in param_slots(chunk.module)), key=lambda s: s.name)
         buckets = self._buckets(slots, config)
         for ranks in sorted(buckets):  # one canonical order on every rank: no cross-group deadlock
             group = self.groups.get(ranks)

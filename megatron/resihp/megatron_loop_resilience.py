@@ -65,8 +65,8 @@ from megatron.resihp.megatron_loop_handles import adopt
 from megatron.resihp.megatron_loop_phases import BetweenSteps, Phase, Position
 from megatron.resihp.megatron_loop_replicas import CountedSplit
 from megatron.resihp.megatron_loop_spares import SpareReentry
-from megatron.resihp.megatron_loop_stages import (build_objects, interleaving, launch_split, layer_moves_refused,
-                                                  layout_layer_of, own_splits_refused, tp_shrink_refused)
+from megatron.resihp.megatron_loop_stages import (build_objects, interleaving, launch_chunks, launch_split,
+                                                  layer_moves_refused, own_splits_refused, tp_shrink_refused)
 from megatron.resihp.training_objects import TrainingObjects
 from megatron.resihp.megatron_loop_updates import UpdateWatch
 from megatron.resihp.optimizer_parts import PartCopies, part_bytes
@@ -146,7 +146,7 @@ class ResilientMegatronLoop:
             num_layers=margs.num_layers, hidden_size=margs.hidden_size, num_attention_heads=margs.num_attention_heads,
             ffn_hidden_size=margs.ffn_hidden_size, vocab_size=getattr(margs, "padded_vocab_size", None) or margs.vocab_size,
             seq_length=margs.seq_length, micro_batch_size=margs.micro_batch_size,
-            global_batch_size=margs.global_batch_size,
+            global_batch_size=margs.global_batch_size, launch_chunks=launch_chunks(margs),
         )
         pp = margs.pipeline_model_parallel_size
         layout = Layout.uniform(model, margs.tensor_model_parallel_size, pp, margs.data_parallel_size,
@@ -388,7 +388,7 @@ class ResilientMegatronLoop:
         self.phases.start()
         self.loop_groups = get_attr_wrapped_model(model[0], "pg_collection")
         objects = TrainingObjects(get_model_config(model[0]), tuple(model), optimizer, opt_param_scheduler,
-                                  launch_split(args), layout_layer_of(args))
+                                  launch_split(args))
         # Megatron's loop starts with micro-batches split evenly, and its own loader, count and scale run it.
         self.hooks.run = self.hooks.run.replace(objects=objects, quotas=tuple(even_quotas(
             args.global_batch_size // args.micro_batch_size, self.hooks.run.data_parallel_size)))

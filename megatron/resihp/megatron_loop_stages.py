@@ -8,7 +8,10 @@ for what a re-plan may change there:
 
 - ``split_config``: the model configuration Megatron's ``get_model`` builds a rank's chunk from
   for a split other than the launch's (megatron-core places layers by
-  ``pipeline_model_parallel_layout``); each rank builds its replica's split.
+  ``pipeline_model_parallel_layout``); each rank builds its replica's split. Under the interleaved
+  schedule a stage's layers sit in its model chunks; a split's chunks are sized from the launch's
+  (``resihp_ext.interleaved_split.chunk_layers``), so a layer moves across the border of two
+  chunks next to each other in megatron-core's order.
 - ``own_splits_refused``: why a job's replicas must keep one split between them (the planner's
   ``stages_alike``), or None: then each replica may take its own (``ranks_fixed``), and where
   replicas differ their gradients are summed layer by layer (``layer_sync.LayoutGradSync``) in
@@ -67,30 +70,22 @@ def _virtual_stages(config) -> range | tuple[None]:
     return (None,) if vp is None else range(vp)
 
 
-def layout_layer_of(args: argparse.Namespace) -> tuple[int, ...] | None:
-    """The Layout's number of each of megatron-core's layers at the launch's split, or None where they
-    are the same. A Layout numbers a stage's layers consecutively, stage by stage; under the
-    interleaved schedule megatron-core places them apart (with 2 stages of 2 chunks of one layer,
-    stage 0 holds layers 0 and 2), and the Layout's numbering is what every rank addresses a layer by
-    when state moves between ranks."""
+def launch_chunks(args: argparse.Namespace) -> tuple[tuple[int, ...], ...] | None:
+    """Under the interleaved schedule, the transformer layers of each model chunk of each stage as
+    megatron-core builds them from the flags (``resihp_ext.interleaved_split``); None without it."""
+    from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
     if config.virtual_pipeline_model_parallel_size is None:
         return None
+    pp = args.pipeline_model_parallel_size
     if config.pipeline_model_parallel_layout is not None:
-        raise ValueError("--pipeline-model-parallel-layout with the interleaved schedule")
-    order = []  # megatron-core's layers in the Layout's order
-    for p in range(args.pipeline_model_parallel_size):
-        for v in _virtual_stages(config):
-            first = get_transformer_layer_offset(config, vp_stage=v, pp_rank=p)
-            order.extend(range(first, first + get_num_layers_to_build(config, vp_stage=v, pp_rank=p)))
-    layout_of = [0] * len(order)
-    for position, layer in enumerate(order):
-        layout_of[layer] = position
-    return tuple(layout_of)
+        stages = config.pipeline_model_parallel_layout.layout
+        return tuple(tuple(chunk.count(LayerType.decoder) for chunk in stages[p]) for p in range(pp))
+    return tuple(tuple(get_num_layers_to_build(config, vp_stage=v, pp_rank=p) for v in _virtual_stages(config))
+                 for p in range(pp))
 
 
 def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...], tp_degree: int | None = None):
@@ -104,6 +99,8 @@ def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...], tp
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
     from megatron.training.argument_utils import core_transformer_config_from_args
 
+    from resihp_ext.interleaved_split import chunk_layers
+
     from megatron.resihp.training_objects import pipeline_layout
 
     config = core_transformer_config_from_args(args)
@@ -116,8 +113,12 @@ def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...], tp
     if not moved:
         return config
     # Set after the configuration checked the flags: they ask for the launch's split, which this
-    # replaces whole (the layout is what megatron-core's layer offsets and counts read first).
-    layout = PipelineParallelLayerLayout(pipeline_layout(tuple(layers_per_stage)), args.pipeline_model_parallel_size)
+    # replaces whole (the layout is what megatron-core's layer offsets and counts read first). Under
+    # the interleaved schedule the chunks are sized from the launch's, as the Layout's items are.
+    chunks = launch_chunks(args)
+    chunks = None if chunks is None else chunk_layers(chunks, tuple(layers_per_stage))
+    layout = PipelineParallelLayerLayout(pipeline_layout(tuple(layers_per_stage), chunks),
+                                         args.pipeline_model_parallel_size)
     layout.validate_layer_layout(num_layers=args.num_layers, mtp_num_layers=config.mtp_num_layers)
     config.pipeline_model_parallel_layout = layout
     return config
@@ -127,9 +128,6 @@ def layer_moves_refused(args: argparse.Namespace) -> str | None:
     """Why this job's fail-slow re-plans keep every layer on its stage (None: layers may move)."""
     if args.pipeline_model_parallel_size == 1:
         return "one pipeline stage"
-    if args.virtual_pipeline_model_parallel_size is not None:
-        return ("the interleaved schedule places each stage's layers in chunks that megatron-core sizes "
-                "from the flags alike for every stage")
     if args.save is None:
         return None
     if args.ckpt_format != "torch_dist":
@@ -199,8 +197,7 @@ def build_objects(model_provider, model_type, args: argparse.Namespace, layers_p
     optimizer = get_megatron_optimizer(config, chunks, config_overrides=overrides,
                                        use_gloo_process_groups=args.use_gloo_process_groups)
     return TrainingObjects(get_model_config(chunks[0]), tuple(chunks), optimizer,
-                           _scheduler(get_optimizer_param_scheduler, optimizer, args), tuple(layers_per_stage),
-                           layout_layer_of(args))
+                           _scheduler(get_optimizer_param_scheduler, optimizer, args), tuple(layers_per_stage))
 
 
 def _scheduler(build, optimizer, args: argparse.Namespace):

@@ -52,10 +52,6 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
         value = getattr(args, dest, None)
         if value is True or (type(value) is int and value > 1):  # a switch that is on, a size above 1
             found.append(f"{flag} ({why})")
-    if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None and \
-            getattr(args, "pipeline_model_parallel_layout", None) is not None:
-        found.append("--pipeline-model-parallel-layout with the interleaved schedule (the layers of its model "
-                     "chunks are numbered from the flags' even split only)")
     for dest, flag in _OTHER_PLACEMENT.items():
         if getattr(args, dest, None) not in (None, False):
             found.append(f"{flag} (the groups are rebuilt in megatron-core's default rank order)")

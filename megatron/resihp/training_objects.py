@@ -2,7 +2,7 @@
 
 Responsible for ``TrainingObjects``, the megatron-core objects a rank holds for training (its model
 chunks wrapped in DDP, the optimizer, the LR scheduler, and the layer split they were built for),
-replaced whole on every rebuild, and for ``pipeline_layout``, megatron-core's per-stage layer list
+replaced whole on every rebuild, and for ``pipeline_layout``, megatron-core's per-chunk layer list
 of a split. The objects are built by Megatron's ``get_model`` and optimizer set-up
 (``megatron_loop_stages.build_objects``); nothing here builds or creates process groups.
 """
@@ -26,10 +26,6 @@ class TrainingObjects:
     optimizer: Any
     scheduler: OptimizerParamScheduler
     layers_per_stage: tuple[int, ...]
-    # The Layout's number of each of megatron-core's layers (by its ``layer_number - 1``), where they
-    # differ: the interleaved schedule places a stage's layers apart, and a Layout numbers them stage
-    # by stage. None: the same numbers.
-    layout_layer_of: tuple[int, ...] | None = None
 
     @property
     def model(self) -> DistributedDataParallel:
@@ -40,9 +36,14 @@ class TrainingObjects:
         return self.chunks[0]
 
 
-def pipeline_layout(layers_per_stage: tuple[int, ...]) -> list[list[str]]:
-    """megatron-core's per-stage layer list: embedding first, loss last, decoders between."""
-    stages = [["decoder"] * n for n in layers_per_stage]
-    stages[0].insert(0, "embedding")
-    stages[-1].append("loss")
-    return stages
+def pipeline_layout(layers_per_stage: tuple[int, ...], chunks: tuple[tuple[int, ...], ...] | None = None) -> list[list[str]]:
+    """megatron-core's layer list of a split, one list per model chunk in its order (under the
+    interleaved schedule, ``chunks``: every stage's chunk 0, then every stage's chunk 1, ...):
+    embedding first, loss last, decoders between."""
+    if chunks is None:
+        lists = [["decoder"] * n for n in layers_per_stage]
+    else:
+        lists = [["decoder"] * chunks[p][v] for v in range(len(chunks[0])) for p in range(len(chunks))]
+    lists[0].insert(0, "embedding")
+    lists[-1].append("loss")
+    return lists

@@ -9,6 +9,10 @@ survived in place by the replica left whole, with the split it runs. Training st
 Megatron-LM computes: every logged loss, and every tensor of the saved checkpoint (weights, fp32
 main parameters, Adam's moments, addressed by their place in the whole model), equal a failure-free
 run with no ``--resihp-*`` flag, which saved with its even split.
+
+Under the interleaved schedule a layer crosses the border of two model chunks next to each other in
+megatron-core's order, with its optimizer parts; with Megatron's plain optimizer the replicas take
+splits of their own there too, their gradients summed layer by layer over every model chunk.
 """
 
 from __future__ import annotations
@@ -109,6 +113,38 @@ def test_in_bf16_a_moved_layer_carries_its_fp32_main_parameters_and_moments(tmp_
         torch.testing.assert_close(have[name], want[name], rtol=0, atol=1e-4, msg=name)
 
 
+def interleaved_job_args(tmp, name: str) -> list[str]:
+    """The distributed-optimizer job above under the interleaved schedule: two chunks of one layer on
+    each stage (megatron-core puts layers 0 and 2 on stage 0, 1 and 3 on stage 1)."""
+    return [*layer_job_args(tmp, name), "--num-layers-per-virtual-pipeline-stage", "1"]
+
+
+@pytest.fixture(scope="module")
+def interleaved_failure_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("layer_moves_interleaved_failure_free")
+    return stock_dist_training(8, tmp, interleaved_job_args(tmp, "ckpt"))
+
+
+def test_under_the_interleaved_schedule_a_layer_crosses_a_chunk_border_with_its_optimizer_parts_exactly(
+        tmp_path, interleaved_failure_free):
+    # Both first stages slowed 3x, as above. Under the interleaved schedule stage 0 holds layers 0
+    # and 2, one per chunk; the re-plan [2, 2] -> [1, 3] shifts one layer across the border of two
+    # chunks next to each other in megatron-core's order (``resihp_ext.interleaved_split``), which
+    # leaves one of stage 0's chunks without a transformer layer; the layer's distributed-optimizer
+    # parts go with it. Training stays stock Megatron-LM's, checkpoint included.
+    events = tmp_path / "events.jsonl"
+    proc = slowed_run(interleaved_job_args(tmp_path, "ckpt"), events, "slow:rank=0,factor=3,at=5",
+                      "slow:rank=2,factor=3,at=5")
+    assert "re-plans of the micro-batch split and of the layers per stage" in proc.stdout, proc.stdout[-3000:]
+    moved = [a for a in read_events(events, "adapted") if a["layers_per_replica"] != [[2, 2], [2, 2]]]
+    assert moved and moved[0]["layers_per_replica"] == [[1, 3], [1, 3]], decisions(events)
+    assert_moved_as_planned(events)
+    # Exactly one layer, one megatron-core held on stage 0 (0 or 2), went to stage 1 in each replica.
+    sent = {tuple(t["item"]) for e in read_events(events, "moved") for t in e["sent"] if t["src"] != t["dst"]}
+    assert len(sent) == 1 and sent <= {("layer", 0), ("layer", 2)}, sent
+    assert_stock_training(proc.stdout, tmp_path, interleaved_failure_free, ITERATIONS)
+
+
 def test_layers_stay_on_their_stages_when_the_checkpoint_format_numbers_them_per_stage(tmp_path):
     # --ckpt-format torch numbers each stage's layers from 0: a checkpoint saved after a move would
     # not load in a stock run, so the job says at start that re-plans keep the stages.
@@ -184,3 +220,26 @@ def test_a_rank_killed_while_a_layer_moves_leaves_every_survivor_on_the_split_th
     assert all(a["layers_per_replica"] == [[2, 2], [2, 2]] for a in adapted if a["time"] < recovered[0]["time"]), \
         decisions(events)
     assert_stock_training(proc.stdout, tmp_path, own_split_failure_free, OWN_SPLIT_ITERATIONS)
+
+
+@pytest.fixture(scope="module")
+def own_split_interleaved_failure_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("own_split_interleaved_failure_free")
+    return stock_dist_training(8, tmp, [*own_split_job_args(tmp, "ckpt"), "--num-layers-per-virtual-pipeline-stage", "1"])
+
+
+def test_under_the_interleaved_schedule_replicas_move_layers_opposite_ways_and_sum_every_chunks_gradients(
+        tmp_path, own_split_interleaved_failure_free):
+    # Replica 0's first stage (rank 0) and replica 1's last stage (rank 6) slowed 3x: fewer
+    # micro-batches help neither, so each replica moves a layer off its slow stage, the other way
+    # from the other's ([1, 3] and [3, 1]), each across a border between two of its chunks. Their
+    # gradients are then summed layer by layer over the replicas' model numbers, in every model chunk
+    # of a rank (with the first chunk's alone, the losses left stock's at iteration 14 by 3e-5).
+    events = tmp_path / "events.jsonl"
+    proc = slowed_run([*own_split_job_args(tmp_path, "ckpt"), "--num-layers-per-virtual-pipeline-stage", "1"], events,
+                      "slow:rank=0,factor=3,at=5", "slow:rank=6,factor=3,at=5")
+    assert "of the layers per stage, a split of each replica's own" in proc.stdout, proc.stdout[-3000:]
+    moved = [a for a in read_events(events, "adapted") if a["layers_per_replica"] != [[2, 2], [2, 2]]]
+    assert moved and moved[0]["layers_per_replica"] == [[1, 3], [3, 1]], decisions(events)
+    assert_moved_as_planned(events)
+    assert_stock_training(proc.stdout, tmp_path, own_split_interleaved_failure_free, OWN_SPLIT_ITERATIONS)

@@ -6,7 +6,7 @@ of replica 0's two stage groups run it at TP 1, each keeping its TP half of ever
 receiving the other half; the replicas' gradients are then summed layer by layer. Training stays
 what stock Megatron-LM computes: every logged loss, and every tensor of the checkpoint saved after
 the shrink (weights and Adam's moments, whole), equal a failure-free run with no ``--resihp-*``
-flag.
+flag. The same under the interleaved schedule, two model chunks per rank.
 
 On 4 CPU ranks, TP2 x DP2: a very slow rank leaves its TP group, its replica going on at TP 1 and
 after the other in Megatron's rank order, and rejoins once healthy, training equal to stock
@@ -32,15 +32,25 @@ def shrink_job_args(tmp, name: str) -> list[str]:
     return replaced(job_args(tmp, name), {"--ckpt-format": "torch_dist"})
 
 
+# Under the interleaved schedule (two chunks of one layer per stage) the shrunk replica's chunks are
+# rebuilt at TP 1 and its stage groups receive the other TP half of both chunks' layers.
+SCHEDULES = {"1f1b": [], "interleaved": ["--num-layers-per-virtual-pipeline-stage", "1"]}
+
+
+@pytest.fixture(scope="module", params=sorted(SCHEDULES))
+def schedule(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def failure_free(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp_shrink_failure_free")
-    return stock_dist_training(8, tmp, shrink_job_args(tmp, "ckpt"))
+def failure_free(tmp_path_factory, schedule):
+    tmp = tmp_path_factory.mktemp(f"tp_shrink_failure_free_{schedule}")
+    return stock_dist_training(8, tmp, [*shrink_job_args(tmp, "ckpt"), *SCHEDULES[schedule]])
 
 
-def test_a_tp_group_that_lost_a_rank_goes_on_at_tp_1_beside_the_whole_replica_exactly(tmp_path, failure_free):
+def test_a_tp_group_that_lost_a_rank_goes_on_at_tp_1_beside_the_whole_replica_exactly(tmp_path, failure_free, schedule):
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*shrink_job_args(tmp_path, "ckpt"), *resilience_flags(events),
+    proc = run_job(8, [*shrink_job_args(tmp_path, "ckpt"), *SCHEDULES[schedule], *resilience_flags(events),
                        "--resihp-inject", "kill:rank=5,at=4"], timeout_s=420)
     check(proc)
     assert "a stage group that lost ranks going on at a smaller TP degree" in proc.stdout, proc.stdout[-3000:]

@@ -77,24 +77,61 @@ def test_a_stage_without_transformer_layers_is_refused_with_resilience(monkeypat
     assert unsupported_flags(uneven, ResiHPConfig(enable=True), launch_split(uneven)) == []
 
 
-@pytest.mark.parametrize("extra, split, layout_of", [
-    (["--num-layers-per-virtual-pipeline-stage", "1"], (2, 2), (0, 2, 1, 3)),
-    (["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2"], (4, 4), (0, 1, 4, 5, 2, 3, 6, 7)),
-    ([], (2, 2), None),
-], ids=["vp-1-layer", "vp-2-layers", "not-interleaved"])
-def test_under_the_interleaved_schedule_a_stage_holds_its_chunks_layers_and_the_layout_numbers_them_in_a_row(
-        monkeypatch, extra, split, layout_of):
+def _megatron_stage_layers(config, pp: int, vp: int) -> tuple[tuple[int, ...], ...]:
+    """The model's layers megatron-core builds on each stage from ``config``, chunk by chunk."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-    from megatron.resihp.megatron_loop_stages import launch_split, layout_layer_of
+
+    layout = config.pipeline_model_parallel_layout  # megatron-core's functions read a layout for this rank's stage
+    offset = get_transformer_layer_offset if layout is None else (lambda _, **at: layout.get_layer_offset(**at))
+    count = get_num_layers_to_build if layout is None else (lambda _, **at: layout.get_num_layers_to_build(**at))
+    before = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(vp)  # a layout reads chunk 0 without it
+    try:
+        return tuple(tuple(layer for v in range(vp)
+                           for first in [offset(config, vp_stage=v, pp_rank=p)]
+                           for layer in range(first, first + count(config, vp_stage=v, pp_rank=p)))
+                     for p in range(pp))
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(before)
+
+
+@pytest.mark.parametrize("extra, chunks, moved", [
+    (["--num-layers-per-virtual-pipeline-stage", "1"], ((1, 1), (1, 1)), (1, 3)),
+    (["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2"], ((2, 2), (2, 2)), (3, 5)),
+    (["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2"], ((2, 2), (2, 2)), (6, 2)),
+    (["--pipeline-model-parallel-layout", "Et|t|t|tL"], ((1, 1), (1, 1)), (3, 1)),
+], ids=["vp-1-layer", "vp-2-layers", "vp-2-layers-back", "layout"])
+def test_under_the_interleaved_schedule_megatron_core_builds_each_stage_the_layers_the_layout_says_it_holds(
+        monkeypatch, extra, chunks, moved):
+    # The Layout names a layer by its number in the whole model; under the interleaved schedule a
+    # stage's chunks hold layers apart, and after a move megatron-core must build on each stage
+    # exactly the layers the Layout's items (what state moves and gradients sum by) put there.
+    from megatron.resihp.megatron_loop_stages import launch_chunks, launch_split, split_config
     from megatron.training.argument_utils import core_transformer_config_from_args
+    from resihp_ext.layout import Layout, ModelSpec
 
     args = _validated(monkeypatch, *extra)
-    assert launch_split(args) == split
-    assert layout_layer_of(args) == layout_of
-    if layout_of is not None:
-        # Stage 0's second chunk starts where megatron-core puts it, and the Layout counts it right after the first.
-        second = get_transformer_layer_offset(core_transformer_config_from_args(args), vp_stage=1, pp_rank=0)
-        assert layout_of[second] == split[0] // 2
+    assert launch_chunks(args) == chunks and launch_split(args) == tuple(map(sum, chunks))
+    model = ModelSpec(num_layers=args.num_layers, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                      vocab_size=512, seq_length=64, micro_batch_size=2, launch_chunks=launch_chunks(args))
+    vp = len(chunks[0])
+    at_launch = _megatron_stage_layers(core_transformer_config_from_args(args), 2, vp)
+    assert Layout.uniform(model, 1, 2, 1, launch_split(args)).held_layers(0) == at_launch
+    assert at_launch[0] != tuple(range(len(at_launch[0])))  # the chunks hold layers apart
+    after = _megatron_stage_layers(split_config(args, moved), 2, vp)
+    assert tuple(map(len, after)) == moved
+    assert Layout.uniform(model, 1, 2, 1, moved).held_layers(0) == after
+    # Every layer but the fewest a move can shift stays on its stage.
+    stayed = sum(len(set(a) & set(b)) for a, b in zip(at_launch, after))
+    assert stayed == args.num_layers - abs(moved[0] - launch_split(args)[0])
+
+
+def test_without_the_interleaved_schedule_there_are_no_chunks_to_size(monkeypatch):
+    from megatron.resihp.megatron_loop_stages import launch_chunks
+
+    assert launch_chunks(_validated(monkeypatch)) is None
 
 
 def test_replicas_take_splits_of_their_own_unless_the_distributed_optimizer_pairs_their_buffers(monkeypatch):
