@@ -164,8 +164,6 @@ def tp_shrink_refused(args: argparse.Namespace) -> str | None:
     alike = own_splits_refused(args)
     if alike is not None:
         return alike
-    if args.virtual_pipeline_model_parallel_size is not None:
-        return "the interleaved schedule's model chunks are rebuilt at the launch's shape only"
     if args.save is not None and args.ckpt_format != "torch_dist":
         return (f"--ckpt-format {args.ckpt_format} saves each TP shard as the rank that holds it, so a save from a "
                 f"smaller-TP replica would not load at the launch's degree (--ckpt-format torch_dist reshards)")
