@@ -459,6 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     except AssertionError as error:  # megatron-core checks many flags with bare asserts
         _refuse(failed_check(error))
     sys.argv = command_line  # parsed; a printed resume command repeats the user's flags, not the implied ones
+    packed_documents.install(args)
     loop = None
     if resilient:
         from megatron.resihp import heartbeat_beacon

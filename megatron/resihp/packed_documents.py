@@ -13,7 +13,9 @@ Responsible for what a job that packs several documents into each sample adds to
   documents from its tokens (``packed_seq_params``) and records their cost features, which the
   detector and planner read (``schedules.RECORDER``).
 - ``--packed-seq-layout``: ``sbhd`` keeps samples as [s, b]; ``thd`` flattens each micro-batch to
-  one sequence, the layout Transformer Engine's attention reads document boundaries in.
+  one sequence, the layout Transformer Engine's attention reads document boundaries in. Megatron's
+  pipeline schedules size what stages send each other as [s, b, h]; under ``thd`` a stage's
+  activations are [b * s, 1, h], so the schedules are given that shape (``install``).
 
 What it cannot carry is refused with the reason (``refusal``) before anything starts.
 """
@@ -21,6 +23,8 @@ What it cannot carry is refused with the reason (``refusal``) before anything st
 from __future__ import annotations
 
 import argparse
+import functools
+from typing import Callable
 
 LAYOUTS = ("auto", "sbhd", "thd")
 
@@ -34,8 +38,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--packed-seq-layout", choices=LAYOUTS, default="auto",
                        help="with --reset-attention-mask: how a micro-batch of packed documents reaches attention. "
                             "sbhd keeps samples as [s, b]; thd flattens each micro-batch to one sequence [b*s], the "
-                            "layout Transformer Engine's attention reads document boundaries in (one pipeline stage "
-                            "only). auto: thd on CUDA with Transformer Engine and --bf16/--fp16, sbhd otherwise")
+                            "layout Transformer Engine's attention reads document boundaries in. auto: thd on CUDA "
+                            "with Transformer Engine and --bf16/--fp16, sbhd otherwise")
     return parser
 
 
@@ -76,14 +80,45 @@ def refusal(args: argparse.Namespace) -> str | None:
             return ("--packed-seq-layout thd needs --reset-attention-mask (documents to attend within); add it or "
                     "drop --packed-seq-layout")
         return None
-    if layout(args) == "thd":
-        if args.pipeline_model_parallel_size > 1:
-            return ("--packed-seq-layout thd: Megatron-LM's pipeline schedule sends each micro-batch as [s, b, h] "
-                    "between stages; use --packed-seq-layout sbhd with --pipeline-model-parallel-size > 1")
-        if _te_attention(args) and not (args.bf16 or args.fp16):
-            return ("--packed-seq-layout thd on CUDA with Transformer Engine needs --bf16 or --fp16 (TE's THD "
-                    "attention kernels take half precision); add one or use --packed-seq-layout sbhd")
+    if layout(args) == "thd" and _te_attention(args) and not (args.bf16 or args.fp16):
+        return ("--packed-seq-layout thd on CUDA with Transformer Engine needs --bf16 or --fp16 (TE's THD "
+                "attention kernels take half precision); add one or use --packed-seq-layout sbhd")
     return _attention_refusal(args)
+
+
+# megatron-core's pipeline schedules, each called with keyword arguments by Megatron's train() and
+# evaluate() (and by this project's loop) through ``get_forward_backward_func``, which reads these
+# module attributes at every call.
+_PIPELINE_SCHEDULES = ("forward_backward_pipelining_without_interleaving",
+                       "forward_backward_pipelining_with_interleaving")
+_ORIGINAL: dict[str, Callable] = {}
+
+
+def install(args: argparse.Namespace) -> None:
+    """Under ``thd`` with pipeline stages, give Megatron's pipeline schedules a stage's activation
+    shape, [b * s, 1, h] (they size the tensors stages exchange from ``seq_length`` and
+    ``micro_batch_size``; a stage receiving [s, b, h] would read another layout, and the backward
+    would meet a gradient of another shape). Nothing otherwise. Idempotent; ``uninstall`` undoes it."""
+    if _ORIGINAL or not document_attention(args) or layout(args) != "thd" or args.pipeline_model_parallel_size == 1:
+        return
+    from megatron.core.pipeline_parallel import schedules
+
+    for name in _PIPELINE_SCHEDULES:
+        original = getattr(schedules, name)
+        _ORIGINAL[name] = original
+        setattr(schedules, name, functools.wraps(original)(functools.partial(_one_sequence_per_microbatch, original)))
+
+
+def uninstall() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    for name, original in _ORIGINAL.items():
+        setattr(schedules, name, original)
+    _ORIGINAL.clear()
+
+
+def _one_sequence_per_microbatch(schedule: Callable, *args, seq_length: int, micro_batch_size: int, **kwargs):
+    return schedule(*args, seq_length=seq_length * micro_batch_size, micro_batch_size=1, **kwargs)
 
 
 def _attention_refusal(args: argparse.Namespace) -> str | None:

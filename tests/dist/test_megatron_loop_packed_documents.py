@@ -5,7 +5,8 @@ A pipeline stage that attended across documents would compute another function t
 layers all sit on one stage. So a checkpoint saved by a one-stage run is trained on by a one-stage
 and a three-stage run: both log the same losses only if the middle stage also keeps attention
 within each document (it has no batch in stock Megatron; dropping its documents' bounds moves
-the loss by ~4e-4 relative).
+the loss by ~4e-4 relative). The same with each micro-batch flattened to one sequence
+(``--packed-seq-layout thd``), which the stages then exchange.
 """
 
 from __future__ import annotations
@@ -30,12 +31,19 @@ def _args(tmp, name: str, stages: int, *extra: str) -> list[str]:
     }), *PACKED, *extra]
 
 
-def test_a_middle_pipeline_stage_attends_within_each_packed_document(tmp_path):
-    check(run_job(1, _args(tmp_path, "saved", 1), timeout_s=300))
+# thd: each micro-batch of 2 samples flattened to one sequence; the stages then send each other
+# [2 s, 1, h], which Megatron's schedules are given in place of [s, 2, h] (``packed_documents.install``).
+LAYOUTS = {"sbhd": [], "thd": ["--packed-seq-layout", "thd", "--micro-batch-size", "2"]}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_middle_pipeline_stage_attends_within_each_packed_document(tmp_path, layout):
+    check(run_job(1, _args(tmp_path, "saved", 1, *LAYOUTS[layout]), timeout_s=300))
     (tmp_path / "saved" / "latest_checkpointed_iteration.txt").write_text("1")
     runs = {}
     for stages in (1, 3):
-        proc = run_job(stages, _args(tmp_path, f"pp{stages}", stages, "--load", str(tmp_path / "saved")), timeout_s=300)
+        proc = run_job(stages, _args(tmp_path, f"pp{stages}", stages, *LAYOUTS[layout], "--load", str(tmp_path / "saved")),
+                       timeout_s=300)
         check(proc)
         runs[stages] = logged_losses(proc.stdout)
     assert sorted(runs[1]) == [2, 3], runs
@@ -46,8 +54,6 @@ def test_a_middle_pipeline_stage_attends_within_each_packed_document(tmp_path):
     (["--mock-doc-lengths", "fixed:length=8"], "--mock-doc-lengths only applies with --mock-data"),
     (["--mock-data", "--mock-doc-lengths", "gamma:k=1"], "--mock-doc-lengths"),
     (["--mock-data", "--packed-seq-layout", "thd"], "--packed-seq-layout thd needs --reset-attention-mask"),
-    (["--mock-data", "--reset-attention-mask", "--packed-seq-layout", "thd", "--pipeline-model-parallel-size", "2"],
-     "--packed-seq-layout thd: Megatron-LM's pipeline schedule"),
 ])
 def test_packed_document_flags_it_cannot_run_exit_2_naming_the_flag(tmp_path, extra, named):
     args = [a for a in job_args(tmp_path, "ckpt") if a != "--mock-data"]

@@ -43,7 +43,6 @@ def test_auto_picks_thd_where_transformer_engine_can_run_it(with_te):
 @pytest.mark.parametrize("args, says", [
     (_args(layout="thd", reset=False), "--packed-seq-layout thd needs --reset-attention-mask"),
     (_args(layout="thd", device="cuda"), "needs --bf16 or --fp16"),
-    (_args(layout="thd", stages=2), "use --packed-seq-layout sbhd with --pipeline-model-parallel-size > 1"),
     (_args(context_parallel_size=2), "--context-parallel-size"),
     (_args(num_experts=4), "--num-experts"),
     (_args(multi_latent_attention=True), "--multi-latent-attention"),
@@ -59,3 +58,4 @@ def test_what_can_run_is_not_refused(with_te):
     assert packed_documents.refusal(_args()) is None
     assert packed_documents.refusal(_args(reset=False, mock_doc_lengths="lognormal:median=48,sigma=1.0,min=8,max=1024")) is None
     assert packed_documents.refusal(_args(device="cuda", bf16=True, stages=1)) is None
+    assert packed_documents.refusal(_args(layout="thd", stages=2)) is None  # the stages exchange [b*s, 1, h]
