@@ -12,12 +12,15 @@ throughput (samples/s = global batch / median iteration ``elapsed_s`` after the 
   between replicas cannot help when every replica is slowed alike;
 * adapted with layers free to move (no ``--save``): one split for every replica.
 
+``--interleaved`` runs all four under Megatron-LM's interleaved schedule (two model chunks of one
+layer per stage), where a moved layer crosses the border of two chunks.
+
 Reported: each run's throughput as a fraction of healthy, and layers moved / split only and
 layers moved / unadapted, all from this invocation. Each run is measured in steady state: from
 the iteration after its last re-plan (the unadapted one from the slowdown's onset).
 
     python scripts/bench/layer_moves.py [--json] [--iters 40] [--factor 3] [--stage 0] [--slow-at 10]
-        [--device-time-scale 16] [--workdir DIR]
+        [--device-time-scale 16] [--interleaved] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=32, help="global batch (8 micro-batches per replica)")
     parser.add_argument("--device-time-scale", type=float, default=16.0,
                         help="--cpu-device-time-scale (one emulated device per rank; 0: the shared cores as they are)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="Megatron-LM's interleaved schedule, two model chunks per stage "
+                             "(--num-layers-per-virtual-pipeline-stage 1)")
     parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
     args = parser.parse_args()
     if not 0 <= args.stage < PP:
@@ -76,7 +82,8 @@ def main() -> None:
         parser.error(f"--iters must leave at least 12 iterations after --slow-at ({args.slow_at}); got {args.iters}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="layer_moves_"))
     work.mkdir(parents=True, exist_ok=True)
-    out = {"shape": f"TP{TP} x PP{PP} x DP{NPROC // (TP * PP)} ({NPROC} processes, CPU), Megatron-LM's loop",
+    out = {"shape": f"TP{TP} x PP{PP} x DP{NPROC // (TP * PP)} ({NPROC} processes, CPU), Megatron-LM's loop"
+                    + (", interleaved schedule, 2 chunks per stage" if args.interleaved else ""),
            "slowed_ranks": stage_ranks(args.stage), "factor": args.factor, "cpu_count": os.cpu_count(),
            "cpu_device_time_scale": args.device_time_scale, "loadavg_start": os.getloadavg(), "workdir": str(work)}
     out.update(measure(args, work))
