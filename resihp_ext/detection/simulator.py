@@ -223,12 +223,14 @@ def pipeline_time_s(
     p2p_s: float | Sequence[float] = 0.0,
     num_chunks: int = 1,
     group_size: int | None = None,
+    chunk_shares: Sequence[Sequence[float]] | None = None,
 ) -> float:
     """1F1B iteration time when every micro-batch costs the same on a given stage.
 
     With ``num_chunks`` above 1, the interleaved schedule's time (``resihp_ext.schedule.interleaved``,
     micro-batches in groups of ``group_size``, default ``num_stages``), each chunk's op taking an
-    equal share of the stage's time per micro-batch.
+    equal share of the stage's time per micro-batch, or ``chunk_shares[s][c]`` of stage ``s``'s
+    time for chunk ``c`` (chunks of unequal size, after layers moved between stages).
 
     Equal to ``simulate_iteration(one_f_one_b(P, M), ...)`` with each stage's time repeated over
     micro-batches (a unit test checks this). Identical stages without transfer cost use the closed
@@ -256,13 +258,24 @@ def pipeline_time_s(
         return 0.0
     if num_chunks == 1 and len(set(fwd)) == 1 and len(set(bwd)) == 1 and all(v == 0.0 for v in link):
         return (num_microbatches + num_stages - 1) * (fwd[0] + bwd[0])
-    return _walk_uniform(num_stages, num_microbatches, fwd, bwd, link, num_chunks, group_size or num_stages)
+    shares = None
+    if chunk_shares is not None and num_chunks > 1:
+        shares = tuple(tuple(float(x) for x in row) for row in chunk_shares)
+        if len(shares) != num_stages or any(len(row) != num_chunks for row in shares):
+            raise ValueError(f"chunk_shares must give each of {num_stages} stages {num_chunks} shares, got {shares}")
+    return _walk_uniform(num_stages, num_microbatches, fwd, bwd, link, num_chunks, group_size or num_stages, shares)
 
 
 @functools.lru_cache(maxsize=65536)
-def _walk_uniform(num_stages, num_microbatches, fwd, bwd, link, num_chunks, group_size) -> float:
-    columns = num_chunks * num_microbatches
-    table_f = [[f / num_chunks] * columns for f in fwd]
-    table_b = [[b / num_chunks] * columns for b in bwd]
+def _walk_uniform(num_stages, num_microbatches, fwd, bwd, link, num_chunks, group_size, shares=None) -> float:
     schedule = pipeline_schedule(num_stages, num_microbatches, num_chunks, group_size)
+    if shares is None:
+        columns = num_chunks * num_microbatches
+        table_f = [[f / num_chunks] * columns for f in fwd]
+        table_b = [[b / num_chunks] * columns for b in bwd]
+    else:  # each op column is one chunk's op: its share of the stage's time
+        table_f = [[fwd[s] * shares[s][op.chunk] for op in ops if op.kind is OpKind.FORWARD]
+                   for s, ops in enumerate(schedule)]
+        table_b = [[bwd[s] * shares[s][op.chunk] for op in ops if op.kind is OpKind.BACKWARD]
+                   for s, ops in enumerate(schedule)]
     return simulate_iteration(schedule, table_f, table_b, list(link), keep_ops=False).total_s

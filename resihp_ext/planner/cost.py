@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from resihp_ext.interleaved_split import chunk_layers
 from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec
 from resihp_ext.planner.dp import assign_quotas
 from resihp_ext.planner.hardware import HardwareModel
@@ -34,6 +35,9 @@ class ReplicaTiming:
     backward_s: tuple[float, ...]
     p2p_s: tuple[float, ...]
     interleaving: Interleaving = Interleaving()
+    # Under the interleaved schedule, each stage's share of its time per model chunk, where the
+    # chunks differ in size (``chunk_shares``); None: equal shares.
+    chunk_shares: tuple[tuple[float, ...], ...] | None = None
 
     @property
     def feasible(self) -> bool:
@@ -70,7 +74,8 @@ class ReplicaTiming:
         if not self.feasible:
             return math.inf
         return pipeline_time_s(len(self.forward_s), num_microbatches, self.forward_s, self.backward_s,
-                               self.p2p_s, self.interleaving.num_chunks, self.interleaving.group_size)
+                               self.p2p_s, self.interleaving.num_chunks, self.interleaving.group_size,
+                               self.chunk_shares)
 
 
 def quota_step(hw: HardwareModel, num_stages: int) -> int:
@@ -105,8 +110,9 @@ def timing_from_factors(
     ]
     bwd = [hw.backward_factor * f for f in fwd]
     schedule = hw.interleaving
+    shares = chunk_shares(layers_per_stage, model, hw)
     if hw.overlap_p2p:
-        return ReplicaTiming(tuple(fwd), tuple(bwd), tuple(max(pair) for pair in transfers_s), schedule)
+        return ReplicaTiming(tuple(fwd), tuple(bwd), tuple(max(pair) for pair in transfers_s), schedule, shares)
     # The sender waits for its transfer before its next op: activations after a forward,
     # gradients after a backward. The receiver's wait is already the DAG edge from that op. Under
     # the interleaved schedule every chunk's op sends, and the last stage sends each micro-batch
@@ -118,7 +124,27 @@ def timing_from_factors(
     if chunks > 1 and transfers_s:
         fwd[-1] += (chunks - 1) * sum(a for a, _ in transfers_s) / len(transfers_s)
         bwd[0] += (chunks - 1) * sum(g for _, g in transfers_s) / len(transfers_s)
-    return ReplicaTiming(tuple(fwd), tuple(bwd), (0.0,) * len(transfers_s), schedule)
+    return ReplicaTiming(tuple(fwd), tuple(bwd), (0.0,) * len(transfers_s), schedule, shares)
+
+
+def chunk_shares(layers_per_stage: Sequence[int], model: ModelSpec,
+                 hw: HardwareModel) -> tuple[tuple[float, ...], ...] | None:
+    """Under the interleaved schedule, each stage's share of its compute per model chunk for this
+    split (``resihp_ext.interleaved_split``: the chunks a move leaves are of unequal size; the last
+    stage's last chunk also runs the output layer), or None where every chunk of a stage is alike.
+    A stage's transfers, charged to its ops when they block (``overlap_p2p`` False), are spread
+    over its chunks by the same shares."""
+    launch = model.launch_chunks
+    if hw.interleaving.num_chunks == 1 or launch is None or len(launch) != len(layers_per_stage) \
+            or len(launch[0]) != hw.interleaving.num_chunks:
+        return None
+    chunks = chunk_layers(launch, tuple(layers_per_stage))
+    layer_s, output_s = hw.layer_forward_tp1_s(model), hw.output_forward_tp1_s(model)
+    last = len(chunks) - 1
+    work = [[n * layer_s + (output_s if p == last and v == len(stage) - 1 else 0.0) for v, n in enumerate(stage)]
+            for p, stage in enumerate(chunks)]
+    shares = tuple(tuple(w / sum(row) for w in row) for row in work)
+    return None if all(len(set(row)) == 1 for row in shares) else shares
 
 
 def boundary_transfers_s(replica: ReplicaSpec, model: ModelSpec, hw: HardwareModel,

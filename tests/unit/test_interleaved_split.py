@@ -85,3 +85,31 @@ def test_a_move_sends_only_the_layers_that_change_stage_by_their_model_numbers()
 def test_without_the_interleaved_schedule_a_stage_holds_its_range():
     layout = Layout.uniform(_model(None), 1, 2, 1, (3, 5))
     assert layout.held_layers(0) == ((0, 1, 2), (3, 4, 5, 6, 7))
+
+
+def test_the_planner_prices_each_chunk_by_the_layers_it_holds():
+    # [4, 4] -> [3, 5] from chunks of two: stage 0 runs chunks of 1 and 2 layers, stage 1 of 3 and
+    # 2 (plus the output layer on its last chunk). The price walks the interleaved schedule with
+    # each chunk's op at its share of the stage's time, as a hand-made table of op seconds does.
+    from resihp_ext.detection.simulator import simulate_iteration
+    from resihp_ext.planner.cost import replica_timing
+    from resihp_ext.planner.hardware import HardwareModel
+    from resihp_ext.planner.health import Health
+    from resihp_ext.schedule import Interleaving, OpKind, pipeline_schedule
+
+    hw = HardwareModel(layer_forward_s=0.01, output_forward_s=0.005, interleaving=Interleaving(2), overlap_p2p=True,
+                       link_bandwidth_Bps=1e15)
+    model = _model(((2, 2), (2, 2)))
+    layout = Layout.uniform(model, 1, 2, 1, (3, 5))
+    timing = replica_timing(layout.replicas[0], model, hw, Health())
+    ops_s = {(0, 0): 0.01, (0, 1): 0.02, (1, 0): 0.03, (1, 1): 0.025}  # one micro-batch's forward per chunk
+    assert timing.forward_s == pytest.approx((0.03, 0.055))
+    assert [x for row in timing.chunk_shares for x in row] == pytest.approx(
+        [ops_s[(s, c)] / timing.forward_s[s] for s in (0, 1) for c in (0, 1)])
+    schedule = pipeline_schedule(2, 4, 2, None)
+    table_f = [[ops_s[(s, op.chunk)] for op in ops if op.kind is OpKind.FORWARD] for s, ops in enumerate(schedule)]
+    table_b = [[2 * ops_s[(s, op.chunk)] for op in ops if op.kind is OpKind.BACKWARD] for s, ops in enumerate(schedule)]
+    expected = simulate_iteration(schedule, table_f, table_b, list(timing.p2p_s)).total_s
+    assert timing.simulate_s(4) == pytest.approx(expected)
+    even = replica_timing(layout.replicas[0], _model(None), hw, Health())
+    assert even.chunk_shares is None and even.simulate_s(4) != pytest.approx(expected)
