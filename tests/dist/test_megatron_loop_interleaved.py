@@ -13,7 +13,9 @@ equal the failure-free run's.
 A rank slowed 3x is named from the timings of the interleaved schedule's chunk ops (the detector
 walks that schedule, ``resihp_ext.schedule.interleaved``), and its replica is given fewer
 micro-batches in whole groups of the pipeline's size, the only counts the schedule runs; layers stay
-where megatron-core placed them. Every logged loss and the saved weights equal stock Megatron-LM's.
+where megatron-core placed them, since the job saves in the ``torch`` format (layer moves under this
+schedule: ``test_megatron_loop_layer_moves.py``). Every logged loss and the saved weights equal stock
+Megatron-LM's.
 """
 
 from __future__ import annotations
