@@ -70,9 +70,11 @@ def test_device_memory_sizes_smaller_tp_replicas_where_a_job_may_run_them():
     sized = ResiHPConfig(enable=True, device_memory_gb=40.0)
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2), sized) == []
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, save="ckpt"), sized) == []
+    # Under the interleaved schedule too: a shrunk replica's model chunks are rebuilt at its degree.
+    assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+                             sized) == []
     for changes, why in (({"use_distributed_optimizer": True}, "--use-distributed-optimizer"),
                          ({"save": "ckpt", "ckpt_format": "torch"}, "--ckpt-format torch"),
-                         ({"virtual_pipeline_model_parallel_size": 2}, "interleaved"),
                          ({"tensor_model_parallel_size": 1}, "TP 1")):
         found = unsupported_flags(megatron_args(**{"tensor_model_parallel_size": 2, **changes}), sized)
         assert len(found) == 1 and "--resihp-device-memory-gb" in found[0] and why in found[0], found
@@ -106,8 +108,8 @@ def test_the_interleaved_schedule_carries_every_fault_and_fail_slow_detection():
     assert unsupported_flags(interleaved, ResiHPConfig(detect_only=True)) == []
 
 
-def test_an_interleaved_job_placed_by_a_layout_is_refused():
-    found = unsupported_flags(megatron_args(virtual_pipeline_model_parallel_size=2,
-                                            pipeline_model_parallel_layout="Et|t|t|tL"), ResiHPConfig(enable=True))
-    assert len(found) == 1 and found[0].startswith("--pipeline-model-parallel-layout with the interleaved"), found
+def test_a_job_placed_by_a_layout_runs_under_either_schedule():
+    # The interleaved schedule's chunks are read from the layout (``megatron_loop_stages.launch_chunks``).
+    assert unsupported_flags(megatron_args(virtual_pipeline_model_parallel_size=2,
+                                           pipeline_model_parallel_layout="Et|t|t|tL"), ResiHPConfig(enable=True)) == []
     assert unsupported_flags(megatron_args(pipeline_model_parallel_layout="Et|tttL"), ResiHPConfig(enable=True)) == []
