@@ -67,10 +67,15 @@ def param_slots(gpt_model: torch.nn.Module) -> list[ParamSlot]:
     return sorted(slots, key=lambda s: s.name)
 
 
+def chunks_slots(chunks) -> list[ParamSlot]:
+    """``param_slots`` of every model chunk of a rank (the interleaved schedule's several, each
+    wrapped in DDP), sorted by global name: one order on every rank."""
+    return sorted((s for chunk in chunks for s in param_slots(chunk.module)), key=lambda s: s.name)
+
+
 def objects_slots(objects) -> list[ParamSlot]:
-    """``param_slots`` of every model chunk of a rank's ``TrainingObjects``, sorted by global name."""
-    slots = [s for chunk in objects.chunks for s in param_slots(chunk.module)]
-    return sorted(slots, key=lambda s: s.name)
+    """``chunks_slots`` of a rank's ``TrainingObjects``."""
+    return chunks_slots(objects.chunks)
 
 
 def unit_view(tensor: torch.Tensor, partition_dim: int, first_unit: int, unit: int, units_held: int) -> torch.Tensor:
@@ -128,8 +133,7 @@ class LayoutGradSync:
         config = model[0].config
         # Tied word embedding: first and last stage of this replica share one gradient.
         _allreduce_word_embedding_grads(model, config, self.embedding_group, self.pp_group)
-        # Every model chunk's (the interleaved schedule's), by name: one order on every rank.
-        slots = sorted((s for chunk in model for s in param_slots(chunk.module)), key=lambda s: s.name)
+        slots = chunks_slots(model)
         buckets = self._buckets(slots, config)
         for ranks in sorted(buckets):  # one canonical order on every rank: no cross-group deadlock
             group = self.groups.get(ranks)

@@ -98,7 +98,7 @@ def install(args: argparse.Namespace) -> None:
     """Under ``thd`` with pipeline stages, give Megatron's pipeline schedules a stage's activation
     shape, [b * s, 1, h] (they size the tensors stages exchange from ``seq_length`` and
     ``micro_batch_size``; a stage receiving [s, b, h] would read another layout, and the backward
-    would meet a gradient of another shape). Nothing otherwise. Idempotent; ``uninstall`` undoes it."""
+    would meet a gradient of another shape). Nothing otherwise. Idempotent."""
     if _ORIGINAL or not document_attention(args) or layout(args) != "thd" or args.pipeline_model_parallel_size == 1:
         return
     from megatron.core.pipeline_parallel import schedules
@@ -107,14 +107,6 @@ def install(args: argparse.Namespace) -> None:
         original = getattr(schedules, name)
         _ORIGINAL[name] = original
         setattr(schedules, name, functools.wraps(original)(functools.partial(_one_sequence_per_microbatch, original)))
-
-
-def uninstall() -> None:
-    from megatron.core.pipeline_parallel import schedules
-
-    for name, original in _ORIGINAL.items():
-        setattr(schedules, name, original)
-    _ORIGINAL.clear()
 
 
 def _one_sequence_per_microbatch(schedule: Callable, *args, seq_length: int, micro_batch_size: int, **kwargs):
