@@ -43,17 +43,9 @@ def launch_split(args: argparse.Namespace) -> tuple[int, ...]:
     Raises:
         AssertionError or ValueError: megatron-core's own, for flags it cannot place layers by.
     """
-    from megatron.core.transformer.enums import LayerType
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    config = core_transformer_config_from_args(args)
-    pp = args.pipeline_model_parallel_size
-    if config.pipeline_model_parallel_layout is not None:  # read per stage, not from this rank's groups
-        stages = config.pipeline_model_parallel_layout.layout
-        return tuple(sum(chunk.count(LayerType.decoder) for chunk in stages[p]) for p in range(pp))
-    return tuple(sum(get_num_layers_to_build(config, vp_stage=v, pp_rank=p) for v in _virtual_stages(config))
-                 for p in range(pp))
+    return tuple(map(sum, _chunk_counts(core_transformer_config_from_args(args), args.pipeline_model_parallel_size)))
 
 
 def interleaving(args: argparse.Namespace) -> Interleaving:
@@ -70,32 +62,34 @@ def _virtual_stages(config) -> range | tuple[None]:
     return (None,) if vp is None else range(vp)
 
 
-def launch_chunks(args: argparse.Namespace) -> tuple[tuple[int, ...], ...] | None:
-    """Under the interleaved schedule, the transformer layers of each model chunk of each stage as
-    megatron-core builds them from the flags (``resihp_ext.interleaved_split``); None without it."""
+def _chunk_counts(config, pp: int) -> tuple[tuple[int, ...], ...]:
+    """The transformer layers of each model chunk of each of the ``pp`` stages as megatron-core
+    builds them from ``config`` (one chunk per stage without the interleaved schedule)."""
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.training.argument_utils import core_transformer_config_from_args
 
-    config = core_transformer_config_from_args(args)
-    if config.virtual_pipeline_model_parallel_size is None:
-        return None
-    pp = args.pipeline_model_parallel_size
-    if config.pipeline_model_parallel_layout is not None:
+    if config.pipeline_model_parallel_layout is not None:  # read per stage, not from this rank's groups
         stages = config.pipeline_model_parallel_layout.layout
         return tuple(tuple(chunk.count(LayerType.decoder) for chunk in stages[p]) for p in range(pp))
     return tuple(tuple(get_num_layers_to_build(config, vp_stage=v, pp_rank=p) for v in _virtual_stages(config))
                  for p in range(pp))
 
 
+def launch_chunks(args: argparse.Namespace) -> tuple[tuple[int, ...], ...] | None:
+    """Under the interleaved schedule, the transformer layers of each model chunk of each stage as
+    megatron-core builds them from the flags (``resihp_ext.interleaved_split``); None without it."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    config = core_transformer_config_from_args(args)
+    if config.virtual_pipeline_model_parallel_size is None:
+        return None
+    return _chunk_counts(config, args.pipeline_model_parallel_size)
+
+
 def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...], tp_degree: int | None = None):
     """The ``TransformerConfig`` for ``layers_per_stage`` at ``tp_degree`` (None: the launch's), or
     None for the launch's split and degree (the model provider then builds it from the flags, as
     stock Megatron-LM does)."""
-    degree = args.tensor_model_parallel_size if tp_degree is None else tp_degree
-    moved = tuple(layers_per_stage) != launch_split(args)
-    if not moved and degree == args.tensor_model_parallel_size:
-        return None
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
     from megatron.training.argument_utils import core_transformer_config_from_args
 
@@ -104,6 +98,11 @@ def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...], tp
     from megatron.resihp.training_objects import pipeline_layout
 
     config = core_transformer_config_from_args(args)
+    launch = _chunk_counts(config, args.pipeline_model_parallel_size)
+    degree = args.tensor_model_parallel_size if tp_degree is None else tp_degree
+    moved = tuple(layers_per_stage) != tuple(map(sum, launch))
+    if not moved and degree == args.tensor_model_parallel_size:
+        return None
     if degree != args.tensor_model_parallel_size:
         # A replica at a smaller TP degree than the launch's (a group that lost ranks): megatron-core
         # sizes each shard by its TP group, which the installed layout gives; its configuration
@@ -115,8 +114,8 @@ def split_config(args: argparse.Namespace, layers_per_stage: tuple[int, ...], tp
     # Set after the configuration checked the flags: they ask for the launch's split, which this
     # replaces whole (the layout is what megatron-core's layer offsets and counts read first). Under
     # the interleaved schedule the chunks are sized from the launch's, as the Layout's items are.
-    chunks = launch_chunks(args)
-    chunks = None if chunks is None else chunk_layers(chunks, tuple(layers_per_stage))
+    interleaved = config.virtual_pipeline_model_parallel_size is not None
+    chunks = chunk_layers(launch, tuple(layers_per_stage)) if interleaved else None
     layout = PipelineParallelLayerLayout(pipeline_layout(tuple(layers_per_stage), chunks),
                                          args.pipeline_model_parallel_size)
     layout.validate_layer_layout(num_layers=args.num_layers, mtp_num_layers=config.mtp_num_layers)
