@@ -33,8 +33,10 @@ def check_chunks(chunks: Chunks) -> None:
         raise ValueError(f"chunks {chunks} hold a negative layer count")
 
 
+@lru_cache(maxsize=4096)
 def stage_layers(chunks: Chunks) -> tuple[tuple[int, ...], ...]:
-    """The model's layer numbers each stage holds, chunk by chunk."""
+    """The model's layer numbers each stage holds, chunk by chunk (cached: the planner's search asks
+    ``shard_map.holders`` for them once per candidate layout)."""
     check_chunks(chunks)
     held: list[list[int]] = [[] for _ in chunks]
     first = 0
