@@ -6,9 +6,10 @@ later fail-stop, in the place of a rank that died. Responsible for both sides of
 iteration boundaries:
 
 * the **standby** (``stand_by``): out of every group, it times the validation GEMM probe on its
-  own device every ``--resihp-standby-probe-interval-s`` and reports its slowdown through the
-  job's store; it follows the job's iteration (so injected faults end on time) and waits to be
-  called. The job's end, or no progress for long, lets it exit 0.
+  own device every ``--resihp-standby-probe-interval-s`` and reports its slowdown (the least of
+  its latest few: ``resihp_ext.detection.standby_reports``) through the job's store; it follows
+  the job's iteration (so injected faults end on time) and waits to be called. The job's end, or
+  no progress for long, lets it exit 0.
 * the **working ranks** (``check_standbys``): while standbys exist, rank 0 reads their reports at
   the start of every iteration and broadcasts them, so every working rank sees the same reports
   at the same iteration. When the set of healthy-looking standbys changes, every rank runs the same
@@ -51,6 +52,7 @@ from megatron.resihp.logging_utils import log_line, rank_name, ranks_name
 from megatron.resihp.reconfigure import ChangeFailed, LayoutChange, World, apply
 from megatron.resihp.reshard import adam_template_of, loss_scale_state
 from megatron.resihp.run_state import StopTraining
+from resihp_ext.detection.standby_reports import StandbySlowdown
 from resihp_ext.layout import Layout
 from resihp_ext.planner.calibration import ComputeCosts
 from resihp_ext.planner.health import Health
@@ -138,6 +140,7 @@ class Readmission:
         host.events.emit("standby", self._standby_since, launch_rank=me,
                          reference_probe_s=self._standby_reference_s)
         applied, next_probe, seq = self._standby_since, 0.0, 0
+        slowdown = StandbySlowdown()
         progress, last_progress = applied, time.monotonic()
         abandoned_s = max(_ABANDONED_S, 10 * host.cfg.collective_timeout_s)
         while True:
@@ -170,7 +173,7 @@ class Readmission:
                     return rejoined
                 next_probe = 0.0
             if self._probing and time.monotonic() >= next_probe:
-                factor = gemm_probe_s(host.device()) / self._standby_reference_s
+                factor = slowdown.add(gemm_probe_s(host.device()) / self._standby_reference_s)
                 seq += 1
                 store.set(standby_keys.report_key(me), json.dumps({"factor": round(factor, 4), "seq": seq,
                                                        "back_from": self._back_from}))
