@@ -30,7 +30,7 @@ import torch
 # all of its ranks. None of them patches anything on import; the patches are installed in main().
 import megatron.core.tokenizers.text  # noqa: F401 (Megatron's tokenizers; imports transformers)
 import megatron.training.training  # noqa: F401
-from megatron.resihp import cpu_training, megatron_loop_resilience, training_compat  # noqa: F401
+from megatron.resihp import cpu_training, megatron_loop_resilience, sync_save_results, training_compat  # noqa: F401
 
 # What this script sets where the command line says nothing (Megatron's args_defaults).
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -460,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
         _refuse(failed_check(error))
     sys.argv = command_line  # parsed; a printed resume command repeats the user's flags, not the implied ones
     packed_documents.install(args)
+    sync_save_results.install(args)  # what a save writes is the same; a spawned process per rank is not
     loop = None
     if resilient:
         from megatron.resihp import heartbeat_beacon
