@@ -39,6 +39,9 @@ _UNSURVIVED_BETWEEN_STEPS = {
     "check_weight_hash_across_dp_replicas_interval": ("--check-weight-hash-across-dp-replicas-interval",
                                                       "its all-gather of weight hashes and barrier"),
     "log_straggler": ("--log-straggler", "the straggler report's gathers"),
+    # A save's writes go on after it returns; a later step's start finalizes them (a collective
+    # that checks every rank is done, the gather of what each wrote, the tracker file).
+    "async_save": ("--async-save", "the collectives that finalize a checkpoint's writes at a later step's start"),
 }
 
 

@@ -57,6 +57,7 @@ def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-tracker"])}, "use rank=0"),
     ({"check_weight_hash_across_dp_replicas_interval": 10}, "--check-weight-hash-across-dp-replicas-interval"),
     ({"log_straggler": True}, "--log-straggler"),
+    ({"async_save": True}, "--async-save"),
     ({"resihp": ResiHPConfig(enable=True, device_memory_gb=40.0)}, "--resihp-device-memory-gb"),
 ])
 def test_each_feature_not_carried_yet_is_named(changes, named):
@@ -93,7 +94,7 @@ def test_standbys_probe_where_a_re_plan_may_drop_a_slow_replica():
 
 def test_between_step_checks_are_refused_only_when_failures_are_recovered():
     # Without --resihp-enable a failure ends the job as in stock Megatron-LM, so nothing is refused.
-    args = megatron_args(check_weight_hash_across_dp_replicas_interval=10, log_straggler=True)
+    args = megatron_args(check_weight_hash_across_dp_replicas_interval=10, log_straggler=True, async_save=True)
     assert unsupported_flags(args, ResiHPConfig(detect_only=True)) == []
 
 
