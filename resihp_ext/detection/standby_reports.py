@@ -4,8 +4,9 @@ A standby times the validation probe on its device every few seconds (``megatron
 and reports the least slowdown of its latest ``REPORTED_PROBES`` probes. Interference on a shared
 host only adds time, so one disturbed probe must not make a healthy standby look slow: a replica's
 standbys come back only when all of them look healthy at once, and under load (2 cores, other jobs)
-single probes of two healthy standbys were seen taking turns over the threshold, so that the
-replica never came back. A standby that turns slow again shows it ``REPORTED_PROBES`` probes later.
+the two healthy standbys of a replica were seen ready in turns, never together, so that the
+replica never came back (a single disturbed probe per report the likelier cause). A standby that
+turns slow again shows it ``REPORTED_PROBES`` probes later.
 
 Pure: no clocks, no devices.
 """
