@@ -5,14 +5,15 @@ through ``get_write_results_queue()``: a queue served by a ``multiprocessing`` M
 with the *spawn* method the first time a process saves. That is needed when the writers run in
 another process (``--async-save``); a synchronous save runs them as threads of the rank itself,
 yet still pays for the Manager: a fresh interpreter per rank that imports torch to unpickle the
-results. Eight ranks on a 2-core host spent 19.7 s in a save of a 4-layer model, 1.9 s with the
-results kept in the process (measured with the layer-move tests' stock job). On a GPU node the
-same spawn runs once per rank at its first save.
+results. Eight ranks on a 2-core host spent 19.7 s in a save of a 4-layer model, 1.6-2.2 s with
+the results kept in the process (the layer-move tests' stock job; ``scripts/bench/checkpoint_save.py``
+measures both ways in one run). On a GPU node the same spawn runs once per rank at its first save.
 
 ``install(args)`` replaces that function with one that returns a plain ``queue.Queue`` when the
 job saves synchronously; with ``--async-save`` megatron-core's own stays. Nothing a save writes
 changes, nor the errors it reports (a writer's exception travels through the queue either way).
-Checked against megatron-core 0.19.2 (``training_compat.CHECKED_MCORE``).
+Checked against megatron-core 0.19.2, the version ``training_compat`` (imported beside it by
+``gpt_pretrain``) insists on.
 """
 
 from __future__ import annotations
