@@ -91,7 +91,7 @@ _KEYS = {
 # Phases of an in-place recovery a kill can be aimed at (a second failure during an adaptation).
 RECOVERY_PHASES = ("reform", "moves", "replan", "readmission", "rendezvous")
 # Phases of a checkpoint save, in the order a save passes them.
-SAVE_PHASES = ("save", "save-write", "save-rename", "save-tracker")
+SAVE_PHASES = ("save", "save-write", "save-rename", "save-tracker", "save-scheduled", "finalize")
 # Every phase a kill can wait for: an iteration's log, and the end of a finished job last.
 PHASES = (*RECOVERY_PHASES, *SAVE_PHASES, "update", "optimizer", "log", "eval", "exit-check", "shutdown", "setup")
 # Where in a step a rank can raise an error of its own.

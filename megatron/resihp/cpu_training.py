@@ -192,6 +192,22 @@ def _patch_training_package() -> None:
          _keeping_rng_state(training.build_train_valid_test_data_iterators))
     _set(training, "set_jit_fusion_options", lambda *args, **kwargs: None)
     _set(dataset_utils, "compile_helpers", lambda: None)
+    _set(initialize, "init_persistent_async_worker", _forked_writer(initialize.init_persistent_async_worker))
+
+
+def _forked_writer(start: Callable) -> Callable:
+    """``init_persistent_async_worker`` with the writer process forked, not started by a fork server.
+
+    Why: a fresh interpreter has none of these stand-ins, and the writer's first line divides the
+    rank by ``torch.cuda.device_count()``, which is 0 on a host without a GPU; the save then waits
+    for a writer that died. A forked writer inherits this mode, the device count answering 1 (as
+    inside ``initialize_megatron``; a writer started again after a failure starts outside it)."""
+
+    def init_persistent_async_worker(rank: int, mp_mode: str = "spawn"):
+        with _one_device():
+            return start(rank, "fork")
+
+    return init_persistent_async_worker
 
 
 def enable() -> None:

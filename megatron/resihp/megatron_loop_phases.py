@@ -51,6 +51,7 @@ class Phase(enum.IntEnum):
     EVAL = 3
     SAVE = 4
     EXIT_CHECK = 5  # the ranks' agreement whether --exit-duration-in-mins has passed (after the save)
+    FINALIZE = 6  # Megatron finalizing --async-save saves, at the next iteration's top (``async_saves``)
 
 
 class Position(NamedTuple):
@@ -98,11 +99,13 @@ class BetweenSteps:
         sample and FLOP counts, the data-parallel size its arithmetic is given, and the micro-batch
         count its loop started this world with)."""
         entries: list = [None] * dist.get_world_size()
-        dist.all_gather_object(entries, (tuple(self.position), None if joining else _loop_counters()))
-        furthest = max(Position(i, Phase(p)) for (i, p), _ in entries)
-        self.counters = next(c for _, c in entries if c is not None)
+        dist.all_gather_object(entries, (tuple(self.position), None if joining else _loop_counters(),
+                                         self.loop.saves.agreement(joining)))
+        furthest = max(Position(i, Phase(p)) for (i, p), _, _ in entries)
+        self.counters = next(c for _, c, _ in entries if c is not None)
+        self.loop.saves.agreed([s for _, _, s in entries], furthest.iteration)
         self.catch_up_to = furthest if furthest > self.position else None
-        if furthest.phase is Phase.SAVE and self._tracker_names(furthest.iteration):
+        if furthest.phase is Phase.SAVE and self.tracker_names(furthest.iteration):
             self.saved.add(furthest.iteration)
         if self.catch_up_to is not None:
             run = self.loop.hooks.run
@@ -146,7 +149,7 @@ class BetweenSteps:
                 setattr(training, name, fn)
         self._original = {}
 
-    def _recovering(self) -> bool:
+    def recovering(self) -> bool:
         hooks = self.loop.hooks
         return hooks is not None and hooks.can_recover
 
@@ -156,7 +159,7 @@ class BetweenSteps:
         method = self._original[name]
 
         def timed(timer, barrier=False):
-            if not barrier or not self._recovering():
+            if not barrier or not self.recovering():
                 return method(timer, barrier)
             if not self._barriers_run():  # catching up: the others are past this barrier
                 return method(timer, False)
@@ -200,7 +203,7 @@ class BetweenSteps:
             # A spare's train() entered again starts mid-job: its first iteration is logged (and its
             # collectives run) as the survivors log theirs, not as a job's first.
             kwargs["is_first_iteration"] = False
-        if not self._recovering():
+        if not self.recovering():
             return log(*call, **kwargs)
         mode = self.enter(Position(iteration, Phase.LOG))
         if mode == "skip":
@@ -222,7 +225,7 @@ class BetweenSteps:
                     with self._phase():
                         return log(*call, **kwargs)
                 except (RuntimeError, _Recovered) as error:  # a peer died or hung in one of its collectives
-                    if not self._recovering():
+                    if not self.recovering():
                         raise
                     self._recover(error)
             # Every survivor finishes this log without its collectives (also when others are past
@@ -242,7 +245,7 @@ class BetweenSteps:
                                     **kwargs):
         evaluate = self._original["evaluate_and_print_results"]
         data_iterator = self.loop.data.eval_iterator(data_iterator)
-        if not self._recovering():
+        if not self.recovering():
             return evaluate(prefix, forward_step_func, data_iterator, model, iteration, *args, **kwargs)
         mode = self.enter(Position(iteration, Phase.EVAL))
         if mode == "run":
@@ -251,7 +254,7 @@ class BetweenSteps:
                 with self._phase():
                     return evaluate(prefix, forward_step_func, data_iterator, model, iteration, *args, **kwargs)
             except (RuntimeError, _Recovered) as error:
-                if not self._recovering():
+                if not self.recovering():
                     raise
                 self._recover(error)
                 stop_timers("evaluate")  # started as the evaluation began, stopped as it ends
@@ -264,7 +267,7 @@ class BetweenSteps:
     def _save_checkpoint(self, iteration, *args, **kwargs):
         """Megatron's ``save_checkpoint`` of ``iteration``, survived when a rank fails during it."""
         save = self._original["save_checkpoint"]
-        if not self._recovering():
+        if not self.recovering():
             return save(iteration, *args, **kwargs)
         if self.enter(Position(iteration, Phase.SAVE)) == "skip" or iteration in self.saved:
             # Passed by the others (the tracker names it), or saved whole by this world already:
@@ -275,6 +278,8 @@ class BetweenSteps:
             return None
         call = inspect.signature(save).bind(iteration, *args, **kwargs)
         self.loop.hooks.inject(iteration, "save")
+        if self.loop.saves.on():
+            return self._save_async(iteration, save, call)
         while True:
             self._refresh_save_groups(call)
             try:
@@ -283,7 +288,7 @@ class BetweenSteps:
                 self.saved.add(iteration)
                 return result
             except RuntimeError as error:  # a peer died or hung in one of the save's collectives
-                if not self._recovering():
+                if not self.recovering():
                     raise
                 self._recover(error)
             if iteration in self.saved:  # agree() found the tracker naming it
@@ -291,12 +296,43 @@ class BetweenSteps:
                 return None
             log_line(f" resihp: saving iteration {iteration} again, on the re-formed world")
 
+    def _save_async(self, iteration, save, call: inspect.BoundArguments):
+        """Megatron's save of ``iteration`` under --async-save: it returns once this rank's writer has
+        the tensors, and its files are finished at a later step's top (``async_saves``). A failure
+        while saving ends the save on every survivor alike: some had handed theirs to the writer
+        (their saves are dropped), others had not; all of them agree to make it again
+        (``AsyncSaves.finalize``), never here, where they would not meet in the same collectives."""
+        self._refresh_save_groups(call)
+        try:
+            result = save(*call.args, **call.kwargs)
+        except RuntimeError as error:
+            if not self.recovering():
+                raise
+            self.loop.saves.lost_in_save(iteration, call)
+            self._recover(error)
+            if self._in_phase:
+                raise _Recovered() from error
+            return None
+        self.loop.saves.scheduled(iteration, call)
+        self.saved.add(iteration)
+        self.loop.hooks.inject(iteration, "save-scheduled")
+        return result
+
+    def save_again(self, iteration: int, call: inspect.BoundArguments) -> None:
+        """Make the save of ``iteration`` again (``call``: its arguments), on the re-formed world."""
+        self.saved.discard(iteration)
+        self._save_checkpoint(*call.args, **call.kwargs)
+
     def start(self) -> None:
         """As training starts: remember what the tracker names, so that a later reading tells this
         job's saves from a run's before it."""
         self.latest_at_start = _latest_checkpoint()
 
-    def _tracker_names(self, iteration: int) -> bool:
+    def latest_saved(self) -> str | None:
+        """What the tracker file names now (None: no --save, or nothing saved yet)."""
+        return _latest_checkpoint()
+
+    def tracker_names(self, iteration: int) -> bool:
         """The tracker file names ``iteration``, and this job wrote it (not a run before it)."""
         latest = _latest_checkpoint()
         return latest == str(iteration) and latest != self.latest_at_start
@@ -361,7 +397,7 @@ class BetweenSteps:
         from megatron.training.global_vars import get_timers
 
         outer = self._original["save_checkpoint_and_time"]
-        if not self._recovering():
+        if not self.recovering():
             return outer(iteration, *args, **kwargs)
         if self.enter(Position(iteration, Phase.SAVE)) == "skip":
             return None
@@ -369,7 +405,7 @@ class BetweenSteps:
             with self._phase():
                 return outer(iteration, *args, **kwargs)
         except (RuntimeError, _Recovered) as error:
-            if not self._recovering():
+            if not self.recovering():
                 raise
             self._recover(error)
             stop_timers("save-checkpoint", "save-checkpoint-non-persistent")
@@ -389,7 +425,7 @@ class BetweenSteps:
         decide = self._original["checkpoint_and_decide_exit"]
         margs = get_args()
         limit = margs.exit_duration_in_mins
-        if not self._recovering() or not limit:
+        if not self.recovering() or not limit:
             return decide(*args, **kwargs)
         call = inspect.signature(decide).bind(*args, **kwargs)
         iteration = call.arguments["iteration"]
@@ -397,7 +433,7 @@ class BetweenSteps:
         try:
             return decide(*args, **kwargs)
         except RuntimeError as error:
-            if not self._recovering():
+            if not self.recovering():
                 raise
             self.loop.recover_at(Position(iteration, Phase.EXIT_CHECK), error)
         while True:

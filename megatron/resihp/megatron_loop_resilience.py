@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from megatron.resihp import megatron_loop_quotas as quota_split
 from megatron.resihp import mixed_tp_saves, packed_documents
+from megatron.resihp.async_saves import AsyncSaves
 from megatron.resihp.data_samplers import even_quotas
 from megatron.resihp.detection_cost import AlternateDetection
 from megatron.resihp.logging_utils import EventLog, log_line, process_threads
@@ -92,6 +93,7 @@ class ResilientMegatronLoop:
         self.loop_groups = None  # the process-group collection train() took from the first chunk
         self.handles = None  # train()'s model list, optimizer and LR scheduler (kept valid across re-forms)
         self.phases = BetweenSteps(self)
+        self.saves = AsyncSaves(self)  # --async-save saves still being written when the world changes
         self.spares = SpareReentry(self)
         self.counts = MicrobatchCount()
         self.split = CountedSplit(lambda: (self.hooks.run.replica, self.hooks.run.data_parallel_size))
@@ -118,6 +120,7 @@ class ResilientMegatronLoop:
         training.train_step = self.train_step
         training.build_pretraining_data_loader = self._build_data_loader
         self.phases.install()
+        self.saves.install()
         self.spares.install()
         self.split.install()
         mixed_tp_saves.install()
@@ -130,6 +133,7 @@ class ResilientMegatronLoop:
             setattr(parallel_state if name == "initialize_model_parallel" else training, name, fn)
         self._original = {}
         self.phases.uninstall()
+        self.saves.uninstall()
         self.spares.uninstall()
         self.split.uninstall()
         mixed_tp_saves.uninstall()
@@ -378,6 +382,7 @@ class ResilientMegatronLoop:
                                      recovery_keeps_shape=not args.use_distributed_optimizer,
                                      shrinks_tp=self.shrinks_tp(args),
                                      replica_counts=counts, interleaving=interleaving(args), fail_slow_drops=counts)
+        self.hooks.saves = self.saves
 
     def _start(self, model, optimizer, opt_param_scheduler) -> None:
         """At the first step: the loop's handles and objects become the run's."""

@@ -28,20 +28,18 @@ _OTHER_PLACEMENT = {
 # moves (replan), a readmission's grown world once its groups are formed,
 # this rank's optimizer step, the iteration's log, an evaluation, the ranks' agreement whether
 # --exit-duration-in-mins has passed, a save as it begins, once this rank's files are written and
-# (on rank 0, which writes it) before the tracker names it (Megatron's save has no rename), the
-# job's end, as ``pretrain()`` returns, and Megatron's set-up, as it builds the data loaders. Under
+# (on rank 0, which writes it) before the tracker names it (Megatron's save has no rename); under
+# --async-save once this rank's save is handed to its writer, and as Megatron finalizes a save at a
+# later step's top; the job's end, as ``pretrain()`` returns, and Megatron's set-up, as it builds the data loaders. Under
 # the distributed optimizer also once it has updated this rank's parameters, before the update's
 # copies go out.
 _PHASES = (None, "reform", "rendezvous", "moves", "replan", "readmission", "update", "optimizer", "log", "eval", "exit-check", "save", "save-write",
-           "save-tracker", "shutdown", "setup")
+           "save-tracker", "save-scheduled", "finalize", "shutdown", "setup")
 # Megatron flags whose collectives between steps a failure is not survived in yet (with --resihp-enable).
 _UNSURVIVED_BETWEEN_STEPS = {
     "check_weight_hash_across_dp_replicas_interval": ("--check-weight-hash-across-dp-replicas-interval",
                                                       "its all-gather of weight hashes and barrier"),
     "log_straggler": ("--log-straggler", "the straggler report's gathers"),
-    # A save's writes go on after it returns; a later step's start finalizes them (a collective
-    # that checks every rank is done, the gather of what each wrote, the tracker file).
-    "async_save": ("--async-save", "the collectives that finalize a checkpoint's writes at a later step's start"),
 }
 
 
@@ -67,6 +65,9 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
     if cfg.enable and args.use_distributed_optimizer and getattr(args, "use_precision_aware_optimizer", False):
         found.append("--use-precision-aware-optimizer with --use-distributed-optimizer (the copies of the optimizer's "
                      "parts read the fp32 main parameters Megatron keeps, which this optimizer keeps in its own form)")
+    if cfg.enable and getattr(args, "async_save", False) and getattr(args, "async_strategy", "mcore") != "mcore":
+        found.append(f"--async-strategy {args.async_strategy} with --async-save (its writer processes are "
+                     f"nvidia-resiliency-ext's, which a change of world does not reach yet: pass --async-strategy mcore)")
     for dest, (flag, what) in _UNSURVIVED_BETWEEN_STEPS.items():
         if cfg.enable and getattr(args, dest, None) not in (None, False):
             found.append(f"{flag} ({what} between steps are not survived when a rank fails there)")
@@ -88,6 +89,9 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
         elif fault.during == "save-tracker" and fault.rank != 0:
             found.append(f"--resihp-inject {fault.spec()} (rank 0 alone writes Megatron's tracker file: "
                          f"use rank=0)")
+        elif fault.during in ("save-scheduled", "finalize") and not getattr(args, "async_save", False):
+            found.append(f"--resihp-inject {fault.spec()} (a phase of asynchronous saves: pass --async-save "
+                         f"--use-persistent-ckpt-worker --async-strategy mcore)")
         elif fault.during == "update" and not (cfg.enable and args.use_distributed_optimizer):
             found.append(f"--resihp-inject {fault.spec()} (the update phase is the distributed optimizer's, "
                          f"with --resihp-enable: pass --use-distributed-optimizer)")

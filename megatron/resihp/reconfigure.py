@@ -159,6 +159,10 @@ class Executor(Protocol):
         """Model chunks, DDP, optimizer and LR schedule for ``rank``'s replica of the installed
         ``layout`` (the training loop decides how they are built; nothing is moved into them)."""
 
+    def settle_saves(self, keep: bool) -> None:
+        """Checkpoint saves of the old world still being written: finished in it (``keep``: every
+        member is alive) or dropped (a member failed: none of them can be finished)."""
+
 
 def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
     """Carry out ``change`` from ``run``; returns the state the job goes on from.
@@ -169,6 +173,7 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
         StopTraining: this process leaves (``change.leave``).
     """
     timeout_s = env.cfg.collective_timeout_s
+    env.settle_saves(keep=change.kind != "recovery")
     ran: list = []
     received: dict = {}
     moved = 0

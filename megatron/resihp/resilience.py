@@ -83,6 +83,7 @@ class ResilienceHooks:
         replicas whole down to, their ranks standing by (None: it drops none)."""
         self.args = args
         self.build_objects = build_objects
+        self.saves = None  # the loop's ``AsyncSaves``: what a change does with saves still being written
         self.stages_alike = stages_alike
         self.own_splits = own_splits
         self.recovery_keeps_shape = recovery_keeps_shape
@@ -384,6 +385,11 @@ class ResilienceHooks:
         if sync is not None:
             objects.config.finalize_model_grads_func = sync
         return objects
+
+    def settle_saves(self, keep: bool) -> None:
+        """Checkpoint saves still being written (``async_saves``, where the loop runs them)."""
+        if self.saves is not None:
+            self.saves.settle(keep)
 
     def record_moved(self, iteration: int, rank: int, ran, num_bytes: int) -> None:
         """Say which transfers this rank sent (``ran`` by ``reshard``; ranks of the world the moves

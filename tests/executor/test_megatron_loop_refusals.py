@@ -57,7 +57,8 @@ def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=save-tracker"])}, "use rank=0"),
     ({"check_weight_hash_across_dp_replicas_interval": 10}, "--check-weight-hash-across-dp-replicas-interval"),
     ({"log_straggler": True}, "--log-straggler"),
-    ({"async_save": True}, "--async-save"),
+    ({"async_save": True, "async_strategy": "nvrx"}, "--async-strategy nvrx"),
+    ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=finalize"])}, "pass --async-save"),
     ({"resihp": ResiHPConfig(enable=True, device_memory_gb=40.0)}, "--resihp-device-memory-gb"),
 ])
 def test_each_feature_not_carried_yet_is_named(changes, named):
@@ -90,6 +91,12 @@ def test_standbys_probe_where_a_re_plan_may_drop_a_slow_replica():
     assert unsupported_flags(megatron_args(), probing) == []
     assert unsupported_flags(megatron_args(use_distributed_optimizer=True), probing) == []
     assert unsupported_flags(megatron_args(virtual_pipeline_model_parallel_size=2), probing) == []
+
+
+def test_megatron_cores_own_asynchronous_saves_run_with_their_kill_phases():
+    # Its writers are this process's children, which a change of world kills and starts again.
+    kills = ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=finalize", "kill:rank=2,at=2,during=save-scheduled"])
+    assert unsupported_flags(megatron_args(async_save=True, async_strategy="mcore"), kills) == []
 
 
 def test_between_step_checks_are_refused_only_when_failures_are_recovered():
