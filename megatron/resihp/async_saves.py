@@ -156,17 +156,29 @@ class AsyncSaves:
             if calls is not None and calls.get_num_unfinalized_calls():
                 log_line(f" resihp: finishing the save of iteration(s) {self.pending} before the world changes")
                 calls.maybe_finalize_async_calls(blocking=True)
+                self._emit(kept=True)
             self.pending = []
-            return
-        if not self.pending and (calls is None or not calls.get_num_unfinalized_calls()):
-            return
+        elif self.pending or (calls is not None and calls.get_num_unfinalized_calls()):
+            self._drop()
+        calls = self._queue()
+        if calls is not None:
+            # Megatron checks that every rank finalizes the same call by its number: the new world
+            # counts from zero on every member (a standby taken back missed the saves made without it).
+            calls.call_idx = -1
+
+    def _drop(self) -> None:
         self._drop_writer()
+        self._emit(kept=False)
         dropped, self.pending = self.pending, []
         if dropped:
             self.unsaved = max(dropped + ([self.unsaved] if self.unsaved is not None else []))
             self.loop.phases.saved.difference_update(dropped)
             log_line(f" resihp: the save of iteration(s) {dropped} was still being written when the failure came; "
                      f"dropped (the tracker names {self.loop.phases.latest_saved() or 'no checkpoint'})")
+
+    def _emit(self, kept: bool) -> None:
+        self.loop.events.emit("saves_settled", self.loop.phases.position.iteration, kept=kept,
+                              iterations=list(self.pending))
 
     def _drop_writer(self) -> None:
         """Kill this rank's writer, forget what it was given and reported, and start a fresh one."""

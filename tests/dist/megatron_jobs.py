@@ -127,13 +127,14 @@ def assert_same_training(stdout: str, root, failure_free, iterations=range(1, IT
         torch.testing.assert_close(got_value, value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def checkpoint_tensors(root, scratch) -> dict[str, torch.Tensor]:
-    """Every floating-point tensor of the last ``torch_dist`` checkpoint under ``root``, whole (as
-    the model has it, whatever split saved it), by key."""
+def checkpoint_tensors(root, scratch, iteration: int | None = None) -> dict[str, torch.Tensor]:
+    """Every floating-point tensor of the last ``torch_dist`` checkpoint under ``root`` (or of
+    ``iteration``'s), whole (as the model has it, whatever split saved it), by key."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    iteration = int((root / "latest_checkpointed_iteration.txt").read_text().strip())
-    flat = scratch / f"{root.name}.pt"
+    if iteration is None:
+        iteration = int((root / "latest_checkpointed_iteration.txt").read_text().strip())
+    flat = scratch / f"{root.name}-{iteration}.pt"
     dcp_to_torch_save(root / f"iter_{iteration:07d}", flat)
     state = torch.load(flat, map_location="cpu", weights_only=False)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
