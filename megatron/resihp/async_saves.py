@@ -46,13 +46,15 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux; a no-op elsewhere)."""
+    """SIGKILL this process when its parent dies (Linux; a no-op elsewhere). A writer started by
+    a fork server is that server's child, and the server exits when the rank that started it dies."""
+    parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the parent died before the request: nobody would send the signal
+    if os.getppid() != parent:  # the parent died before the request: nobody would send the signal
         os._exit(1)
 
 

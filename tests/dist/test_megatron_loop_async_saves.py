@@ -2,14 +2,18 @@
 
 Each save hands its tensors to a writer process per rank and returns; Megatron finalizes it at a
 later step's top. A rank killed as the save is handed over, or while Megatron finalizes it, is
-survived in place: the survivors drop what their writers held, save the iteration again on the
-re-formed world, and every logged loss, the checkpoint made again and the last one equal a
-failure-free run of stock Megatron-LM with the same flags; stock Megatron-LM resumes from the
-checkpoint made again. A re-plan finishes the saves still being written in the world that planned
-them before it changes that world.
+survived in place: the survivors drop what their writers held and save the iteration again on the
+re-formed world (a save whose iteration a later step has passed is lost instead); every logged
+loss, the checkpoint made again and the last one equal a failure-free run of stock Megatron-LM
+with the same flags, and stock Megatron-LM resumes from the checkpoint made again. A dropped
+replica and its readmission finish the saves still being written in the world that planned them
+before they change that world.
 """
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +53,18 @@ def test_stock_megatron_finishes_every_asynchronous_save_on_cpu_ranks(stock):
     assert all((p / ".metadata").exists() for p in root.glob("iter_*"))
 
 
+def processes_naming(path) -> list[int]:
+    """The live processes whose command line names ``path`` (a forked writer has its rank's)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(path) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
 @pytest.mark.parametrize("phase", ["save-scheduled", "finalize"])
 def test_a_rank_killed_while_a_save_is_written_is_survived_and_the_save_made_again_whole(tmp_path, stock, phase):
     # Rank 5 dies once its save of iteration 4 is with its writer, or as Megatron finalizes that
@@ -65,6 +81,12 @@ def test_a_rank_killed_while_a_save_is_written_is_survived_and_the_save_made_aga
     # rank's writer is done): it is lost, and later saves come at their interval.
     assert dropped and all(not d["kept"] and d["iterations"][-1] == 4 for d in dropped), dropped
     assert "resihp: saving iteration 4 again, on the re-formed world" in proc.stdout
+    # The killed rank's writer and the process serving its writer's reports died with it; the
+    # survivors' writers were stopped as their ranks finished.
+    deadline = time.monotonic() + 10  # the kernel signals them as their rank goes
+    while processes_naming(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_naming(tmp_path) == []
     assert_stock_training(proc.stdout, tmp_path, (losses, tensors), ITERATIONS)
     again = checkpoint_tensors(tmp_path / "ckpt", tmp_path, iteration=4)
     want = checkpoint_tensors(stock_tmp / "ckpt", stock_tmp, iteration=4)
@@ -83,6 +105,22 @@ def test_a_rank_killed_while_a_save_is_written_is_survived_and_the_save_made_aga
         assert got[5] == pytest.approx(losses[5], rel=1e-5)
         assert got[6] == pytest.approx((losses[5] + losses[6]) / 2, rel=1e-5)
         assert all(got[i] == pytest.approx(losses[i], rel=1e-5) for i in range(7, ITERATIONS + 1)), (got, losses)
+
+
+def test_a_save_still_being_written_when_a_later_step_fails_is_lost_and_the_next_one_made(tmp_path, stock):
+    # Rank 5 dies in step 5. Iteration 4's save was handed over at the end of iteration 4 and
+    # Megatron finalizes one only once all 8 writers are done (on this host that takes iterations):
+    # it is dropped, and since step 5 has run it cannot be made again. The later saves are whole.
+    losses, tensors, _ = stock
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*async_job_args(tmp_path), *resilience_flags(events), "--resihp-inject", "kill:rank=5,at=5"],
+                   timeout_s=420)
+    check(proc)
+    dropped = read_events(events, "saves_settled")
+    assert dropped and all(not d["kept"] and d["iterations"][-1] == 4 for d in dropped), dropped
+    assert "resihp: the checkpoint of iteration 4 is lost to the failure" in proc.stdout
+    assert "saving iteration 4 again" not in proc.stdout
+    assert_stock_training(proc.stdout, tmp_path, (losses, tensors), ITERATIONS)
 
 
 STANDBY_ITERATIONS = 32
