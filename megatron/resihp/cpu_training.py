@@ -20,7 +20,9 @@ Megatron-LM's training loop needs on a host without a GPU:
   resumed run's dropout masks are the uninterrupted run's, as on a GPU;
 - no JIT fusion warm-up (``set_jit_fusion_options``: 13.7 s per rank on a CPU, and nothing is
   fused there) and no dataset-helper build (``compile_helpers`` runs ``make`` where the wheel ships
-  the compiled helper but no Makefile).
+  the compiled helper but no Makefile);
+- ``--async-save``'s persistent writer forked from the rank (``_forked_writer``), not started by a
+  fork server: a fresh interpreter has none of these stand-ins.
 
 Checked against megatron-core 0.19.2 only: importing this module with another version raises, since
 every patch names a function of that release. ``enable()`` is idempotent; ``disable()`` undoes every

@@ -8,7 +8,8 @@ all-gather), the evaluation (``evaluate_and_print_results``, between two timer b
 checkpoint save (``save_checkpoint``, inside ``save_checkpoint_and_time``; periodic, after a change
 of the micro-batch count, and the last one), and the exit check after it
 (``checkpoint_and_decide_exit``: under --exit-duration-in-mins an all-reduce of whether any rank's
-time is up). A rank that fails in any of them has stepped, so
+time is up). Under --async-save the finalization of saves at the next iteration's top is a phase
+too (``Phase.FINALIZE``, patched by ``async_saves``). A rank that fails in any of them has stepped, so
 the survivors re-form (``ResilientMegatronLoop.recover_at``) and go on after that iteration.
 
 A failure surfaces on different ranks in different phases: one rank may be in the save's barrier
@@ -319,8 +320,11 @@ class BetweenSteps:
         return result
 
     def save_again(self, iteration: int, call: inspect.BoundArguments) -> None:
-        """Make the save of ``iteration`` again (``call``: its arguments), on the re-formed world."""
+        """Make the save of ``iteration`` again (``call``: its arguments), on the re-formed world.
+        Every member agreed to (``AsyncSaves.agreed``), a survivor that stood behind in that
+        iteration's save included: none of them skips it as one the others passed."""
         self.saved.discard(iteration)
+        self.catch_up_to = None
         self._save_checkpoint(*call.args, **call.kwargs)
 
     def start(self) -> None:

@@ -35,7 +35,7 @@ when every loss logged matches (the row says how many were not logged). Recovery
 fault (the signal, or the ``inject`` event) to the first iteration finished after the last
 adaptation.
 
-    python scripts/bench/fault_matrix.py [--distributed-optimizer] [--json] [--cases TEXT ...] [--list]
+    python scripts/bench/fault_matrix.py [--distributed-optimizer] [--async-save] [--json] [--cases TEXT ...] [--list]
 
 ``--distributed-optimizer`` runs every job with ``--use-distributed-optimizer``, where a dead rank's
 part of the optimizer state comes from its copy on another rank, and adds a kill between a rank's
@@ -43,6 +43,12 @@ update and its copy (``during=update``), which the survivors undo: every part go
 update before, and the iteration runs again, and a second kill while a recovery moves the dead
 replica's parts to the survivors (``during=moves``; with the plain optimizer this job's plans move
 no state).
+
+``--async-save`` runs every job with megatron-core's asynchronous ``torch_dist`` saves
+(``--async-save --use-persistent-ckpt-worker --async-strategy mcore``): each save is handed to a
+writer process per rank and finalized at a later step's top. Its save cases kill a rank as the save
+begins, once its save is with its writer (``during=save-scheduled``) and as Megatron finalizes the
+save at the next step's top (``during=finalize``).
 
 Not covered: failures before the first iteration (model build, checkpoint load, the loaders'
 set-up). The store host's death is not a case here: the store lives in the launcher, whose ranks
@@ -92,13 +98,17 @@ class Case:
     at_fraction: float = 0.5  # how far into iteration 4, as a fraction of a median iteration
 
 
-def cases(distributed_optimizer: bool = False) -> list[Case]:
+ASYNC_SAVES = ["--ckpt-format", "torch_dist", "--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
+
+
+def cases(distributed_optimizer: bool = False, async_save: bool = False) -> list[Case]:
     out = [Case(f"{sig.name} {label} in iteration 4", signal=sig, at_fraction=fraction)
            for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP)
            for label, fraction in (("early", 0.1), ("middle", 0.5), ("late", 0.9))]
     phases = (("update", 5),) if distributed_optimizer else ()
-    for phase, rank in (*phases, ("optimizer", 5), ("log", 5), ("eval", 5), ("save", 3), ("save-write", 2),
-                        ("save-tracker", 0)):
+    saves = (("save", 3), ("save-scheduled", 2), ("finalize", 0)) if async_save else \
+        (("save", 3), ("save-write", 2), ("save-tracker", 0))
+    for phase, rank in (*phases, ("optimizer", 5), ("log", 5), ("eval", 5), *saves):
         out.append(Case(f"kill rank {rank} during {phase} at 4", (f"kill:rank={rank},at=4,during={phase}",)))
     # State moves after a kill only where the dead replica's optimizer parts go to the survivors:
     # with the plain optimizer, this job's plans move nothing (its torch-format saves keep every
@@ -176,6 +186,10 @@ def main() -> None:
     parser.add_argument("--distributed-optimizer", action="store_true",
                         help="every job with --use-distributed-optimizer, and a kill between a rank's update and "
                              "its copy (during=update)")
+    parser.add_argument("--async-save", action="store_true",
+                        help="every job with asynchronous torch_dist saves (megatron-core's writer processes), and "
+                             "kills once a save is with its writer (during=save-scheduled) and as Megatron "
+                             "finalizes it (during=finalize)")
     args = parser.parse_args()
     for text in args.cases or ():
         for phase in SAVE_PHASES_NOT_STRUCK:
@@ -184,8 +198,10 @@ def main() -> None:
         if "moves" in text and not args.distributed_optimizer:
             parser.error(f"--cases {text!r}: a kill during a recovery's state moves needs --distributed-optimizer: "
                          f"with the plain optimizer this job's plans move no state, so the kill would never strike")
-    model = [*MODEL, "--use-distributed-optimizer"] if args.distributed_optimizer else MODEL
-    every = cases(args.distributed_optimizer)
+    model = [*MODEL, "--use-distributed-optimizer"] if args.distributed_optimizer else list(MODEL)
+    if args.async_save:
+        model = [*model, *ASYNC_SAVES]  # the later --ckpt-format wins
+    every = cases(args.distributed_optimizer, args.async_save)
     chosen = [c for c in every if not args.cases or any(t in c.name for t in args.cases)]
     if args.list:
         print("\n".join(c.name for c in every))
@@ -209,7 +225,7 @@ def main() -> None:
             print(f"{case.name:<44} {row['outcome']:<18} {took:>8}  (adaptations {row['adaptations']}, "
                   f"world {row['world_size_after']})", flush=True)
     if args.json:
-        print(json.dumps({"distributed_optimizer": args.distributed_optimizer,
+        print(json.dumps({"distributed_optimizer": args.distributed_optimizer, "async_save": args.async_save,
                           "median_iteration_s": median_s, "cases": rows}, indent=1))
 
 
