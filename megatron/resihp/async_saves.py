@@ -110,7 +110,14 @@ class AsyncSaves:
         }
         training.maybe_finalize_async_save = self.finalize
         async_utils.PersistentAsyncCaller.async_loop = staticmethod(writer_loop)
-        filesystem_async.get_write_results_queue = write_results_queue
+        filesystem_async.get_write_results_queue = self._results_queue
+
+    def _results_queue(self, mp_mode: str = "spawn"):
+        """The queue of the writers' reports: one served by a process that dies with this rank under
+        --async-save, else the one installed before (``sync_save_results``' in-process queue)."""
+        if self.on():
+            return write_results_queue(mp_mode)
+        return self._original["get_write_results_queue"](mp_mode)
 
     def uninstall(self) -> None:
         from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async

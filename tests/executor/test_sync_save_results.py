@@ -69,3 +69,31 @@ def test_with_async_save_megatron_cores_results_queue_stays():
         assert filesystem_async.get_write_results_queue is own
     finally:
         sync_save_results.uninstall()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resilience_leaves_a_synchronous_save_its_in_process_queue(async_save):
+    # The loop's patch for asynchronous saves (a results queue whose process dies with its rank)
+    # goes in after this one and must hand synchronous saves back to it.
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.training import global_vars
+
+    from megatron.resihp import sync_save_results
+    from megatron.resihp.async_saves import AsyncSaves
+
+    args = argparse.Namespace(async_save=async_save)
+    before, served = global_vars._GLOBAL_ARGS, filesystem_async._results_queue
+    sync_save_results.install(args)
+    saves = AsyncSaves(loop=None)
+    saves.install()
+    global_vars.set_args(args)
+    try:
+        results = filesystem_async.get_write_results_queue("fork")
+        assert isinstance(results, queue.Queue) != async_save, type(results)
+    finally:
+        saves.uninstall()
+        sync_save_results.uninstall()
+        global_vars.set_args(before)
+        filesystem_async._results_queue = served
