@@ -142,6 +142,11 @@ class AsyncSaves:
 
         return async_utils._async_calls_queue
 
+    def _unfinalized(self) -> int:
+        """How many saves Megatron's queue holds unfinalized (0 before the first save)."""
+        calls = self._queue()
+        return calls.get_num_unfinalized_calls() if calls is not None else 0
+
     # ------------------------------------------------------------------ the save
     def scheduled(self, iteration: int, call: inspect.BoundArguments) -> None:
         """This rank's save of ``iteration`` was handed to its writer (``call``: Megatron's arguments)."""
@@ -160,14 +165,13 @@ class AsyncSaves:
         drop them (a member failed)."""
         if not self.on():
             return
-        calls = self._queue()
         if keep:
-            if calls is not None and calls.get_num_unfinalized_calls():
+            if self._unfinalized():
                 log_line(f" resihp: finishing the save of iteration(s) {self.pending} before the world changes")
-                calls.maybe_finalize_async_calls(blocking=True)
+                self._queue().maybe_finalize_async_calls(blocking=True)
                 self._emit(kept=True)
             self.pending = []
-        elif self.pending or (calls is not None and calls.get_num_unfinalized_calls()):
+        elif self.pending or self._unfinalized():
             self._drop()
         calls = self._queue()
         if calls is not None:
@@ -263,8 +267,7 @@ class AsyncSaves:
                 log_line(f" resihp: saving iteration {iteration} again, on the re-formed world")
                 phases.save_again(iteration, self.save_call)
                 phases.enter(Position(iteration, Phase.FINALIZE))
-            calls = self._queue()
-            before = calls.get_num_unfinalized_calls() if calls is not None else 0
+            before = self._unfinalized()
             if before:
                 self.loop.hooks.inject(iteration, "finalize")
             try:
@@ -272,7 +275,5 @@ class AsyncSaves:
             except RuntimeError as error:  # a peer died or hung in the finalization's collectives
                 self.loop.recover_at(Position(iteration, Phase.FINALIZE), error)
                 continue
-            calls = self._queue()
-            done = before - (calls.get_num_unfinalized_calls() if calls is not None else 0)
-            del self.pending[:done]
+            del self.pending[:before - self._unfinalized()]
             return result
