@@ -130,6 +130,7 @@ class FailStopRecovery:
             # finish without it; what it sent before still arrives first.
             host.abandon_world()
         failed = left = frozenset()  # left: spares of an earlier attempt's plan, gone or about to go
+        stood_aside = frozenset()  # survivors an update behind, planned out as spares (``_behind``)
         # Spares come back at an iteration's start: only a recovery that redoes its iteration calls them.
         take_back = host.standby_on and completed is None
         has_world = dist.is_initialized()
@@ -162,15 +163,17 @@ class FailStopRecovery:
                     answered.extend(host.readmission.call_spares(run.generation, calling))
                 return tuple(range(len(run.identity), len(run.identity) + len(answered)))
 
+            behind = self._behind(run, old_rank, resume_at, named | failed | left)
+            stood_aside |= behind
             plan, failed, published = recovery.agree_on_plan(
-                host.store, run.generation, old_rank, run.layout, named | failed | left, self._preferred_plan,
+                host.store, run.generation, old_rank, run.layout, named | failed | left | behind, self._preferred_plan,
                 wait_s=3 * cfg.collective_timeout_s, move_state=host.recovery_keeps_shape,
                 keep_tp=host.recovery_keeps_shape and not host.shrinks_tp, tp_descending=host.shrinks_tp,
                 replica_counts=host.replica_counts, hw=self._survivor_hardware(),
                 health=host.known_health, sharded_optimizer=host.sharded_optimizer,
                 part_copies=run.part_copies is not None,
-                standbys=standbys, shared=lambda plan, run=run, left=left, answered=answered: self._shared(
-                    run, plan, answered, left, iteration, consumed_samples))
+                standbys=standbys, shared=lambda plan, run=run, aside=left | behind, answered=answered: self._shared(
+                    run, plan, answered, aside, iteration, consumed_samples))
             identity = tuple(published["identity"])  # this world's launch ranks, then the spares called
             taken = [identity[r] for r in plan.joiners]
             host.planned_out = set(run.layout.world_ranks) - set(plan.new_rank) | outside
@@ -178,18 +181,18 @@ class FailStopRecovery:
             if leader:
                 # A hung rank among them fences itself; the spares of an earlier attempt are not
                 # hung but left, and may be standing by.
-                host.monitor.evict(failed - left)
+                host.monitor.evict(failed - left - behind)
                 host.events.emit("plan", iteration, action=plan.action, reason=plan.reason, executed=plan.to_dict(),
                                  preferred=published["preferred"], attempt=attempt,
                                  compute_costs=host.costs_record(), taken_back_launch_ranks=taken)
             # The planner numbers ranks as this world does; the failed are named by launch rank too.
-            after = f" after {ranks_name(failed, identity)} failed" if failed else ""
+            after = f" after {ranks_name(failed - behind, identity)} failed" if failed - behind else ""
             log_line(f" resihp: plan ({plan.action}){after}: {world_numbered(plan.reason, identity)}")
             if plan.action != "adapt":
                 host.monitor.stop()
                 self._fallback_checkpoint(old_rank, iteration, plan, consumed_samples, failed,
                                           iteration - 1 if completed is None else completed)
-            left = frozenset(plan.spares)
+            left = frozenset(plan.spares) | behind
             change = LayoutChange(
                 kind="recovery", world=World.SHRINK, iteration=iteration, old_layout=run.layout,
                 new_layout=continuing_layout(run.layout, plan),
@@ -240,7 +243,8 @@ class FailStopRecovery:
         if new.rank == 0:
             host.events.emit("adapted", iteration, world_size=dist.get_world_size(), duration_s=duration,
                              data_parallel_size=new.data_parallel_size, quotas=list(quotas),
-                             failed_ranks=sorted(failed), failed_launch_ranks=[identity[r] for r in sorted(failed)],
+                             failed_ranks=sorted(failed - stood_aside),
+                             failed_launch_ranks=[identity[r] for r in sorted(failed - stood_aside)],
                              taken_back_launch_ranks=taken,
                              layers_per_replica=[list(r.layers_per_stage) for r in new.layout.replicas])
         how = "redoing" if completed is None else "going on after"
@@ -248,6 +252,26 @@ class FailStopRecovery:
                  f"{dist.get_world_size()}, DP {new.data_parallel_size}, {how} iteration {iteration} "
                  f"({duration:.2f} s since the failure surfaced)")
         return new
+
+    def _behind(self, run, old_rank: int, resume_at: int, gone: frozenset[int]) -> frozenset[int]:
+        """The survivors an optimizer update behind the furthest (``agree_on_progress``), which the
+        plan leaves out as spares. A replica that stepped holds every shard of that update; one
+        that did not cannot catch up on its own, and redoing its iteration while the others go on
+        would pair collectives of different iterations. Optimizer part copies settle it instead:
+        the recovery takes every survivor's update back to where all parts stand
+        (``agree_on_update``)."""
+        if run.part_copies is not None:
+            return frozenset()
+        survivors = sorted(set(run.layout.world_ranks) - gone)
+        progress = recovery.agree_on_progress(self.host.store, run.generation, old_rank, survivors, resume_at,
+                                              wait_s=3 * self.host.cfg.collective_timeout_s)
+        furthest = max(progress.values())
+        behind = frozenset(r for r, at in progress.items() if at < furthest)
+        if old_rank in behind:
+            log_line(f" resihp: {rank_name(old_rank, run.identity)} did not step iteration {resume_at}, which "
+                     f"{ranks_name(set(progress) - behind, run.identity)} stepped: with no copy of that update it "
+                     f"stands aside as a spare")
+        return behind
 
     def _store_gone(self) -> bool:
         """Whether the job's store is lost, waiting for the heartbeats to decide while it fails (a

@@ -1,6 +1,7 @@
 """The store protocols of in-place adaptation, one function per step.
 
-    await_failed_ranks -> agree_on_plan -> [stage_moves] -> meet_and_reform -> (rebuild: reconfigure) -> resume
+    await_failed_ranks -> agree_on_progress -> agree_on_plan -> [stage_moves] -> meet_and_reform
+        -> (rebuild: reconfigure) -> resume
     agree_on_commit: one answer for every member of a layout change (commit or go back)
 
 Responsible for carrying out a ``SurvivorPlan`` (``resihp_ext/planner/survivors.py``) in the
@@ -98,6 +99,20 @@ def agree_on_commit(store, prefix: str, members: int, finished: bool, stop: Call
         else:
             time.sleep(poll_s)
     return store.get(decision_key) == b"commit"
+
+
+def agree_on_progress(store, generation: int, rank: int, survivors: list[int], resume_at: int,
+                      wait_s: float) -> dict[int, int]:
+    """Every survivor's first iteration not done, as each published it for world ``generation``.
+
+    A failure as an optimizer step begins can leave survivors an update apart: replicas whose
+    step needed no collective with the failed rank stepped, the others did not. The caller
+    compares; every survivor reads the same answers.
+    """
+    prefix = f"resihp/gen{generation}/progress/"
+    store.set(f"{prefix}{rank}", str(resume_at))
+    wait_for_keys(store, [f"{prefix}{r}" for r in survivors], wait_s)
+    return {r: int(store.get(f"{prefix}{r}")) for r in survivors}
 
 
 def plan_key(generation: int) -> str:
