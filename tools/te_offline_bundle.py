@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--cuda-toolkit", default="13.0.2",
                         help="pip cuda-toolkit version matching that torch's CUDA (13.0.2 for torch 2.11.0)")
     parser.add_argument("--cuda-arch", type=int, default=90, help="the GPU's compute capability x 10 (90: H100)")
-    parser.add_argument("--megatron-core-version", default="0.16.1")
+    parser.add_argument("--megatron-core-version", default="0.19.2")
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
     args = parser.parse_args()
     if not shutil.which(args.python) and not Path(args.python).is_file():
