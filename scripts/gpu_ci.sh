@@ -28,6 +28,7 @@ fi
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-2}
 export TORCH_NCCL_ENABLE_MONITORING=${TORCH_NCCL_ENABLE_MONITORING:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
+source scripts/offline_site.sh
 mkdir -p "$logs"
 start=$(date +%s)
 echo "== gpu_ci on $(hostname): $num_gpus GPU(s)" | tee "$logs/summary.txt"

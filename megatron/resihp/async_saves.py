@@ -33,7 +33,6 @@ Checked against megatron-core 0.19.2's own asynchronous saves (``--async-strateg
 
 from __future__ import annotations
 
-import ctypes
 import inspect
 import multiprocessing
 import os
@@ -41,21 +40,14 @@ import queue
 import signal
 
 from megatron.resihp.logging_utils import log_line
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
+from megatron.resihp.parent_death import signal_on_parent_death
 
 def die_with_parent() -> None:
     """SIGKILL this process when its parent dies (Linux; a no-op elsewhere). A writer started by
     a fork server is that server's child, and the server exits when the rank that started it dies."""
     parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before the request: nobody would send the signal
-        os._exit(1)
+    if signal_on_parent_death(signal.SIGKILL) and os.getppid() != parent:
+        os._exit(1)  # the parent died before the request: nobody would send the signal
 
 
 def _megatron_writer_loop():

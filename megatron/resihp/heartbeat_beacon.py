@@ -29,7 +29,6 @@ is a hang, for ``hang_rules``, never a death.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -38,6 +37,8 @@ import struct
 import sys
 import threading
 import time
+
+from megatron.resihp.parent_death import signal_on_parent_death
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ _HEADER = struct.Struct("<qqiiiq")
 _ACK_AT = 28
 _KEYS_AT = _HEADER.size
 _PAGE = 4096
-_PR_SET_PDEATHSIG = 1
 
 _BEACON: Beacon | None = None
 
@@ -189,10 +189,8 @@ def _beacon_main(page: mmap.mmap, parent: int, interval_s: float, store_timeout_
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the rank to handle
     parent_died = []
     signal.signal(signal.SIGTERM, lambda *_: parent_died.append(True))
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: the getppid() check below still notices, one interval later
+    # Not on Linux, the getppid() checks still notice, one interval later.
+    signal_on_parent_death(signal.SIGTERM)
     if os.getppid() != parent:
         return
     from megatron.resihp.heartbeat import connect_store
