@@ -19,8 +19,7 @@ Megatron-LM's training loop needs on a host without a GPU:
 - data iterators made without moving the default generator (``_keeping_rng_state``), so that a
   resumed run's dropout masks are the uninterrupted run's, as on a GPU;
 - no JIT fusion warm-up (``set_jit_fusion_options``: 13.7 s per rank on a CPU, and nothing is
-  fused there) and no dataset-helper build (``compile_helpers`` runs ``make`` where the wheel ships
-  the compiled helper but no Makefile);
+  fused there);
 - ``--async-save``'s persistent writer forked from the rank (``_forked_writer``), not started by a
   fork server: a fresh interpreter has none of these stand-ins.
 
@@ -186,14 +185,12 @@ def _keeping_rng_state(build: Callable) -> Callable:
 
 
 def _patch_training_package() -> None:
-    from megatron.core.datasets import utils as dataset_utils
     from megatron.training import initialize, training
 
     _set(training, "initialize_megatron", _initialize_on_cpu(initialize.initialize_megatron))
     _set(training, "build_train_valid_test_data_iterators",
          _keeping_rng_state(training.build_train_valid_test_data_iterators))
     _set(training, "set_jit_fusion_options", lambda *args, **kwargs: None)
-    _set(dataset_utils, "compile_helpers", lambda: None)
     _set(initialize, "init_persistent_async_worker", _forked_writer(initialize.init_persistent_async_worker))
 
 

@@ -20,6 +20,10 @@ of one megatron-core 0.19.2 function, installed by ``install()`` and undone by `
   ``torch_dist``, the value the load template held before the checkpoint was read (the resumed run's
   Adam step went back to 0), so ``step`` is left to ``load_state_dict``, which restores it from the
   checkpoint's param groups.
+- **The dataset helpers' build** (``compile_helpers``): rank 0 runs ``make`` in the package's
+  ``datasets`` folder as it starts, and exits when that fails; the wheel ships the helper compiled
+  and no Makefile, so every job from the wheel ended there. The build runs only where a Makefile is
+  (a source checkout); otherwise the shipped helper is what Megatron imports.
 
 Checked against megatron-core 0.19.2 only (importing this module with another version raises).
 This module must never change what a run computes where megatron-core's own code path works.
@@ -27,6 +31,7 @@ This module must never change what a run computes where megatron-core's own code
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -135,10 +140,19 @@ def _set_states_keeping_step(method: Callable) -> Callable:
     return wrapped
 
 
+def _build_where_a_makefile_is(compile_helpers: Callable, folder: Path) -> Callable:
+    def wrapped():
+        if (folder / "Makefile").exists():
+            compile_helpers()
+
+    return wrapped
+
+
 def install() -> None:
     """Apply every fix (idempotent)."""
     if _undo:
         return
+    from megatron.core.datasets import utils as dataset_utils
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -147,6 +161,8 @@ def install() -> None:
     _set(DistributedOptimizer, "load_state_dict", _own_step_per_parameter(DistributedOptimizer.load_state_dict))
     _set(DistributedOptimizer, "_set_main_param_and_optimizer_states",
          _set_states_keeping_step(DistributedOptimizer._set_main_param_and_optimizer_states))
+    _set(dataset_utils, "compile_helpers",
+         _build_where_a_makefile_is(dataset_utils.compile_helpers, Path(dataset_utils.__file__).parent))
 
 
 def uninstall() -> None:

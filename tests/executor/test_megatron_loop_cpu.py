@@ -62,6 +62,22 @@ def test_torch_norms_take_sequence_parallel_and_layernorm_1p(normalization):
         WrappedTorchNorm(config, 8)
 
 
+def test_the_dataset_helpers_are_built_only_where_a_makefile_ships():
+    """The wheel ships the compiled helper and no Makefile: stock Megatron's start-up ``make`` fails
+    there and the job exits, on a GPU as on a CPU."""
+    from megatron.core.datasets import helpers_cpp  # noqa: F401  (what Megatron imports instead)
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.resihp import training_compat
+
+    training_compat.install()
+    try:
+        dataset_utils.compile_helpers()
+    finally:
+        training_compat.uninstall()
+    with pytest.raises((SystemExit, FileNotFoundError)):  # stock, once uninstalled (no make: not found)
+        dataset_utils.compile_helpers()
+
+
 def test_rampup_batch_size_is_refused_before_anything_starts(capsys):
     from megatron.resihp.gpt_pretrain import refuse_ignored_flags
 
