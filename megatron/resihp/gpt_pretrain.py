@@ -335,10 +335,23 @@ def refuse_ignored_flags(argv: list[str]) -> None:
 def refuse_missing_flags(args: argparse.Namespace) -> None:
     """Exit 2 on a flag megatron-core 0.19.2 needs and does not check for, before anything starts: without
     ``--eval-interval`` its data set-up divides by None on every rank (unless ``--full-validation`` or
-    ``--skip-train``)."""
+    ``--skip-train``); on a GPU without apex, gradient accumulation fusion (on by default) fails as the
+    model is built."""
     if args.eval_interval is None and not args.full_validation and not args.skip_train:
         _refuse("--eval-interval: Megatron-LM's loop sizes its validation data by it; pass --eval-interval N "
                 "(with --eval-iters 0 to evaluate never)")
+    if args.device == "cuda" and args.gradient_accumulation_fusion and not has_apex_wgrad_fusion():
+        # Megatron's own error comes once the model is built, after the job's start-up.
+        _refuse("--no-gradient-accumulation-fusion: Megatron fuses weight-gradient accumulation by default, "
+                "with apex's fused_weight_gradient_mlp_cuda extension, which is not installed; pass "
+                "--no-gradient-accumulation-fusion, or install apex with its --cpp_ext --cuda_ext extensions")
+
+
+def has_apex_wgrad_fusion() -> bool:
+    """Whether apex's weight-gradient fusion kernel, which Megatron's own linear layers call, is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
 def failed_check(error: AssertionError) -> str:

@@ -37,6 +37,7 @@ compared with its own from the first iterations.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -75,7 +76,14 @@ def model_args(tp: int, pp: int, device: str = "cpu", model: str = "tiny") -> li
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--mock-doc-lengths", "lognormal:median=48,sigma=1.0,min=8,max=1024",
         "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
+        *without_apex(device),
     ]
+
+
+def without_apex(device: str) -> list[str]:
+    """What a CUDA job needs where apex is not installed: no gradient accumulation fusion (apex's kernel)."""
+    apex = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    return ["--no-gradient-accumulation-fusion"] if device == "cuda" and not apex else []
 
 
 def launch(nproc: int, args: list[str], env_extra: dict | None = None, timeout_s: float = 1200) -> float:

@@ -8,6 +8,7 @@ torchrun.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -34,6 +35,14 @@ TINY_GPT = [
     "--vocab-size", "512", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
     "--split", "99,1,0", "--save-interval", "1000", "--ckpt-format", "torch",
 ]
+
+
+def tiny_gpt_on(device: str) -> list[str]:
+    """``TINY_GPT`` on ``device``; on CUDA without apex, with no gradient accumulation fusion (its kernel is apex's)."""
+    args = [a if a != "cpu" else device for a in TINY_GPT]
+    if device == "cuda" and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        args.append("--no-gradient-accumulation-fusion")
+    return args
 
 
 def run_job(nproc: int, args: list[str], timeout_s: float = 300, launcher: str = "local",

@@ -78,6 +78,21 @@ def test_the_dataset_helpers_are_built_only_where_a_makefile_ships():
         dataset_utils.compile_helpers()
 
 
+def test_a_gpu_job_without_apex_is_told_to_turn_gradient_accumulation_fusion_off(capsys):
+    import argparse
+
+    from megatron.resihp.gpt_pretrain import has_apex_wgrad_fusion, refuse_missing_flags
+
+    if has_apex_wgrad_fusion():
+        pytest.skip("apex's fused_weight_gradient_mlp_cuda is installed here")
+    job = dict(eval_interval=10, full_validation=False, skip_train=False, device="cuda")
+    with pytest.raises(SystemExit) as stop:
+        refuse_missing_flags(argparse.Namespace(**job, gradient_accumulation_fusion=True))
+    assert stop.value.code == 2
+    assert "error: --no-gradient-accumulation-fusion:" in capsys.readouterr().err
+    refuse_missing_flags(argparse.Namespace(**job, gradient_accumulation_fusion=False))
+
+
 def test_rampup_batch_size_is_refused_before_anything_starts(capsys):
     from megatron.resihp.gpt_pretrain import refuse_ignored_flags
 

@@ -8,7 +8,7 @@ Each test names the GPUs it needs and is skipped, with that reason, on a node wi
 import pytest
 import torch
 
-from tests.dist.launch import TINY_GPT, check, iteration_losses, read_events, run_job
+from tests.dist.launch import check, iteration_losses, read_events, run_job, tiny_gpt_on
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -19,10 +19,6 @@ NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORIN
 
 def needs_gpus(count: int):
     return pytest.mark.skipif(NUM_GPUS < count, reason=f"needs {count} CUDA GPUs, this node has {NUM_GPUS}")
-
-
-def _on(device: str) -> list[str]:
-    return [a if a != "cpu" else device for a in TINY_GPT]
 
 
 def _params(checkpoint, iteration):
@@ -37,7 +33,7 @@ def test_dp2_on_two_gpus_matches_the_cpu_job(tmp_path):
     runs = {}
     for device in ("cpu", "cuda"):
         log = tmp_path / f"{device}.jsonl"
-        check(run_job(2, [*_on(device), *NO_DROPOUT, "--train-iters", "4", "--resihp-event-log", str(log)],
+        check(run_job(2, [*tiny_gpt_on(device), *NO_DROPOUT, "--train-iters", "4", "--resihp-event-log", str(log)],
                       env_extra=NCCL_ENV))
         losses = iteration_losses(log)
         runs[device] = [losses[i] for i in range(1, 5)]
@@ -50,7 +46,8 @@ def test_tp2_pp2_dp2_on_eight_gpus_matches_the_cpu_job(tmp_path):
     runs = {}
     for device in ("cpu", "cuda"):
         log = tmp_path / f"{device}.jsonl"
-        check(run_job(8, [*_on(device), *NO_DROPOUT, *shape, "--resihp-event-log", str(log)], env_extra=NCCL_ENV))
+        check(run_job(8, [*tiny_gpt_on(device), *NO_DROPOUT, *shape, "--resihp-event-log", str(log)],
+                      env_extra=NCCL_ENV))
         losses = iteration_losses(log)
         runs[device] = [losses[i] for i in range(1, 5)]
     assert runs["cuda"] == pytest.approx(runs["cpu"], rel=1e-3)
@@ -61,7 +58,7 @@ def test_sigkill_on_nccl_is_survived_in_place_with_exact_parameters(tmp_path):
     """PP 2 x DP 2 on 4 GPUs, rank 1 SIGKILLed at iteration 3: the survivors abort their NCCL
     communicators instead of being torn down by NCCL's watchdog, re-form, and end with the
     failure-free run's losses, parameters and consumed samples."""
-    shape = [*_on("cuda"), *NO_DROPOUT, "--pipeline-model-parallel-size", "2", "--train-iters", "6"]
+    shape = [*tiny_gpt_on("cuda"), *NO_DROPOUT, "--pipeline-model-parallel-size", "2", "--train-iters", "6"]
     ref, ours = tmp_path / "ref", tmp_path / "ours"
     check(run_job(4, [*shape, "--save", str(ref / "ckpt"), "--resihp-event-log", str(ref / "ev.jsonl")],
                   env_extra=NCCL_ENV))
@@ -86,7 +83,8 @@ def test_sigkill_on_nccl_is_survived_in_place_with_exact_parameters(tmp_path):
 def test_a_two_times_slow_gpu_is_replanned_in_place(tmp_path):
     """PP 2 on 2 GPUs, stage 1's GPU 2x slow from iteration 10: detected, and its layers move."""
     log = tmp_path / "ev.jsonl"
-    args = [*_on("cuda"), "--pipeline-model-parallel-size", "2", "--global-batch-size", "32", "--train-iters", "40",
+    args = [*tiny_gpt_on("cuda"), "--pipeline-model-parallel-size", "2", "--global-batch-size", "32",
+            "--train-iters", "40",
             *RESILIENT, "--resihp-event-log", str(log), "--resihp-inject", "slow:rank=1,factor=2,at=10"]
     check(run_job(2, args, env_extra=NCCL_ENV, timeout_s=600))
     verdicts = [v for v in read_events(log, "verdict") if v.get("kind") == "compute"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.dist.launch import TINY_GPT, check, iteration_losses, run_job
+from tests.dist.launch import check, iteration_losses, run_job, tiny_gpt_on
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_trains_on_cuda(tmp_path, precision):
     # Started by scripts/launch_local.py: its rank is forked from a server that imported torch and
     # megatron-core, so this also shows the fork left CUDA usable.
-    args = [a if a != "cpu" else "cuda" for a in TINY_GPT]
+    args = tiny_gpt_on("cuda")
     log = tmp_path / "events.jsonl"
     check(run_job(1, [*args, *precision, "--train-iters", "20", "--resihp-event-log", str(log)]))
     losses = iteration_losses(log)
@@ -26,7 +26,7 @@ def _first_losses_by_device(tmp_path, extra=()) -> dict[str, list[float]]:
     runs = {}
     for device in ("cpu", "cuda"):
         log = tmp_path / f"{device}.jsonl"
-        args = [a if a != "cpu" else device for a in TINY_GPT]
+        args = tiny_gpt_on(device)
         check(run_job(1, [*args, *extra, *no_dropout, "--resihp-event-log", str(log)]))
         losses = iteration_losses(log)
         runs[device] = [losses[i] for i in (1, 2, 3)]
@@ -71,7 +71,7 @@ def test_packed_documents_use_transformer_engines_thd_attention(tmp_path):
     assert packed_documents.layout(chosen) == "thd"
     packed_documents.with_document_attention(argparse.Namespace(layer_specs=[spec]), chosen)
     assert spec.submodules.self_attention.submodules.core_attention is TEDotProductAttention
-    args = [a if a != "cpu" else "cuda" for a in TINY_GPT]
+    args = tiny_gpt_on("cuda")
     losses = {}
     for layout in ("thd", "sbhd"):
         log = tmp_path / f"{layout}.jsonl"
