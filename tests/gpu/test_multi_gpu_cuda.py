@@ -12,6 +12,9 @@ from tests.dist.launch import check, iteration_losses, read_events, run_job, tin
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+# A CUDA job against a CPU job: both draw the weights from the CPU's generator
+# (test_training_cuda.SAME_WEIGHTS says why).
+SAME_WEIGHTS = ["--use-cpu-initialization"]
 # Bounds every NCCL and gloo wait once a peer is dead (docs/launching.md, "NCCL settings").
 RESILIENT = ["--resihp-enable", "--resihp-collective-timeout-s", "10"]
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
@@ -33,8 +36,8 @@ def test_dp2_on_two_gpus_matches_the_cpu_job(tmp_path):
     runs = {}
     for device in ("cpu", "cuda"):
         log = tmp_path / f"{device}.jsonl"
-        check(run_job(2, [*tiny_gpt_on(device), *NO_DROPOUT, "--train-iters", "4", "--resihp-event-log", str(log)],
-                      env_extra=NCCL_ENV))
+        check(run_job(2, [*tiny_gpt_on(device), *NO_DROPOUT, *SAME_WEIGHTS, "--train-iters", "4",
+                          "--resihp-event-log", str(log)], env_extra=NCCL_ENV))
         losses = iteration_losses(log)
         runs[device] = [losses[i] for i in range(1, 5)]
     assert runs["cuda"] == pytest.approx(runs["cpu"], rel=1e-3)
@@ -46,7 +49,7 @@ def test_tp2_pp2_dp2_on_eight_gpus_matches_the_cpu_job(tmp_path):
     runs = {}
     for device in ("cpu", "cuda"):
         log = tmp_path / f"{device}.jsonl"
-        check(run_job(8, [*tiny_gpt_on(device), *NO_DROPOUT, *shape, "--resihp-event-log", str(log)],
+        check(run_job(8, [*tiny_gpt_on(device), *NO_DROPOUT, *SAME_WEIGHTS, *shape, "--resihp-event-log", str(log)],
                       env_extra=NCCL_ENV))
         losses = iteration_losses(log)
         runs[device] = [losses[i] for i in range(1, 5)]
