@@ -42,6 +42,7 @@ import signal
 from megatron.resihp.logging_utils import log_line
 from megatron.resihp.parent_death import signal_on_parent_death
 
+
 def die_with_parent() -> None:
     """SIGKILL this process when its parent dies (Linux; a no-op elsewhere). A writer started by
     a fork server is that server's child, and the server exits when the rank that started it dies."""

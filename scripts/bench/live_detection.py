@@ -37,7 +37,6 @@ compared with its own from the first iterations.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -82,8 +81,11 @@ def model_args(tp: int, pp: int, device: str = "cpu", model: str = "tiny") -> li
 
 def without_apex(device: str) -> list[str]:
     """What a CUDA job needs where apex is not installed: no gradient accumulation fusion (apex's kernel)."""
-    apex = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
-    return ["--no-gradient-accumulation-fusion"] if device == "cuda" and not apex else []
+    if device != "cuda":
+        return []
+    from megatron.resihp.gpt_pretrain import has_apex_wgrad_fusion
+
+    return [] if has_apex_wgrad_fusion() else ["--no-gradient-accumulation-fusion"]
 
 
 def launch(nproc: int, args: list[str], env_extra: dict | None = None, timeout_s: float = 1200) -> float:

@@ -8,7 +8,6 @@ torchrun.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -40,8 +39,11 @@ TINY_GPT = [
 def tiny_gpt_on(device: str) -> list[str]:
     """``TINY_GPT`` on ``device``; on CUDA without apex, with no gradient accumulation fusion (its kernel is apex's)."""
     args = [a if a != "cpu" else device for a in TINY_GPT]
-    if device == "cuda" and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
-        args.append("--no-gradient-accumulation-fusion")
+    if device == "cuda":
+        from megatron.resihp.gpt_pretrain import has_apex_wgrad_fusion
+
+        if not has_apex_wgrad_fusion():
+            args.append("--no-gradient-accumulation-fusion")
     return args
 
 
