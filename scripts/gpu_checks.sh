@@ -38,12 +38,14 @@ for name in ("megatron.core", "transformer_engine"):
         print(name, "not importable:", error)
 EOF
 
+selected() {  # selected NAME: whether STEPS (when set) names the step
+    [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]
+}
+
 step() {  # step NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S (less if the budget is short)
     local name=$1 limit=$2 remaining
     shift 2
-    if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then
-        return
-    fi
+    selected "$name" || return
     remaining=$(left)
     if [ "$remaining" -lt 30 ]; then
         echo "== $name skipped: $remaining s of the budget left"
@@ -64,7 +66,7 @@ step gpu_tests 240 python3 -m pytest -q -rs --tb=short -p no:warnings tests/gpu
 # tests/gpu skips its TE tests.
 if python3 -c "import transformer_engine" 2> /dev/null; then
     step thd_attention 90 python3 scripts/bench/thd_attention.py --rounds 9
-elif [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" thd_attention "* ]]; then
+elif selected thd_attention; then
     echo "== thd_attention skipped: Transformer Engine is not importable (tools/te_offline_bundle.py builds it for an offline node)"
 fi
 # Three pairs of runs: on one H200 two pairs of the same job read 4.1% and -0.9%, each with an
