@@ -222,7 +222,7 @@ def test_a_rank_killed_while_a_layer_moves_leaves_every_survivor_on_the_split_th
     assert_stock_training(proc.stdout, tmp_path, own_split_failure_free, OWN_SPLIT_ITERATIONS)
 
 
-def interleaved_job_args(tmp, name: str) -> list[str]:
+def own_split_interleaved_job_args(tmp, name: str) -> list[str]:
     """``own_split_job_args`` under the interleaved schedule (a layer per model chunk), 16 micro-batches
     an iteration. With 8, in groups of two per replica, quotas alone ([6, 2]) and both replicas'
     splits ([4, 4]) came within 5% of each other in the planner's model for the slowdowns below,
@@ -234,7 +234,7 @@ def interleaved_job_args(tmp, name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def own_split_interleaved_failure_free(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("own_split_interleaved_failure_free")
-    return stock_dist_training(8, tmp, interleaved_job_args(tmp, "ckpt"))
+    return stock_dist_training(8, tmp, own_split_interleaved_job_args(tmp, "ckpt"))
 
 
 def test_under_the_interleaved_schedule_replicas_move_layers_opposite_ways_and_sum_every_chunks_gradients(
@@ -247,7 +247,7 @@ def test_under_the_interleaved_schedule_replicas_move_layers_opposite_ways_and_s
     # layer over the replicas' model numbers, in every model chunk of a rank (with the first chunk's
     # alone, the losses left stock's at iteration 14 by 3e-5).
     events = tmp_path / "events.jsonl"
-    proc = slowed_run(interleaved_job_args(tmp_path, "ckpt"), events, "slow:rank=0,factor=3,at=5",
+    proc = slowed_run(own_split_interleaved_job_args(tmp_path, "ckpt"), events, "slow:rank=0,factor=3,at=5",
                       "slow:rank=6,factor=3,at=5")
     assert "of the layers per stage, a split of each replica's own" in proc.stdout, proc.stdout[-3000:]
     moved = [a for a in read_events(events, "adapted") if a["layers_per_replica"] != [[2, 2], [2, 2]]]
