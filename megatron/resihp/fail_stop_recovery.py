@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron.resihp import recovery
 from megatron.resihp.checkpoint_files import latest_iteration
 from megatron.resihp.data_samplers import even_quotas
-from megatron.resihp.failure_origin import is_peer_failure
+from megatron.resihp.failure_origin import PeerFailed, is_peer_failure
 from megatron.resihp.heartbeat import STORE_LOSS_TIMEOUTS, STORE_OP_TIMEOUT_S
 from megatron.resihp.logging_utils import log_line, rank_name, ranks_name, world_numbered
 from megatron.resihp.optimizer_parts import OptimizerPartsStale
@@ -263,8 +263,14 @@ class FailStopRecovery:
         if run.part_copies is not None:
             return frozenset()
         survivors = sorted(set(run.layout.world_ranks) - gone)
-        progress = recovery.agree_on_progress(self.host.store, run.generation, old_rank, survivors, resume_at,
-                                              wait_s=3 * self.host.cfg.collective_timeout_s)
+        try:
+            progress = recovery.agree_on_progress(self.host.store, run.generation, old_rank, survivors, resume_at,
+                                                  wait_s=3 * self.host.cfg.collective_timeout_s,
+                                                  stop=self.host.failure_among(survivors))
+        except (PeerFailed, TimeoutError):
+            # A survivor failed before it said: the world this plan re-forms meets that failure, and
+            # the next attempt, planned without it, asks again.
+            return frozenset()
         furthest = max(progress.values())
         behind = frozenset(r for r, at in progress.items() if at < furthest)
         if old_rank in behind:

@@ -102,16 +102,19 @@ def agree_on_commit(store, prefix: str, members: int, finished: bool, stop: Call
 
 
 def agree_on_progress(store, generation: int, rank: int, survivors: list[int], resume_at: int,
-                      wait_s: float) -> dict[int, int]:
+                      wait_s: float, stop: Callable[[], str | None] = lambda: None) -> dict[int, int]:
     """Every survivor's first iteration not done, as each published it for world ``generation``.
 
     A failure as an optimizer step begins can leave survivors an update apart: replicas whose
     step needed no collective with the failed rank stepped, the others did not. The caller
     compares; every survivor reads the same answers.
+
+    Raises:
+        PeerFailed, TimeoutError: as ``wait_for_keys``, when a survivor never published.
     """
     prefix = f"resihp/gen{generation}/progress/"
     store.set(f"{prefix}{rank}", str(resume_at))
-    wait_for_keys(store, [f"{prefix}{r}" for r in survivors], wait_s)
+    wait_for_keys(store, [f"{prefix}{r}" for r in survivors], wait_s, stop)
     return {r: int(store.get(f"{prefix}{r}")) for r in survivors}
 
 
