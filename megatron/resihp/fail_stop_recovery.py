@@ -171,7 +171,7 @@ class FailStopRecovery:
                 keep_tp=host.recovery_keeps_shape and not host.shrinks_tp, tp_descending=host.shrinks_tp,
                 replica_counts=host.replica_counts, hw=self._survivor_hardware(),
                 health=host.known_health, sharded_optimizer=host.sharded_optimizer,
-                part_copies=run.part_copies is not None,
+                part_copies=run.part_copies is not None, uniform_tp=host.shrinks_every_replica,
                 standbys=standbys, shared=lambda plan, run=run, aside=left | behind, answered=answered: self._shared(
                     run, plan, answered, aside, iteration, consumed_samples))
             identity = tuple(published["identity"])  # this world's launch ranks, then the spares called

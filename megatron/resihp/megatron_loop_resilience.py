@@ -182,8 +182,9 @@ class ResilientMegatronLoop:
         return self._loader(dataset, consumed_samples)
 
     def shrinks_tp(self, args) -> bool:
-        """Whether a stage group that loses ranks may go on at a smaller TP degree: then every TP
-        rank of the first and last stages opens the data, which any of them may have to read."""
+        """Whether a stage group that loses ranks may go on at a smaller TP degree (under the
+        distributed optimizer, with every replica): then every TP rank of the first and last
+        stages opens the data, which any of them may have to read."""
         return self.cfg.enable and tp_shrink_refused(args) is None
 
     def _loader(self, dataset, consumed_samples):
@@ -380,7 +381,8 @@ class ResilientMegatronLoop:
                                      sharded_optimizer=args.use_distributed_optimizer, cfg=self.cfg,
                                      stands_by=True, stages_alike=moves and not own_splits, own_splits=own_splits,
                                      recovery_keeps_shape=not args.use_distributed_optimizer,
-                                     shrinks_tp=self.shrinks_tp(args),
+                                     shrinks_tp=self.shrinks_tp(args) and own_splits_refused(args) is None,
+                                     shrinks_every_replica=self.shrinks_tp(args) and args.use_distributed_optimizer,
                                      replica_counts=counts, interleaving=interleaving(args), fail_slow_drops=counts)
         self.hooks.saves = self.saves
 
@@ -422,8 +424,10 @@ class ResilientMegatronLoop:
                 replans += ", and a very slow rank left out of its TP group (its replica at a smaller degree)"
             if self.hooks.can_recover:
                 narrower = tp_shrink_refused(args)
-                on += (", a stage group that lost ranks going on at a smaller TP degree" if narrower is None
-                       else f", every replica at TP {args.tensor_model_parallel_size} ({narrower})")
+                on += (f", every replica at TP {args.tensor_model_parallel_size} ({narrower})" if narrower is not None
+                       else ", a stage group that lost ranks taking every replica to one smaller TP degree where "
+                            "that beats going on without its replica" if args.use_distributed_optimizer
+                       else ", a stage group that lost ranks going on at a smaller TP degree")
             detection = "on" if self.hooks.live is not None else "off"
             log_line(f" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place {on}; fail-slow "
                      f"detection {detection}" + (f", re-plans {replans}" if self.hooks.live is not None else ""))

@@ -18,7 +18,8 @@ for what a re-plan may change there:
   place of megatron-core's DDP, which sums equal gradient buffers.
 - ``tp_shrink_refused``: why a job's fail-stop plans keep every replica at the launch's TP degree,
   or None: then a stage group that lost ranks may run its replica at a smaller degree
-  (``split_config`` sets it), its gradients summed by the layer-wise sync.
+  (``split_config`` sets it), its gradients summed by the layer-wise sync; where replicas must
+  stay alike (``own_splits_refused``: the distributed optimizer), every replica at once.
 - ``layer_moves_refused``: why a job's re-plans must keep every layer on its stage, or None.
   Megatron saves what each stage holds: a save in the torch format numbers a stage's layers from
   0, and the distributed optimizer's default ``torch_dist`` format lays its state out by the
@@ -146,6 +147,11 @@ def own_splits_refused(args: argparse.Namespace) -> str | None:
     if args.use_distributed_optimizer:
         return ("--use-distributed-optimizer splits each stage's optimizer state over the replicas by their "
                 "gradient buffers, which must then hold the same layers")
+    return _synced_by_megatron_alone(args)
+
+
+def _synced_by_megatron_alone(args: argparse.Namespace) -> str | None:
+    """Why some gradients of this job are summed by megatron-core alone, never layer by layer."""
     if getattr(args, "num_experts", None):
         return "--num-experts: expert and router gradients are synced by megatron-core alone"
     if getattr(args, "mtp_num_layers", None):
@@ -155,14 +161,14 @@ def own_splits_refused(args: argparse.Namespace) -> str | None:
 
 def tp_shrink_refused(args: argparse.Namespace) -> str | None:
     """Why this job's fail-stop plans keep every replica at the launch's TP degree (None: a stage
-    group that lost ranks may go on at a smaller degree beside the whole replicas). Such a replica
-    differs from the others, so what keeps replicas alike (``own_splits_refused``) keeps the
-    degree too; and a save must load in a stock run at the launch's degree."""
+    group that lost ranks may go on at a smaller degree beside the whole replicas, or, where the
+    replicas must stay alike (``own_splits_refused``), every replica at one smaller degree). A save
+    must load in a stock run at the launch's degree."""
     if args.tensor_model_parallel_size == 1:
         return "TP 1"
-    alike = own_splits_refused(args)
-    if alike is not None:
-        return alike
+    unsynced = _synced_by_megatron_alone(args)
+    if unsynced is not None:
+        return unsynced
     if args.save is not None and args.ckpt_format != "torch_dist":
         return (f"--ckpt-format {args.ckpt_format} saves each TP shard as the rank that holds it, so a save from a "
                 f"smaller-TP replica would not load at the launch's degree (--ckpt-format torch_dist reshards)")

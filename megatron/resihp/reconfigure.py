@@ -97,8 +97,12 @@ class LayoutChange:
             rank -> the live rank keeping the copy of its part of the optimizer state (empty when
             nobody died: a re-plan leaving ranks out). Every survivor then sends the kept ranks the
             parts they lack before leaving, and the rebuilt optimizer is split anew from them
-            (``optimizer_parts``). GROW (empty): every member receives its position's parts in the
-            grown world, the joiners too, and the model's weights are gathered from them.
+            (``optimizer_parts``). With ``transfers`` too (every replica re-formed at a smaller TP
+            degree, whose positions are not the old ones), every survivor receives every part of its
+            old position, the transfers move weights and whole optimizer states to the new TP
+            shards, and the rebuilt optimizer takes its part of those. GROW (empty): every member
+            receives its position's parts in the grown world, the joiners too, and the model's
+            weights are gathered from them.
         filled: SHRINK: dead rank -> the standby taking its place (``plan.filled``); under the
             distributed optimizer a standby receives every part of that place's position.
     """
@@ -179,8 +183,9 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
     moved = 0
     messages = run.messages
     parts = None  # every part of this rank's position, when the optimizer's parts moved
+    whole = None  # its old position's whole optimizer state, when the positions change with the parts
     if change.world is World.SHRINK:
-        received, parts = _move_out_and_reform(change, run, env, ran)
+        received, parts, whole = _move_out_and_reform(change, run, env, ran)
         rank, layout = change.new_rank[run.rank], change.new_layout.relabel(change.new_rank)
         identity = run.renumbered(change.new_rank) if change.identity is None else \
             tuple(change.identity[old] for old in sorted(change.new_rank, key=change.new_rank.get))
@@ -207,6 +212,8 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
         elif change.world is World.GROW and change.part_sources is not None:
             parts = _grown_parts(change, run, rank, env)
             _carry_into_grown(change, run, new_objects)
+        elif whole is not None:
+            copies, parts = _reshard_parts(change, run, layout, rank, new_objects, received, parts, whole), None
         else:
             moved += _move_state(change, run, rank, new_objects, received, ran)
         if parts is not None:
@@ -243,10 +250,13 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
     return new
 
 
-def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran: list) -> tuple[dict, list | None]:
+def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor,
+                         ran: list) -> tuple[dict, StagedParts | None, dict | None]:
     """SHRINK: send what the kept ranks need while every holder is a member, let leavers go, and
-    form the smaller world. Returns what this rank received (``reshard.stage_transfers``) and, when
-    the optimizer's parts moved, every part of its position (``optimizer_parts.stage_parts``).
+    form the smaller world. Returns what this rank received (``reshard.stage_transfers``), when the
+    optimizer's parts moved every part of its position (``optimizer_parts.stage_parts``), and when
+    the positions change too (``LayoutChange.part_sources``) its old position's whole optimizer
+    state, which its transfers were read from.
 
     Raises:
         OptimizerPartsStale: the survivors' parts do not make one optimizer state.
@@ -256,31 +266,37 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
     joining = change.joining_rank is not None
     # A standby holds no part, but receives every part of its place's position.
     sends_parts = change.part_sources is not None and (run.part_copies is not None or joining)
+    # Parts of positions the new layout does not have: every survivor, which may send a transfer,
+    # first takes its old position's whole state from them.
+    reshards = sends_parts and bool(change.transfers)
     if old_rank not in new_rank and (not (change.transfers or sends_parts) or old_rank in change.failed):
         change.leave(old_rank)
     if change.kind == "recovery":
         env.inject(change.iteration, "reform")
-    parts = None
+    parts = whole = None
     try:
-        if change.move_world is not None:
-            received = {}
-            if change.transfers or sends_parts:
+        # In the world the moves run in: the survivors' one, or the old world when nobody failed
+        # (a re-plan leaving ranks out, which hand their parts over before they go).
+        peer_rank = (lambda r: r) if change.move_world is None else list(change.move_world).index
+        received = {}
+        if change.move_world is None or change.transfers or sends_parts:
+            if change.move_world is not None:
                 # Spares stay for this step: they may hold what a moved stage group needs.
-                received = recovery.stage_moves(
-                    env.store, run.generation, old_rank, list(change.move_world), change.transfers,
-                    change.old_layout, run.objects, env.backend, env.cfg.collective_timeout_s,
-                    stop=(lambda: None) if joining else env.failure_among(change.move_world),
-                    joined=lambda: env.inject(change.iteration, "moves"), ran=ran,
-                    connect_s=env.cfg.rendezvous_timeout_s)
-        else:
+                recovery.join_moves_world(env.store, run.generation, old_rank, list(change.move_world), env.backend,
+                                          env.cfg.collective_timeout_s,
+                                          stop=(lambda: None) if joining else env.failure_among(change.move_world),
+                                          joined=lambda: env.inject(change.iteration, "moves"),
+                                          connect_s=env.cfg.rendezvous_timeout_s)
+            if reshards:
+                senders = change.move_world or tuple(r for r in change.old_layout.world_ranks if r not in change.failed)
+                parts = stage_parts(run.part_copies, change.old_layout, old_rank, change.part_sources,
+                                    {r: r for r in senders}, peer_rank=peer_rank, device=env.device())
+                whole = whole_states(run.objects.optimizer, parts.parts)
             received = stage_transfers(change.transfers, change.old_layout, old_rank, run.objects,
-                                       peer_rank=lambda r: r, ran=ran)
-        if sends_parts:
-            # In the world the moves ran in: the survivors' one, or the old world when nobody failed
-            # (a re-plan leaving ranks out, which hand their parts over before they go).
-            parts = stage_parts(run.part_copies, change.old_layout, old_rank, change.part_sources, new_rank,
-                                peer_rank=list(change.move_world).index if change.move_world is not None else
-                                (lambda r: r), places=change.filled, device=env.device())
+                                       peer_rank=peer_rank, ran=ran, whole=whole)
+            if sends_parts and not reshards:
+                parts = stage_parts(run.part_copies, change.old_layout, old_rank, change.part_sources, new_rank,
+                                    peer_rank=peer_rank, places=change.filled, device=env.device())
         env.record_moved(change.iteration, old_rank, ran, sum(f.numel() * f.element_size() for f in received.values()))
         if not change.watch_old_world:
             env.unwatch()
@@ -293,7 +309,26 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor, ran
                                  connect_s=env.cfg.rendezvous_timeout_s)
     except (RuntimeError, TimeoutError) as error:
         raise ChangeFailed(f"world {run.generation} did not form: {error}", run) from error
-    return received, parts
+    return received, parts, whole
+
+
+def _reshard_parts(change: LayoutChange, run: RunState, layout: Layout, rank: int, new_objects, received: dict,
+                   staged: StagedParts, whole: dict) -> PartCopies:
+    """SHRINK under Megatron's distributed optimizer to positions the old layout does not have
+    (every replica at a smaller TP degree): the rebuilt model's weights and whole optimizer states
+    are filled from the staged transfers (read from the old positions' whole states), the rebuilt
+    optimizer takes its part of them at the update the parts agreed on, the model's parameters are
+    gathered from its main parameters, and the new world's copies are sent."""
+    old = run.objects
+    new_objects.optimizer.load_state_dict(old.optimizer.state_dict())  # step counts, param groups
+    new_whole = whole_states(new_objects.optimizer)
+    unstage_transfers(change.transfers, change.old_layout, change.new_layout, run.rank, old, new_objects, received,
+                      whole=(whole, new_whole))
+    write_parts(new_objects.optimizer, [whole_part(new_objects.optimizer, new_whole, staged.update)])
+    set_back_adam_steps(new_objects.optimizer, staged.steps_back)  # an update undone (``agree_on_update``)
+    regather(new_objects.optimizer)
+    carry_schedule(old, new_objects)
+    return _send_copies(layout, rank, new_objects.optimizer, staged.update)
 
 
 def _grown_parts(change: LayoutChange, run: RunState, rank: int, env: Executor) -> StagedParts:

@@ -1,6 +1,6 @@
 """The store protocols of in-place adaptation, one function per step.
 
-    await_failed_ranks -> agree_on_progress -> agree_on_plan -> [stage_moves] -> meet_and_reform
+    await_failed_ranks -> agree_on_progress -> agree_on_plan -> [join_moves_world] -> meet_and_reform
         -> (rebuild: reconfigure) -> resume
     agree_on_commit: one answer for every member of a layout change (commit or go back)
 
@@ -10,7 +10,7 @@ the job's store, so every survivor applies the same one. State never comes from 
 a replica survives whole or can be rebuilt from intact stage groups: every kept rank already holds
 its stage's shard, model and optimizer, and copies them into the objects rebuilt on the new
 groups. A stage group that the plan moves to another stage is the one exception: its new stage's
-state comes point-to-point from surviving holders (``stage_moves``), in a world of every survivor,
+state comes point-to-point from surviving holders, in a world of every survivor (``join_moves_world``),
 before spares leave. Nothing here decides what to keep.
 """
 
@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 from megatron.resihp.failure_origin import PeerFailed
 from megatron.resihp.parallel_state_patch import reform_world
-from megatron.resihp.reshard import stage_transfers
 from resihp_ext.layout import Layout
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
@@ -129,8 +128,8 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
                   standbys: Callable[[], tuple[int, ...]] = tuple,
                   shared: Callable[[SurvivorPlan], dict] = lambda plan: {},
                   sharded_optimizer: bool = False, part_copies: bool = False, keep_tp: bool = False,
-                  tp_descending: bool = False,
-                  replica_counts: frozenset[int] | None = None) -> tuple[SurvivorPlan, frozenset[int], dict]:
+                  tp_descending: bool = False, replica_counts: frozenset[int] | None = None,
+                  uniform_tp: bool = False) -> tuple[SurvivorPlan, frozenset[int], dict]:
     """The lowest surviving rank decides and publishes; everyone reads the same plan back.
 
     ``health``: the fail-slow verdicts acted on so far (``layout``'s ranks); the quotas follow them.
@@ -146,7 +145,7 @@ def agree_on_plan(store, generation: int, rank: int, layout: Layout, failed: fro
     if rank == leader:
         plan = plan_survivors(layout, failed, move_state=move_state, hw=hw, health=health, standbys=standbys(),
                               sharded_optimizer=sharded_optimizer, part_copies=part_copies, keep_tp=keep_tp,
-                              tp_descending=tp_descending, replica_counts=replica_counts)
+                              tp_descending=tp_descending, replica_counts=replica_counts, uniform_tp=uniform_tp)
         store.set(key, json.dumps({**shared(plan), "plan": plan.to_dict(), "failed": sorted(failed),
                                    "preferred": describe_preferred(failed)}))
     wait_for_keys(store, [key], wait_s)
@@ -180,12 +179,11 @@ def meet_and_reform(store, label: str, new_rank: int, world_size: int, backend: 
     reform_world(store, new_rank, world_size, label, backend=backend, timeout=timeout_s, connect_timeout=connect_s)
 
 
-def stage_moves(store, generation: int, rank: int, survivors: list[int], moves, layout: Layout, objects,
-                backend: str, timeout_s: float, stop: Callable[[], str | None] = lambda: None,
-                joined: Callable[[], None] = lambda: None, ran: list | None = None,
-                connect_s: float | None = None) -> dict:
-    """Every survivor (spares too: they may hold what a moved group needs) joins one world and
-    sends or receives the plan's moves into flat buffers (``reshard.stage_transfers``).
+def join_moves_world(store, generation: int, rank: int, survivors: list[int], backend: str, timeout_s: float,
+                     stop: Callable[[], str | None] = lambda: None, joined: Callable[[], None] = lambda: None,
+                     connect_s: float | None = None) -> None:
+    """Every survivor (spares too: they may hold what a moved group needs) joins one world, in which
+    the plan's moves and the optimizer's parts are sent (``reconfigure``).
 
     The world uses its own store prefix (``gen<N>moves``), so the kept ranks' next world, under
     ``gen<N>``, cannot meet it by mistake. ``joined`` runs once this rank is in that world.
@@ -193,4 +191,3 @@ def stage_moves(store, generation: int, rank: int, survivors: list[int], moves, 
     meet_and_reform(store, f"{generation}moves", survivors.index(rank), len(survivors), backend, timeout_s, stop,
                     connect_s=connect_s)
     joined()
-    return stage_transfers(moves, layout, rank, objects, peer_rank=survivors.index, ran=ran)

@@ -108,13 +108,16 @@ def _unit_views(slots, optimizer, holding, t, template, whole: dict | None = Non
 
 
 @torch.no_grad()
-def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank, ran: list | None = None) -> dict:
+def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank, ran: list | None = None,
+                    whole: dict | None = None) -> dict:
     """Phase 1 of a move that changes the world: send what others need, receive into flat buffers.
 
     Runs in a world holding every source and destination (spares included); ``peer_rank`` maps a
     layout rank to its rank in that world. Sizes travel first, so receivers need no model yet
     (a standby taken back holds nothing: ``old_objects`` None, it only receives).
     ``ran``, when given, collects every transfer between two ranks this rank sent or received.
+    ``whole``: under the distributed optimizer, the old model's whole optimizer states, which the
+    sent units are read from (``apply_transfers``).
 
     Returns:
         ``{transfer index: flat tensor}`` for what this rank received (local copies excluded).
@@ -132,7 +135,7 @@ def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank, ra
             ran.append(t)
         if t.src == rank and t.dst != rank:
             holding = next(h for h in old_holders[t.item] if h.rank == rank)
-            views = _unit_views(old_slots, old_objects.optimizer, holding, t, template)
+            views = _unit_views(old_slots, old_objects.optimizer, holding, t, template, whole)
             # An item can have no tensor of a kind (with PP 1 and tied embeddings, "last" has no
             # TP-split one): its size goes out as 0 and nothing else is sent.
             # Always fp32 on the wire: the receiver sizes its buffer before it has a model.
@@ -159,9 +162,10 @@ def stage_transfers(transfers, old_layout, rank: int, old_objects, peer_rank, ra
 
 @torch.no_grad()
 def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects, new_objects, received,
-                      adam_template: dict | None = None) -> None:
+                      adam_template: dict | None = None, whole: tuple[dict, dict] | None = None) -> None:
     """Phase 2: fill the rebuilt model and optimizer from local state and the staged buffers
-    (``old_objects`` None on a rank that held nothing: ``adam_template`` shapes its Adam states)."""
+    (``old_objects`` None on a rank that held nothing: ``adam_template`` shapes its Adam states;
+    ``whole``: the old and the new model's whole optimizer states, as for ``apply_transfers``)."""
     from resihp_ext.shard_map import holders
 
     from megatron.resihp.layer_sync import objects_slots
@@ -174,10 +178,11 @@ def unstage_transfers(transfers, old_layout, new_layout, rank: int, old_objects,
         if t.dst != rank:
             continue
         target = _unit_views(new_slots, new_objects.optimizer, next(h for h in new_holders[t.item] if h.rank == rank),
-                             t, template)
+                             t, template, whole[1] if whole else None)
         if t.src == rank:
             source = _unit_views(old_slots, old_objects.optimizer,
-                                 next(h for h in old_holders[t.item] if h.rank == rank), t, template)
+                                 next(h for h in old_holders[t.item] if h.rank == rank), t, template,
+                                 whole[0] if whole else None)
             for a, b in zip(source, target):
                 b.copy_(a)
             continue

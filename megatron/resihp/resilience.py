@@ -57,7 +57,7 @@ class ResilienceHooks:
     def __init__(self, args: argparse.Namespace, events: EventLog, build_objects: Callable,
                  sharded_optimizer: bool = False, cfg=None, stands_by: bool = True, stages_alike: bool = False,
                  own_splits: bool = False, recovery_keeps_shape: bool = False, shrinks_tp: bool = False,
-                 replica_counts: frozenset[int] | None = None,
+                 shrinks_every_replica: bool = False, replica_counts: frozenset[int] | None = None,
                  interleaving: Interleaving = Interleaving(), fail_slow_drops: frozenset[int] | None = None):
         """``build_objects(args, layers_per_stage)`` builds a rank's training objects on the installed
         groups; the loop hands its own to each call (``run.objects`` holds none until then). A fail-stop plan keeps every rank at the stage it holds, a fail-slow plan changes
@@ -76,7 +76,9 @@ class ResilienceHooks:
         group takes a stage that is short, a standby takes a dead rank's place; no replica runs at a
         smaller TP degree, unless ``shrinks_tp``: then a stage group that lost ranks may also run its
         replica at a smaller degree, after every replica at a larger one in DP order (a loop that
-        builds each rank's model at its replica's degree). ``replica_counts``: how many replicas the
+        builds each rank's model at its replica's degree). With ``sharded_optimizer`` and
+        ``shrinks_every_replica``, a fail-stop plan may instead re-form every replica at one smaller
+        TP degree, all alike as the distributed optimizer needs. ``replica_counts``: how many replicas the
         loop can split the global batch over (None: any), which a fail-stop plan keeps to.
         ``interleaving``: the replicas' pipeline schedule, which op timings are read by and plans are
         priced under. ``fail_slow_drops``: the replica counts a fail-slow plan may drop slow
@@ -88,6 +90,7 @@ class ResilienceHooks:
         self.own_splits = own_splits
         self.recovery_keeps_shape = recovery_keeps_shape
         self.shrinks_tp = recovery_keeps_shape and shrinks_tp
+        self.shrinks_every_replica = sharded_optimizer and shrinks_every_replica
         self.replica_counts = replica_counts
         self.fail_slow_drops = fail_slow_drops
         self.interleaving = interleaving

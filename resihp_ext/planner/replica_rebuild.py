@@ -5,7 +5,9 @@ first: intact stage groups at the stage they held (``rebuild_replicas``); leftov
 taking a stage that is short (``repack_replicas``); the live ranks of groups that lost members, as a
 replica at one smaller TP degree (``shrink_replicas``), added only when the cost model predicts a
 shorter iteration with it (``worth_adding``), the batch then split by speed (``balanced_quotas``).
-No TP group is formed from ranks of different old groups. Pure.
+Where replicas must stay alike (Megatron's distributed optimizer), every replica is re-formed at
+one smaller degree instead (``every_replica_at``). No TP group is formed from ranks of different
+old groups. Pure.
 """
 
 from __future__ import annotations
@@ -166,6 +168,34 @@ def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], con
                     pool.append((held, ranks[degree:]))
             shrunk.append(candidate)
     return tuple(shrunk)
+
+
+def every_replica_at(layout: Layout, dead: frozenset[int], degree: int, hw: HardwareModel,
+                     slow: frozenset[int] = frozenset()) -> tuple[ReplicaSpec, ...]:
+    """As many replicas as the live ranks allow with the launch's layer split, every one at
+    ``degree`` (a layout whose replicas are alike: under Megatron's distributed optimizer the
+    replicas' gradient buffers must pair, so no replica may differ from the others).
+
+    Each stage group of each replica, intact or not, gives its live ranks to groups of ``degree``
+    ranks (no TP group spans ranks of different old groups), healthy ranks before ``slow`` ones
+    and then the lowest first; replica ``j`` takes the ``j``-th group of every stage. None when
+    ``degree`` does not shard the model or a stage's shard does not fit ``hw.device_memory_bytes``.
+    """
+    shape = layout.replicas[0].stages
+    if not all(_runs_at(degree, s, p, len(shape), layout.model, hw) for p, s in enumerate(shape)):
+        return ()
+    groups: list[list[tuple[int, ...]]] = []
+    for position in range(len(shape)):
+        formed = []
+        for replica in layout.replicas:
+            live = sorted((r for r in replica.stages[position].ranks if r not in dead), key=lambda r: (r in slow, r))
+            usable = live[:len(live) - len(live) % degree]
+            formed += [tuple(sorted(usable[i:i + degree])) for i in range(0, len(usable), degree)]
+        # Groups without a slow rank lead, so that the replicas left out hold the slow ones.
+        groups.append(sorted(formed, key=lambda g: (bool(set(g) & slow), g)))
+    count = min(len(g) for g in groups)
+    return tuple(ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, groups[p][j]) for p, s in enumerate(shape)))
+                 for j in range(count))
 
 
 def balanced_quotas(replicas: tuple[ReplicaSpec, ...], model: ModelSpec, hw: HardwareModel,

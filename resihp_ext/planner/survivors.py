@@ -18,6 +18,7 @@ whole again (``standby_places``), its standbys receiving their state from live h
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
@@ -25,8 +26,8 @@ from resihp_ext.optimizer_parts import part_sources
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.moves import NoSurvivingHolder, state_moves
-from resihp_ext.planner.replica_rebuild import (balanced_quotas, holding_key, rebuild_replicas, repack_replicas,
-                                                shrink_replicas, worth_adding)
+from resihp_ext.planner.replica_rebuild import (balanced_quotas, every_replica_at, holding_key, rebuild_replicas,
+                                                repack_replicas, shrink_replicas, worth_adding)
 from resihp_ext.planner.standby_places import filled_layout, standby_places
 from resihp_ext.shard_map import Transfer, transfers
 
@@ -163,13 +164,16 @@ def _sharded_state_lost(layout: Layout, dead: frozenset[int], lost: tuple[tuple[
 
 def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: HardwareModel | None,
                      health: Health | None, standbys: tuple[int, ...] = (),
-                     replica_counts: frozenset[int] | None = None) -> SurvivorPlan:
+                     replica_counts: frozenset[int] | None = None, uniform_tp: bool = False) -> SurvivorPlan:
     """Under the distributed optimizer: whole replicas go on when every dead rank's part of the
     optimizer state has a live copy; the kept ranks then receive the parts of the replicas left out.
 
     Standbys may take dead ranks' places (``standby_places``), making their replicas whole again.
     Such a plan moves no weights: a standby receives every part of its place's position like a
-    kept rank does, and its model parameters are gathered from the main parameters in them."""
+    kept rank does, and its model parameters are gathered from the main parameters in them.
+
+    With ``uniform_tp``, where no standby makes the replicas whole, every replica may instead be
+    re-formed at one smaller TP degree from the live ranks (``_every_replica_smaller``)."""
     if copies:
         sources, lost = part_sources(layout, dead)
     else:
@@ -181,19 +185,72 @@ def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: Har
         if standbys else None
     if filled is not None:  # their state is the parts: no weights move
         plan = dataclasses.replace(filled, transfers=())
+    copied = ", ".join(f"{d}'s on rank {h}" for d, h in sorted(sources.items()))
+    if uniform_tp and filled is None:
+        smaller = _every_replica_smaller(layout, dead, plan, hw, health, replica_counts)
+        if smaller is not None:
+            return dataclasses.replace(smaller, part_sources=sources, reason=(
+                f"{smaller.reason}; each stage's optimizer state is gathered whole from its parts, the dead ranks' "
+                f"from their copies ({copied}), moved to the new TP shards and split anew"))
     if plan.action != "adapt":
         return plan
-    copied = ", ".join(f"{d}'s on rank {h}" for d, h in sorted(sources.items()))
     return dataclasses.replace(plan, part_sources=sources, reason=(
         f"{plan.reason}; the optimizer state is split anew over the kept replicas, the dead ranks' parts "
         f"from their copies ({copied})"))
+
+
+def _every_replica_smaller(layout: Layout, dead: frozenset[int], whole: SurvivorPlan, hw: HardwareModel | None,
+                           health: Health | None, replica_counts: frozenset[int] | None) -> SurvivorPlan | None:
+    """Every replica re-formed at one smaller TP degree from the live ranks (``every_replica_at``),
+    at the degree the cost model predicts the shortest iteration for, when that beats ``whole``
+    (the plan keeping the whole replicas; any in-place plan beats a restart). None otherwise."""
+    model, hw = layout.model, hw or HardwareModel()
+    if model.global_batch_size is None or not layout.replicas_alike():
+        return None
+    known = health or Health()
+    known = Health(speed=known.speed, slow_links=known.slow_links)
+    best, best_s = None, math.inf
+    if whole.action == "adapt":
+        best_s = balanced_quotas(_continuing(layout, whole), model, hw, known)[1]
+    degree = _degree(layout.replicas[0]) // 2
+    while degree >= 1:
+        replicas = every_replica_at(layout, dead, degree, hw, known.affected_ranks)
+        if replica_counts is not None:
+            replicas = replicas[:max((c for c in replica_counts if c <= len(replicas)), default=0)]
+        if replicas:
+            quotas, seconds = balanced_quotas(replicas, model, hw, known)
+            if seconds < best_s:
+                best, best_s = (replicas, quotas), seconds
+        degree //= 2
+    if best is None:
+        return None
+    replicas, quotas = best
+    new_layout = Layout(replicas, model)
+    try:
+        moves = state_moves(layout, new_layout, dead, hw)
+    except NoSurvivingHolder:
+        return None
+    new_rank = {old: new for new, old in enumerate(megatron_order(replicas))}
+    spares = tuple(r for r in sorted(set(layout.world_ranks) - dead) if r not in new_rank)
+    quotas = () if len(set(quotas)) == 1 else tuple(quotas)
+    pieces = "; ".join("[" + " | ".join(",".join(map(str, s.ranks)) for s in r.stages) + "]" for r in replicas)
+    broken = [i for i, r in enumerate(layout.replicas) if set(r.ranks) & dead]
+    reason = (f"dead ranks {sorted(dead)} broke replicas {broken}; every replica re-formed at TP {_degree(replicas[0])} "
+              f"from the live ranks of each stage group ({pieces}; DP {layout.num_replicas} -> {len(replicas)}, "
+              f"TP {_degree(layout.replicas[0])} -> {_degree(replicas[0])}), predicted {best_s:.3g} s an iteration"
+              + (f" against {balanced_quotas(_continuing(layout, whole), model, hw, known)[1]:.3g} s on the whole "
+                 f"replicas" if whole.action == "adapt" else "")
+              + (f", micro-batches per replica {list(quotas)}" if quotas else "")
+              + f"; {len(spares)} surviving ranks become spares")
+    return SurvivorPlan(action="adapt", kept_replicas=(), rebuilt_replicas=replicas, new_rank=new_rank, spares=spares,
+                        checkpoint_writers=whole.checkpoint_writers, quotas=quotas, reason=reason, transfers=moves)
 
 
 def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True,
                    hw: HardwareModel | None = None, health: Health | None = None,
                    standbys: tuple[int, ...] = (), sharded_optimizer: bool = False,
                    part_copies: bool = False, keep_tp: bool = False, tp_descending: bool = False,
-                   replica_counts: frozenset[int] | None = None) -> SurvivorPlan:
+                   replica_counts: frozenset[int] | None = None, uniform_tp: bool = False) -> SurvivorPlan:
     """Keep every replica none of whose ranks died, rebuild what intact stage groups allow, renumber.
 
     New ranks follow megatron-core's order over the new layout (for kept whole replicas of a
@@ -232,6 +289,10 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
             plan keeps the most of those it can, leaving out rebuilt replicas first, then the last
             whole ones (their ranks become spares): under Megatron-LM's interleaved schedule, for
             one, each replica's share must be one the schedule runs.
+        uniform_tp: with ``sharded_optimizer`` and copies kept, the survivors may also re-form every
+            replica at one smaller TP degree (all alike, as the distributed optimizer needs), each
+            stage's optimizer state gathered whole from its parts and resharded by ``transfers``,
+            when the cost model predicts a shorter iteration than the whole replicas give.
 
     Returns:
         A SurvivorPlan. "adapt" needs at least one replica, whole or rebuilt; otherwise
@@ -242,7 +303,8 @@ def plan_survivors(layout: Layout, dead: frozenset[int], move_state: bool = True
     if unknown:
         raise ValueError(f"dead ranks {sorted(unknown)} are not in the layout")
     if sharded_optimizer and dead:
-        return _plan_with_parts(layout, frozenset(dead), part_copies, hw, health, tuple(standbys), replica_counts)
+        return _plan_with_parts(layout, frozenset(dead), part_copies, hw, health, tuple(standbys), replica_counts,
+                                uniform_tp=uniform_tp and part_copies)
     shape = _Shape(keep_tp, tp_descending, replica_counts)
     plain = _plan_on(layout, frozenset(dead), move_state, hw, health, shape=shape)
     if not (standbys and move_state):

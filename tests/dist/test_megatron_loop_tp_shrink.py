@@ -8,6 +8,12 @@ what stock Megatron-LM computes: every logged loss, and every tensor of the chec
 the shrink (weights and Adam's moments, whole), equal a failure-free run with no ``--resihp-*``
 flag. The same under the interleaved schedule, two model chunks per rank.
 
+Under the distributed optimizer (its gradient buffers pair replica with replica, so replicas stay
+alike), ranks 0 and 3 (stage 0 of either replica, each group down to one rank) SIGKILLed at
+once: no replica is whole and none can be rebuilt at TP 2, so every replica is re-formed at TP 1
+from the live ranks, each stage's optimizer state gathered whole from its parts (the dead ranks'
+from their copies) and split anew; training equal to stock Megatron-LM's as above.
+
 On 4 CPU ranks, TP2 x DP2: a very slow rank leaves its TP group, its replica going on at TP 1 and
 after the other in Megatron's rank order, and rejoins once healthy, training equal to stock
 Megatron-LM's as above.
@@ -63,6 +69,38 @@ def test_a_tp_group_that_lost_a_rank_goes_on_at_tp_1_beside_the_whole_replica_ex
     adapted = read_events(events, "adapted")
     assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 6)], adapted
     assert_stock_training(proc.stdout, tmp_path, failure_free, ITERATIONS)
+
+
+def distributed_job_args(tmp, name: str) -> list[str]:
+    """``shrink_job_args`` with the distributed optimizer (reshardable saves) and sequence parallelism."""
+    return [*shrink_job_args(tmp, name), "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable",
+            "--sequence-parallel"]
+
+
+@pytest.fixture(scope="module")
+def distributed_failure_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp_shrink_distributed_failure_free")
+    return stock_dist_training(8, tmp, distributed_job_args(tmp, "ckpt"))
+
+
+def test_under_the_distributed_optimizer_every_replica_goes_on_at_tp_1_when_no_replica_is_left_whole(
+        tmp_path, distributed_failure_free):
+    # Ranks 0 and 3 hold TP halves of stage 0 in replicas 0 and 1: before, no replica could go on and
+    # the job stopped at its last checkpoint. Their parts' copies live on ranks 2 and 1.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(8, [*distributed_job_args(tmp_path, "ckpt"), *resilience_flags(events),
+                       "--resihp-inject", "kill:rank=0,at=4", "--resihp-inject", "kill:rank=3,at=4"], timeout_s=420)
+    check(proc)
+    assert "taking every replica to one smaller TP degree" in proc.stdout, proc.stdout[-3000:]
+    plan = read_events(events, "plan")[-1]
+    assert plan["action"] == "adapt" and "every replica re-formed at TP 1" in plan["reason"], decisions(events)
+    executed = plan["executed"]
+    assert executed["kept_replicas"] == [] and executed["part_sources"] == {"0": 2, "3": 1}, executed
+    assert [[s["ranks"] for s in r["stages"]] for r in executed["rebuilt_replicas"]] == [[[1], [4]], [[2], [5]]], \
+        executed
+    adapted = read_events(events, "adapted")
+    assert [(a["iteration"], a["world_size"], a["data_parallel_size"]) for a in adapted] == [(4, 4, 2)], adapted
+    assert_stock_training(proc.stdout, tmp_path, distributed_failure_free, ITERATIONS)
 
 
 EXCLUSION_ITERATIONS = 24

@@ -1,10 +1,13 @@
 """With the optimizer state split over data-parallel ranks (Megatron's distributed optimizer), a dead
 rank's part survives only as the copy the next rank of its position keeps: whole replicas go on when
-every dead rank's copy lives, and the plan says where each comes from."""
+every dead rank's copy lives, and the plan says where each comes from. Where that is worse, or
+impossible, every replica may go on at one smaller TP degree instead, all alike."""
 
 from resihp_ext.layout import Layout, ModelSpec
 from resihp_ext.optimizer_parts import (HeldCopy, PartsAgreement, agree_on_update, copied_owner, copy_holder,
                                         part_ring, part_sources)
+from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.health import Health
 from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
@@ -104,3 +107,58 @@ def test_a_standby_can_make_a_replica_whole_where_none_is_left():
     plan = plan_survivors(tp2, frozenset({0, 3}), sharded_optimizer=True, part_copies=True, standbys=(4,))
     assert plan.action == "adapt" and plan.filled == {0: 4} and plan.joiners == (4,), plan.reason
     assert plan.part_sources == {0: 2, 3: 1} and plan.transfers == ()
+
+
+# A model where compute, not latency, decides (the planner's reference device).
+LARGE = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384, vocab_size=51200,
+                  seq_length=2048, micro_batch_size=1, global_batch_size=64)
+ROOMY = HardwareModel(device_memory_bytes=10**12)
+
+
+def test_with_no_replica_left_whole_every_replica_goes_on_at_a_smaller_tp_degree():
+    # TP2 x PP2 x DP2: ranks 0 and 3 held stage 0's TP halves in replicas 0 and 1, so no replica is
+    # whole and no stage-0 group intact: the whole-replica plan falls back. Every replica alike at
+    # TP 1 (the distributed optimizer's buffers pair replica with replica) goes on in place: stage 0
+    # has ranks 1 and 2 left, stage 1 four, so two replicas, and ranks 6 and 7 are spares.
+    assert plan_survivors(LAYOUT, frozenset({0, 3}), sharded_optimizer=True, part_copies=True).action == \
+        "checkpoint-restart"
+    plan = plan_survivors(LAYOUT, frozenset({0, 3}), sharded_optimizer=True, part_copies=True, uniform_tp=True)
+    assert plan.action == "adapt" and plan.kept_replicas == (), plan.reason
+    assert [[s.ranks for s in r.stages] for r in plan.rebuilt_replicas] == [[(1,), (4,)], [(2,), (5,)]]
+    assert plan.spares == (6, 7) and plan.new_rank == {1: 0, 2: 1, 4: 2, 5: 3} and plan.quotas == ()
+    assert plan.part_sources == {0: 2, 3: 1}
+    assert "every replica re-formed at TP 1" in plan.reason and "0's on rank 2" in plan.reason
+    # Every new rank receives the TP half of its stage it did not hold, from a live holder.
+    new = Layout(plan.rebuilt_replicas, MODEL)
+    assert {t.dst for t in plan.transfers if t.src != t.dst} == set(new.world_ranks)
+    assert not {t.src for t in plan.transfers} & {0, 3}
+    assert SurvivorPlan.from_dict(plan.to_dict()) == plan
+    # Without copies the dead ranks' parts are lost, whatever the degree.
+    assert plan_survivors(LAYOUT, frozenset({0, 3}), sharded_optimizer=True, uniform_tp=True).action == \
+        "checkpoint-restart"
+    # Where TP 1 cannot hold a stage, nothing changes.
+    small = HardwareModel(device_memory_bytes=1)
+    assert plan_survivors(LAYOUT, frozenset({0, 3}), sharded_optimizer=True, part_copies=True, uniform_tp=True,
+                          hw=small).action == "checkpoint-restart"
+
+
+def test_beside_a_whole_replica_the_cost_model_decides_between_it_and_every_replica_smaller():
+    layout = Layout.uniform(LARGE, 2, 2, 2, (16, 16))
+    # One rank dead: one whole replica at TP 2, or three at TP 1. On the reference device the large
+    # model's compute decides: three replicas, the batch split 22/21/21, rank 1 a spare (stage 0 has
+    # four live ranks, stage 1 three).
+    plan = plan_survivors(layout, frozenset({5}), sharded_optimizer=True, part_copies=True, uniform_tp=True, hw=ROOMY)
+    assert plan.action == "adapt" and len(plan.rebuilt_replicas) == 3, plan.reason
+    assert sorted(plan.quotas) == [21, 21, 22] and plan.spares == (3,), plan.reason
+    assert "against" in plan.reason  # the whole replica's predicted iteration, for comparison
+    # The interleaved schedule's replica counts (say 1 or 2) cut it to two.
+    two = plan_survivors(layout, frozenset({5}), sharded_optimizer=True, part_copies=True, uniform_tp=True, hw=ROOMY,
+                         replica_counts=frozenset({1, 2}))
+    assert len(two.rebuilt_replicas) == 2 and two.quotas == (), two.reason
+    # A known slow rank of stage 0 is the one left out.
+    slow = plan_survivors(layout, frozenset({5}), sharded_optimizer=True, part_copies=True, uniform_tp=True, hw=ROOMY,
+                          health=Health(speed={1: 0.5}))
+    assert slow.spares == (1,), slow.reason
+    # The tiny model's iteration is all latency on the reference device: its whole replica is kept.
+    kept = plan_survivors(LAYOUT, frozenset({5}), sharded_optimizer=True, part_copies=True, uniform_tp=True)
+    assert kept.kept_replicas == (1,) and kept.rebuilt_replicas == (), kept.reason
