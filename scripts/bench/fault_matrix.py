@@ -124,6 +124,8 @@ def cases(distributed_optimizer: bool = False, async_save: bool = False) -> list
         out.append(Case(f"rank 5 raises in its {phase} at 4", (f"raise:rank=5,at=4,during={phase}",)))
     out.append(Case("hang rank 5 at 4", ("hang:rank=5,at=4",)))
     out.append(Case("kill 5 at 4, then 2 at 6", ("kill:rank=5,at=4", "kill:rank=2,at=6")))
+    # No replica left whole and no stage-0 TP group intact: only a smaller TP degree goes on in place.
+    out.append(Case("kill 0 and 3 at 4, a TP rank of stage 0 in each replica", ("kill:rank=0,at=4", "kill:rank=3,at=4")))
     out.append(Case("kill 5 at 3, 2 at 5, 0 at 7", ("kill:rank=5,at=3", "kill:rank=2,at=5", "kill:rank=0,at=7")))
     return out
 
