@@ -169,6 +169,9 @@ def tp_shrink_refused(args: argparse.Namespace) -> str | None:
     unsynced = _synced_by_megatron_alone(args)
     if unsynced is not None:
         return unsynced
+    if args.use_distributed_optimizer and args.virtual_pipeline_model_parallel_size is not None:
+        return ("--use-distributed-optimizer under the interleaved schedule (a checkpoint saved after every replica "
+                "went to a smaller TP degree there held the word embeddings' optimizer state out of place)")
     if args.save is not None and args.ckpt_format != "torch_dist":
         return (f"--ckpt-format {args.ckpt_format} saves each TP shard as the rank that holds it, so a save from a "
                 f"smaller-TP replica would not load at the launch's degree (--ckpt-format torch_dist reshards)")

@@ -178,8 +178,9 @@ def every_replica_at(layout: Layout, dead: frozenset[int], degree: int, hw: Hard
 
     Each stage group of each replica, intact or not, gives its live ranks to groups of ``degree``
     ranks (no TP group spans ranks of different old groups), healthy ranks before ``slow`` ones
-    and then the lowest first; replica ``j`` takes the ``j``-th group of every stage. None when
-    ``degree`` does not shard the model or a stage's shard does not fit ``hw.device_memory_bytes``.
+    and then the lowest first; replica ``j`` takes the ``j``-th group of every stage. No replica
+    when ``degree`` does not shard the model or a stage's shard does not fit
+    ``hw.device_memory_bytes``.
     """
     shape = layout.replicas[0].stages
     if not all(_runs_at(degree, s, p, len(shape), layout.model, hw) for p, s in enumerate(shape)):

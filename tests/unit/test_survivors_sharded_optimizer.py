@@ -8,6 +8,7 @@ from resihp_ext.optimizer_parts import (HeldCopy, PartsAgreement, agree_on_updat
                                         part_ring, part_sources)
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
+from resihp_ext.planner import survivors
 from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
@@ -142,7 +143,7 @@ def test_with_no_replica_left_whole_every_replica_goes_on_at_a_smaller_tp_degree
                           hw=small).action == "checkpoint-restart"
 
 
-def test_beside_a_whole_replica_the_cost_model_decides_between_it_and_every_replica_smaller():
+def test_beside_a_whole_replica_the_cost_model_decides_between_it_and_every_replica_smaller(monkeypatch):
     layout = Layout.uniform(LARGE, 2, 2, 2, (16, 16))
     # One rank dead: one whole replica at TP 2, or three at TP 1. On the reference device the large
     # model's compute decides: three replicas, the batch split 22/21/21, rank 1 a spare (stage 0 has
@@ -151,14 +152,20 @@ def test_beside_a_whole_replica_the_cost_model_decides_between_it_and_every_repl
     assert plan.action == "adapt" and len(plan.rebuilt_replicas) == 3, plan.reason
     assert sorted(plan.quotas) == [21, 21, 22] and plan.spares == (3,), plan.reason
     assert "against" in plan.reason  # the whole replica's predicted iteration, for comparison
-    # The interleaved schedule's replica counts (say 1 or 2) cut it to two.
+    # Replica counts the loop can split the batch over (say 1 or 2) cut it to two, which would do the
+    # work of the one whole TP-2 replica: that replica goes on.
     two = plan_survivors(layout, frozenset({5}), sharded_optimizer=True, part_copies=True, uniform_tp=True, hw=ROOMY,
                          replica_counts=frozenset({1, 2}))
-    assert len(two.rebuilt_replicas) == 2 and two.quotas == (), two.reason
+    assert two.kept_replicas == (1,) and two.rebuilt_replicas == (), two.reason
     # A known slow rank of stage 0 is the one left out.
     slow = plan_survivors(layout, frozenset({5}), sharded_optimizer=True, part_copies=True, uniform_tp=True, hw=ROOMY,
                           health=Health(speed={1: 0.5}))
     assert slow.spares == (1,), slow.reason
+    # Only a clear gain re-forms every rank's state: asked for a 40% shorter iteration, the 31% predicted
+    # here keeps the whole replica.
+    monkeypatch.setattr(survivors, "UNIFORM_TP_GAIN", 0.6)
+    kept = plan_survivors(layout, frozenset({5}), sharded_optimizer=True, part_copies=True, uniform_tp=True, hw=ROOMY)
+    assert kept.kept_replicas == (1,) and kept.rebuilt_replicas == (), kept.reason
     # The tiny model's iteration is all latency on the reference device: its whole replica is kept.
     kept = plan_survivors(LAYOUT, frozenset({5}), sharded_optimizer=True, part_copies=True, uniform_tp=True)
     assert kept.kept_replicas == (1,) and kept.rebuilt_replicas == (), kept.reason
