@@ -170,11 +170,18 @@ def tp_shrink_refused(args: argparse.Namespace) -> str | None:
     if unsynced is not None:
         return unsynced
     if args.use_distributed_optimizer and args.virtual_pipeline_model_parallel_size is not None:
-        return ("--use-distributed-optimizer under the interleaved schedule (a checkpoint saved after every replica "
-                "went to a smaller TP degree there held the word embeddings' optimizer state out of place)")
+        # Measured with no --resihp-* flag: TP1 x PP2 x DP2, one layer per virtual stage.
+        return ("--use-distributed-optimizer under the interleaved schedule: megatron-core 0.19.2 saves the word "
+                "embeddings' fp32 main parameters one row out of place at TP 1 there, so a job at a smaller "
+                "degree would save what does not resume exactly")
     if args.save is not None and args.ckpt_format != "torch_dist":
         return (f"--ckpt-format {args.ckpt_format} saves each TP shard as the rank that holds it, so a save from a "
                 f"smaller-TP replica would not load at the launch's degree (--ckpt-format torch_dist reshards)")
+    if args.save is not None and args.use_distributed_optimizer and \
+            not getattr(args, "dist_ckpt_optim_fully_reshardable", False):
+        return ("the distributed optimizer's torch_dist state is laid out by each stage's gradient buffer, so a save "
+                "at a smaller TP degree would not load at the launch's (--dist-ckpt-optim-fully-reshardable lays "
+                "it out by parameter)")
     return None
 
 

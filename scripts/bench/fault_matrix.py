@@ -189,9 +189,9 @@ def main() -> None:
                         help="every job with --use-distributed-optimizer, and a kill between a rank's update and "
                              "its copy (during=update)")
     parser.add_argument("--async-save", action="store_true",
-                        help="every job with asynchronous torch_dist saves (megatron-core's writer processes), and "
-                             "kills once a save is with its writer (during=save-scheduled) and as Megatron "
-                             "finalizes it (during=finalize)")
+                        help="every job with asynchronous torch_dist saves (megatron-core's writer processes; with "
+                             "--distributed-optimizer, fully reshardable), and kills once a save is with its writer "
+                             "(during=save-scheduled) and as Megatron finalizes it (during=finalize)")
     args = parser.parse_args()
     for text in args.cases or ():
         for phase in SAVE_PHASES_NOT_STRUCK:
@@ -203,6 +203,10 @@ def main() -> None:
     model = [*MODEL, "--use-distributed-optimizer"] if args.distributed_optimizer else list(MODEL)
     if args.async_save:
         model = [*model, *ASYNC_SAVES]  # the later --ckpt-format wins
+        if args.distributed_optimizer:
+            # Its torch_dist state laid out by parameter: a save at a smaller TP degree then loads at the
+            # launch's, so every replica may go on at one (without it, such a job keeps its degree).
+            model.append("--dist-ckpt-optim-fully-reshardable")
     every = cases(args.distributed_optimizer, args.async_save)
     chosen = [c for c in every if not args.cases or any(t in c.name for t in args.cases)]
     if args.list:

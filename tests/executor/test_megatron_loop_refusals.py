@@ -75,11 +75,15 @@ def test_device_memory_sizes_smaller_tp_replicas_where_a_job_may_run_them():
     # Under the interleaved schedule too: a shrunk replica's model chunks are rebuilt at its degree.
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
                              sized) == []
-    # Under the distributed optimizer it bounds the degree every replica may go on at.
+    # Under the distributed optimizer it bounds the degree every replica may go on at, where a save
+    # lays the optimizer's state out by parameter.
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, use_distributed_optimizer=True), sized) == []
+    assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, use_distributed_optimizer=True, save="ckpt",
+                                           dist_ckpt_optim_fully_reshardable=True), sized) == []
     for changes, why in (({"save": "ckpt", "ckpt_format": "torch"}, "--ckpt-format torch"),
                          ({"use_distributed_optimizer": True, "virtual_pipeline_model_parallel_size": 2},
                           "under the interleaved schedule"),
+                         ({"use_distributed_optimizer": True, "save": "ckpt"}, "--dist-ckpt-optim-fully-reshardable"),
                          ({"tensor_model_parallel_size": 1}, "TP 1")):
         found = unsupported_flags(megatron_args(**{"tensor_model_parallel_size": 2, **changes}), sized)
         assert len(found) == 1 and "--resihp-device-memory-gb" in found[0] and why in found[0], found
