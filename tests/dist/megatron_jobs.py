@@ -47,6 +47,14 @@ def job_args(tmp, name: str) -> list[str]:
     ]
 
 
+def distributed_job_args(tmp, name: str) -> list[str]:
+    """``job_args`` with the distributed optimizer and sequence parallelism, saved in ``torch_dist``
+    with the optimizer's state laid out by parameter (``--dist-ckpt-optim-fully-reshardable``), so
+    that a save loads whatever layer split or TP degree wrote it."""
+    return [*replaced(job_args(tmp, name), {"--ckpt-format": "torch_dist"}), "--dist-ckpt-optim-fully-reshardable",
+            "--use-distributed-optimizer", "--sequence-parallel"]
+
+
 def saved_weights(root) -> dict[str, torch.Tensor]:
     """Every (TP, PP) shard's model tensors of the last checkpoint under ``root``, by file, model chunk
     (``model``, or under the interleaved schedule ``model0``, ``model1``, ...) and name."""

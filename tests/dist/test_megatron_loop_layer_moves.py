@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from tests.dist.launch import assert_moved_as_planned, check, decisions, read_events, run_job
-from tests.dist.megatron_jobs import (assert_stock_training, checkpoint_tensors, job_args, logged_losses, replaced,
-                                     resilience_flags, stock_dist_training)
+from tests.dist.megatron_jobs import (assert_stock_training, checkpoint_tensors, distributed_job_args, job_args,
+                                     logged_losses, replaced, resilience_flags, stock_dist_training)
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -34,8 +34,7 @@ ITERATIONS = 36
 
 
 def layer_job_args(tmp, name: str) -> list[str]:
-    return [*replaced(job_args(tmp, name), {"--train-iters": str(ITERATIONS), "--ckpt-format": "torch_dist"}),
-            "--dist-ckpt-optim-fully-reshardable", "--use-distributed-optimizer", "--sequence-parallel"]
+    return replaced(distributed_job_args(tmp, name), {"--train-iters": str(ITERATIONS)})
 
 
 def slowed_run(args: list[str], events, *faults: str) -> subprocess.CompletedProcess:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.launch import check, decisions, read_events, run_job
-from tests.dist.megatron_jobs import (assert_stock_training, job_args, replaced, resilience_flags,
-                                     stock_dist_training)
+from tests.dist.megatron_jobs import (assert_stock_training, distributed_job_args, job_args, replaced,
+                                     resilience_flags, stock_dist_training)
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -69,12 +69,6 @@ def test_a_tp_group_that_lost_a_rank_goes_on_at_tp_1_beside_the_whole_replica_ex
     adapted = read_events(events, "adapted")
     assert [(a["iteration"], a["world_size"]) for a in adapted] == [(4, 6)], adapted
     assert_stock_training(proc.stdout, tmp_path, failure_free, ITERATIONS)
-
-
-def distributed_job_args(tmp, name: str) -> list[str]:
-    """``shrink_job_args`` with the distributed optimizer (reshardable saves) and sequence parallelism."""
-    return [*shrink_job_args(tmp, name), "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable",
-            "--sequence-parallel"]
 
 
 @pytest.fixture(scope="module")
