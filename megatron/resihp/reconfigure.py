@@ -213,7 +213,7 @@ def apply(change: LayoutChange, run: RunState, env: Executor) -> RunState:
             parts = _grown_parts(change, run, rank, env)
             _carry_into_grown(change, run, new_objects)
         elif whole is not None:
-            copies, parts = _reshard_parts(change, run, layout, rank, new_objects, received, parts, whole), None
+            parts = _parts_resharded(change, run, new_objects, received, parts, whole)
         else:
             moved += _move_state(change, run, rank, new_objects, received, ran)
         if parts is not None:
@@ -287,10 +287,9 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor,
                                           stop=(lambda: None) if joining else env.failure_among(change.move_world),
                                           joined=lambda: env.inject(change.iteration, "moves"),
                                           connect_s=env.cfg.rendezvous_timeout_s)
-            if reshards:
-                senders = change.move_world or tuple(r for r in change.old_layout.world_ranks if r not in change.failed)
+            if reshards:  # a recovery's: every survivor is in the move world, and any may send
                 parts = stage_parts(run.part_copies, change.old_layout, old_rank, change.part_sources,
-                                    {r: r for r in senders}, peer_rank=peer_rank, device=env.device())
+                                    {r: r for r in change.move_world}, peer_rank=peer_rank, device=env.device())
                 whole = whole_states(run.objects.optimizer, parts.parts)
             received = stage_transfers(change.transfers, change.old_layout, old_rank, run.objects,
                                        peer_rank=peer_rank, ran=ran, whole=whole)
@@ -312,23 +311,19 @@ def _move_out_and_reform(change: LayoutChange, run: RunState, env: Executor,
     return received, parts, whole
 
 
-def _reshard_parts(change: LayoutChange, run: RunState, layout: Layout, rank: int, new_objects, received: dict,
-                   staged: StagedParts, whole: dict) -> PartCopies:
+def _parts_resharded(change: LayoutChange, run: RunState, new_objects, received: dict, staged: StagedParts,
+                     whole: dict) -> StagedParts:
     """SHRINK under Megatron's distributed optimizer to positions the old layout does not have
     (every replica at a smaller TP degree): the rebuilt model's weights and whole optimizer states
-    are filled from the staged transfers (read from the old positions' whole states), the rebuilt
-    optimizer takes its part of them at the update the parts agreed on, the model's parameters are
-    gathered from its main parameters, and the new world's copies are sent."""
+    are filled from the staged transfers (read from the old positions' whole states); returned as
+    one part covering every parameter, of the update the parts agreed on, for ``_split_parts_anew``."""
     old = run.objects
     new_objects.optimizer.load_state_dict(old.optimizer.state_dict())  # step counts, param groups
     new_whole = whole_states(new_objects.optimizer)
     unstage_transfers(change.transfers, change.old_layout, change.new_layout, run.rank, old, new_objects, received,
                       whole=(whole, new_whole))
-    write_parts(new_objects.optimizer, [whole_part(new_objects.optimizer, new_whole, staged.update)])
-    set_back_adam_steps(new_objects.optimizer, staged.steps_back)  # an update undone (``agree_on_update``)
-    regather(new_objects.optimizer)
     carry_schedule(old, new_objects)
-    return _send_copies(layout, rank, new_objects.optimizer, staged.update)
+    return staged._replace(parts=[whole_part(new_objects.optimizer, new_whole, staged.update)])
 
 
 def _grown_parts(change: LayoutChange, run: RunState, rank: int, env: Executor) -> StagedParts:
