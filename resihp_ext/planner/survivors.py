@@ -115,6 +115,11 @@ class SurvivorPlan:
         )
 
 
+def _ranks_text(replicas: tuple[ReplicaSpec, ...]) -> str:
+    """Each replica's ranks by stage, as the plans' reasons write them: ``[0,1 | 4,5]; [2 | 6]``."""
+    return "; ".join("[" + " | ".join(",".join(map(str, s.ranks)) for s in r.stages) + "]" for r in replicas)
+
+
 def _one_shape(layout: Layout) -> bool:
     shapes = {tuple((s.first_layer, s.num_layers, s.tp_degree) for s in r.stages) for r in layout.replicas}
     return len(shapes) == 1
@@ -239,7 +244,7 @@ def _every_replica_smaller(layout: Layout, dead: frozenset[int], whole: Survivor
     new_rank = {old: new for new, old in enumerate(megatron_order(replicas))}
     spares = tuple(r for r in sorted(set(layout.world_ranks) - dead) if r not in new_rank)
     quotas = () if len(set(quotas)) == 1 else tuple(quotas)
-    pieces = "; ".join("[" + " | ".join(",".join(map(str, s.ranks)) for s in r.stages) + "]" for r in replicas)
+    pieces = _ranks_text(replicas)
     broken = [i for i, r in enumerate(layout.replicas) if set(r.ranks) & dead]
     reason = (f"dead ranks {sorted(dead)} broke replicas {broken}; every replica re-formed at TP {_degree(replicas[0])} "
               f"from the live ranks of each stage group ({pieces}; DP {layout.num_replicas} -> {len(replicas)}, "
@@ -437,7 +442,7 @@ def _plan_on(layout: Layout, dead: frozenset[int], move_state: bool, hw: Hardwar
     num_stages = {r.num_stages for r in _continuing(layout, plan)}
     how = f"continue in place on replicas {list(kept)}" if kept else "continue in place"
     if rebuilt:
-        pieces = "; ".join("[" + " | ".join(",".join(map(str, s.ranks)) for s in r.stages) + "]" for r in rebuilt)
+        pieces = _ranks_text(rebuilt)
         how += f"{' plus ' if kept else ' on '}{len(rebuilt)} rebuilt from stage groups of broken replicas ({pieces})"
     if left_out:
         how += (f" ({left_out} more left out: the global batch of {layout.model.num_microbatches} micro-batches "
