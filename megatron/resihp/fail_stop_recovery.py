@@ -21,7 +21,6 @@ import sys
 import time
 import traceback
 
-import torch
 import torch.distributed as dist
 
 from megatron.resihp import recovery
@@ -35,7 +34,6 @@ from megatron.resihp.reconfigure import ChangeFailed, LayoutChange, World, apply
 from megatron.resihp.reshard import adam_template_of, loss_scale_state
 from megatron.resihp.run_state import StopTraining
 from megatron.resihp.standby_keys import mark_job_done
-from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
 from resihp_ext.planner.joint import plan_adaptation
 from resihp_ext.planner.survivors import SurvivorPlan, continuing_layout
@@ -169,7 +167,7 @@ class FailStopRecovery:
                 host.store, run.generation, old_rank, run.layout, named | failed | left | behind, self._preferred_plan,
                 wait_s=3 * cfg.collective_timeout_s, move_state=host.recovery_keeps_shape,
                 keep_tp=host.recovery_keeps_shape and not host.shrinks_tp, tp_descending=host.shrinks_tp,
-                replica_counts=host.replica_counts, hw=self._survivor_hardware(),
+                replica_counts=host.replica_counts, hw=host.calibrated_hardware(),
                 health=host.known_health, sharded_optimizer=host.sharded_optimizer,
                 part_copies=run.part_copies is not None, uniform_tp=host.shrinks_every_replica,
                 standbys=standbys, shared=lambda plan, run=run, aside=left | behind, answered=answered: self._shared(
@@ -332,25 +330,6 @@ class FailStopRecovery:
         host.abandon_world()
         raise StopTraining(EXIT_RANK_FAILED, f"iteration {iteration} raised on this rank: "
                                              f"{str(error).splitlines()[0][:160]}")
-
-    def _survivor_hardware(self) -> HardwareModel:
-        """The survivor planner's model: memory facts (may a stage run on fewer ranks than its old
-        TP group?) and, once an iteration has been measured, the cost model fitted to this job, so
-        that whether a slower smaller-TP replica is worth adding, and the batch's split, follow
-        this job's own compute and sync times rather than a reference cluster's."""
-        host = self.host
-        gib = host.cfg.device_memory_gb
-        if gib is None and torch.cuda.is_available():
-            memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        else:
-            memory = gib * 2**30 if gib is not None else HardwareModel.device_memory_bytes
-        half = host.args.bf16 or host.args.fp16
-        # Megatron keeps fp32 weights, grads and Adam moments (16 bytes) or adds a half copy (18).
-        facts = dict(device_memory_bytes=memory, state_bytes_per_param=18.0 if half else 16.0,
-                     activation_bytes_per_value=2.0 if half else 4.0)
-        if host.costs is None:
-            return HardwareModel(**facts)
-        return dataclasses.replace(host.calibrated_hardware(), **facts)
 
     def _shared(self, run, plan: SurvivorPlan, answered: list[int], left: frozenset[int], iteration: int,
                 consumed_samples: int) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.resihp.megatron_loop_stages import tp_shrink_refused
+from megatron.resihp.megatron_loop_stages import layer_moves_refused, tp_shrink_refused
 
 # Megatron flags (as parsed) whose jobs the fail-stop path cannot yet carry through a re-form, and why.
 _UNSUPPORTED = {
@@ -72,10 +72,13 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
         if cfg.enable and getattr(args, dest, None) not in (None, False):
             found.append(f"{flag} ({what} between steps are not survived when a rank fails there)")
     if cfg.device_memory_gb is not None:
-        kept = "--resihp-enable is off" if not cfg.enable else tp_shrink_refused(args)
+        narrower, moves = tp_shrink_refused(args), layer_moves_refused(args)
+        kept = "--resihp-enable is off" if not cfg.enable else (
+            None if narrower is None or moves is None else f"every replica keeps its launch degree ({narrower}) "
+                                                           f"and layers stay on their stages ({moves})")
         if kept is not None:
-            found.append(f"--resihp-device-memory-gb (it sizes the smaller TP degree a stage group that lost ranks "
-                         f"may go on at, and this job keeps every replica at its launch degree: {kept})")
+            found.append(f"--resihp-device-memory-gb (it sizes the layers a stage may take and the smaller TP degree "
+                         f"a stage group that lost ranks may go on at, and this job changes neither: {kept})")
     if getattr(args, "dataloader_type", "single") != "single":
         found.append(f"--dataloader-type {args.dataloader_type} (loaders are rebuilt for the 'single' type only)")
     # Every kind of injected fault runs on this loop. A ``link:`` slowdown slows its pipeline transfers

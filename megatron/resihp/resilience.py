@@ -33,6 +33,7 @@ from megatron.resihp.fail_stop_recovery import EXIT_NEEDS_RESTART, FailStopRecov
 from megatron.resihp.heartbeat import HeartbeatMonitor, connect_store
 from megatron.resihp.injected_faults import InjectedFaults
 from megatron.resihp.logging_utils import EventLog, log_line, rank_name, ranks_name, world_numbered
+from megatron.resihp.memory_facts import job_memory_facts
 from megatron.resihp.parallel_state_patch import installed, message_group
 from megatron.resihp.run_state import RunState, StopTraining  # noqa: F401
 from megatron.resihp.standby import Readmission, Rejoined
@@ -96,6 +97,7 @@ class ResilienceHooks:
         self.interleaving = interleaving
         self.sharded_optimizer = sharded_optimizer
         self.cfg = args.resihp if cfg is None else cfg
+        self.memory_facts = job_memory_facts(args, self.cfg.device_memory_gb)
         self.events = events
         rank = dist.get_rank()
         groups = installed()
@@ -319,13 +321,16 @@ class ResilienceHooks:
     def calibrated_hardware(self) -> HardwareModel:
         """The planner's cost model fitted to this job (``resihp_ext.planner.fail_slow.live_hardware``):
         the compute costs the decider fitted to a measured iteration (every rank holds the same),
-        and, after a link verdict's probe round, the bandwidth of the links not known to be slow."""
+        and, after a link verdict's probe round, the bandwidth of the links not known to be slow;
+        with this job's memory (``memory_facts``), which bounds the layers a stage may take and the
+        TP degree a stage may run at."""
         bandwidth = None
-        link_rounds = [probes for probes in self.live.probe_rounds if probes.link_s]
+        link_rounds = [] if self.live is None else [probes for probes in self.live.probe_rounds if probes.link_s]
         if link_rounds:
             bandwidth = healthy_link_bandwidth_Bps(link_rounds[-1], set(self.known_health.slow_links),
                                                    self.live.link_probe_bytes)
-        return live_hardware(self.costs, bool(self.args.bf16 or self.args.fp16), bandwidth, self.interleaving)
+        hw = live_hardware(self.costs, bool(self.args.bf16 or self.args.fp16), bandwidth, self.interleaving)
+        return dataclasses.replace(hw, **self.memory_facts)
 
     # ------------------------------------------------------------------ what the life cycle uses
     @property

@@ -103,11 +103,12 @@ def with_split(layout: Layout, split: Split) -> Layout:
 
 def _current_groups(rep: ReplicaSpec, health: Health, layout: Layout, hw: HardwareModel,
                     num_microbatches: int) -> list[TpChoice] | None:
-    # Each stage's TP group as it is (its speed and memory cap); None when one fits no layer.
+    # Each stage's TP group as it is (its speed and memory cap); None when one fits no layer. The
+    # replicas are alike, so each stage's data-parallel group is one rank of every replica.
     out = []
     for p, st in enumerate(rep.stages):
         found = tp_candidates(st.ranks, health, layout.model, hw, stage=p, num_stages=rep.num_stages,
-                              num_microbatches=num_microbatches)
+                              num_microbatches=num_microbatches, dp_degree=layout.num_replicas)
         same = [c for c in found if c.ranks == st.ranks]
         if not same:
             return None

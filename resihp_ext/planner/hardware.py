@@ -34,7 +34,15 @@ class HardwareModel:
             every send/receive is waited on before the next op): a transfer lengthens the op
             that sends it, so a slow link slows both stages it joins.
         device_memory_bytes: usable memory of one device.
-        state_bytes_per_param: bf16 weight + fp32 grad + fp32 master + Adam m, v.
+        state_bytes_per_param: bytes every rank keeps per parameter of its TP shard (bf16 weight +
+            fp32 grad + fp32 master + Adam m, v without a distributed optimizer).
+        sharded_state_bytes_per_param: bytes per parameter that a distributed optimizer splits over
+            a stage's data-parallel group (fp32 master + Adam m, v): each rank keeps its 1/DP share.
+        sequence_parallel: activations outside attention and MLP are split over the TP group too.
+        keeps_attention_scores: the attention's softmax input and output are kept for the backward
+            (an unfused attention without recomputation; flash attention and selective
+            recomputation keep none).
+        recomputes_layers: full recomputation of every layer: a layer keeps only its input.
         grad_bytes_per_param: bytes per parameter in the data-parallel gradient all-reduce.
         activation_bytes_per_value: bytes per activation value (bf16).
         regroup_s: fixed seconds to re-form process groups when a plan changes the layout.
@@ -53,6 +61,10 @@ class HardwareModel:
     overlap_p2p: bool = False
     device_memory_bytes: float = 80e9
     state_bytes_per_param: float = 18.0
+    sharded_state_bytes_per_param: float = 0.0
+    sequence_parallel: bool = False
+    keeps_attention_scores: bool = True
+    recomputes_layers: bool = False
     grad_bytes_per_param: float = 2.0
     activation_bytes_per_value: float = 2.0
     regroup_s: float = 5.0
@@ -66,7 +78,7 @@ class HardwareModel:
                 raise ValueError(f"HardwareModel.{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 < self.tp_efficiency <= 1.0:
             raise ValueError(f"HardwareModel.tp_efficiency must be in (0, 1], got {self.tp_efficiency}")
-        for name in ("regroup_s", "restart_s", "grad_bytes_per_param"):
+        for name in ("regroup_s", "restart_s", "grad_bytes_per_param", "sharded_state_bytes_per_param"):
             if getattr(self, name) < 0:
                 raise ValueError(f"HardwareModel.{name} must be >= 0, got {getattr(self, name)}")
         if self.layer_forward_s is not None and self.layer_forward_s <= 0:

@@ -100,10 +100,11 @@ def _has_live_holders(layout: Layout, replica: ReplicaSpec, dead: frozenset[int]
 
 
 def _runs_at(degree: int, stage: StageSpec, position: int, num_stages: int, model: ModelSpec,
-             hw: HardwareModel) -> bool:
-    """Whether ``degree`` ranks can run ``stage``: the heads split evenly, and its shard fits a device."""
+             hw: HardwareModel, dp_degree: int = 1) -> bool:
+    """Whether ``degree`` ranks can run ``stage``: the heads split evenly, and its shard fits a device
+    (``dp_degree``: the stage's data-parallel degree, over which a distributed optimizer splits its state)."""
     need = stage_memory_bytes(model, hw, num_layers=stage.num_layers, tp_degree=degree, stage=position,
-                              num_stages=num_stages, num_microbatches=model.num_microbatches)
+                              num_stages=num_stages, num_microbatches=model.num_microbatches, dp_degree=dp_degree)
     return model.check_tp_degree(degree) is None and need <= hw.device_memory_bytes
 
 
@@ -171,20 +172,21 @@ def shrink_replicas(layout: Layout, broken: list[int], dead: frozenset[int], con
 
 
 def every_replica_at(layout: Layout, dead: frozenset[int], degree: int, hw: HardwareModel,
-                     slow: frozenset[int] = frozenset()) -> tuple[ReplicaSpec, ...]:
+                     slow: frozenset[int] = frozenset(),
+                     replica_counts: frozenset[int] | None = None) -> tuple[ReplicaSpec, ...]:
     """As many replicas as the live ranks allow with the launch's layer split, every one at
     ``degree`` (a layout whose replicas are alike: under Megatron's distributed optimizer the
     replicas' gradient buffers must pair, so no replica may differ from the others).
 
     Each stage group of each replica, intact or not, gives its live ranks to groups of ``degree``
     ranks (no TP group spans ranks of different old groups), healthy ranks before ``slow`` ones
-    and then the lowest first; replica ``j`` takes the ``j``-th group of every stage. No replica
-    when ``degree`` does not shard the model or a stage's shard does not fit
-    ``hw.device_memory_bytes``.
+    and then the lowest first; replica ``j`` takes the ``j``-th group of every stage, as many as
+    the largest of ``replica_counts`` (the counts the executor can run; None: any) allows. No
+    replica when ``degree`` does not shard the model or a stage's shard does not fit
+    ``hw.device_memory_bytes`` (a distributed optimizer's state split over as many ranks as there
+    are replicas).
     """
     shape = layout.replicas[0].stages
-    if not all(_runs_at(degree, s, p, len(shape), layout.model, hw) for p, s in enumerate(shape)):
-        return ()
     groups: list[list[tuple[int, ...]]] = []
     for position in range(len(shape)):
         formed = []
@@ -195,6 +197,10 @@ def every_replica_at(layout: Layout, dead: frozenset[int], degree: int, hw: Hard
         # Groups without a slow rank lead, so that the replicas left out hold the slow ones.
         groups.append(sorted(formed, key=lambda g: (bool(set(g) & slow), g)))
     count = min(len(g) for g in groups)
+    if replica_counts is not None:
+        count = max((c for c in replica_counts if c <= count), default=0)
+    if not count or not all(_runs_at(degree, s, p, len(shape), layout.model, hw, count) for p, s in enumerate(shape)):
+        return ()
     return tuple(ReplicaSpec(tuple(StageSpec(s.first_layer, s.num_layers, groups[p][j]) for p, s in enumerate(shape)))
                  for j in range(count))
 

@@ -29,7 +29,7 @@ from resihp_ext.planner.moves import NoSurvivingHolder, state_moves
 from resihp_ext.planner.replica_rebuild import (balanced_quotas, every_replica_at, holding_key, rebuild_replicas,
                                                 repack_replicas, shrink_replicas, worth_adding)
 from resihp_ext.planner.standby_places import filled_layout, standby_places
-from resihp_ext.shard_map import Transfer, transfers
+from resihp_ext.shard_map import Transfer
 
 
 @dataclass(frozen=True)
@@ -225,9 +225,7 @@ def _every_replica_smaller(layout: Layout, dead: frozenset[int], whole: Survivor
     best, best_s = None, UNIFORM_TP_GAIN * whole_s
     degree = _degree(layout.replicas[0]) // 2
     while degree >= 1:
-        replicas = every_replica_at(layout, dead, degree, hw, known.affected_ranks)
-        if replica_counts is not None:
-            replicas = replicas[:max((c for c in replica_counts if c <= len(replicas)), default=0)]
+        replicas = every_replica_at(layout, dead, degree, hw, known.affected_ranks, replica_counts)
         if replicas:
             quotas, seconds = balanced_quotas(replicas, model, hw, known)
             if seconds < best_s:

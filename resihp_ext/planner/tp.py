@@ -69,6 +69,7 @@ def tp_candidates(
     num_stages: int,
     num_microbatches: int,
     min_layers: int = 1,
+    dp_degree: int = 1,
 ) -> tuple[TpChoice, ...]:
     """Feasible TP groups for one stage, best score first.
 
@@ -85,6 +86,7 @@ def tp_candidates(
         num_stages: pipeline depth of the replica.
         num_microbatches: micro-batches the replica runs (bounds in-flight activations).
         min_layers: the group must fit at least this many layers in memory.
+        dp_degree: the stage's data-parallel degree (``memory.stage_memory_bytes``).
 
     Returns:
         Candidates sorted by descending score, then larger TP degree; empty if none is feasible.
@@ -107,7 +109,7 @@ def tp_candidates(
                 continue
             seen.add(chosen)
             cap = max_layers_on_stage(model, hw, tp_degree=len(chosen), stage=stage, num_stages=num_stages,
-                                      num_microbatches=num_microbatches)
+                                      num_microbatches=num_microbatches, dp_degree=dp_degree)
             if cap < min_layers:
                 continue
             spares = tuple(r for r in alive if r not in chosen)

@@ -22,6 +22,9 @@ import subprocess
 import pytest
 import torch
 
+from resihp_ext.layout import ModelSpec
+from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.memory import megatron_state_bytes, stage_memory_bytes
 from tests.dist.launch import assert_moved_as_planned, check, decisions, read_events, run_job
 from tests.dist.megatron_jobs import (assert_stock_training, checkpoint_tensors, distributed_job_args, job_args,
                                      logged_losses, replaced, resilience_flags, stock_dist_training)
@@ -142,6 +145,33 @@ def test_under_the_interleaved_schedule_a_layer_crosses_a_chunk_border_with_its_
     sent = {tuple(t["item"]) for e in read_events(events, "moved") for t in e["sent"] if t["src"] != t["dst"]}
     assert len(sent) == 1 and sent <= {("layer", 0), ("layer", 2)}, sent
     assert_stock_training(proc.stdout, tmp_path, interleaved_failure_free, ITERATIONS)
+
+
+def launch_stage_bytes(layers: int, stage: int) -> float:
+    """The planner's estimate of a stage's bytes on a device in ``layer_job_args``' job (fp32, TP 2,
+    sequence parallelism, megatron-core's local attention, the distributed optimizer over DP 2)."""
+    model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
+                      seq_length=64, micro_batch_size=1, global_batch_size=8)
+    hw = HardwareModel(**megatron_state_bytes(half_precision=False, grads_in_fp32=True, distributed_optimizer=True),
+                       activation_bytes_per_value=4.0, sequence_parallel=True)
+    return stage_memory_bytes(model, hw, num_layers=layers, tp_degree=2, stage=stage, num_stages=2,
+                              num_microbatches=4, dp_degree=2)
+
+
+def test_a_stage_takes_no_layer_beyond_what_the_device_memory_holds(tmp_path):
+    # The slowdowns that move a layer from stage 0 to stage 1 in every replica (the first test), on
+    # devices that hold the launch's two layers a stage but not a third on stage 1: the split stays.
+    fits = max(launch_stage_bytes(2, 0), launch_stage_bytes(2, 1))
+    third = min(launch_stage_bytes(3, 0), launch_stage_bytes(3, 1))
+    assert fits < third
+    events = tmp_path / "events.jsonl"
+    proc = slowed_run([*replaced(layer_job_args(tmp_path, "ckpt"), {"--train-iters": "20"}),
+                       "--resihp-device-memory-gb", f"{(fits + third) / 2 / 2**30:.9f}"],
+                      events, "slow:rank=0,factor=3,at=5", "slow:rank=2,factor=3,at=5")
+    slow = {r for v in read_events(events, "verdict") if v["kind"] == "compute" for r in v["ranks"]}
+    assert slow == {0, 2} and read_events(events, "plan"), decisions(events)
+    assert all(a["layers_per_replica"] == [[2, 2], [2, 2]] for a in read_events(events, "adapted")), decisions(events)
+    assert len(read_events(events, "start")) == 8, proc.stdout[-3000:]
 
 
 def test_layers_stay_on_their_stages_when_the_checkpoint_format_numbers_them_per_stage(tmp_path):

@@ -59,16 +59,17 @@ def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
     ({"log_straggler": True}, "--log-straggler"),
     ({"async_save": True, "async_strategy": "nvrx"}, "--async-strategy nvrx"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=finalize"])}, "pass --async-save"),
-    ({"resihp": ResiHPConfig(enable=True, device_memory_gb=40.0)}, "--resihp-device-memory-gb"),
+    ({"resihp": ResiHPConfig(enable=True, device_memory_gb=40.0), "pipeline_model_parallel_size": 1},
+     "--resihp-device-memory-gb"),
 ])
 def test_each_feature_not_carried_yet_is_named(changes, named):
     found = unsupported_flags(megatron_args(**changes), changes.get("resihp", ResiHPConfig(enable=True)))
     assert len(found) == 1 and named in found[0], found
 
 
-def test_device_memory_sizes_smaller_tp_replicas_where_a_job_may_run_them():
-    # It bounds the degree a stage group that lost ranks goes on at: accepted where fail-stop plans
-    # may run such a replica, refused with the reason where every replica keeps the launch's degree.
+def test_device_memory_sizes_the_plans_of_a_job_whose_layers_move_or_whose_tp_degree_may_shrink():
+    # It bounds the layers a fail-slow re-plan may put on a stage and the degree a stage group that
+    # lost ranks goes on at: accepted where either may happen, refused with both reasons where neither.
     sized = ResiHPConfig(enable=True, device_memory_gb=40.0)
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2), sized) == []
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, save="ckpt"), sized) == []
@@ -76,17 +77,21 @@ def test_device_memory_sizes_smaller_tp_replicas_where_a_job_may_run_them():
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
                              sized) == []
     # Under the distributed optimizer it bounds the degree every replica may go on at, where a save
-    # lays the optimizer's state out by parameter.
+    # lays the optimizer's state out by parameter, and the layers of every replica's shared split.
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, use_distributed_optimizer=True), sized) == []
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, use_distributed_optimizer=True, save="ckpt",
                                            dist_ckpt_optim_fully_reshardable=True), sized) == []
+    # Every replica keeps TP 1 (or the interleaved schedule's degree under the distributed
+    # optimizer), but layers move between its stages.
+    assert unsupported_flags(megatron_args(), sized) == []
+    assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, use_distributed_optimizer=True,
+                                           virtual_pipeline_model_parallel_size=2), sized) == []
     for changes, why in (({"save": "ckpt", "ckpt_format": "torch"}, "--ckpt-format torch"),
-                         ({"use_distributed_optimizer": True, "virtual_pipeline_model_parallel_size": 2},
-                          "under the interleaved schedule"),
                          ({"use_distributed_optimizer": True, "save": "ckpt"}, "--dist-ckpt-optim-fully-reshardable"),
-                         ({"tensor_model_parallel_size": 1}, "TP 1")):
+                         ({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}, "TP 1")):
         found = unsupported_flags(megatron_args(**{"tensor_model_parallel_size": 2, **changes}), sized)
         assert len(found) == 1 and "--resihp-device-memory-gb" in found[0] and why in found[0], found
+        assert "layers stay on their stages" in found[0], found
     unrecovered = unsupported_flags(megatron_args(tensor_model_parallel_size=2), ResiHPConfig(device_memory_gb=40.0))
     assert len(unrecovered) == 1 and "--resihp-enable is off" in unrecovered[0], unrecovered
 
