@@ -30,7 +30,8 @@ import torch
 # all of its ranks. None of them patches anything on import; the patches are installed in main().
 import megatron.core.tokenizers.text  # noqa: F401 (Megatron's tokenizers; imports transformers)
 import megatron.training.training  # noqa: F401
-from megatron.resihp import cpu_training, megatron_loop_resilience, sync_save_results, training_compat  # noqa: F401
+from megatron.resihp import (cpu_training, megatron_loop_resilience, reshardable_save_offsets,  # noqa: F401
+                             sync_save_results, training_compat)
 
 # What this script sets where the command line says nothing (Megatron's args_defaults).
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -435,9 +436,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     command_line = [sys.argv[0], *argv]
     refuse_ignored_flags(argv)
-    from megatron.resihp import training_compat
+    from megatron.resihp import reshardable_save_offsets, training_compat
 
     training_compat.install()  # a GPU job without Transformer Engine or apex needs these fixes too
+    reshardable_save_offsets.install()
     if device_of(argv) == "cpu":
         from megatron.resihp import cpu_training
 

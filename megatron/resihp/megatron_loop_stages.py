@@ -169,11 +169,6 @@ def tp_shrink_refused(args: argparse.Namespace) -> str | None:
     unsynced = _synced_by_megatron_alone(args)
     if unsynced is not None:
         return unsynced
-    if args.use_distributed_optimizer and args.virtual_pipeline_model_parallel_size is not None:
-        # Measured with no --resihp-* flag: TP1 x PP2 x DP2, one layer per virtual stage.
-        return ("--use-distributed-optimizer under the interleaved schedule: megatron-core 0.19.2 saves the word "
-                "embeddings' fp32 main parameters one row out of place at TP 1 there, so a job at a smaller "
-                "degree would save what does not resume exactly")
     if args.save is not None and args.ckpt_format != "torch_dist":
         return (f"--ckpt-format {args.ckpt_format} saves each TP shard as the rank that holds it, so a save from a "
                 f"smaller-TP replica would not load at the launch's degree (--ckpt-format torch_dist reshards)")

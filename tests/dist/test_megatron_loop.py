@@ -4,7 +4,8 @@ Megatron's example scripts run with their flag sets as written, changed only whe
 again with resilience on;
 TP2 x PP2 x DP2 trains with the distributed optimizer and sequence parallelism; checkpoints move
 between pretrain_gpt_resilient.py and a plain ``megatron.training.pretrain`` GPT script both ways,
-and resuming reproduces the uninterrupted run's losses.
+and resuming reproduces the uninterrupted run's losses; a fully reshardable save of the distributed
+optimizer holds each parameter's own state (``reshardable_save_offsets``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from scripts.child_env import job_env
 from tests.dist.launch import REPO, check, read_events, run_job
-from tests.dist.megatron_jobs import logged_losses
+from tests.dist.megatron_jobs import checkpoint_tensors, job_args, logged_losses, replaced
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -275,3 +277,22 @@ def test_checkpoints_move_between_our_script_and_a_plain_megatron_script(tmp_pat
     to_end = run_job(8, [*SHAPE, "--device", "cpu", "--load", str(plain_ckpt)], timeout_s=420)
     check(to_end)
     assert_resumed(logged_losses(to_end.stdout), reference, 6, 8)
+
+
+def test_a_fully_reshardable_save_holds_each_parameters_own_optimizer_state(tmp_path):
+    # TP 1 x PP 2, one layer a stage: stage 0's first bucket (position embedding and layer, 54080
+    # elements) is padded to 54144, and the word embedding has a bucket of its own after it. Stock
+    # megatron-core 0.19.2 saved the embedding's fp32 main copy and moments 64 elements along.
+    args = replaced(job_args(tmp_path, "ckpt"), {"--num-layers": "2", "--tensor-model-parallel-size": "1",
+                                                 "--ckpt-format": "torch_dist", "--train-iters": "2"})
+    proc = run_job(2, [*args, "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"], timeout_s=300)
+    check(proc)
+    assert "exceeds unpadded buffer" not in proc.stdout + proc.stderr
+    saved = checkpoint_tensors(tmp_path / "ckpt", tmp_path)
+    mains = {k.removeprefix("optimizer.state.param."): v for k, v in saved.items()
+             if k.startswith("optimizer.state.param.")}
+    assert "embedding.word_embeddings.weight" in mains and set(mains) <= set(saved), sorted(mains)
+    for name, main in mains.items():  # fp32 weights: the main copy is the weight
+        assert torch.equal(main, saved[name]), name
+    for moment in ("exp_avg", "exp_avg_sq"):  # the last row is the embedding's, not zeros past the end
+        assert saved[f"optimizer.state.{moment}.embedding.word_embeddings.weight"][-1].abs().max() > 0

@@ -12,7 +12,8 @@ Under the distributed optimizer (its gradient buffers pair replica with replica,
 alike), ranks 0 and 3 (stage 0 of either replica, each group down to one rank) SIGKILLed at
 once: no replica is whole and none can be rebuilt at TP 2, so every replica is re-formed at TP 1
 from the live ranks, each stage's optimizer state gathered whole from its parts (the dead ranks'
-from their copies) and split anew; training equal to stock Megatron-LM's as above.
+from their copies) and split anew; training equal to stock Megatron-LM's as above, under either
+schedule.
 
 On 4 CPU ranks, TP2 x DP2: a very slow rank leaves its TP group, its replica going on at TP 1 and
 after the other in Megatron's rank order, and rejoins once healthy, training equal to stock
@@ -72,17 +73,19 @@ def test_a_tp_group_that_lost_a_rank_goes_on_at_tp_1_beside_the_whole_replica_ex
 
 
 @pytest.fixture(scope="module")
-def distributed_failure_free(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp_shrink_distributed_failure_free")
-    return stock_dist_training(8, tmp, distributed_job_args(tmp, "ckpt"))
+def distributed_failure_free(tmp_path_factory, schedule):
+    tmp = tmp_path_factory.mktemp(f"tp_shrink_distributed_failure_free_{schedule}")
+    return stock_dist_training(8, tmp, [*distributed_job_args(tmp, "ckpt"), *SCHEDULES[schedule]])
 
 
 def test_under_the_distributed_optimizer_every_replica_goes_on_at_tp_1_when_no_replica_is_left_whole(
-        tmp_path, distributed_failure_free):
+        tmp_path, distributed_failure_free, schedule):
     # Ranks 0 and 3 hold TP halves of stage 0 in replicas 0 and 1: before, no replica could go on and
-    # the job stopped at its last checkpoint. Their parts' copies live on ranks 2 and 1.
+    # the job stopped at its last checkpoint. Their parts' copies live on ranks 2 and 1. Under the
+    # interleaved schedule the TP-1 save holds stage 0's word embedding in a bucket after padding
+    # (``reshardable_save_offsets``).
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*distributed_job_args(tmp_path, "ckpt"), *resilience_flags(events),
+    proc = run_job(8, [*distributed_job_args(tmp_path, "ckpt"), *SCHEDULES[schedule], *resilience_flags(events),
                        "--resihp-inject", "kill:rank=0,at=4", "--resihp-inject", "kill:rank=3,at=4"], timeout_s=420)
     check(proc)
     assert "taking every replica to one smaller TP degree" in proc.stdout, proc.stdout[-3000:]

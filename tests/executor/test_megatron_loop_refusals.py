@@ -81,9 +81,9 @@ def test_device_memory_sizes_the_plans_of_a_job_whose_layers_move_or_whose_tp_de
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, use_distributed_optimizer=True), sized) == []
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, use_distributed_optimizer=True, save="ckpt",
                                            dist_ckpt_optim_fully_reshardable=True), sized) == []
-    # Every replica keeps TP 1 (or the interleaved schedule's degree under the distributed
-    # optimizer), but layers move between its stages.
+    # Every replica keeps TP 1, but layers move between its stages.
     assert unsupported_flags(megatron_args(), sized) == []
+    # Under the interleaved schedule with the distributed optimizer too.
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, use_distributed_optimizer=True,
                                            virtual_pipeline_model_parallel_size=2), sized) == []
     for changes, why in (({"save": "ckpt", "ckpt_format": "torch"}, "--ckpt-format torch"),
