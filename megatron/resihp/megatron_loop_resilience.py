@@ -70,6 +70,7 @@ from megatron.resihp.megatron_loop_stages import (build_objects, interleaving, l
                                                   layer_moves_refused, own_splits_refused, tp_shrink_refused)
 from megatron.resihp.training_objects import TrainingObjects
 from megatron.resihp.megatron_loop_updates import UpdateWatch
+from megatron.resihp.memory_facts import memory_line
 from megatron.resihp.optimizer_parts import PartCopies, part_bytes
 from megatron.resihp.raised_faults import RaisedFaults
 from megatron.resihp.run_state import StopTraining, leave_process
@@ -431,6 +432,8 @@ class ResilientMegatronLoop:
             detection = "on" if self.hooks.live is not None else "off"
             log_line(f" resihp: on Megatron-LM's loop: heartbeats on, fail-stop recovery in place {on}; fail-slow "
                      f"detection {detection}" + (f", re-plans {replans}" if self.hooks.live is not None else ""))
+            if self.cfg.enable:
+                log_line(memory_line(self.hooks.calibrated_hardware(), self.hooks.launch_layout))
 
     def _build_objects(self, args, layers_per_stage) -> TrainingObjects:
         """Megatron's own model chunks, optimizer and LR schedule on the installed groups, at this

@@ -4,7 +4,7 @@ Responsible for ``job_memory_facts``: the ``HardwareModel`` fields every plan of
 with (fail-slow layer moves, a stage group going on at a smaller TP degree, every replica
 re-formed), from ``--resihp-device-memory-gb`` or the CUDA device's total memory, the weights'
 precision, where gradients accumulate, the distributed optimizer, sequence parallelism, the
-attention kernel and recomputation.
+attention kernel and recomputation; and ``memory_line``, the start line that shows them.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import argparse
 
 import torch
 
+from resihp_ext.layout import Layout
 from resihp_ext.planner.hardware import HardwareModel
-from resihp_ext.planner.memory import megatron_state_bytes
+from resihp_ext.planner.memory import largest_stage_bytes, megatron_state_bytes
 
 
 def device_memory_bytes(gib: float | None) -> float:
@@ -54,3 +55,16 @@ def job_memory_facts(args: argparse.Namespace, device_memory_gb: float | None) -
                 sequence_parallel=bool(args.sequence_parallel),
                 keeps_attention_scores=_keeps_attention_scores(args),
                 recomputes_layers=args.recompute_granularity == "full" and args.recompute_method == "uniform")
+
+
+def memory_line(hw: HardwareModel, launch: Layout) -> str:
+    """The start line: the device memory plans are sized with, the estimate of the launch's largest
+    stage, and what follows where that estimate is above the device."""
+    device, need = hw.device_memory_bytes / 2**30, largest_stage_bytes(launch, hw) / 2**30
+    line = (f" resihp: plans sized for {device:.3g} GiB a device (--resihp-device-memory-gb); the launch's "
+            f"largest stage is estimated at {need:.3g} GiB")
+    if need > device:
+        line += (": above the device, so no re-plan gives a stage more layers or runs one at a smaller TP degree "
+                 "(if the launch runs, the estimate overstates this job; --resihp-device-memory-gb sets what plans "
+                 "are sized with)")
+    return line

@@ -10,7 +10,7 @@ what the job's tensors need, never an allocation: workspaces and fragmentation a
 
 from __future__ import annotations
 
-from resihp_ext.layout import ModelSpec
+from resihp_ext.layout import Layout, ModelSpec
 from resihp_ext.planner.hardware import HardwareModel
 
 
@@ -92,6 +92,15 @@ def stage_memory_bytes(
     state = params * (hw.state_bytes_per_param + hw.sharded_state_bytes_per_param / dp_degree) / tp_degree
     inflight = in_flight_microbatches(num_stages, stage, num_microbatches)
     return state + num_layers * inflight * activation_bytes_per_layer(model, hw, tp_degree)
+
+
+def largest_stage_bytes(layout: Layout, hw: HardwareModel) -> float:
+    """The most bytes any stage of ``layout`` needs on one device, each stage's data-parallel degree
+    taken as the layout's replica count (replicas alike)."""
+    return max(stage_memory_bytes(layout.model, hw, num_layers=stage.num_layers, tp_degree=stage.tp_degree, stage=p,
+                                  num_stages=replica.num_stages, num_microbatches=layout.model.num_microbatches,
+                                  dp_degree=layout.num_replicas)
+               for replica in layout.replicas for p, stage in enumerate(replica.stages))
 
 
 def max_layers_on_stage(

@@ -172,6 +172,7 @@ def test_a_stage_takes_no_layer_beyond_what_the_device_memory_holds(tmp_path):
     assert slow == {0, 2} and read_events(events, "plan"), decisions(events)
     assert all(a["layers_per_replica"] == [[2, 2], [2, 2]] for a in read_events(events, "adapted")), decisions(events)
     assert len(read_events(events, "start")) == 8, proc.stdout[-3000:]
+    assert f"plans sized for {(fits + third) / 2 / 2**30:.3g} GiB a device" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_layers_stay_on_their_stages_when_the_checkpoint_format_numbers_them_per_stage(tmp_path):

@@ -7,8 +7,10 @@ import argparse
 import pytest
 import torch
 
-from megatron.resihp.memory_facts import job_memory_facts
+from megatron.resihp.memory_facts import job_memory_facts, memory_line
+from resihp_ext.layout import Layout, ModelSpec
 from resihp_ext.planner.hardware import HardwareModel
+from resihp_ext.planner.memory import largest_stage_bytes
 
 
 def megatron_args(**changes) -> argparse.Namespace:
@@ -49,3 +51,14 @@ def test_full_recomputation_counts_a_layers_input_alone_under_the_uniform_method
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device: its own memory is read")
 def test_without_a_size_or_cuda_the_reference_device_is_assumed():
     assert job_memory_facts(megatron_args(), None)["device_memory_bytes"] == HardwareModel.device_memory_bytes
+
+
+def test_the_start_line_says_what_plans_are_sized_with_and_when_the_launch_is_estimated_above_it():
+    model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
+                      seq_length=64, micro_batch_size=1, global_batch_size=8)
+    launch = Layout.uniform(model, 2, 2, 2)
+    need = largest_stage_bytes(launch, HardwareModel())
+    roomy = memory_line(HardwareModel(device_memory_bytes=2 * 2**30), launch)
+    assert "plans sized for 2 GiB a device" in roomy and f"estimated at {need / 2**30:.3g} GiB" in roomy
+    assert "above the device" not in roomy
+    assert "above the device" in memory_line(HardwareModel(device_memory_bytes=need / 2), launch)

@@ -8,8 +8,8 @@ import pytest
 
 from resihp_ext.layout import Layout, ModelSpec
 from resihp_ext.planner.hardware import HardwareModel
-from resihp_ext.planner.memory import (activation_bytes_per_layer, max_layers_on_stage, megatron_state_bytes,
-                                       stage_memory_bytes)
+from resihp_ext.planner.memory import (activation_bytes_per_layer, largest_stage_bytes, max_layers_on_stage,
+                                       megatron_state_bytes, stage_memory_bytes)
 from resihp_ext.planner.replica_rebuild import every_replica_at
 
 MODEL = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384, vocab_size=50304,
@@ -77,3 +77,11 @@ def test_every_replica_at_a_smaller_degree_fits_with_its_optimizer_state_split_o
     assert every_replica_at(layout, dead, 1, hw, replica_counts=frozenset({1, 2})) == ()
     assert len(every_replica_at(layout, dead, 1, HardwareModel(**facts, device_memory_bytes=needs[0] * 1.01),
                                 replica_counts=frozenset({1, 2}))) == 2
+
+
+def test_the_largest_stage_of_a_layout_counts_the_optimizer_share_of_its_replicas():
+    hw = HardwareModel(**megatron_state_bytes(half_precision=True, grads_in_fp32=True, distributed_optimizer=True))
+    layout = Layout.uniform(MODEL, 2, 4, 2)
+    stages = [stage_memory_bytes(MODEL, hw, num_layers=8, tp_degree=2, stage=p, num_stages=4,
+                                 num_microbatches=MODEL.num_microbatches, dp_degree=2) for p in range(4)]
+    assert largest_stage_bytes(layout, hw) == max(stages)
