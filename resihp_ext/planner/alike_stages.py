@@ -34,6 +34,7 @@ from resihp_ext.planner.cost import ReplicaTiming, allreduce_s, boundary_transfe
 from resihp_ext.planner.dp import assign_quotas, makespan_s
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
+from resihp_ext.planner.memory import outgrown_stages
 from resihp_ext.planner.moves import move_time_s, state_moves
 from resihp_ext.planner.pp import partition_layers
 from resihp_ext.planner.tp import TpChoice, group_time_factor, tp_candidates
@@ -187,6 +188,8 @@ def best_alike_split(layout: Layout, health: Health, hw: HardwareModel, *, affec
         if not kept or len(kept) not in drop_to or len(kept) > num_microbatches:
             continue
         reduced = layout.with_replicas(layout.replicas[r] for r in kept)
+        if outgrown_stages(layout, reduced, hw):  # the kept ranks' optimizer shares would not fit
+            continue
         still = [i for i, r in enumerate(kept) if r in affected]
         total, choice = _best_split(layout, reduced, health, hw, still, num_microbatches, horizon_iters, regroup=True)
         if total < best[0]:

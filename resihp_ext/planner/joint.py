@@ -28,6 +28,7 @@ from resihp_ext.planner.cost import (
 from resihp_ext.planner.dp import assign_quotas, makespan_s
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
+from resihp_ext.planner.memory import outgrown_stages
 from resihp_ext.planner.moves import NoSurvivingHolder, move_time_s, state_moves
 from resihp_ext.planner.plan import Plan
 from resihp_ext.planner.pp import partition_layers
@@ -278,6 +279,9 @@ def plan_adaptation(
             continue
         if drop_counts is not None and len(kept) not in drop_counts:
             continue
+        if len(kept) < layout.num_replicas and hw.sharded_state_bytes_per_param and \
+                outgrown_stages(layout, layout.with_replicas(c.replica for c in kept), hw):
+            continue  # the kept ranks' shares of a distributed optimizer's state would not fit
         fill = [c.timing.fill_s for c in kept]
         per = [c.timing.per_microbatch_s for c in kept]
         if not any(math.isfinite(v) for v in per):

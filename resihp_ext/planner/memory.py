@@ -103,6 +103,21 @@ def largest_stage_bytes(layout: Layout, hw: HardwareModel) -> float:
                for replica in layout.replicas for p, stage in enumerate(replica.stages))
 
 
+def outgrown_stages(before: Layout, after: Layout, hw: HardwareModel) -> tuple[int, ...]:
+    """Stage positions whose estimate on ``after`` (replicas alike, as under a distributed optimizer)
+    is above ``hw.device_memory_bytes`` and above that stage's on ``before``: fewer replicas give
+    each rank a larger share of the optimizer state. A stage that needs no more than it did is not
+    counted (the job ran it, whatever the estimate says)."""
+    def need(layout: Layout, p: int) -> float:
+        stage = layout.replicas[0].stages[p]
+        return stage_memory_bytes(layout.model, hw, num_layers=stage.num_layers, tp_degree=stage.tp_degree, stage=p,
+                                  num_stages=layout.replicas[0].num_stages,
+                                  num_microbatches=layout.model.num_microbatches, dp_degree=layout.num_replicas)
+
+    return tuple(p for p in range(after.replicas[0].num_stages)
+                 if need(after, p) > hw.device_memory_bytes and need(after, p) > need(before, p))
+
+
 def max_layers_on_stage(
     model: ModelSpec,
     hw: HardwareModel,

@@ -25,6 +25,7 @@ from resihp_ext.layout import Layout, ReplicaSpec, StageSpec
 from resihp_ext.optimizer_parts import part_sources
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
+from resihp_ext.planner.memory import outgrown_stages
 from resihp_ext.planner.moves import NoSurvivingHolder, state_moves
 from resihp_ext.planner.replica_rebuild import (balanced_quotas, every_replica_at, holding_key, rebuild_replicas,
                                                 repack_replicas, shrink_replicas, worth_adding)
@@ -190,6 +191,8 @@ def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: Har
         if standbys else None
     if filled is not None:  # their state is the parts: no weights move
         plan = dataclasses.replace(filled, transfers=())
+    if plan.action == "adapt":
+        plan = _shares_fit(layout, dead, plan, hw or HardwareModel())
     copied = ", ".join(f"{d}'s on rank {h}" for d, h in sorted(sources.items()))
     if uniform_tp and filled is None:
         smaller = _every_replica_smaller(layout, dead, plan, hw, health, replica_counts)
@@ -202,6 +205,23 @@ def _plan_with_parts(layout: Layout, dead: frozenset[int], copies: bool, hw: Har
     return dataclasses.replace(plan, part_sources=sources, reason=(
         f"{plan.reason}; the optimizer state is split anew over the kept replicas, the dead ranks' parts "
         f"from their copies ({copied})"))
+
+
+def _shares_fit(layout: Layout, dead: frozenset[int], plan: SurvivorPlan, hw: HardwareModel) -> SurvivorPlan:
+    """``plan``, or no in-place plan where its fewer replicas give a stage's ranks larger shares of
+    the optimizer state than a device holds (``memory.outgrown_stages``): a re-form that would run
+    out of memory part way through is worse than a restart from the last checkpoint."""
+    after = continuing_layout(layout, plan)
+    outgrown = outgrown_stages(layout, after, hw)
+    if not outgrown:
+        return plan
+    return SurvivorPlan(
+        action="checkpoint-restart", kept_replicas=(), spares=tuple(sorted(set(layout.world_ranks) - dead)),
+        reason=(f"dead ranks {sorted(dead)} leave {after.num_replicas} of {layout.num_replicas} replicas, and each "
+                f"rank of stage positions {list(outgrown)} would then hold a share of the optimizer state that takes "
+                f"the stage past {hw.device_memory_bytes / 2**30:.3g} GiB a device (--resihp-device-memory-gb), so no "
+                f"in-place plan exists"),
+    )
 
 
 # How much shorter an iteration every replica at a smaller TP degree must be predicted to take than

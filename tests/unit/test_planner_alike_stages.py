@@ -1,5 +1,7 @@
 """Re-plans that keep every replica alike: one shared layer split plus quotas (``stages_alike``)."""
 
+import dataclasses
+
 import pytest
 
 from resihp_ext import shard_map
@@ -8,6 +10,7 @@ from resihp_ext.layout import Layout, ModelSpec, ReplicaSpec, StageSpec, replica
 from resihp_ext.planner import HardwareModel, Health, plan_adaptation
 from resihp_ext.planner.alike_stages import candidate_splits, with_split
 from resihp_ext.planner.fail_slow import decide_fail_slow
+from resihp_ext.planner.memory import largest_stage_bytes, megatron_state_bytes
 from resihp_ext.planner.moves import state_moves
 
 MODEL = ModelSpec(num_layers=8, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
@@ -169,3 +172,20 @@ def test_under_the_interleaved_schedule_a_very_slow_replica_is_dropped_and_a_slo
     assert very_slow.iteration_s_after < kept.iteration_s_after
     slow = plan_adaptation(layout, Health(speed={3: 1 / 3}), hw, **kwargs)
     assert slow.layout.num_replicas == 2 and slow.quotas == (6, 2)  # whole groups of the pipeline's 2
+
+
+@pytest.mark.parametrize("layers", ["alike", "fixed"])
+def test_a_very_slow_replica_is_kept_where_the_others_could_not_hold_its_share_of_the_optimizer_state(layers):
+    # Under the distributed optimizer one replica left would hold each stage's optimizer state alone:
+    # on devices that hold a half but not the whole, the slow replica keeps its place and fewer
+    # micro-batches.
+    facts = megatron_state_bytes(half_precision=True, grads_in_fp32=True, distributed_optimizer=True)
+    half, whole = (largest_stage_bytes(layout, HardwareModel(**facts))
+                   for layout in (LAYOUT, LAYOUT.with_replicas(LAYOUT.replicas[1:])))
+    mode = {"stages_alike": True} if layers == "alike" else {"stages_fixed": True}
+    roomy = dataclasses.replace(HW, **facts, device_memory_bytes=whole * 1.01)
+    assert plan_adaptation(LAYOUT, VERY_SLOW, roomy, drop_to={1, 2}, **mode).layout.num_replicas == 1
+    tight = dataclasses.replace(roomy, device_memory_bytes=(half + whole) / 2)
+    plan = plan_adaptation(LAYOUT, VERY_SLOW, tight, drop_to={1, 2}, **mode)
+    assert plan.layout.num_replicas == 2 and plan.spare_ranks == (), plan.reason
+    assert plan.quotas[0] < plan.quotas[1], plan.reason

@@ -8,6 +8,7 @@ from resihp_ext.optimizer_parts import (HeldCopy, PartsAgreement, agree_on_updat
                                         part_ring, part_sources)
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
+from resihp_ext.planner.memory import megatron_state_bytes, stage_memory_bytes
 from resihp_ext.planner import survivors
 from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors
 
@@ -169,3 +170,22 @@ def test_beside_a_whole_replica_the_cost_model_decides_between_it_and_every_repl
     # The tiny model's iteration is all latency on the reference device: its whole replica is kept.
     kept = plan_survivors(LAYOUT, frozenset({5}), sharded_optimizer=True, part_copies=True, uniform_tp=True)
     assert kept.kept_replicas == (1,) and kept.rebuilt_replicas == (), kept.reason
+
+
+def test_fewer_replicas_whose_optimizer_shares_would_not_fit_a_device_fall_back():
+    # One rank of TP2 x PP2 x DP2 dead under the distributed optimizer (bf16): the whole replica left
+    # would hold each stage's optimizer state alone, twice its share before, on devices that held
+    # the share but not the whole; TP-1 replicas would hold more still. A re-form that runs out of
+    # memory part way is worse than the restart from the last checkpoint.
+    layout = Layout.uniform(LARGE, 2, 2, 2, (16, 16))
+    facts = megatron_state_bytes(half_precision=True, grads_in_fp32=True, distributed_optimizer=True)
+    needs = [stage_memory_bytes(LARGE, HardwareModel(**facts), num_layers=16, tp_degree=2, stage=0, num_stages=2,
+                                num_microbatches=LARGE.num_microbatches, dp_degree=d) for d in (2, 1)]
+    tight = HardwareModel(**facts, device_memory_bytes=sum(needs) / 2)
+    for uniform_tp in (False, True):
+        plan = plan_survivors(layout, frozenset({5}), sharded_optimizer=True, part_copies=True, uniform_tp=uniform_tp,
+                              hw=tight)
+        assert plan.action == "checkpoint-restart", plan.reason
+        assert "share of the optimizer state" in plan.reason and "stage positions [0]" in plan.reason, plan.reason
+    roomy = HardwareModel(**facts, device_memory_bytes=needs[1] * 1.5)
+    assert plan_survivors(layout, frozenset({5}), sharded_optimizer=True, part_copies=True, hw=roomy).action == "adapt"
