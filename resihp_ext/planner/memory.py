@@ -94,13 +94,19 @@ def stage_memory_bytes(
     return state + num_layers * inflight * activation_bytes_per_layer(model, hw, tp_degree)
 
 
+def _stage_bytes(layout: Layout, replica: int, position: int, hw: HardwareModel) -> float:
+    # A stage of ``layout``, its data-parallel degree the layout's replica count (replicas alike).
+    stages = layout.replicas[replica].stages
+    return stage_memory_bytes(layout.model, hw, num_layers=stages[position].num_layers,
+                              tp_degree=stages[position].tp_degree, stage=position, num_stages=len(stages),
+                              num_microbatches=layout.model.num_microbatches, dp_degree=layout.num_replicas)
+
+
 def largest_stage_bytes(layout: Layout, hw: HardwareModel) -> float:
     """The most bytes any stage of ``layout`` needs on one device, each stage's data-parallel degree
     taken as the layout's replica count (replicas alike)."""
-    return max(stage_memory_bytes(layout.model, hw, num_layers=stage.num_layers, tp_degree=stage.tp_degree, stage=p,
-                                  num_stages=replica.num_stages, num_microbatches=layout.model.num_microbatches,
-                                  dp_degree=layout.num_replicas)
-               for replica in layout.replicas for p, stage in enumerate(replica.stages))
+    return max(_stage_bytes(layout, r, p, hw) for r, replica in enumerate(layout.replicas)
+               for p in range(replica.num_stages))
 
 
 def outgrown_stages(before: Layout, after: Layout, hw: HardwareModel) -> tuple[int, ...]:
@@ -108,14 +114,9 @@ def outgrown_stages(before: Layout, after: Layout, hw: HardwareModel) -> tuple[i
     is above ``hw.device_memory_bytes`` and above that stage's on ``before``: fewer replicas give
     each rank a larger share of the optimizer state. A stage that needs no more than it did is not
     counted (the job ran it, whatever the estimate says)."""
-    def need(layout: Layout, p: int) -> float:
-        stage = layout.replicas[0].stages[p]
-        return stage_memory_bytes(layout.model, hw, num_layers=stage.num_layers, tp_degree=stage.tp_degree, stage=p,
-                                  num_stages=layout.replicas[0].num_stages,
-                                  num_microbatches=layout.model.num_microbatches, dp_degree=layout.num_replicas)
-
     return tuple(p for p in range(after.replicas[0].num_stages)
-                 if need(after, p) > hw.device_memory_bytes and need(after, p) > need(before, p))
+                 if hw.device_memory_bytes < _stage_bytes(after, 0, p, hw)
+                 and _stage_bytes(before, 0, p, hw) < _stage_bytes(after, 0, p, hw))
 
 
 def max_layers_on_stage(
