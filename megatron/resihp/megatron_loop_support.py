@@ -72,10 +72,12 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
         if cfg.enable and getattr(args, dest, None) not in (None, False):
             found.append(f"{flag} ({what} between steps are not survived when a rank fails there)")
     if cfg.device_memory_gb is not None:
+        # It sizes the layers a stage may take, the smaller TP degree a stage group may go on at, and,
+        # under the distributed optimizer, the share of its state each rank of fewer replicas holds.
         narrower, moves = tp_shrink_refused(args), layer_moves_refused(args)
         kept = "--resihp-enable is off" if not cfg.enable else (
-            None if narrower is None or moves is None else f"every replica keeps its launch degree ({narrower}) "
-                                                           f"and layers stay on their stages ({moves})")
+            None if narrower is None or moves is None or args.use_distributed_optimizer
+            else f"every replica keeps its launch degree ({narrower}) and layers stay on their stages ({moves})")
         if kept is not None:
             found.append(f"--resihp-device-memory-gb (it sizes the layers a stage may take and the smaller TP degree "
                          f"a stage group that lost ranks may go on at, and this job changes neither: {kept})")

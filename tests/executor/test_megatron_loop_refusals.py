@@ -68,8 +68,9 @@ def test_each_feature_not_carried_yet_is_named(changes, named):
 
 
 def test_device_memory_sizes_the_plans_of_a_job_whose_layers_move_or_whose_tp_degree_may_shrink():
-    # It bounds the layers a fail-slow re-plan may put on a stage and the degree a stage group that
-    # lost ranks goes on at: accepted where either may happen, refused with both reasons where neither.
+    # It bounds the layers a fail-slow re-plan may put on a stage, the degree a stage group that lost
+    # ranks goes on at, and under the distributed optimizer the replicas that may go on: accepted
+    # where any may happen, refused with the reasons where none.
     sized = ResiHPConfig(enable=True, device_memory_gb=40.0)
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2), sized) == []
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, save="ckpt"), sized) == []
@@ -86,8 +87,11 @@ def test_device_memory_sizes_the_plans_of_a_job_whose_layers_move_or_whose_tp_de
     # Under the interleaved schedule with the distributed optimizer too.
     assert unsupported_flags(megatron_args(tensor_model_parallel_size=2, use_distributed_optimizer=True,
                                            virtual_pipeline_model_parallel_size=2), sized) == []
+    # Under the distributed optimizer it also bounds each rank's share of the optimizer state when
+    # fewer replicas go on, whatever else the job changes.
+    assert unsupported_flags(megatron_args(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                           use_distributed_optimizer=True), sized) == []
     for changes, why in (({"save": "ckpt", "ckpt_format": "torch"}, "--ckpt-format torch"),
-                         ({"use_distributed_optimizer": True, "save": "ckpt"}, "--dist-ckpt-optim-fully-reshardable"),
                          ({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}, "TP 1")):
         found = unsupported_flags(megatron_args(**{"tensor_model_parallel_size": 2, **changes}), sized)
         assert len(found) == 1 and "--resihp-device-memory-gb" in found[0] and why in found[0], found
