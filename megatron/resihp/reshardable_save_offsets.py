@@ -17,7 +17,9 @@ The load cuts each parameter by its own range, so it puts the shifted state back
 offsets of the flat tensors it cuts (every bucket's start moved back by the padding before it);
 where no bucket before a parameter is padded the map is the same, and what is saved is unchanged.
 Checked against megatron-core 0.19.2, the version ``training_compat`` (imported beside it by
-``gpt_pretrain``) insists on.
+``gpt_pretrain``) insists on. Megatron-LM merged the same correction after that release (pull
+request 5077, "Fix bugs in re-sharding DistributedOptimizer state in torch_dist checkpoint"): a
+pinned megatron-core that has it makes this module unneeded.
 """
 
 from __future__ import annotations
