@@ -114,9 +114,9 @@ def outgrown_stages(before: Layout, after: Layout, hw: HardwareModel) -> tuple[i
     is above ``hw.device_memory_bytes`` and above that stage's on ``before``: fewer replicas give
     each rank a larger share of the optimizer state. A stage that needs no more than it did is not
     counted (the job ran it, whatever the estimate says)."""
-    return tuple(p for p in range(after.replicas[0].num_stages)
-                 if hw.device_memory_bytes < _stage_bytes(after, 0, p, hw)
-                 and _stage_bytes(before, 0, p, hw) < _stage_bytes(after, 0, p, hw))
+    needs = [(p, _stage_bytes(after, 0, p, hw)) for p in range(after.replicas[0].num_stages)]
+    return tuple(p for p, need in needs
+                 if need > hw.device_memory_bytes and need > _stage_bytes(before, 0, p, hw))
 
 
 def max_layers_on_stage(

@@ -164,15 +164,16 @@ def test_a_stage_takes_no_layer_beyond_what_the_device_memory_holds(tmp_path):
     fits = max(launch_stage_bytes(2, 0), launch_stage_bytes(2, 1))
     third = min(launch_stage_bytes(3, 0), launch_stage_bytes(3, 1))
     assert fits < third
+    gib = (fits + third) / 2 / 2**30
     events = tmp_path / "events.jsonl"
     proc = slowed_run([*replaced(layer_job_args(tmp_path, "ckpt"), {"--train-iters": "20"}),
-                       "--resihp-device-memory-gb", f"{(fits + third) / 2 / 2**30:.9f}"],
+                       "--resihp-device-memory-gb", f"{gib:.9f}"],
                       events, "slow:rank=0,factor=3,at=5", "slow:rank=2,factor=3,at=5")
     slow = {r for v in read_events(events, "verdict") if v["kind"] == "compute" for r in v["ranks"]}
     assert slow == {0, 2} and read_events(events, "plan"), decisions(events)
     assert all(a["layers_per_replica"] == [[2, 2], [2, 2]] for a in read_events(events, "adapted")), decisions(events)
     assert len(read_events(events, "start")) == 8, proc.stdout[-3000:]
-    assert f"plans sized for {(fits + third) / 2 / 2**30:.3g} GiB a device" in proc.stdout, proc.stdout[-3000:]
+    assert f"plans sized for {gib:.3g} GiB a device" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_layers_stay_on_their_stages_when_the_checkpoint_format_numbers_them_per_stage(tmp_path):
