@@ -217,7 +217,8 @@ class FailSlowDetector:
                               if g not in known}
         keys = {g: self.keys_for(*g, len(obs)) for g, obs in groups.items()}
         fitted = all(self.predictor.fitted(k) for ks in keys.values() for k in ks)
-        judged = fitted and self._seen >= self.config.warmup_iters
+        warm = self._seen >= self.config.warmup_iters
+        judged = fitted and warm
         self._seen += 1
 
         stage_ratio: dict[GroupId, float] = {}
@@ -229,14 +230,18 @@ class FailSlowDetector:
                                         if g not in known and g not in self._burst_groups})
         # Per group, each op's predicted seconds: the model times the group's speed level.
         op_predicted = {g: self.predictor.predict_ops(keys[g], feats[g[0]], self.levels.level(g)) for g in groups}
-        if fitted:
-            for g, (fwd, bwd) in durations.items():
-                predicted = float(sum(p.sum() for p in op_predicted[g]))
-                if predicted <= 0:
-                    continue
-                stage_ratio[g] = (nansum(fwd) + nansum(bwd)) / predicted
-                for o in groups[g]:
-                    rank_ratio[o.rank] = rank_busy[o.rank] / predicted
+        # Each group whose cost model is fitted is judged on it: a group slow since a re-plan, in
+        # a stage shape no other group has, never teaches its own model, and must not leave every
+        # other group unjudged (its TP siblings, where it has any, show it meanwhile).
+        for g, (fwd, bwd) in durations.items():
+            if op_predicted[g] is None:
+                continue
+            predicted = float(sum(p.sum() for p in op_predicted[g]))
+            if predicted <= 0:
+                continue
+            stage_ratio[g] = (nansum(fwd) + nansum(bwd)) / predicted
+            for o in groups[g]:
+                rank_ratio[o.rank] = rank_busy[o.rank] / predicted
         contention = wall_per_busy(tables)
         gaps = link_gaps(groups, tables, row)
         observed_iter = statistics.median(o.iteration_s for o in observations)
@@ -259,7 +264,7 @@ class FailSlowDetector:
         slow_stage, self._stage_common = beyond_common(stage_ratio, floor=0.0)
         slow_link, self._link_common = beyond_common(link_ratio)
         suspicion = None
-        if judged:
+        if warm:
             suspicion = self._decide(iteration, slow_stage, sibling_ratio, slow_link, stage_ratio)
         # Learn only from what is not suspect, so a persistent slowdown never becomes the norm: not
         # from a group whose run of suspect iterations is still open either (a slowdown near the

@@ -70,6 +70,27 @@ def test_slow_rank_shows_against_its_tp_siblings_when_the_prediction_is_off():
     assert "TP siblings" in raised[0].reason
 
 
+def test_a_group_slow_since_a_re_plan_in_a_stage_shape_of_its_own_shows_against_its_tp_siblings():
+    # After a re-plan gives replica 0's stage 1 a layer count no other group has, its cost model
+    # learns from it alone; rank 5 slowed 3x from the first iteration, it never looks healthy, so
+    # that model is never fitted. Its TP sibling still shows the slowdown, and must be judged
+    # (it was not: every judgement waited for every model, and the job saw no fault again).
+    def own_shape(replica, stage, tp_degree):
+        return (stage, tp_degree, (replica, stage) == (0, 1))
+
+    trace = [(i, busy_ops(obs, {5: 3.0})) for i, obs in cached_trace(30)]
+    det = FailSlowDetector(stage_signature=own_shape)
+    raised = []
+    for iteration, obs in trace:
+        suspicion = det.observe(iteration, obs)
+        if suspicion is not None:
+            raised.append(suspicion)
+            det.conclude(suspicion, ProbeResults(iteration=iteration, rank_s={4: 1.0, 5: 3.0, 0: 1.0, 1: 1.0}))
+    assert not det.predictor.fitted((own_shape(0, 1, 2), "F"))
+    assert raised and raised[0].ranks == (4, 5) and "TP siblings" in raised[0].reason
+    assert raised[0].iteration <= trace[ResiHPConfig().warmup_iters + 3][0]
+
+
 def test_a_slow_group_is_judged_against_its_peers_when_the_host_runs_faster_than_the_model():
     # From index 40 every rank computes 20% faster than the model learnt, and the whole group of
     # ranks 4, 5 1.4x slower than that: 1.12x predicted, under the threshold, and no TP sibling
