@@ -56,6 +56,10 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
                                       during= is forward (the default), backward or optimizer (as
                                       its optimizer step begins); Megatron-LM's loop only
     hang:rank=2,at=40                 rank 2 stops making progress at iteration 40
+    stall:rank=2,at=4,seconds=30      the files of rank 2's first checkpoint save at iteration >= 4
+                                      are written 30 s late, as by a storage system that stops
+                                      answering for a while: its writer process waits under
+                                      --async-save (training goes on), the rank itself otherwise
     misjudge:rank=3,factor=4,at=1     from iteration 1, the fail-slow planner takes rank 3 to run 4x
                                       slower than the detector measured (a cost model fed a false
                                       speed: its re-plans can be wrong, and must be undone)
@@ -78,6 +82,7 @@ class FaultKind(str, enum.Enum):
     RAISE = "raise"
     HANG = "hang"
     MISJUDGE = "misjudge"
+    STALL = "stall"
 
 
 _KEYS = {
@@ -87,6 +92,7 @@ _KEYS = {
     FaultKind.RAISE: {"rank", "at", "during"},
     FaultKind.HANG: {"rank", "at"},
     FaultKind.MISJUDGE: {"rank", "factor", "at"},
+    FaultKind.STALL: {"rank", "at", "seconds"},
 }
 # Phases of an in-place recovery a kill can be aimed at (a second failure during an adaptation).
 RECOVERY_PHASES = ("reform", "moves", "replan", "readmission", "rendezvous")
@@ -103,6 +109,7 @@ _REQUIRED = {
     FaultKind.RAISE: {"rank", "at"},
     FaultKind.HANG: {"rank", "at"},
     FaultKind.MISJUDGE: {"rank", "factor", "at"},
+    FaultKind.STALL: {"rank", "at", "seconds"},
 }
 
 
@@ -118,6 +125,7 @@ class Fault:
     ``until_iteration`` (slow only) is the iteration at whose start a slowdown ends (None: never).
     ``on_iters`` and ``off_iters`` (slow only, both or neither) make it intermittent: from
     ``at_iteration`` on, slow for ``on_iters`` iterations, then healthy for ``off_iters``, and so on.
+    ``seconds`` (stall only) is how long the writes of the first save at or after ``at_iteration`` wait.
     """
 
     kind: FaultKind
@@ -129,6 +137,7 @@ class Fault:
     until_iteration: int | None = None
     on_iters: int | None = None
     off_iters: int | None = None
+    seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 0 or (self.dst is not None and self.dst < 0):
@@ -152,6 +161,10 @@ class Fault:
                 self.on_iters is not None and (self.kind is not FaultKind.SLOW or self.on_iters < 1 or self.off_iters < 1)):
             raise ValueError(f"{FLAG}: on= and off= go together, on slow faults, as iteration counts >= 1; got "
                              f"{self.kind.value} with on={self.on_iters}, off={self.off_iters}")
+        if (self.kind is FaultKind.STALL) != (self.seconds is not None) or (
+                self.seconds is not None and not self.seconds > 0):
+            raise ValueError(f"{FLAG}: seconds= goes with stall faults, and only with them, as a number > 0; got "
+                             f"{self.kind.value} with seconds={self.seconds}")
         if self.kind is FaultKind.LINK and self.dst == self.rank:
             raise ValueError(f"{FLAG}: a link needs two different ranks, got src=dst={self.rank}")
 
@@ -178,6 +191,8 @@ class Fault:
             until = f",until={self.until_iteration}" if self.until_iteration is not None else ""
             bursts = f",on={self.on_iters},off={self.off_iters}" if self.intermittent else ""
             return f"slow:rank={self.rank},factor={self.factor:g},at={self.at_iteration}{until}{bursts}"
+        if self.kind is FaultKind.STALL:
+            return f"stall:rank={self.rank},at={self.at_iteration},seconds={self.seconds:g}"
         during = f",during={self.during}" if self.during else ""
         return f"{self.kind.value}:rank={self.rank},at={self.at_iteration}{during}"
 
@@ -192,7 +207,7 @@ def parse_fault(spec: str) -> Fault:
             f"{FLAG} {spec!r}: unknown fault kind {kind_text!r}; use one of "
             "slow:rank=R,factor=F,at=I[,until=J][,on=A,off=B] | link:src=S,dst=D,factor=F,at=I | "
             f"kill:rank=R,at=I[,during={'|'.join(PHASES)}] | raise:rank=R,at=I[,during={'|'.join(RAISE_PHASES)}] | "
-            "hang:rank=R,at=I | misjudge:rank=R,factor=F,at=I"
+            "hang:rank=R,at=I | misjudge:rank=R,factor=F,at=I | stall:rank=R,at=I,seconds=S"
         ) from None
     fields: dict[str, str] = {}
     for item in filter(None, body.split(",")) if sep else []:
@@ -214,12 +229,13 @@ def parse_fault(spec: str) -> Fault:
         at = int(fields["at"])
         factor = float(fields.get("factor", 1.0))
         until, on, off = (int(fields[k]) if k in fields else None for k in ("until", "on", "off"))
+        seconds = float(fields["seconds"]) if "seconds" in fields else None
     except ValueError as exc:
         raise ValueError(f"{FLAG} {spec!r}: {exc}; ranks, at=, until=, on= and off= are integers, "
-                         "factor= a number") from None
+                         "factor= and seconds= numbers") from None
     during = fields.get("during", RAISE_PHASES[0] if kind is FaultKind.RAISE else None)
     return Fault(kind=kind, rank=rank, at_iteration=at, factor=factor, dst=dst, during=during,
-                 until_iteration=until, on_iters=on, off_iters=off)
+                 until_iteration=until, on_iters=on, off_iters=off, seconds=seconds)
 
 
 def check_ranks_exist(faults: tuple[Fault, ...], world_size: int) -> None:

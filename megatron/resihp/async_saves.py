@@ -25,6 +25,9 @@ that planned it:
 - **Writers die with their rank**: each writer process (and the process that serves the queue
   of their results) asks the kernel for SIGKILL when its parent dies, so a killed or evicted rank
   leaves no process writing into a folder its successors save to.
+- **An injected storage stall** (``stall:`` in ``--resihp-inject``) holds a save's writes back:
+  its writer waits before writing (``stalled_writes``), so a save is still being written, however
+  fast the storage, when a later fault strikes.
 
 Checked against megatron-core 0.19.2's own asynchronous saves (``--async-strategy mcore``); the
 ``nvrx`` strategy runs in nvidia-resiliency-ext's processes, which this does not reach
@@ -33,11 +36,14 @@ Checked against megatron-core 0.19.2's own asynchronous saves (``--async-strateg
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import multiprocessing
 import os
 import queue
 import signal
+import time
 
 from megatron.resihp.logging_utils import log_line
 from megatron.resihp.parent_death import signal_on_parent_death
@@ -65,6 +71,40 @@ def writer_loop(*args, **kwargs):
     writer started by a fork server or spawned finds it by name."""
     die_with_parent()
     return _WRITER_LOOP(*args, **kwargs)
+
+
+def write_late(seconds: float, write, *args, **kwargs):
+    """A save's writes, ``seconds`` late (an injected storage stall). Module-level, so that the
+    writer process finds it by name."""
+    time.sleep(seconds)
+    return write(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def stalled_writes(seconds: float, asynchronous: bool):
+    """Within it, a save's writes wait ``seconds``: under --async-save its writer process waits
+    and training goes on; otherwise the rank waits before saving."""
+    if seconds <= 0:
+        yield
+        return
+    if not asynchronous:
+        time.sleep(seconds)
+        yield
+        return
+    from megatron.training import checkpointing
+
+    schedule = checkpointing.schedule_async_save
+
+    def schedule_late(request):
+        if request.async_fn is not None:
+            request = request._replace(async_fn=functools.partial(write_late, seconds, request.async_fn))
+        return schedule(request)
+
+    checkpointing.schedule_async_save = schedule_late
+    try:
+        yield
+    finally:
+        checkpointing.schedule_async_save = schedule
 
 
 def write_results_queue(mp_mode: str = "spawn"):

@@ -5,8 +5,9 @@ too) that the resilience hooks strike at an iteration's start or in a named phas
 recovery, the loop's log or its end: a SIGKILL of this process; a hang (alive, holding its
 sockets, making no progress); this rank's compute stretched by its slowest active slowdown
 (``schedules.RECORDER``), with an ``inject`` event as each starts and an ``inject_end`` as it
-ends or pauses; and a link slowed after its healthy speed was measured with the receiver. Faults
-follow the process across re-formed worlds. Errors raised inside the step are ``raised_faults.py``'s.
+ends or pauses; a link slowed after its healthy speed was measured with the receiver; and a
+checkpoint save whose writes wait (``stall_in_save``). Faults follow the process across
+re-formed worlds. Errors raised inside the step are ``raised_faults.py``'s.
 """
 
 from __future__ import annotations
@@ -55,8 +56,18 @@ class InjectedFaults:
         """After a fail-stop recovery at ``iteration``: a slowdown under way keeps its end; slowed
         links name old ranks, so they go."""
         self.faults = [f for f in self.faults if f.at_iteration > iteration or (f.until_iteration or 0) > iteration
-                       or (f.kind is FaultKind.SLOW and f.until_iteration is None)]
+                       or (f.kind is FaultKind.SLOW and f.until_iteration is None)
+                       or f.kind is FaultKind.STALL]  # waits for a save; gone once it struck
         LINKS.clear()
+
+    def stall_in_save(self, iteration: int) -> float:
+        """Seconds the writes of this rank's save of ``iteration`` wait: the stalls due by then, each
+        struck once (0.0: none)."""
+        due = [f for f in self.faults if f.kind is FaultKind.STALL and f.at_iteration <= iteration]
+        for fault in due:
+            self.faults.remove(fault)
+            self._say(iteration, fault)
+        return max((f.seconds for f in due), default=0.0)
 
     def _slowdowns(self, iteration: int) -> None:
         """Stretch this rank's compute by its slowest active slowdown, and say when each starts and ends
@@ -83,7 +94,8 @@ class InjectedFaults:
         for fault in self.faults:
             if standing_by and fault.kind in (FaultKind.LINK, FaultKind.HANG):
                 continue  # a standby sends nothing and makes no progress that could stop
-            if fault.kind is FaultKind.SLOW or fault.at_iteration != iteration or fault.during is not None:
+            if (fault.kind in (FaultKind.SLOW, FaultKind.STALL) or fault.at_iteration != iteration
+                    or fault.during is not None):
                 continue
             if fault.kind is FaultKind.LINK:
                 self._slow_link(iteration, fault, args, device)

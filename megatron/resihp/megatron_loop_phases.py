@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from megatron.resihp.async_saves import stalled_writes
 from megatron.resihp.logging_utils import log_line, rank_name
 
 
@@ -266,7 +267,13 @@ class BetweenSteps:
 
     # ------------------------------------------------------------------ the save
     def _save_checkpoint(self, iteration, *args, **kwargs):
-        """Megatron's ``save_checkpoint`` of ``iteration``, survived when a rank fails during it."""
+        """Megatron's ``save_checkpoint`` of ``iteration``, survived when a rank fails during it; its
+        writes held back by an injected storage stall, if one is due."""
+        stall_s = self.loop.hooks.stall_in_save(iteration) if self.loop.hooks is not None else 0.0
+        with stalled_writes(stall_s, self.loop.saves.on()):
+            return self._save_checkpoint_surviving(iteration, *args, **kwargs)
+
+    def _save_checkpoint_surviving(self, iteration, *args, **kwargs):
         save = self._original["save_checkpoint"]
         if not self.recovering():
             return save(iteration, *args, **kwargs)

@@ -97,6 +97,9 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
         elif fault.during in ("save-scheduled", "finalize") and not getattr(args, "async_save", False):
             found.append(f"--resihp-inject {fault.spec()} (a phase of asynchronous saves: pass --async-save "
                          f"--use-persistent-ckpt-worker --async-strategy mcore)")
+        elif fault.kind.value == "stall" and not getattr(args, "save", None):
+            found.append(f"--resihp-inject {fault.spec()} (a stall holds a checkpoint save's writes back, and "
+                         f"this job saves none: pass --save DIR --save-interval N)")
         elif fault.during == "update" and not (cfg.enable and args.use_distributed_optimizer):
             found.append(f"--resihp-inject {fault.spec()} (the update phase is the distributed optimizer's, "
                          f"with --resihp-enable: pass --use-distributed-optimizer)")

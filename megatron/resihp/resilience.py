@@ -261,6 +261,10 @@ class ResilienceHooks:
         """Injected kills aimed at ``phase`` (of a recovery, a save, the step, the job's end)."""
         self.injected.kill_in(iteration, phase)
 
+    def stall_in_save(self, iteration: int) -> float:
+        """Seconds the writes of this rank's save of ``iteration`` wait (injected stalls)."""
+        return self.injected.stall_in_save(iteration)
+
     def forget_faults_before(self, iteration: int) -> None:
         """After a fail-stop recovery at ``iteration``: faults follow the process (``InjectedFaults``)."""
         self.injected.forget_before(iteration)

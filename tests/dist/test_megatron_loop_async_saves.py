@@ -108,21 +108,24 @@ def test_a_rank_killed_while_a_save_is_written_is_survived_and_the_save_made_aga
 
 
 def test_a_save_still_being_written_when_a_later_step_fails_is_lost_and_the_next_one_made(tmp_path, stock):
-    # Rank 5 dies in step 5. Iteration 4's save was handed over at the end of iteration 4 and
-    # Megatron finalizes one only once all 8 writers are done (on this host that takes iterations):
-    # it is dropped, and since step 5 has run it cannot be made again. The later saves are whole.
+    # Rank 5 dies in step 5. Iteration 4's save was handed over at the end of iteration 4, and rank
+    # 2's writer is held back 300 s by a storage stall, so Megatron cannot have finalized it: it is
+    # dropped, and since step 5 has run it cannot be made again. Rank 2's stalled writer is killed
+    # with the save (the later saves would otherwise queue behind it and the job's last one wait out
+    # the stall), and the later saves are whole.
     losses, tensors, _ = stock
     events = tmp_path / "events.jsonl"
-    proc = run_job(8, [*async_job_args(tmp_path), *resilience_flags(events), "--resihp-inject", "kill:rank=5,at=5"],
-                   timeout_s=420)
+    started = time.monotonic()
+    proc = run_job(8, [*async_job_args(tmp_path), *resilience_flags(events), "--resihp-inject", "kill:rank=5,at=5",
+                       "--resihp-inject", "stall:rank=2,at=4,seconds=300"], timeout_s=420)
     check(proc)
+    assert time.monotonic() - started < 300, "the job waited out the stalled writer"
     assert "saving iteration 4 again" not in proc.stdout
+    assert [e["fault"] for e in read_events(events, "inject") if e["fault"].startswith("stall")] == [
+        "stall:rank=2,at=4,seconds=300"]
     assert_stock_training(proc.stdout, tmp_path, (losses, tensors), ITERATIONS)
     dropped = read_events(events, "saves_settled")
-    if not dropped:  # a race with the writers, which finish first now and then on a host with cores to spare
-        pytest.skip("iteration 4's save was finalized before rank 5 died (its writers were done as step 5 "
-                    "began): no save was in flight to drop")
-    assert all(not d["kept"] and d["iterations"][-1] == 4 for d in dropped), dropped
+    assert dropped and all(not d["kept"] and d["iterations"][-1] == 4 for d in dropped), dropped
     assert "resihp: the checkpoint of iteration 4 is lost to the failure" in proc.stdout
 
 

@@ -59,6 +59,7 @@ def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
     ({"log_straggler": True}, "--log-straggler"),
     ({"async_save": True, "async_strategy": "nvrx"}, "--async-strategy nvrx"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=finalize"])}, "pass --async-save"),
+    ({"resihp": ResiHPConfig(enable=True, inject=["stall:rank=1,at=3,seconds=30"])}, "pass --save DIR"),
     ({"resihp": ResiHPConfig(enable=True, device_memory_gb=40.0), "pipeline_model_parallel_size": 1},
      "--resihp-device-memory-gb"),
 ])
@@ -109,10 +110,13 @@ def test_standbys_probe_where_a_re_plan_may_drop_a_slow_replica():
     assert unsupported_flags(megatron_args(virtual_pipeline_model_parallel_size=2), probing) == []
 
 
-def test_megatron_cores_own_asynchronous_saves_run_with_their_kill_phases():
+def test_megatron_cores_own_asynchronous_saves_run_with_their_kill_phases_and_storage_stalls():
     # Its writers are this process's children, which a change of world kills and starts again.
-    kills = ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=finalize", "kill:rank=2,at=2,during=save-scheduled"])
-    assert unsupported_flags(megatron_args(async_save=True, async_strategy="mcore"), kills) == []
+    kills = ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=finalize", "kill:rank=2,at=2,during=save-scheduled",
+                                              "stall:rank=3,at=2,seconds=30"])
+    assert unsupported_flags(megatron_args(async_save=True, async_strategy="mcore", save="ckpt"), kills) == []
+    stall = ResiHPConfig(enable=True, inject=["stall:rank=3,at=2,seconds=30"])
+    assert unsupported_flags(megatron_args(save="ckpt"), stall) == []  # the rank itself waits in the save
 
 
 def test_between_step_checks_are_refused_only_when_failures_are_recovered():

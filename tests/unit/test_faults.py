@@ -20,6 +20,8 @@ from resihp_ext.faults import Fault, FaultKind, parse_fault
     "kill:rank=3,at=8,during=shutdown",
     "raise:rank=5,at=4,during=backward",
     "hang:rank=2,at=40",
+    "stall:rank=2,at=4,seconds=30",
+    "stall:rank=2,at=4,seconds=0.5",
 ])
 def test_round_trip(spec):
     fault = parse_fault(spec)
@@ -49,6 +51,9 @@ def test_fields():
     ("kill:rank=x,at=2", "ranks, at=, until=, on= and off= are integers"),
     ("slow:rank=1,factor=2,at=5,until=5", "until= is for slow faults and must be after at="),
     ("link:src=1,dst=2,factor=2,at=3,until=9", "unknown ['until']"),
+    ("stall:rank=1,at=2", "missing ['seconds']"),
+    ("stall:rank=1,at=2,seconds=0", "seconds= goes with stall faults"),
+    ("stall:rank=1,at=2,seconds=soon", "seconds= numbers"),
 ])
 def test_bad_specs_name_the_flag_and_the_fix(spec, message):
     with pytest.raises(ValueError, match="--resihp-inject") as info:
