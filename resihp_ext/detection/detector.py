@@ -218,7 +218,6 @@ class FailSlowDetector:
         keys = {g: self.keys_for(*g, len(obs)) for g, obs in groups.items()}
         fitted = all(self.predictor.fitted(k) for ks in keys.values() for k in ks)
         warm = self._seen >= self.config.warmup_iters
-        judged = fitted and warm
         self._seen += 1
 
         stage_ratio: dict[GroupId, float] = {}
@@ -257,7 +256,7 @@ class FailSlowDetector:
                                                      observed_iter, contention, self.config.slowdown_threshold,
                                                      self.interleaving)
         self.last_report = DetectorReport(
-            iteration, judged, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter, sibling_ratio
+            iteration, warm, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter, sibling_ratio
         )
 
         threshold = self.config.slowdown_threshold

@@ -119,7 +119,8 @@ class DetectorReport:
 
     Attributes:
         iteration: the iteration.
-        judged: False while warming up (fitting only).
+        judged: False while warming up (fitting only); after it, a group is judged on its prediction
+            once its stage configuration's model is fitted.
         stage_ratio: observed / predicted compute per ``(replica, stage)``.
         rank_ratio: the same per rank, from the rank's own op times.
         sibling_ratio: per group of two or more TP ranks, its slowest rank's busy time over the
