@@ -52,18 +52,24 @@ def _host_speed_from_40(host, slower=None):
     return trace
 
 
+def _suspicions(det, trace, probe_s):
+    """The suspicions ``det`` raises over ``trace``, each concluded with probes of ``probe_s``."""
+    raised = []
+    for iteration, obs in trace:
+        suspicion = det.observe(iteration, obs)
+        if suspicion is not None:
+            raised.append(suspicion)
+            det.conclude(suspicion, ProbeResults(iteration=iteration, rank_s=probe_s))
+    return raised
+
+
 def test_slow_rank_shows_against_its_tp_siblings_when_the_prediction_is_off():
     # From iteration 40 every rank computes 20% faster than the model learnt (a host speeding
     # up, data the fit over-predicts) and rank 5 is 1.5x slow: 0.8 x 1.5 = 1.2 of the prediction,
     # under the 1.25 threshold. Against its sibling, rank 4, it is 1.5x.
     trace = _host_speed_from_40(0.8, {5: 1.5})
     det = FailSlowDetector()
-    raised = []
-    for iteration, obs in trace:
-        suspicion = det.observe(iteration, obs)
-        if suspicion is not None:
-            raised.append(suspicion)
-            det.conclude(suspicion, ProbeResults(iteration=iteration, rank_s={4: 1.0, 5: 1.5, 0: 1.0, 1: 1.0}))
+    raised = _suspicions(det, trace, {4: 1.0, 5: 1.5, 0: 1.0, 1: 1.0})
     assert det.last_report.stage_ratio[(0, 1)] < 1.25  # the prediction alone would not see it
     assert det.last_report.sibling_ratio[(0, 1)] == pytest.approx(1.5, rel=0.05)
     assert len(raised) == 1 and raised[0].ranks == (4, 5) and 40 <= raised[0].iteration <= 42
@@ -80,12 +86,7 @@ def test_a_group_slow_since_a_re_plan_in_a_stage_shape_of_its_own_shows_against_
 
     trace = [(i, busy_ops(obs, {5: 3.0})) for i, obs in cached_trace(30)]
     det = FailSlowDetector(stage_signature=own_shape)
-    raised = []
-    for iteration, obs in trace:
-        suspicion = det.observe(iteration, obs)
-        if suspicion is not None:
-            raised.append(suspicion)
-            det.conclude(suspicion, ProbeResults(iteration=iteration, rank_s={4: 1.0, 5: 3.0, 0: 1.0, 1: 1.0}))
+    raised = _suspicions(det, trace, {4: 1.0, 5: 3.0, 0: 1.0, 1: 1.0})
     assert not det.predictor.fitted((own_shape(0, 1, 2), "F"))
     assert raised and raised[0].ranks == (4, 5) and "TP siblings" in raised[0].reason
     assert raised[0].iteration <= trace[ResiHPConfig().warmup_iters + 3][0]
