@@ -21,7 +21,9 @@ Megatron-LM's training loop needs on a host without a GPU:
 - no JIT fusion warm-up (``set_jit_fusion_options``: 13.7 s per rank on a CPU, and nothing is
   fused there);
 - ``--async-save``'s persistent writer forked from the rank (``_forked_writer``), not started by a
-  fork server: a fresh interpreter has none of these stand-ins.
+  fork server: a fresh interpreter has none of these stand-ins;
+- ``--async-save``'s tensors copied as the writer takes them (``preload_tensors_copied``): the copy a
+  GPU's device-to-host transfer makes is the save's snapshot, and a CPU has none to make.
 
 Checked against megatron-core 0.19.2 only: importing this module with another version raises, since
 every patch names a function of that release. ``enable()`` is idempotent; ``disable()`` undoes every
@@ -192,6 +194,32 @@ def _patch_training_package() -> None:
          _keeping_rng_state(training.build_train_valid_test_data_iterators))
     _set(training, "set_jit_fusion_options", lambda *args, **kwargs: None)
     _set(initialize, "init_persistent_async_worker", _forked_writer(initialize.init_persistent_async_worker))
+    _copy_preloaded_tensors()
+
+
+_megatron_preload: Callable | None = None  # ``FileSystemWriterAsync.preload_tensors`` as megatron-core has it
+
+
+def preload_tensors_copied(write_buckets, non_blocking: bool = True):
+    """megatron-core's ``FileSystemWriterAsync.preload_tensors`` with every tensor copied.
+
+    Why: the rank waits for its writer to preload a save's tensors and then trains on. On a GPU the
+    preload's device-to-host copy is the save's snapshot; on a CPU ``tensor.to("cpu")`` returns the
+    tensor itself, shared with the writer, which then wrote values the next steps had changed in
+    place (a save of iteration 4 with some of step 5's Adam moments). Module-level, so that the
+    request the writer receives names it."""
+    return [(file_name, key, (data, [(item, tensor.clone()) for item, tensor in tensors]))
+            for file_name, key, (data, tensors) in _megatron_preload(write_buckets, non_blocking)]
+
+
+def _copy_preloaded_tensors() -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    global _megatron_preload
+    old = FileSystemWriterAsync.__dict__["preload_tensors"]  # the staticmethod itself, to put back as it was
+    _megatron_preload = old.__func__
+    FileSystemWriterAsync.preload_tensors = staticmethod(preload_tensors_copied)
+    _undo.append(lambda: setattr(FileSystemWriterAsync, "preload_tensors", old))
 
 
 def _forked_writer(start: Callable) -> Callable:
