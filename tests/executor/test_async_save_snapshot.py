@@ -2,7 +2,7 @@
 
 megatron-core's writer process takes a save's tensors through a preload that, on a GPU, copies them
 to the host; the rank waits for it and trains on. On a CPU that copy returned the tensors
-themselves, so a step after the save changed what the writer then wrote. Each case runs in a
+themselves, so a step after the save changed what the writer then wrote. The case runs in a
 one-rank gloo world of its own process, with megatron-core's persistent writer forked from it.
 """
 
