@@ -8,6 +8,10 @@ A fault is a value. ``parse_fault`` turns the ``--resihp-inject`` grammar into o
     slow:rank=3,factor=1.5,at=20,on=3,off=3
                                       ... in bursts: slow for 3 iterations, fast for 3, slow
                                       for 3, ... from iteration 20 (until= ends the bursts)
+    slow:rank=3,factor=2.0,at=1,during=replan
+                                      ... from the first iteration after a fail-slow re-plan at
+                                      iteration >= 1 moved layers (a second device giving way as the
+                                      job re-plans around the first; no until=, on= or off=)
     link:src=1,dst=3,factor=4,at=20   transfers from rank 1 to rank 3 take 4x as long
     kill:rank=5,at=30                 rank 5 is SIGKILLed at iteration 30
     kill:rank=1,at=4,during=reform    rank 1 is SIGKILLed as it is about to join the world that
@@ -86,7 +90,7 @@ class FaultKind(str, enum.Enum):
 
 
 _KEYS = {
-    FaultKind.SLOW: {"rank", "factor", "at", "until", "on", "off"},
+    FaultKind.SLOW: {"rank", "factor", "at", "until", "on", "off", "during"},
     FaultKind.LINK: {"src", "dst", "factor", "at"},
     FaultKind.KILL: {"rank", "at", "during"},
     FaultKind.RAISE: {"rank", "at", "during"},
@@ -121,7 +125,9 @@ class Fault:
     ``link``. ``factor`` is the slowdown (2.0 = twice as slow); 1.0 for kill/hang.
     ``at_iteration`` is the 1-based training iteration at whose start the fault begins; with
     ``during`` (kill), the fault waits instead for that phase (of a recovery, of a checkpoint
-    save, or the job's end) at or after it; a raise always has one (the part of the step it strikes).
+    save, or the job's end) at or after it; a raise always has one (the part of the step it strikes);
+    a slowdown with ``during="replan"`` begins with the iteration after such a re-plan (``active``
+    then tells only whether ``at_iteration`` has come: the executor knows when the re-plan ran).
     ``until_iteration`` (slow only) is the iteration at whose start a slowdown ends (None: never).
     ``on_iters`` and ``off_iters`` (slow only, both or neither) make it intermittent: from
     ``at_iteration`` on, slow for ``on_iters`` iterations, then healthy for ``off_iters``, and so on.
@@ -150,9 +156,13 @@ class Fault:
             if self.during not in RAISE_PHASES:
                 raise ValueError(f"{FLAG}: a raise strikes during= one of {list(RAISE_PHASES)}; got "
                                  f"during={self.during} in {self.spec()}")
+        elif self.kind is FaultKind.SLOW and self.during is not None:
+            if self.during != "replan" or self.until_iteration is not None or self.on_iters is not None:
+                raise ValueError(f"{FLAG}: a slowdown takes during=replan alone (from the first re-plan that moves "
+                                 f"layers), without until=, on= or off=; got {self.spec()}")
         elif self.during is not None and (self.kind is not FaultKind.KILL or self.during not in PHASES):
-            raise ValueError(f"{FLAG}: during= is for kill and raise faults, a kill's one of {list(PHASES)}; got "
-                             f"{self.kind.value} with during={self.during}")
+            raise ValueError(f"{FLAG}: during= is for kill, raise and slow faults, a kill's one of {list(PHASES)}; "
+                             f"got {self.kind.value} with during={self.during}")
         if self.until_iteration is not None and (self.kind is not FaultKind.SLOW
                                                  or self.until_iteration <= self.at_iteration):
             raise ValueError(f"{FLAG}: until= is for slow faults and must be after at=; got {self.kind.value} "
@@ -190,7 +200,8 @@ class Fault:
         if self.kind is FaultKind.SLOW:
             until = f",until={self.until_iteration}" if self.until_iteration is not None else ""
             bursts = f",on={self.on_iters},off={self.off_iters}" if self.intermittent else ""
-            return f"slow:rank={self.rank},factor={self.factor:g},at={self.at_iteration}{until}{bursts}"
+            during = f",during={self.during}" if self.during else ""
+            return f"slow:rank={self.rank},factor={self.factor:g},at={self.at_iteration}{until}{bursts}{during}"
         if self.kind is FaultKind.STALL:
             return f"stall:rank={self.rank},at={self.at_iteration},seconds={self.seconds:g}"
         during = f",during={self.during}" if self.during else ""
@@ -205,7 +216,7 @@ def parse_fault(spec: str) -> Fault:
     except ValueError:
         raise ValueError(
             f"{FLAG} {spec!r}: unknown fault kind {kind_text!r}; use one of "
-            "slow:rank=R,factor=F,at=I[,until=J][,on=A,off=B] | link:src=S,dst=D,factor=F,at=I | "
+            "slow:rank=R,factor=F,at=I[,until=J][,on=A,off=B][,during=replan] | link:src=S,dst=D,factor=F,at=I | "
             f"kill:rank=R,at=I[,during={'|'.join(PHASES)}] | raise:rank=R,at=I[,during={'|'.join(RAISE_PHASES)}] | "
             "hang:rank=R,at=I | misjudge:rank=R,factor=F,at=I | stall:rank=R,at=I,seconds=S"
         ) from None

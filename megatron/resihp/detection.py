@@ -406,7 +406,8 @@ class LiveDetector:
         tables = op_tables(gathered)  # built once, for the detector and the cost fit
         suspicion = self.detector.observe(iteration, gathered, tables)
         self._plan = self.pending.plan_probes(iteration + 1, suspicion)
-        fit = fit_compute_costs(iteration, gathered, self.layout_getter(), tables, self.interleaving)
+        fit = fit_compute_costs(iteration, gathered, self.layout_getter(), tables, self.interleaving,
+                                self.detector.known_slowdowns)
         if fit is not None:
             if not self._fits and self.costs is not None:  # a new decider starts from what it was handed
                 self._fits.append(self.costs)
@@ -422,6 +423,22 @@ class LiveDetector:
         self._next = command
         if command.costs is not None:
             self.costs = command.costs
+
+    def start_over(self) -> None:
+        """After a re-plan (or its roll-back) in this world: the detector starts over on the new
+        layout, priced by the planner's costs (``price_plan``), and the probe rounds planned on the
+        old one are dropped (call on every rank). The cost models are kept: each is a stage shape's
+        (stage, TP degree, layers), in a healthy device's time (a known slowdown divided out), so a
+        shape the re-plan keeps is judged on its fit at once, and a new one learns its own."""
+        self.detector.reset(forget_predictor=False)
+        self.price_plan()
+        self.drop_planned_probes()
+
+    def price_plan(self) -> None:
+        """Hand the detector what the pooled costs price each stage group of the current layout at:
+        a group is judged on that price until its own cost model fits (none before the first fit)."""
+        if self.costs is not None:
+            self.detector.plan(self.costs.group_microbatch_s(self.layout_getter()))
 
     def drop_planned_probes(self) -> None:
         """Forget the probe rounds planned for the next step, on the layout a re-plan just replaced

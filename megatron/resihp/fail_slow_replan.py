@@ -114,8 +114,7 @@ class FailSlowReplan:
             self.trial_s = []
         duration = time.perf_counter() - start
         # Refit: the known slow device is the new normal; only a further change should alarm.
-        host.live.detector.reset(forget_predictor=True)
-        host.live.drop_planned_probes()
+        host.live.start_over()
         layers = [list(r.layers_per_stage) for r in host.layout.replicas]
         if host.run.rank == 0:
             host.events.emit("adapted", iteration, world_size=dist.get_world_size(), quotas=list(plan.quotas),
@@ -160,8 +159,7 @@ class FailSlowReplan:
         if back:
             self.change_layout(trial.old_layout, back, iteration)
         host.commit(host.run.replace(quotas=trial.old_quotas), world_changed=False)
-        host.live.detector.reset(forget_predictor=True)
-        host.live.drop_planned_probes()
+        host.live.start_over()
         if host.run.rank == 0:
             layers = [list(r.layers_per_stage) for r in host.layout.replicas]
             host.events.emit("rolled_back", iteration, replanned_at=trial.iteration, quotas=list(trial.old_quotas),

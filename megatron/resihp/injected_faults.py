@@ -4,7 +4,7 @@ Responsible for the ``--resihp-inject`` faults aimed at this rank (a link fault 
 too) that the resilience hooks strike at an iteration's start or in a named phase of a save, a
 recovery, the loop's log or its end: a SIGKILL of this process; a hang (alive, holding its
 sockets, making no progress); this rank's compute stretched by its slowest active slowdown
-(``schedules.RECORDER``), with an ``inject`` event as each starts and an ``inject_end`` as it
+(``schedules.RECORDER``; one waiting for a re-plan from the iteration after it), with an ``inject`` event as each starts and an ``inject_end`` as it
 ends or pauses; a link slowed after its healthy speed was measured with the receiver; and a
 checkpoint save whose writes wait (``stall_in_save``). Faults follow the process across
 re-formed worlds. Errors raised inside the step are ``raised_faults.py``'s.
@@ -37,6 +37,8 @@ class InjectedFaults:
     def __init__(self, faults, rank: int, events, me: Callable[[], str]):
         self.faults = [f for f in faults if rank in (f.rank, f.dst)]
         self._slowing: set = set()  # slow faults in force now
+        # Slowdowns that wait for a phase (during=replan): the iteration each begins, once it came.
+        self._begins: dict = {}
         self.events = events
         self._me = me
 
@@ -44,11 +46,15 @@ class InjectedFaults:
         self.events.emit("inject", iteration, fault=fault.spec(), **extra)
         log_line(f" {self._me()}: injecting {fault.spec()}")
 
-    def kill_in(self, iteration: int, phase: str) -> None:
+    def in_phase(self, iteration: int, phase: str) -> None:
         """SIGKILL this process if a kill is aimed at ``phase`` (of a recovery, a save, the step,
-        the job's end) of ``iteration``."""
+        the job's end) of ``iteration``; a slowdown waiting for it begins with the next iteration."""
         for fault in self.faults:
-            if fault.kind is FaultKind.KILL and fault.during == phase and fault.active(iteration):
+            if fault.during != phase or not fault.active(iteration):
+                continue
+            if fault.kind is FaultKind.SLOW:
+                self._begins.setdefault(fault, iteration + 1)
+            elif fault.kind is FaultKind.KILL:
                 self._say(iteration, fault)
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -74,7 +80,7 @@ class InjectedFaults:
         (an intermittent one at every burst). Recomputed each iteration, so a redone iteration or a
         re-plan in the middle of a burst keeps the fault where it stands."""
         for fault in (f for f in self.faults if f.kind is FaultKind.SLOW):
-            now = fault.active(iteration)
+            now = fault.active(iteration) if fault.during is None else iteration >= self._begins.get(fault, iteration + 1)
             if now == (fault in self._slowing):
                 continue
             if now:

@@ -100,6 +100,10 @@ def unsupported_flags(args: argparse.Namespace, cfg, layers_per_stage: tuple[int
         elif fault.kind.value == "stall" and not getattr(args, "save", None):
             found.append(f"--resihp-inject {fault.spec()} (a stall holds a checkpoint save's writes back, and "
                          f"this job saves none: pass --save DIR --save-interval N)")
+        elif fault.kind.value == "slow" and fault.during == "replan" and not (
+                cfg.enable and getattr(args, "pipeline_model_parallel_size", 1) > 1):
+            found.append(f"--resihp-inject {fault.spec()} (it waits for a re-plan that moves layers between "
+                         f"stages: pass --resihp-enable, with --pipeline-model-parallel-size above 1)")
         elif fault.during == "update" and not (cfg.enable and args.use_distributed_optimizer):
             found.append(f"--resihp-inject {fault.spec()} (the update phase is the distributed optimizer's, "
                          f"with --resihp-enable: pass --use-distributed-optimizer)")

@@ -195,6 +195,7 @@ class ResilienceHooks:
                                      lambda: self.layout, self.live.link_probe_bytes, group=run.messages,
                                      interleaving=self.interleaving)
             self.live.costs = costs
+            self.live.price_plan()
             self.live.detector.expect(self.known_health.slow_factors, self.known_health.bursts)
             self._trace_follows_decider()
         elif self.live is not None:
@@ -258,8 +259,9 @@ class ResilienceHooks:
                  f"({shut} connections shut in {(time.perf_counter() - start) * 1e3:.1f} ms)")
 
     def inject(self, iteration: int, phase: str) -> None:
-        """Injected kills aimed at ``phase`` (of a recovery, a save, the step, the job's end)."""
-        self.injected.kill_in(iteration, phase)
+        """Injected faults aimed at ``phase`` (of a recovery, a save, the step, the job's end): kills,
+        and slowdowns that begin after it."""
+        self.injected.in_phase(iteration, phase)
 
     def stall_in_save(self, iteration: int) -> float:
         """Seconds the writes of this rank's save of ``iteration`` wait (injected stalls)."""

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import functools
 import statistics
-from collections import defaultdict, deque
-from collections.abc import Callable, Hashable, Sequence
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -57,6 +57,7 @@ from resihp_ext.detection.op_signals import (Streak, beyond_common, group_op_dur
                                    sibling_ratios, wall_per_busy)
 from resihp_ext.detection import probe_verdicts
 from resihp_ext.detection.iteration_estimate import IterationEstimate
+from resihp_ext.detection.planned_costs import planned_ratios
 from resihp_ext.detection.predictor import MicrobatchPredictor, as_feature_array
 from resihp_ext.detection.speed_level import SpeedLevels
 from resihp_ext.schedule import Interleaving
@@ -145,6 +146,19 @@ class FailSlowDetector:
         self._expected = {r: f for r, f in factors.items() if r not in bursts}
         self._in_bursts = {r: f for r, f in factors.items() if r in bursts}
 
+    @property
+    def known_slowdowns(self) -> dict[int, float]:
+        """The steady slowdowns ``expect`` was told of (rank -> factor), whose groups' times are
+        divided by them."""
+        return dict(self._expected)
+
+    def plan(self, microbatch_s: Mapping[GroupId, float]) -> None:
+        """What the plan now running priced each stage group's compute at (``(replica, stage)`` ->
+        seconds of one micro-batch's forward and backward, at the device's healthy speed): until a
+        group's own cost model is fitted, it is judged against this price beside the other groups
+        (``planned_costs``), and not learnt from while it runs slow against it. ``reset`` forgets it."""
+        self._planned_s = {tuple(g): float(s) for g, s in microbatch_s.items()}
+
     def needs_probe_baselines(self, groups: Sequence[Sequence[int]]) -> bool:
         """Whether a suspicion among ``groups`` (each a stage group's ranks) could find no healthy
         group to probe beside it, so the probes need each rank's own healthy probe time."""
@@ -177,6 +191,10 @@ class FailSlowDetector:
         self._muted: set = set()
         self._cooldown: dict = {}
         self._stage_common: dict[GroupId, float] = {}
+        self._planned_s: dict[GroupId, float] = {}
+        self._planned_common: dict[GroupId, float] = {}
+        # Groups probed since the re-plan and cleared: their own data teaches their cost model.
+        self._vouched: set[GroupId] = set()
         self._link_common: dict[LinkId, float] = {}
         self._group_ranks: dict[GroupId, tuple[int, ...]] = {}
         self._rank_group: dict[int, GroupId] = {}
@@ -241,6 +259,7 @@ class FailSlowDetector:
             stage_ratio[g] = (nansum(fwd) + nansum(bwd)) / predicted
             for o in groups[g]:
                 rank_ratio[o.rank] = rank_busy[o.rank] / predicted
+        planned_ratio = self._planned_ratios(groups, keys, durations, feats, op_predicted)
         contention = wall_per_busy(tables)
         gaps = link_gaps(groups, tables, row)
         observed_iter = statistics.median(o.iteration_s for o in observations)
@@ -256,7 +275,8 @@ class FailSlowDetector:
                                                      observed_iter, contention, self.config.slowdown_threshold,
                                                      self.interleaving)
         self.last_report = DetectorReport(
-            iteration, warm, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter, sibling_ratio
+            iteration, warm, stage_ratio, rank_ratio, link_ratio, predicted_iter, observed_iter, sibling_ratio,
+            planned_ratio
         )
 
         threshold = self.config.slowdown_threshold
@@ -264,7 +284,7 @@ class FailSlowDetector:
         slow_link, self._link_common = beyond_common(link_ratio)
         suspicion = None
         if warm:
-            suspicion = self._decide(iteration, slow_stage, sibling_ratio, slow_link, stage_ratio)
+            suspicion = self._decide(iteration, slow_stage, sibling_ratio, slow_link, stage_ratio, planned_ratio)
         # Learn only from what is not suspect, so a persistent slowdown never becomes the norm: not
         # from a group whose run of suspect iterations is still open either (a slowdown near the
         # threshold reads under it now and then); never from the first iteration after a (re)start,
@@ -273,7 +293,7 @@ class FailSlowDetector:
         for g, (fwd, bwd) in durations.items():
             if (self._seen == 1 or g in self._muted or g in self._pending or stage_ratio.get(g, 1.0) > threshold
                     or self._group_streak[g].open
-                    or sibling_ratio.get(g, 1.0) > threshold
+                    or sibling_ratio.get(g, 1.0) > threshold or planned_ratio.get(g, 1.0) > threshold
                     or (g in known and stage_ratio.get(g, 1.0) * threshold < 1.0)):  # faster than known: not the norm
                 continue
             level = self.levels.level(g)
@@ -290,18 +310,35 @@ class FailSlowDetector:
         self._links.learn(gaps, link_ratio, threshold, self._muted)
         return suspicion
 
-    def _decide(self, iteration, slow_stage, sibling_ratio, slow_link, stage_ratio) -> Suspicion | None:
+    def _planned_ratios(self, groups, keys, durations, feats, op_predicted) -> dict[GroupId, float]:
+        """Each group that only its own data could teach (one rank, in a stage shape no other group
+        runs) while its cost model is not fitted and probes have not vouched for it since the
+        re-plan: its compute against the plan's price, beyond the other groups' (``planned_costs``).
+        A group of TP siblings shows one slow rank against them, a shared shape's model is fitted
+        from every group that runs it, and a known slow group's device was probed when it was named."""
+        if not self._planned_s:
+            return {}
+        observed = {g: float(nansum(fwd) + nansum(bwd)) for g, (fwd, bwd) in durations.items()
+                    if g not in self._burst_groups}
+        counts = {g: self.interleaving.microbatches(len(feats[g[0]])) for g in observed}
+        ratios, self._planned_common = planned_ratios(observed, counts, self._planned_s)
+        shapes = Counter(keys.values())
+        return {g: r for g, r in ratios.items() if op_predicted[g] is None and g not in self._vouched
+                and g not in self._known_groups and len(groups[g]) == 1 and shapes[keys[g]] == 1}
+
+    def _decide(self, iteration, slow_stage, sibling_ratio, slow_link, stage_ratio, planned_ratio) -> Suspicion | None:
         """Update the streaks and return the worst subject that is ready to probe, if any.
 
         ``slow_stage`` and ``slow_link`` are the ratios beyond the common slowdown (slowness is
         judged on them); ``stage_ratio`` is the plain one: a recovery is judged on it, since a
         slowdown elsewhere must not make a known slow group look fast, over the common level only
-        where that is a speed-up.
+        where that is a speed-up. ``planned_ratio`` judges the groups with no fitted model yet.
         """
         threshold, need = self.config.slowdown_threshold, self._persistence()
         ready = []
-        for g in slow_stage.keys() | sibling_ratio.keys():
-            ratio, signal = max((slow_stage.get(g, 0.0), "predicted"), (sibling_ratio.get(g, 0.0), "siblings"))
+        for g in slow_stage.keys() | sibling_ratio.keys() | planned_ratio.keys():
+            ratio, signal = max((slow_stage.get(g, 0.0), "predicted"), (sibling_ratio.get(g, 0.0), "siblings"),
+                                (planned_ratio.get(g, 0.0), "planned"))
             # A group known to be slow in bursts alarms only beyond its known bursts.
             count = self._group_streak[g].update(ratio > threshold * self._burst_groups.get(g, 1.0), iteration, ratio)
             self._slow_marks[g].append((iteration, ratio > threshold))
@@ -374,11 +411,14 @@ class FailSlowDetector:
         return iteration >= self._cooldown.get(what, -1)
 
     def _compute_suspicion(self, iteration: int, g: GroupId, ratio: float, signal: str) -> Suspicion:
+        common = (self._planned_common if signal == "planned" else self._stage_common).get(g, 1.0)
         return compute_suspicion(iteration, g, self._group_ranks[g], self._reference_ranks(g), self._group_streak[g],
-                                 ratio, signal, self._stage_common.get(g, 1.0), self.config.slowdown_threshold)
+                                 ratio, signal, common, self.config.slowdown_threshold)
 
     def _reference_ranks(self, g: GroupId, also_avoid=()) -> tuple[int, ...]:
-        return reference_ranks(g, self._group_ranks, avoid={*self._muted, *self._burst_groups, *also_avoid})
+        running_slow = {h for h, streak in self._group_streak.items() if streak.open}
+        return reference_ranks(g, self._group_ranks, avoid={*self._muted, *self._burst_groups, *also_avoid},
+                               last_resort=(running_slow, self._pending, self._known_groups))
 
     def _recovery_suspicion(self, iteration: int, g: GroupId, speedup: float) -> Suspicion:
         reference = self._reference_ranks(g, also_avoid=self._known_groups)
@@ -406,6 +446,8 @@ class FailSlowDetector:
         # A bursting group's calm stands: probes that caught it slow ended it only if a burst has
         # begun, and then the burst's slow run ends it; after noisy probes it is asked again.
         streaks[suspicion.kind].pop(suspicion.links[0] if suspicion.kind == "link" else group, None)
+        if suspicion.kind == "compute":
+            self._vouched.add(group)  # its device probed as fast as its peers': its model may learn from it
 
     def slow_share(self, group: GroupId, first: int, last: int) -> float | None:
         """The share of ``group``'s judged iterations ``first..last`` in which it ran slow (above

@@ -125,6 +125,9 @@ class DetectorReport:
         rank_ratio: the same per rank, from the rank's own op times.
         sibling_ratio: per group of two or more TP ranks, its slowest rank's busy time over the
             median of the others' (they run the same ops on the same data).
+        planned_ratio: per group judged on its plan's price (one rank, a stage shape of its own, no
+            fitted cost model yet; ``FailSlowDetector.plan``): its compute over that price, beyond
+            the other groups'.
         link_ratio: observed / baseline transfer per directed link.
         predicted_iteration_s: predicted iteration time (None until fitted), made before learning
             from this iteration.
@@ -139,3 +142,4 @@ class DetectorReport:
     predicted_iteration_s: float | None
     observed_iteration_s: float
     sibling_ratio: Mapping[GroupId, float] = field(default_factory=dict)
+    planned_ratio: Mapping[GroupId, float] = field(default_factory=dict)

@@ -7,17 +7,23 @@ detector has judged. Deciding *whether* to suspect is ``resihp_ext.detection.det
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from resihp_ext.detection.observations import GroupId, LinkId, Suspicion
 from resihp_ext.detection.op_signals import Streak
 
 
-def reference_ranks(g: GroupId, group_ranks: Mapping[GroupId, tuple[int, ...]], avoid=()) -> tuple[int, ...]:
+def reference_ranks(g: GroupId, group_ranks: Mapping[GroupId, tuple[int, ...]], avoid=(),
+                    last_resort: Sequence[Collection[GroupId]] = ()) -> tuple[int, ...]:
     """Ranks of a healthy group to probe beside ``g``: the same stage of another replica, else
     another stage (the GEMM probe is the same on every rank, so any healthy rank is a fair
-    reference). Groups in ``avoid`` (muted, known slow) are not healthy references."""
-    others = sorted((h for h in group_ranks if h != g and h not in avoid), key=lambda h: (h[1] != g[1], h))
+    reference). Groups in ``avoid`` (muted, known slow) are not healthy references; those in one of
+    ``last_resort``'s sets (e.g. in a run of slow iterations, suspected, known slow) only where no
+    other group is left, a later set's after an earlier one's. Why: a re-plan unmutes every group, and live a rank 2x slow probed beside a
+    device known 3x slow read as fast as it and was cleared; two ranks 3x slow in the same stage
+    of two replicas, each the other's reference, cleared each other for the rest of the run."""
+    others = sorted((h for h in group_ranks if h != g and h not in avoid),
+                    key=lambda h: (*(h in worse for worse in reversed(last_resort)), h[1] != g[1], h))
     return group_ranks[others[0]] if others else ()
 
 
@@ -38,8 +44,14 @@ def reference_links(link: LinkId, links: Iterable[LinkId], rank_group: Mapping[i
 def compute_suspicion(iteration: int, g: GroupId, ranks: tuple[int, ...], reference: tuple[int, ...],
                       streak: Streak, ratio: float, signal: str, common: float, threshold: float) -> Suspicion:
     """Stage group ``g`` ran ``ratio`` x its prediction (``signal="predicted"``, beyond the
-    ``common`` slowdown of the others) or of its TP siblings (``"siblings"``)."""
-    beyond = f" beyond the {common:.2f}x most other groups ran" if signal == "predicted" and common != 1.0 else ""
+    ``common`` slowdown of the others), x the price of its plan (``"planned"``: it has no fitted
+    cost model yet; beyond the others' ``common`` level against theirs) or x its TP siblings
+    (``"siblings"``)."""
+    beyond = f" beyond the {common:.2f}x most other groups ran" if signal != "siblings" and common != 1.0 else ""
+    measure = {"predicted": f"its predicted compute time{beyond}",
+               "planned": f"the compute time its plan priced{beyond and beyond + ' against theirs'}",
+               "siblings": "in its slowest rank's compute against its TP siblings'"}[signal]
+    unfitted = "; its stage shape has no fitted cost model yet" if signal == "planned" else ""
     return Suspicion(
         iteration=iteration,
         onset_iteration=streak.onset,
@@ -52,10 +64,8 @@ def compute_suspicion(iteration: int, g: GroupId, ranks: tuple[int, ...], refere
         probe_links=(),
         ratio=ratio,
         reason=(
-            f"replica {g[0]} stage {g[1]} (ranks {list(ranks)}) ran {ratio:.2f}x "
-            + (f"its predicted compute time{beyond}" if signal == "predicted"
-               else "in its slowest rank's compute against its TP siblings'")
-            + f" for {streak.count} iterations since {streak.onset} (threshold {threshold})"
+            f"replica {g[0]} stage {g[1]} (ranks {list(ranks)}) ran {ratio:.2f}x {measure}"
+            f" for {streak.count} iterations since {streak.onset} (threshold {threshold}{unfitted})"
         ),
     )
 

@@ -18,7 +18,7 @@ took a 3x slow last stage for twice as costly as a 3x slow first stage and kept 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +65,20 @@ class ComputeCosts:
             costs["output_forward_s"] = self.output_forward_s
         return HardwareModel(**{**costs, **facts})
 
+    def group_microbatch_s(self, layout: Layout) -> dict[tuple[int, int], float]:
+        """What these costs price one micro-batch's forward and backward at, on each stage group
+        ``(replica, stage)`` of ``layout`` (its layers, the output layer on a last stage, over its TP
+        degree): how the planner priced the plan, per group."""
+        out = {}
+        for r, replica in enumerate(layout.replicas):
+            last = len(replica.stages) - 1
+            for s, stage in enumerate(replica.stages):
+                forward = stage.num_layers * self.layer_forward_s
+                if s == last and self.output_forward_s is not None:
+                    forward += self.output_forward_s
+                out[(r, s)] = forward * (1.0 + self.backward_factor) / stage.tp_degree
+        return out
+
 
 def per_microbatch_busy(observations: Sequence[RankObservation], layout: Layout, tables: np.ndarray,
                         interleaving: Interleaving) -> np.ndarray:
@@ -88,7 +102,8 @@ def per_microbatch_busy(observations: Sequence[RankObservation], layout: Layout,
 
 
 def fit_compute_costs(iteration: int, observations: Sequence[RankObservation], layout: Layout,
-                      tables: np.ndarray | None = None, interleaving: Interleaving = Interleaving()) -> ComputeCosts | None:
+                      tables: np.ndarray | None = None, interleaving: Interleaving = Interleaving(),
+                      slow_factors: Mapping[int, float] | None = None) -> ComputeCosts | None:
     """Fit ``ComputeCosts`` to one iteration's observations, which ran on ``layout``.
 
     Per-layer forward seconds come from the healthiest stage that holds only transformer layers'
@@ -97,7 +112,11 @@ def fit_compute_costs(iteration: int, observations: Sequence[RankObservation], l
     one of an even count, so one disturbed micro-batch moves nothing. ``tables`` are the
     observations' ``op_tables`` when the caller has them (the detector built them already). Under
     the interleaved schedule an op is one chunk's, and a micro-batch's ops on a stage are summed
-    first (``per_microbatch_busy``).
+    first (``per_microbatch_busy``). ``slow_factors`` are the known steady slowdowns (rank ->
+    factor, ``FailSlowDetector.expect``): a stage group's times are divided by the largest among its
+    ranks, as the detector judges them, so the costs stay a healthy device's. Why: with every stage
+    that holds only layers known slow (both first stages of a TP1 x PP2 x DP2 job), the per-layer
+    cost came out at their pace, and every plan after it was priced at twice the healthy cost.
 
     Returns:
         The fit, or None when no rank ran both a forward and a backward.
@@ -110,6 +129,12 @@ def fit_compute_costs(iteration: int, observations: Sequence[RankObservation], l
     counts = np.isfinite(busy).sum(axis=2)
     # Sorted, NaN last: each observation's median op is at half its count of ops.
     medians = np.take_along_axis(np.sort(busy, axis=2), (counts // 2)[..., None], axis=2)[..., 0]
+    if slow_factors:
+        group_factor: dict[tuple[int, int], float] = {}
+        for obs in observations:
+            key = (obs.replica, obs.stage)
+            group_factor[key] = max(group_factor.get(key, 1.0), slow_factors.get(obs.rank, 1.0))
+        medians = medians / np.array([group_factor[(o.replica, o.stage)] for o in observations])[:, None]
     per_layer, last_stage, ratios = [], [], []
     for obs, (f, b), (num_f, num_b) in zip(observations, medians.tolist(), counts.tolist()):
         if not (num_f and num_b):

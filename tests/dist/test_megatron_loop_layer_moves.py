@@ -13,6 +13,10 @@ run with no ``--resihp-*`` flag, which saved with its even split.
 Under the interleaved schedule a layer crosses the border of two model chunks next to each other in
 megatron-core's order, with its optimizer parts; with Megatron's plain optimizer the replicas take
 splits of their own there too, their gradients summed layer by layer over every model chunk.
+
+At TP 1, once replicas hold splits of their own, devices that slow as the job re-plans are still
+found: each stage group is then judged against what the planner priced it at until its own cost
+model is fitted.
 """
 
 from __future__ import annotations
@@ -294,3 +298,43 @@ def test_under_the_interleaved_schedule_replicas_move_layers_opposite_ways_and_s
     assert moved and moved[-1]["layers_per_replica"] == [[1, 3], [3, 1]], decisions(events)
     assert_moved_as_planned(events)
     assert_stock_training(proc.stdout, tmp_path, own_split_interleaved_failure_free, INTERLEAVED_ITERATIONS)
+
+
+
+THIRD_DEVICE_ITERATIONS = 28
+
+
+def tp1_job_args(tmp, name: str) -> list[str]:
+    """TP1 x PP2 x DP2 on 4 ranks with Megatron's plain optimizer: each replica may take a split of
+    its own, and no stage group has a TP sibling to show a slow rank against."""
+    return replaced(job_args(tmp, name), {"--train-iters": str(THIRD_DEVICE_ITERATIONS),
+                                          "--tensor-model-parallel-size": "1", "--ckpt-format": "torch_dist",
+                                          "--hidden-size": "256"})
+
+
+def test_devices_slowing_as_the_job_re_plans_are_found_in_old_and_new_stage_shapes(tmp_path):
+    # Rank 0 (replica 0's stage 0) slowed 3x from iteration 5: replica 0 moves a layer off it, to
+    # [1, 3]. Rank 3 (replica 1's stage 1) slows 3x from 9, as the verdict on rank 0 is confirmed,
+    # and rank 2 (replica 0's stage 1, which takes the layer) 3x from the iteration after the
+    # re-plan. Every stage group then runs a layer count no other group runs, and no TP sibling
+    # shows a slow rank: each model learnt from one group alone, and learnt its slowness as the
+    # norm (neither was ever named). Now replica 1's stages keep their shape, and their fits from
+    # before the re-plan; replica 0's stage 1 is a new shape, judged against what the planner
+    # priced it at until its own model is fitted.
+    events = tmp_path / "events.jsonl"
+    proc = run_job(4, [*tp1_job_args(tmp_path, "ckpt"), *resilience_flags(events), "--resihp-verify-iters", "0",
+                       "--cpu-device-time-scale", "4", "--resihp-inject", "slow:rank=0,factor=3,at=5",
+                       "--resihp-inject", "slow:rank=3,factor=3,at=9",
+                       "--resihp-inject", "slow:rank=2,factor=3,at=1,during=replan"], timeout_s=600)
+    check(proc)
+    moved = [a for a in read_events(events, "adapted") if a["layers_per_replica"] != [[2, 2], [2, 2]]]
+    assert moved and moved[0]["layers_per_replica"] == [[1, 3], [2, 2]], decisions(events)
+    late = [e for e in read_events(events, "inject") if e["fault"].startswith("slow:rank=2")]
+    assert late and late[0]["iteration"] == moved[0]["iteration"] + 1, decisions(events)
+    for rank, judge in ((3, "its predicted compute time"), (2, "the compute time its plan priced")):
+        suspected = [s for s in read_events(events, "suspicion") if s["ranks"] == [rank]]
+        assert suspected and judge in suspected[0]["reason"], decisions(events)
+        named = [v for v in read_events(events, "verdict") if v["kind"] == "compute" and v["ranks"] == [rank]]
+        assert named and named[0]["factor"] > 2.0, decisions(events)
+    # Neither was probed beside a device known slow, which made it look as fast as its reference.
+    assert all(c["ranks"] not in ([2], [3]) for c in read_events(events, "cleared")), decisions(events)

@@ -60,6 +60,8 @@ def test_fail_slow_detection_its_trial_and_slowdown_injections_may_run(cfg):
     ({"async_save": True, "async_strategy": "nvrx"}, "--async-strategy nvrx"),
     ({"resihp": ResiHPConfig(enable=True, inject=["kill:rank=1,at=3,during=finalize"])}, "pass --async-save"),
     ({"resihp": ResiHPConfig(enable=True, inject=["stall:rank=1,at=3,seconds=30"])}, "pass --save DIR"),
+    ({"resihp": ResiHPConfig(enable=True, inject=["slow:rank=1,factor=2,at=1,during=replan"]),
+      "pipeline_model_parallel_size": 1}, "a re-plan that moves layers"),
     ({"resihp": ResiHPConfig(enable=True, device_memory_gb=40.0), "pipeline_model_parallel_size": 1},
      "--resihp-device-memory-gb"),
 ])

@@ -42,6 +42,32 @@ def test_per_layer_and_output_costs_come_from_the_healthiest_stages_at_tp_1():
     assert hw.regroup_s == 0.5
 
 
+def test_the_fit_prices_each_group_of_a_layout_as_it_measured_them():
+    # The same stages as above: the fit's price of each group is what the group was measured at.
+    layout = Layout.uniform(MODEL, tp_degree=2, pp_degree=2, dp_degree=2)
+    costs = ComputeCosts(12, layer_forward_s=0.01, output_forward_s=0.02, backward_factor=2.0)
+    price = costs.group_microbatch_s(layout)
+    assert set(price) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert price[(0, 0)] == pytest.approx(3 * 0.020) and price[(1, 1)] == pytest.approx(3 * 0.030)
+    one_stage = ComputeCosts(0, layer_forward_s=0.01, output_forward_s=None, backward_factor=1.5)
+    assert one_stage.group_microbatch_s(Layout.uniform(MODEL, 1, 1, 2)) == {(0, 0): pytest.approx(0.2),
+                                                                           (1, 0): pytest.approx(0.2)}
+
+
+def test_known_slowdowns_are_divided_out_so_the_costs_stay_a_healthy_devices():
+    # Every stage holding layers alone is slow (rank 0 3x, rank 1 2x: both first stages of TP1 x
+    # PP2 x DP2). Told so, the fit is the healthy one; not told, it takes their pace for the layers'.
+    layout = Layout.uniform(MODEL, tp_degree=1, pp_degree=2, dp_degree=2)
+    forward = {0: 0.04, 1: 0.04, 2: 0.06, 3: 0.06}  # 4 layers per stage, the output 0.02 s
+    healthy = [_observation(layout, r, forward[r], 2 * forward[r]) for r in range(4)]
+    slow = {0: 3.0, 1: 2.0}
+    slowed = [_observation(layout, r, slow.get(r, 1.0) * forward[r], slow.get(r, 1.0) * 2 * forward[r])
+              for r in range(4)]
+    assert fit_compute_costs(5, slowed, layout, slow_factors=slow) == fit_compute_costs(5, healthy, layout)
+    unaware = fit_compute_costs(5, slowed, layout)
+    assert unaware.layer_forward_s == pytest.approx(2 * 0.01)
+
+
 def test_one_disturbed_micro_batch_does_not_move_the_fit():
     layout = Layout.uniform(MODEL, tp_degree=1, pp_degree=2, dp_degree=1)
     calm = [_observation(layout, r, 0.04, 0.08) for r in range(2)]

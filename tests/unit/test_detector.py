@@ -10,7 +10,7 @@ from resihp_ext.config import ResiHPConfig
 from resihp_ext.detection.detector import Cleared, FailSlowDetector, RankObservation, Verdict, judge_heartbeats
 from resihp_ext.faults import parse_fault
 from resihp_ext.detection.op_signals import Streak, beyond_common
-from resihp_ext.detection.traces import load_trace, save_trace, synthetic_probes
+from resihp_ext.detection.traces import load_trace, save_trace, synthetic_probes, synthetic_trace
 from resihp_ext.detection.validation import ProbeResults, fail_stop_verdict
 from tests.unit.detector_runs import SPEC, busy_ops, cached_trace, run_detector, stretch_ops
 
@@ -90,6 +90,82 @@ def test_a_group_slow_since_a_re_plan_in_a_stage_shape_of_its_own_shows_against_
     assert not det.predictor.fitted((own_shape(0, 1, 2), "F"))
     assert raised and raised[0].ranks == (4, 5) and "TP siblings" in raised[0].reason
     assert raised[0].iteration <= trace[ResiHPConfig().warmup_iters + 3][0]
+
+
+# TP1 x PP2 x DP2; after a re-plan, replica 0's stage 1 holds a layer count no other group has.
+_TP1 = dataclasses.replace(SPEC, tp_degree=1)
+_OWN_RANK = _TP1.rank(0, 1, 0)
+
+
+def _own_shape(replica, stage, tp_degree):
+    return (stage, tp_degree, (replica, stage) == (0, 1))
+
+
+def _tp1_trace(slow):
+    """40 iterations of the TP1 job with ``slow`` (rank -> factor) from the first one on."""
+    return [(i, busy_ops(obs, slow)) for i, obs in synthetic_trace(_TP1, 40, seed=5)]
+
+
+def _plan_price(trace, bias):
+    """Each group's healthy compute per micro-batch, as a plan prices it (``bias`` x that)."""
+    per_group = {}
+    for _, obs in trace[1:10]:
+        for o in obs:
+            per_group.setdefault((o.replica, o.stage), []).append(sum(o.op_busy()) / len(o.features))
+    return {g: bias * float(np.median(s)) for g, s in per_group.items()}
+
+
+def test_a_device_slow_since_a_re_plan_in_a_shape_of_its_own_is_judged_against_the_plans_price():
+    # With no TP sibling to show it against, the group's cost model learns from it alone, and
+    # learns its slowness as the norm: it was never suspected. Priced by the plan (0.8x the true
+    # cost for every group: the price's bias is shared, and divides out), it is.
+    healthy = _tp1_trace({})
+    slow = _tp1_trace({_OWN_RANK: 2.0})
+    unpriced = FailSlowDetector(stage_signature=_own_shape)
+    assert _suspicions(unpriced, slow, {r: 1.0 for r in range(4)}) == []
+    assert unpriced.predictor.fitted((_own_shape(0, 1, 1), "F"))  # the slowness learnt as the norm
+
+    det = FailSlowDetector(stage_signature=_own_shape)
+    det.plan(_plan_price(healthy, 0.8))
+    raised = []
+    for iteration, obs in slow:
+        suspicion = det.observe(iteration, obs)
+        if suspicion is not None:
+            probes = {r: 2.0 if r == _OWN_RANK else 1.0 for r in suspicion.probe_ranks}
+            raised.append((suspicion, det.conclude(suspicion, ProbeResults(iteration, probes))))
+    suspicion, verdict = raised[0]
+    assert suspicion.ranks == (_OWN_RANK,) and suspicion.ratio == pytest.approx(2.0, rel=0.15)
+    assert "the compute time its plan priced" in suspicion.reason and "no fitted cost model" in suspicion.reason
+    assert suspicion.iteration <= slow[ResiHPConfig().warmup_iters + 2][0]
+    assert isinstance(verdict, Verdict) and verdict.ranks == (_OWN_RANK,)
+    assert not det.predictor.fitted((_own_shape(0, 1, 1), "F"))  # nothing slow was learnt
+    assert len(raised) == 1
+
+
+def test_a_healthy_group_in_a_shape_of_its_own_learns_its_model_beside_the_plans_price():
+    healthy = _tp1_trace({})
+    det = FailSlowDetector(stage_signature=_own_shape)
+    det.plan(_plan_price(healthy, 1.2))
+    assert _suspicions(det, healthy, {r: 1.0 for r in range(4)}) == []
+    assert det.predictor.fitted((_own_shape(0, 1, 1), "F"))
+    assert det.last_report.planned_ratio == {}  # judged on its own model once fitted
+
+
+def test_a_group_the_plan_underpriced_learns_once_probes_clear_it():
+    # The plan priced this one group at half its cost (a shape the price gets wrong): it reads 2x,
+    # its probes clear it, and from then on its own model learns from it and judges it.
+    healthy = _tp1_trace({})
+    price = _plan_price(healthy, 1.0)
+    price[(0, 1)] /= 2
+    det = FailSlowDetector(stage_signature=_own_shape)
+    det.plan(price)
+    raised = _suspicions(det, healthy, {r: 1.0 for r in range(4)})
+    assert len(raised) == 1 and raised[0].ranks == (_OWN_RANK,)
+    assert det.predictor.fitted((_own_shape(0, 1, 1), "F"))
+    assert det.last_report.stage_ratio[(0, 1)] == pytest.approx(1.0, abs=0.15)
+    det.reset()  # a re-plan forgets the price (and what the probes vouched for) until it is priced again
+    assert _suspicions(det, healthy, {r: 1.0 for r in range(4)}) == []
+    assert det.last_report.planned_ratio == {}
 
 
 def test_a_slow_group_is_judged_against_its_peers_when_the_host_runs_faster_than_the_model():

@@ -44,7 +44,7 @@ def test_fields():
     ("slow:rank=1,factor=0.5,at=2", "factor= must be >= 1.0"),
     ("kill:rank=1,at=0", "at= must be an iteration >= 1"),
     ("link:src=2,dst=2,factor=2,at=3", "two different ranks"),
-    ("kill:rank=1,at=2,during=sleep", "during= is for kill and raise faults"),
+    ("kill:rank=1,at=2,during=sleep", "during= is for kill, raise and slow faults"),
     ("raise:rank=1,at=2,during=save", "a raise strikes during= one of ['forward', 'backward', 'optimizer']"),
     ("raise:rank=1,factor=2,at=2", "takes keys"),
     ("hang:rank=1,at=2,during=reform", "takes keys"),
@@ -54,6 +54,8 @@ def test_fields():
     ("stall:rank=1,at=2", "missing ['seconds']"),
     ("stall:rank=1,at=2,seconds=0", "seconds= goes with stall faults"),
     ("stall:rank=1,at=2,seconds=soon", "seconds= numbers"),
+    ("slow:rank=1,factor=2,at=2,during=reform", "a slowdown takes during=replan alone"),
+    ("slow:rank=1,factor=2,at=2,until=9,during=replan", "without until=, on= or off="),
 ])
 def test_bad_specs_name_the_flag_and_the_fix(spec, message):
     with pytest.raises(ValueError, match="--resihp-inject") as info:
@@ -74,9 +76,12 @@ def test_a_raise_strikes_the_forward_pass_unless_told_otherwise():
     assert fault.spec() == "raise:rank=5,at=4,during=forward"
 
 
-def test_during_only_for_kill():
+def test_during_for_a_slowdown_is_a_re_plan_alone():
     with pytest.raises(ValueError, match="during="):
         Fault(FaultKind.SLOW, rank=1, at_iteration=2, factor=2.0, during="reform")
+    fault = parse_fault("slow:rank=3,factor=2,at=1,during=replan")
+    assert (fault.kind, fault.factor, fault.during) == (FaultKind.SLOW, 2.0, "replan")
+    assert parse_fault(fault.spec()) == fault
 
 
 def test_a_slowdown_with_an_end_is_active_from_at_until_before_until():
