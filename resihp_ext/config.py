@@ -28,7 +28,7 @@ class ResiHPConfig:
     """Path of a JSONL trace of every rank's op timings per iteration (input to scripts/bench/detection.py --trace)."""
 
     inject: list[str] = field(default_factory=list)
-    """Inject a fault (repeatable): slow:rank=R,factor=F,at=I[,until=J][,on=A,off=B] | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I | hang:rank=R,at=I."""
+    """Inject a fault (repeatable): slow:rank=R,factor=F,at=I[,until=J][,on=A,off=B][,during=replan] | link:src=S,dst=D,factor=F,at=I | kill:rank=R,at=I | hang:rank=R,at=I."""
 
     slowdown_threshold: float = 1.25
     """Observed/predicted iteration-time ratio above which a stage or rank becomes suspect."""
