@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import statistics
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -57,7 +57,7 @@ from resihp_ext.detection.op_signals import (Streak, beyond_common, group_op_dur
                                    sibling_ratios, wall_per_busy)
 from resihp_ext.detection import probe_verdicts
 from resihp_ext.detection.iteration_estimate import IterationEstimate
-from resihp_ext.detection.planned_costs import planned_ratios
+from resihp_ext.detection.planned_costs import PlanPrice
 from resihp_ext.detection.predictor import MicrobatchPredictor, as_feature_array
 from resihp_ext.detection.speed_level import SpeedLevels
 from resihp_ext.schedule import Interleaving
@@ -157,7 +157,7 @@ class FailSlowDetector:
         seconds of one micro-batch's forward and backward, at the device's healthy speed): until a
         group's own cost model is fitted, it is judged against this price beside the other groups
         (``planned_costs``), and not learnt from while it runs slow against it. ``reset`` forgets it."""
-        self._planned_s = {tuple(g): float(s) for g, s in microbatch_s.items()}
+        self._price.price(microbatch_s)
 
     def needs_probe_baselines(self, groups: Sequence[Sequence[int]]) -> bool:
         """Whether a suspicion among ``groups`` (each a stage group's ranks) could find no healthy
@@ -191,10 +191,7 @@ class FailSlowDetector:
         self._muted: set = set()
         self._cooldown: dict = {}
         self._stage_common: dict[GroupId, float] = {}
-        self._planned_s: dict[GroupId, float] = {}
-        self._planned_common: dict[GroupId, float] = {}
-        # Groups probed since the re-plan and cleared: their own data teaches their cost model.
-        self._vouched: set[GroupId] = set()
+        self._price = PlanPrice()
         self._link_common: dict[LinkId, float] = {}
         self._group_ranks: dict[GroupId, tuple[int, ...]] = {}
         self._rank_group: dict[int, GroupId] = {}
@@ -259,7 +256,11 @@ class FailSlowDetector:
             stage_ratio[g] = (nansum(fwd) + nansum(bwd)) / predicted
             for o in groups[g]:
                 rank_ratio[o.rank] = rank_busy[o.rank] / predicted
-        planned_ratio = self._planned_ratios(groups, keys, durations, feats, op_predicted)
+        observed = {g: float(nansum(fwd) + nansum(bwd)) for g, (fwd, bwd) in durations.items()
+                    if g not in self._burst_groups}
+        planned_ratio = self._price.ratios(
+            observed, {g: self.interleaving.microbatches(len(feats[g[0]])) for g in observed}, groups,
+            keys, {g: op_predicted[g] is not None for g in groups}, known)
         contention = wall_per_busy(tables)
         gaps = link_gaps(groups, tables, row)
         observed_iter = statistics.median(o.iteration_s for o in observations)
@@ -309,22 +310,6 @@ class FailSlowDetector:
                                              scale=data[:, 4])
         self._links.learn(gaps, link_ratio, threshold, self._muted)
         return suspicion
-
-    def _planned_ratios(self, groups, keys, durations, feats, op_predicted) -> dict[GroupId, float]:
-        """Each group that only its own data could teach (one rank, in a stage shape no other group
-        runs) while its cost model is not fitted and probes have not vouched for it since the
-        re-plan: its compute against the plan's price, beyond the other groups' (``planned_costs``).
-        A group of TP siblings shows one slow rank against them, a shared shape's model is fitted
-        from every group that runs it, and a known slow group's device was probed when it was named."""
-        if not self._planned_s:
-            return {}
-        observed = {g: float(nansum(fwd) + nansum(bwd)) for g, (fwd, bwd) in durations.items()
-                    if g not in self._burst_groups}
-        counts = {g: self.interleaving.microbatches(len(feats[g[0]])) for g in observed}
-        ratios, self._planned_common = planned_ratios(observed, counts, self._planned_s)
-        shapes = Counter(keys.values())
-        return {g: r for g, r in ratios.items() if op_predicted[g] is None and g not in self._vouched
-                and g not in self._known_groups and len(groups[g]) == 1 and shapes[keys[g]] == 1}
 
     def _decide(self, iteration, slow_stage, sibling_ratio, slow_link, stage_ratio, planned_ratio) -> Suspicion | None:
         """Update the streaks and return the worst subject that is ready to probe, if any.
@@ -411,7 +396,7 @@ class FailSlowDetector:
         return iteration >= self._cooldown.get(what, -1)
 
     def _compute_suspicion(self, iteration: int, g: GroupId, ratio: float, signal: str) -> Suspicion:
-        common = (self._planned_common if signal == "planned" else self._stage_common).get(g, 1.0)
+        common = (self._price.common if signal == "planned" else self._stage_common).get(g, 1.0)
         return compute_suspicion(iteration, g, self._group_ranks[g], self._reference_ranks(g), self._group_streak[g],
                                  ratio, signal, common, self.config.slowdown_threshold)
 
@@ -447,7 +432,7 @@ class FailSlowDetector:
         # begun, and then the burst's slow run ends it; after noisy probes it is asked again.
         streaks[suspicion.kind].pop(suspicion.links[0] if suspicion.kind == "link" else group, None)
         if suspicion.kind == "compute":
-            self._vouched.add(group)  # its device probed as fast as its peers': its model may learn from it
+            self._price.vouch(group)
 
     def slow_share(self, group: GroupId, first: int, last: int) -> float | None:
         """The share of ``group``'s judged iterations ``first..last`` in which it ran slow (above
