@@ -113,10 +113,13 @@ def fit_compute_costs(iteration: int, observations: Sequence[RankObservation], l
     observations' ``op_tables`` when the caller has them (the detector built them already). Under
     the interleaved schedule an op is one chunk's, and a micro-batch's ops on a stage are summed
     first (``per_microbatch_busy``). ``slow_factors`` are the known steady slowdowns (rank ->
-    factor, ``FailSlowDetector.expect``): a stage group's times are divided by the largest among its
-    ranks, as the detector judges them, so the costs stay a healthy device's. Why: with every stage
-    that holds only layers known slow (both first stages of a TP1 x PP2 x DP2 job), the per-layer
-    cost came out at their pace, and every plan after it was priced at twice the healthy cost.
+    factor, ``FailSlowDetector.expect``): a stage group holding such a rank is measured only where
+    no group free of one is left (for the layers, or for the output), as the detector judges it:
+    its slowest rank's times over the largest factor among its ranks, so the costs stay a healthy
+    device's. Why only then: a TP sibling of a slow rank waits for it on a GPU and not on a CPU,
+    so its own times tell nothing either way. Why at all: with every stage that holds only layers
+    known slow (both first stages of a TP1 x PP2 x DP2 job), the per-layer cost came out at their
+    pace, and every plan after it was priced at twice the healthy cost.
 
     Returns:
         The fit, or None when no rank ran both a forward and a backward.
@@ -129,29 +132,45 @@ def fit_compute_costs(iteration: int, observations: Sequence[RankObservation], l
     counts = np.isfinite(busy).sum(axis=2)
     # Sorted, NaN last: each observation's median op is at half its count of ops.
     medians = np.take_along_axis(np.sort(busy, axis=2), (counts // 2)[..., None], axis=2)[..., 0]
-    if slow_factors:
-        group_factor: dict[tuple[int, int], float] = {}
-        for obs in observations:
-            key = (obs.replica, obs.stage)
-            group_factor[key] = max(group_factor.get(key, 1.0), slow_factors.get(obs.rank, 1.0))
-        medians = medians / np.array([group_factor[(o.replica, o.stage)] for o in observations])[:, None]
-    per_layer, last_stage, ratios = [], [], []
+    group_factor: dict[tuple[int, int], float] = {}
+    for obs in observations:
+        key = (obs.replica, obs.stage)
+        group_factor[key] = max(group_factor.get(key, 1.0), (slow_factors or {}).get(obs.rank, 1.0))
+    free, slowed = ([], []), ([], [])  # (per layer, last stage): groups free of a known slowdown, and not
+    slowest: dict[tuple[int, int], tuple[float, float]] = {}  # a known slow group's slowest rank: (f, b)
+    ratios = []
     for obs, (f, b), (num_f, num_b) in zip(observations, medians.tolist(), counts.tolist()):
         if not (num_f and num_b):
             continue
-        replica = layout.replicas[obs.replica]
-        stage = replica.stages[obs.stage]
-        is_last = obs.stage == len(replica.stages) - 1
-        (last_stage if is_last else per_layer).append((f * stage.tp_degree, stage.num_layers))
+        key = (obs.replica, obs.stage)
+        if group_factor[key] > 1.0:
+            slowest[key] = max(slowest.get(key, (f, b)), (f, b))
+            continue
+        _add(free, layout, key, f, b)
+        ratios.append(b / f)
+    for key, (f, b) in slowest.items():
+        factor = group_factor[key]
+        _add(slowed, layout, key, f / factor, b / factor)
         ratios.append(b / f)
     if not ratios:
         return None
+    # Groups with a known slow rank only where no other measured that part of the model.
+    per_layer, last_stage = (part if part else other for part, other in zip(free, slowed))
     ratio = sorted(ratios)[len(ratios) // 2]
     if per_layer:
         layer_s = min(t / n for t, n in per_layer)
         output_s = min((max(t - n * layer_s, 0.0) for t, n in last_stage), default=0.0)
         return ComputeCosts(iteration, layer_s, output_s, ratio)
     return ComputeCosts(iteration, min(t / n for t, n in last_stage), None, ratio)
+
+
+def _add(parts: tuple[list, list], layout: Layout, key: tuple[int, int], forward_s: float, backward_s: float) -> None:
+    """Add a stage group's forward seconds at TP 1, with its layer count, to ``parts`` (per layer,
+    last stage), as its place in ``layout`` says."""
+    replica = layout.replicas[key[0]]
+    stage = replica.stages[key[1]]
+    is_last = key[1] == len(replica.stages) - 1
+    parts[1 if is_last else 0].append((forward_s * stage.tp_degree, stage.num_layers))
 
 
 def pooled_costs(fits: Iterable[ComputeCosts]) -> ComputeCosts:

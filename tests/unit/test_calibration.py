@@ -68,6 +68,18 @@ def test_known_slowdowns_are_divided_out_so_the_costs_stay_a_healthy_devices():
     assert unaware.layer_forward_s == pytest.approx(2 * 0.01)
 
 
+def test_a_known_slow_groups_sibling_that_does_not_wait_is_not_taken_for_a_fast_device():
+    # TP2 x PP2 x DP1, rank 0 known 3x slow; on a CPU its TP sibling, rank 1, does not wait for it
+    # and runs at full speed. The group's pace is its slowest rank's, over the factor: rank 1's
+    # times over it would have priced the layers 3x too cheap.
+    layout = Layout.uniform(MODEL, tp_degree=2, pp_degree=2, dp_degree=1)
+    forward = {0: 0.02, 1: 0.02, 2: 0.03, 3: 0.03}
+    healthy = [_observation(layout, r, forward[r], 2 * forward[r]) for r in range(4)]
+    slowed = [_observation(layout, r, (3.0 if r == 0 else 1.0) * forward[r], (3.0 if r == 0 else 1.0) * 2 * forward[r])
+              for r in range(4)]
+    assert fit_compute_costs(5, slowed, layout, slow_factors={0: 3.0}) == fit_compute_costs(5, healthy, layout)
+
+
 def test_one_disturbed_micro_batch_does_not_move_the_fit():
     layout = Layout.uniform(MODEL, tp_degree=1, pp_degree=2, dp_degree=1)
     calm = [_observation(layout, r, 0.04, 0.08) for r in range(2)]
