@@ -113,7 +113,7 @@ class FailSlowReplan:
                 new_quotas=tuple(plan.quotas), window_iters=host.cfg.verify_iters, margin=host.cfg.verify_margin)
             self.trial_s = []
         duration = time.perf_counter() - start
-        # Refit: the known slow device is the new normal; only a further change should alarm.
+        # The known slow device is the new normal (its slowdown divided out): only a further change alarms.
         host.live.start_over()
         layers = [list(r.layers_per_stage) for r in host.layout.replicas]
         if host.run.rank == 0:
