@@ -256,11 +256,13 @@ class FailSlowDetector:
             stage_ratio[g] = (nansum(fwd) + nansum(bwd)) / predicted
             for o in groups[g]:
                 rank_ratio[o.rank] = rank_busy[o.rank] / predicted
-        observed = {g: float(nansum(fwd) + nansum(bwd)) for g, (fwd, bwd) in durations.items()
-                    if g not in self._burst_groups}
-        planned_ratio = self._price.ratios(
-            observed, {g: self.interleaving.microbatches(len(feats[g[0]])) for g in observed}, groups,
-            keys, {g: op_predicted[g] is not None for g in groups}, known)
+        planned_ratio = {}
+        if self._price.microbatch_s:  # a plan was priced: after a re-plan or a re-form
+            observed = {g: float(nansum(fwd) + nansum(bwd)) for g, (fwd, bwd) in durations.items()
+                        if g not in self._burst_groups}
+            planned_ratio = self._price.ratios(
+                observed, {g: self.interleaving.microbatches(len(feats[g[0]])) for g in observed}, groups,
+                keys, {g: op_predicted[g] is not None for g in groups}, known)
         contention = wall_per_busy(tables)
         gaps = link_gaps(groups, tables, row)
         observed_iter = statistics.median(o.iteration_s for o in observations)

@@ -72,8 +72,6 @@ class PlanPrice:
             members: each group's ranks (or their observations); shapes: each group's cost-model
                 key; fitted: whether that model is fitted; known: the groups holding a known slow rank.
         """
-        if not self.microbatch_s:
-            return {}
         ratios, self.common = planned_ratios(observed_s, microbatches, self.microbatch_s)
         running = Counter(shapes.values())
         return {g: r for g, r in ratios.items()

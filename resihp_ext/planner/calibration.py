@@ -146,11 +146,11 @@ def fit_compute_costs(iteration: int, observations: Sequence[RankObservation], l
         if group_factor[key] > 1.0:
             slowest[key] = max(slowest.get(key, (f, b)), (f, b))
             continue
-        _add(free, layout, key, f, b)
+        _add(free, layout, key, f)
         ratios.append(b / f)
     for key, (f, b) in slowest.items():
         factor = group_factor[key]
-        _add(slowed, layout, key, f / factor, b / factor)
+        _add(slowed, layout, key, f / factor)
         ratios.append(b / f)
     if not ratios:
         return None
@@ -164,7 +164,7 @@ def fit_compute_costs(iteration: int, observations: Sequence[RankObservation], l
     return ComputeCosts(iteration, min(t / n for t, n in last_stage), None, ratio)
 
 
-def _add(parts: tuple[list, list], layout: Layout, key: tuple[int, int], forward_s: float, backward_s: float) -> None:
+def _add(parts: tuple[list, list], layout: Layout, key: tuple[int, int], forward_s: float) -> None:
     """Add a stage group's forward seconds at TP 1, with its layer count, to ``parts`` (per layer,
     last stage), as its place in ``layout`` says."""
     replica = layout.replicas[key[0]]
