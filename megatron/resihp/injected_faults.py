@@ -5,9 +5,10 @@ too) that the resilience hooks strike at an iteration's start or in a named phas
 recovery, the loop's log or its end: a SIGKILL of this process; a hang (alive, holding its
 sockets, making no progress); this rank's compute stretched by its slowest active slowdown
 (``schedules.RECORDER``; one waiting for a re-plan from the iteration after it), with an
-``inject`` event as each starts and an ``inject_end`` as it ends or pauses; a link slowed after its healthy speed was measured with the receiver; and a
-checkpoint save whose writes wait (``stall_in_save``). Faults follow the process across
-re-formed worlds. Errors raised inside the step are ``raised_faults.py``'s.
+``inject`` event as each starts and an ``inject_end`` as it ends or pauses; a link slowed after
+its healthy speed was measured with the receiver; and a checkpoint save whose writes wait
+(``stall_in_save``). Faults follow the process across re-formed worlds. Errors raised inside the
+step are ``raised_faults.py``'s.
 """
 
 from __future__ import annotations
