@@ -15,6 +15,7 @@ to the last periodic one) and leave. It never builds a group, a model or a world
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shlex
 import sys
@@ -198,7 +199,8 @@ class FailStopRecovery:
                 new_rank=dict(plan.new_rank),
                 move_world=tuple(sorted((set(run.layout.world_ranks) - failed) | set(plan.joiners))),
                 failed=failed, watch_old_world=True, reload_own=True, identity=identity if taken else None,
-                leave=self._leave_as_spare, part_sources=plan.part_sources, filled=plan.filled)
+                leave=functools.partial(self._leave_as_spare, plan=plan, retry=attempt < REFORM_ATTEMPTS),
+                part_sources=plan.part_sources, filled=plan.filled)
             try:
                 new = apply(change, run, host)
                 break
@@ -218,6 +220,8 @@ class FailStopRecovery:
                     host.abandon_world()
                 if attempt == REFORM_ATTEMPTS:
                     raise
+                if recovery.spares_stay(host.store, run.generation):
+                    left = behind  # the plan's spares held on to their state and plan again with us
                 run = exc.run
                 log_line(f" resihp: {rank_name(old_rank, run.identity)}: re-forming world {run.generation} failed "
                          f"({str(exc.__cause__ or exc).splitlines()[0][:120]}); planning again with the ranks "
@@ -355,8 +359,18 @@ class FailStopRecovery:
                                   "slow_links": [[a, b, v] for (a, b), v in health.slow_links.items()]})
         return shared
 
-    def _leave_as_spare(self, old_rank: int) -> None:
+    def _leave_as_spare(self, old_rank: int, plan: SurvivorPlan, retry: bool) -> None:
+        """Leave the re-formed world's members once their world formed, standing by where standbys
+        are on. With another attempt to come (``retry``), a member lost before that world formed
+        sends this spare back into the recovery as a survivor, its state as the failure left it
+        (``ChangeFailed``): the next plan may need its shard, which no other survivor may hold."""
         host = self.host
+        cfg = host.cfg
+        if retry and not recovery.spares_may_go(
+                host.store, host.run.generation, len(plan.new_rank), host.failure_among(plan.new_rank),
+                wait_s=3 * cfg.collective_timeout_s + cfg.rendezvous_timeout_s + 2 * cfg.heartbeat_timeout_s):
+            raise ChangeFailed(f"world {host.run.generation} did not form; "
+                               f"{rank_name(old_rank, host.run.identity)} stays to plan again", host.run)
         host.monitor.stop()
         me = rank_name(old_rank, host.run.identity)
         if host.standby_on:  # back at a later failure, in the place of a rank that died

@@ -2,6 +2,7 @@
 
     await_failed_ranks -> agree_on_progress -> agree_on_plan -> [join_moves_world] -> meet_and_reform
         -> (rebuild: reconfigure) -> resume
+    spares_may_go / spares_stay: whether a plan's spares leave, or stay for the next attempt
     agree_on_commit: one answer for every member of a layout change (commit or go back)
 
 Responsible for carrying out a ``SurvivorPlan`` (``resihp_ext/planner/survivors.py``) in the
@@ -177,6 +178,51 @@ def meet_and_reform(store, label: str, new_rank: int, world_size: int, backend: 
     wait_for_keys(store, [f"{prefix}{r}" for r in range(world_size)], 3 * timeout_s, stop)
     met()
     reform_world(store, new_rank, world_size, label, backend=backend, timeout=timeout_s, connect_timeout=connect_s)
+    store.add(_formed_key(label), 1)
+
+
+def _formed_key(label: str) -> str:
+    return f"resihp/gen{label}/formed"
+
+
+def _spares_key(generation: int) -> str:
+    return f"resihp/gen{generation}/spares"
+
+
+def spares_may_go(store, generation: int, world_size: int, stop: Callable[[], str | None], wait_s: float,
+                  poll_s: float = 0.02) -> bool:
+    """On a spare of world ``generation``'s plan: whether it may leave, once that world formed.
+
+    Until every member is through its rendezvous a spare still holds its shard as it was when the
+    failure struck, and if a member fails first, the next attempt's plan may need it: with one
+    replica kept and the others' ranks spares, a kept rank lost as the world forms has its shard
+    nowhere else. So the answer is "go" once all ``world_size`` members formed the world, and
+    "stay" (this spare plans again with the survivors, as one of them) once ``stop`` names a
+    failure among them or ``wait_s`` passes first. One key holds it, written once by an atomic
+    compare-and-set, which the members read too (``spares_stay``), so spares and members agree.
+    Without the store no world can form again: the spare goes, and standing by finds the loss.
+    """
+    key = _spares_key(generation)
+    deadline = time.monotonic() + wait_s
+    try:
+        while not store.check([key]):
+            if store.add(_formed_key(str(generation)), 0) >= world_size:
+                store.compare_set(key, "", "go")
+            elif stop() or time.monotonic() > deadline:
+                store.compare_set(key, "", "stay")
+            else:
+                time.sleep(poll_s)
+        return store.get(key) == b"go"
+    except RuntimeError:  # the store is gone (torch's store errors are RuntimeErrors): no attempt can follow
+        return True
+
+
+def spares_stay(store, generation: int) -> bool:
+    """On a member of world ``generation`` that failed to form or fill it: whether the plan's spares
+    stayed to plan again as survivors (``spares_may_go``: the same answer every rank reads)."""
+    key = _spares_key(generation)
+    store.compare_set(key, "", "stay")
+    return store.get(key) == b"stay"
 
 
 def join_moves_world(store, generation: int, rank: int, survivors: list[int], backend: str, timeout_s: float,

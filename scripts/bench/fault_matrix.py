@@ -115,7 +115,10 @@ def cases(distributed_optimizer: bool = False, async_save: bool = False) -> list
     # replica at the launch's TP degree, so no survivor goes on at a smaller one), and a kill
     # waiting for the moves would never strike.
     moves = (("moves", 4),) if distributed_optimizer else ()
-    for phase, rank in (("reform", 0), *moves, ("rendezvous", 4)):
+    # Rank 5's death breaks replica 0 (ranks 0, 1, 4, 5 in Megatron's rank order) and replica 1
+    # (2, 3, 6, 7) goes on: the second kill strikes one of those, as it joins the re-form or the
+    # new world's rendezvous (a rank of replica 0 stands by and never would).
+    for phase, rank in (("reform", 2), *moves, ("rendezvous", 6)):
         out.append(Case(f"kill 5 at 4, then rank {rank} during {phase}",
                         ("kill:rank=5,at=4", f"kill:rank={rank},at=4,during={phase}")))
     out.append(Case("kill rank 3 during shutdown", ("kill:rank=3,at=8,during=shutdown",)))

@@ -220,8 +220,31 @@ def test_a_rank_lost_while_the_survivors_reform_is_planned_around_again(tmp_path
     assert [p["attempt"] for p in plans] == [1, 2], plans
     adapted = [a for a in read_events(events, "adapted") if "failed_ranks" in a]
     assert [a["data_parallel_size"] for a in adapted] == [2], adapted
-    # A rank standing by for the first plan, left out of the world that did not form, is named with them.
-    assert {1, 2} <= set(adapted[0]["failed_launch_ranks"]) <= {1, 2, 4, 5}, adapted
+    # The first plan's spare (rank 5) waited for that world to form, and plans again as a survivor.
+    assert adapted[0]["failed_launch_ranks"] == [1, 2], adapted
+    assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, key_bias_atol=5e-6)
+
+
+def test_a_kept_rank_lost_as_the_world_forms_leaves_its_stage_to_the_spare_that_still_holds_it(tmp_path, failure_free):
+    # TP1 x PP2 x DP2: replicas (0 | 2) and (1 | 3). Rank 2 dies at 4: replica 1 goes on and rank 0
+    # is the plan's spare. Rank 1 dies as it is about to join that world, and then stage 0's state
+    # is held by rank 0 alone. A spare leaves only once the world it is left out of has formed, so
+    # rank 0 still holds it and plans again with rank 3: a replica rebuilt of rank 0's stage 0 and
+    # rank 3's stage 1 finishes the job (before, rank 0 had left, and the job fell back to a
+    # checkpoint).
+    events = tmp_path / "events.jsonl"
+    args = _args(tmp_path, "ckpt")
+    proc = run_job(4, [*args, "--resihp-enable", "--resihp-event-log", str(events),
+                       "--resihp-inject=kill:rank=2,at=4", "--resihp-inject=kill:rank=1,at=4,during=reform"],
+                   timeout_s=600)
+    check(proc)
+    assert "launch rank 1: injecting kill:rank=1,at=4,during=reform" in proc.stdout + proc.stderr
+    plans = read_events(events, "plan")
+    assert [(p["attempt"], p["action"]) for p in plans] == [(1, "adapt"), (2, "adapt")], plans
+    assert plans[0]["executed"]["spares"] == [0], plans[0]
+    adapted = [a for a in read_events(events, "adapted") if "failed_ranks" in a]
+    assert [(a["failed_launch_ranks"], a["world_size"]) for a in adapted] == [([1, 2], 2)], adapted
+    assert not read_events(events, "standby"), "rank 0 stood by before the world it was left out of formed"
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, key_bias_atol=5e-6)
 
 
