@@ -407,7 +407,7 @@ class FailStopRecovery:
                     "--save-interval N so that a failure of every holder of a shard can resume")
         resume = resume_command(sys.argv, len(host.launch_layout.world_ranks), root) if saved else None
         if old_rank == survivors[0]:
-            mark_job_done(host.store)
+            mark_job_done(host.store, host.launch_layout.world_ranks)
             host.events.emit("fallback_checkpoint", iteration, reason=plan.reason + then, resume_command=resume,
                              path=saved)
             after = f" after {ranks_name(failed, run.identity)} failed" if failed else ""

@@ -15,9 +15,10 @@ only a separate process can do:
 * when the rank dies (the kernel tells the beacon through ``PR_SET_PDEATHSIG``), the beacon writes
   a ``dead`` mark at once, so survivors name a killed rank within one poll instead of after
   ``--resihp-heartbeat-timeout-s``; the timeout still covers a lost node, where the beacon dies too;
-* when the survivors ``evict`` the rank (judged hung), the beacon SIGKILLs it, even if the rank
-  is stuck in C code holding the GIL, where a thread of its own could never run; the mark it
-  then leaves is ``fenced``, not ``dead``: the survivors made that decision already;
+* when the survivors ``evict`` the rank (judged hung, or a standby stopped by a signal when the
+  job ends), the beacon SIGKILLs it, even if the rank is stuck in C code holding the GIL, where a
+  thread of its own could never run; the mark it then leaves is ``fenced``, not ``dead``: the
+  survivors made that decision already;
 * when the rank has been stopped by a signal (SIGSTOP, SIGTSTP: state ``T`` in ``/proc``) for
   ``stopped_after_s``, the beacon writes a ``stopped`` mark, so survivors name the hang within a
   poll instead of waiting for the others' collectives to time out. A rank merely paused by a

@@ -468,7 +468,7 @@ class ResilienceHooks:
 
     def close(self) -> None:
         if self.store is not None and self.rank == 0:
-            mark_job_done(self.store)
+            mark_job_done(self.store, self.launch_layout.world_ranks)
         if self.monitor is not None:
             self.monitor.stop()
         if self.trace is not None:

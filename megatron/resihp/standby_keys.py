@@ -18,9 +18,18 @@ DONE = PREFIX + "done"
 PROGRESS = PREFIX + "progress"
 
 
-def mark_job_done(store) -> None:
-    """Tell standbys the job has ended (finished, or saved for a restart): they exit 0."""
+def mark_job_done(store, launch_ranks) -> None:
+    """Tell standbys the job has ended (finished, or saved for a restart): they exit 0.
+
+    A standby stopped by a signal (its beacon marked it ``stopped``) cannot, and the launch
+    (``launch_local.py``, ``srun``) would wait on it forever: it is evicted, and its beacon, a
+    process of its own that no signal to the rank stops, SIGKILLs it on whatever host it runs.
+    ``launch_ranks``: every rank of the launch, standbys among them."""
     store.set(DONE, "1")
+    for launch_rank in launch_ranks:
+        key = beat_key(launch_rank)
+        if store.check([key]) and _mark(store.get(key)) == heartbeat_beacon.STOPPED_MARK:
+            store.set(evicted_key(launch_rank), "1")
 
 
 def report_key(launch_rank: int) -> str:
@@ -47,6 +56,10 @@ def joining_key(generation: int, new_rank: int) -> str:
     return f"resihp/gen{generation}/joining/{new_rank}"
 
 
+def evicted_key(launch_rank: int) -> str:
+    return beat_key(launch_rank) + "/evicted"
+
+
 def beat_key(launch_rank: int) -> str:
     return f"{PREFIX}beat/{launch_rank}"
 
@@ -57,17 +70,20 @@ def beat_as_standby(launch_rank: int) -> None:
     once instead of waiting out the call."""
     beacon = heartbeat_beacon.current()
     if beacon is not None:
-        key = beat_key(launch_rank)
-        beacon.point_at(key, key + "/evicted")  # nobody evicts a standby: the key is never set
+        # Evicted only when the job ends with this standby stopped by a signal (``mark_job_done``).
+        beacon.point_at(beat_key(launch_rank), evicted_key(launch_rank))
 
 
 def marked_gone(store, launch_rank: int) -> bool:
     """Whether the beacon of standby ``launch_rank`` said it died or stands stopped by a signal."""
     key = beat_key(launch_rank)
-    if not store.check([key]):
-        return False
-    parts = store.get(key).decode().split(":")
-    return len(parts) > 2 and parts[2] in (heartbeat_beacon.DEAD_MARK, heartbeat_beacon.STOPPED_MARK)
+    return store.check([key]) and _mark(store.get(key)) in (heartbeat_beacon.DEAD_MARK, heartbeat_beacon.STOPPED_MARK)
+
+
+def _mark(beat: bytes) -> str | None:
+    """The mark of a beacon's heartbeat (``time:progress[:mark]``), if it has one."""
+    parts = beat.decode().split(":")
+    return parts[2] if len(parts) > 2 else None
 
 
 def record_call(store, launch_rank: int, generation: int) -> None:

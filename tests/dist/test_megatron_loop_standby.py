@@ -13,10 +13,16 @@ layers megatron-core places apart: stage 1 holds layers 1 and 3).
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
-from tests.dist.launch import check, decisions, read_events, run_job, running_quotas
-from tests.dist.megatron_jobs import assert_same_training, job_args, replaced, stock_training
+from scripts.child_env import job_env
+from tests.dist.launch import REPO, check, decisions, read_events, run_job, running_quotas
+from tests.dist.megatron_jobs import assert_same_training, job_args, replaced, stock_training, wait_for
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -142,3 +148,33 @@ def test_a_joiner_killed_in_the_rendezvous_leaves_the_working_replica_as_it_was(
     assert not [a for a in read_events(events, "adapted") if a.get("joined_launch_ranks")], decisions(events)
     assert running_quotas(events) == [8], decisions(events)
     assert_same_training(proc.stdout, tmp_path / "ckpt", failure_free, iterations=range(1, ITERATIONS + 1))
+
+
+def test_a_standby_stopped_by_a_signal_ends_with_the_job_and_the_launch_exits(tmp_path, failure_free):
+    # Launch rank 1 of the dropped replica is SIGSTOPped from outside as it stands by. A stopped
+    # process cannot see the job end, and the launch would wait on it forever: the rank that ends the
+    # job evicts a standby its beacon marks stopped, and the beacon, a process of its own, SIGKILLs it.
+    events, output = tmp_path / "events.jsonl", tmp_path / "output.log"
+    cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--nproc-per-node=4",
+           str(REPO / "pretrain_gpt_resilient.py"), *pp2_dp2_args(tmp_path, "ckpt"), "--resihp-enable",
+           "--resihp-event-log", str(events), "--resihp-verify-iters", "0", "--resihp-inject", SLOW]
+    with open(output, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: [e for e in read_events(events, "standby") if e["launch_rank"] == 1], 300, output)
+            standby = next(e for e in read_events(events, "standby") if e["launch_rank"] == 1)
+            os.kill(standby["pid"], signal.SIGSTOP)
+            try:
+                code = proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                pytest.fail("the launch still waits on the stopped standby:\n" + output.read_text()[-3000:])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = output.read_text()
+    assert code == 0, text[-3000:]
+    assert f"beacon fences pid {standby['pid']}" in text, text[-3000:]
+    assert "launch_local: rank 1 exited with signal SIGKILL" in text, text[-3000:]
+    assert not [a for a in read_events(events, "adapted") if a.get("joined_launch_ranks")], decisions(events)
+    assert_same_training(text, tmp_path / "ckpt", failure_free, iterations=range(1, ITERATIONS + 1))
