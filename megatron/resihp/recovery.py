@@ -190,7 +190,7 @@ def _spares_key(generation: int) -> str:
 
 
 def spares_may_go(store, generation: int, world_size: int, stop: Callable[[], str | None], wait_s: float,
-                  poll_s: float = 0.02) -> bool:
+                  poll_s: float = 0.1) -> bool:
     """On a spare of world ``generation``'s plan: whether it may leave, once that world formed.
 
     Until every member is through its rendezvous a spare still holds its shard as it was when the
@@ -201,6 +201,8 @@ def spares_may_go(store, generation: int, world_size: int, stop: Callable[[], st
     failure among them or ``wait_s`` passes first. One key holds it, written once by an atomic
     compare-and-set, which the members read too (``spares_stay``), so spares and members agree.
     Without the store no world can form again: the spare goes, and standing by finds the loss.
+    Spares poll at ``poll_s``, slower than members do: nobody waits for a spare that goes, and a
+    broken replica of a large job has many spares asking the one store at once.
     """
     key = _spares_key(generation)
     deadline = time.monotonic() + wait_s
