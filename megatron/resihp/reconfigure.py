@@ -92,7 +92,8 @@ class LayoutChange:
         scheduler_state: GROW, and a SHRINK's joiner: the working ranks' LR schedule.
         adam_template, loss_scale: on a joiner: what shapes its Adam states and its loss scaler.
         leave: called on a rank the new world does not include, once it has sent what others need;
-            it must raise (``StopTraining``, or ``StandingBy``).
+            it must raise (``StopTraining``, or ``StandingBy``; or ``ChangeFailed`` when that world
+            did not form and the rank stays for the driver's next attempt, its state untouched).
         part_sources: under Megatron's distributed optimizer. SHRINK (``plan.part_sources``): dead
             rank -> the live rank keeping the copy of its part of the optimizer state (empty when
             nobody died: a re-plan leaving ranks out). Every survivor then sends the kept ranks the
