@@ -52,13 +52,14 @@ from resihp_ext.detection.observations import (  # noqa: F401  (part of this mod
     RankObservation,
     Suspicion,
 )
+from resihp_ext.detection.healthy_learning import learn_from_healthy
 from resihp_ext.detection.link_baselines import LinkBaselines
-from resihp_ext.detection.op_signals import (Streak, beyond_common, group_op_durations, link_gaps, nansum, op_tables,
-                                   sibling_ratios, wall_per_busy)
+from resihp_ext.detection.op_signals import (Streak, beyond_common, group_by_stage, group_op_durations, link_gaps, nansum,
+                                            op_tables, sibling_ratios, wall_per_busy)
 from resihp_ext.detection import probe_verdicts
 from resihp_ext.detection.iteration_estimate import IterationEstimate
 from resihp_ext.detection.planned_costs import PlanPrice
-from resihp_ext.detection.predictor import MicrobatchPredictor, as_feature_array
+from resihp_ext.detection.predictor import MicrobatchPredictor
 from resihp_ext.detection.speed_level import SpeedLevels
 from resihp_ext.schedule import Interleaving
 from resihp_ext.detection.suspicions import (
@@ -292,24 +293,12 @@ class FailSlowDetector:
         # from a group whose run of suspect iterations is still open either (a slowdown near the
         # threshold reads under it now and then); never from the first iteration after a (re)start,
         # which pays one-off set-up costs.
-        batches: dict = defaultdict(list)
-        for g, (fwd, bwd) in durations.items():
-            if (self._seen == 1 or g in self._muted or g in self._pending or stage_ratio.get(g, 1.0) > threshold
-                    or self._group_streak[g].open
-                    or sibling_ratio.get(g, 1.0) > threshold or planned_ratio.get(g, 1.0) > threshold
-                    or (g in known and stage_ratio.get(g, 1.0) * threshold < 1.0)):  # faster than known: not the norm
-                continue
-            level = self.levels.level(g)
-            for key, dur in zip(keys[g], (fwd, bwd)):
-                batches[key].append(np.column_stack([feats[g[0]], dur, np.full(len(dur), level)]))
-            if op_predicted[g] is not None:  # the level learns from predictions made before this iteration
-                self.levels.update(g, np.concatenate([fwd, bwd]), np.concatenate(op_predicted[g]))
-        for key, parts in batches.items():
-            data = np.concatenate(parts)  # columns: tokens, sum_sq, documents, seconds, speed level
-            data = data[np.isfinite(data[:, 3]) & (data[:, 3] > 0)]
-            if len(data):
-                self.predictor.observe_batch(key, data[:, 0], data[:, 1], data[:, 3], num_docs=data[:, 2],
-                                             scale=data[:, 4])
+        healthy = [g for g in durations
+                   if not (self._seen == 1 or g in self._muted or g in self._pending
+                           or stage_ratio.get(g, 1.0) > threshold or self._group_streak[g].open
+                           or sibling_ratio.get(g, 1.0) > threshold or planned_ratio.get(g, 1.0) > threshold
+                           or (g in known and stage_ratio.get(g, 1.0) * threshold < 1.0))]  # faster than known: not the norm
+        learn_from_healthy(self.predictor, self.levels, healthy, durations, keys, feats, op_predicted)
         self._links.learn(gaps, link_ratio, threshold, self._muted)
         return suspicion
 
@@ -520,18 +509,11 @@ class FailSlowDetector:
         return out
 
     def _group(self, observations):
-        groups: dict[GroupId, list[RankObservation]] = defaultdict(list)
-        feats: dict[int, np.ndarray] = {}
-        for obs in observations:
-            g = (obs.replica, obs.stage)
-            groups[g].append(obs)
-            if obs.replica not in feats:
-                feats[obs.replica] = as_feature_array(obs.features)
+        """``op_signals.group_by_stage``, remembering each group's ranks for the suspicions."""
+        groups, feats = group_by_stage(observations)
         for g, obs in groups.items():
-            obs.sort(key=lambda o: o.tp_rank)
             self._group_ranks[g] = tuple(o.rank for o in obs)
-            for o in obs:
-                self._rank_group[o.rank] = g
+            self._rank_group.update((o.rank, g) for o in obs)
         return groups, feats
 
     def keys_for(self, replica: int, stage: int, tp_degree: int) -> tuple[Hashable, Hashable]:

@@ -15,7 +15,8 @@ import warnings
 import numpy as np
 
 from resihp_ext.detection.observation_wire import PackedObservation, packed_op_columns
-from resihp_ext.detection.observations import LinkId
+from resihp_ext.detection.observations import GroupId, LinkId, RankObservation
+from resihp_ext.detection.predictor import as_feature_array
 
 
 def op_tables(observations) -> np.ndarray:
@@ -197,6 +198,20 @@ class Streak:
             if min(ratios[k:]) >= step * highest_before:
                 return self.ratios[k][0]
         return self.onset
+
+
+def group_by_stage(observations) -> tuple[dict[GroupId, list[RankObservation]], dict[int, np.ndarray]]:
+    """An iteration's observations by stage group ``(replica, stage)``, each group's in TP-rank
+    order, and each replica's micro-batch features (every stage of a replica runs the same ones)."""
+    groups: dict[GroupId, list[RankObservation]] = {}
+    features: dict[int, np.ndarray] = {}
+    for obs in observations:
+        groups.setdefault((obs.replica, obs.stage), []).append(obs)
+        if obs.replica not in features:
+            features[obs.replica] = as_feature_array(obs.features)
+    for members in groups.values():
+        members.sort(key=lambda o: o.tp_rank)
+    return groups, features
 
 
 def nansum(values: np.ndarray) -> float:
