@@ -4,7 +4,8 @@
 Responsible for: hosting the job's torch ``TCPStore`` in the launcher process (so the store
 outlives every rank), starting ``--nproc-per-node`` independent worker processes with the
 environment torchrun gives its workers, letting their output through unprefixed, forwarding
-SIGINT/SIGTERM to them, and reporting each rank's end.
+SIGINT/SIGTERM to them, killing ranks left stopped by a signal once every other rank has ended
+(nothing can continue them), and reporting each rank's end.
 
 It must never kill the other ranks when one exits non-zero or is killed: in-place recovery needs
 the survivors alive. (torchrun's agent does the opposite: it tears down every local worker as soon
@@ -38,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 from rank_fork_server import Preload, RankForkServer, ServerRefused, script_preload
+from megatron.resihp.heartbeat_beacon import stopped_by_signal
 
 # Workers read this to know that a dead peer does not take them down with it.
 LAUNCHER_ENV = "RESIHP_LAUNCHER"
@@ -53,6 +55,11 @@ RANK_FAILED_EXIT = 4
 # After forwarding SIGINT/SIGTERM, workers get this long to exit before SIGKILL (torchrun waits
 # a similar grace period before escalating).
 _GRACE_S = 15.0
+# Ranks stopped by a signal (SIGSTOP, SIGTSTP) while every other rank has ended are killed once
+# they have stood so this long: nothing is left to continue them (their peers are gone), and the
+# launch would wait on them forever. A rank's beacon fences it when the job ends; this covers a
+# rank whose beacon died first, which the others named dead by its heartbeat's timeout.
+_STOPPED_ALONE_S = 5.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -155,6 +162,29 @@ class _Job:
                 pass
 
 
+class _StoppedAlone:
+    """Watches for ranks that are all stopped by a signal once every other rank has ended."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+
+    def kill_if_standing(self, job: _Job) -> None:
+        """SIGKILL ``job``'s running ranks when some rank has ended and every running one has been
+        stopped by a signal for ``_STOPPED_ALONE_S``."""
+        running = job.running()
+        if not (job.codes and running and all(stopped_by_signal(job.pids[r]) for r in running)):
+            self._since = None
+            return
+        now = time.monotonic()
+        self._since = self._since or now
+        if now - self._since < _STOPPED_ALONE_S:
+            return
+        print(f"launch_local: ranks {running} stopped by a signal {now - self._since:.0f} s ago and every other "
+              "rank has ended: nothing can continue them; killing them", file=sys.stderr, flush=True)
+        job.signal_running(signal.SIGKILL)
+        self._since = float("inf")  # said once; their ends are reported as they come
+
+
 def exit_code(codes: dict[int, int], order: list[int]) -> int:
     """The launcher's exit code from each rank's return code (negative = killed by that signal)."""
     finished = [r for r in order if codes[r] >= 0]
@@ -250,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
         if received:  # a signal that came while the ranks were being started
             job.signal_running(received[-1])
         deadline = None
+        stopped_alone = _StoppedAlone()
         while job.running():
             for rank, code in server.ended(_POLL_S):
                 job.codes[rank] = code
@@ -262,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"launch_local: the rank fork server ended with ranks {job.running()} unreported; "
                       "stopping them", file=sys.stderr, flush=True)
                 return 1
+            stopped_alone.kill_if_standing(job)
             if received and deadline is None:
                 deadline = time.monotonic() + _GRACE_S
             if deadline is not None and time.monotonic() > deadline:

@@ -88,6 +88,22 @@ def test_failing_rank_sets_exit_code(tmp_path):
     assert "launch_local: rank 1 exited with code 3; 1 ranks still running" in proc.stderr
 
 
+def test_a_rank_stopped_by_a_signal_after_every_other_ended_is_killed_and_the_launch_exits(tmp_path):
+    # Rank 1 stops itself and no beacon is there to fence it (its beacon died before, as when the
+    # others named it dead by its heartbeat's timeout): once rank 0 has finished, nothing can ever
+    # continue rank 1, and the launch must not wait on it.
+    script = tmp_path / "stop.py"
+    script.write_text("import os, signal, time\n"
+                      "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
+                      "time.sleep(0.5)\n")
+    started = time.monotonic()
+    proc = launch(tmp_path, "--nproc-per-node", "2", str(script), timeout_s=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "launch_local: ranks [1] stopped by a signal 5 s ago and every other rank has ended" in proc.stderr
+    assert "launch_local: rank 1 exited with signal SIGKILL" in proc.stderr
+    assert time.monotonic() - started < 20
+
+
 # "group": SIGTERM to the launcher's whole process group, as a scheduler or a shell's job control
 # sends it; the ranks must still hear it once, and get their grace period.
 @pytest.mark.parametrize("target", ["launcher", "group"])
