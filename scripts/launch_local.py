@@ -5,7 +5,9 @@ Responsible for: hosting the job's torch ``TCPStore`` in the launcher process (s
 outlives every rank), starting ``--nproc-per-node`` independent worker processes with the
 environment torchrun gives its workers, letting their output through unprefixed, forwarding
 SIGINT/SIGTERM to them, killing ranks left stopped by a signal once every other rank has ended
-(nothing can continue them), and reporting each rank's end.
+(nothing can continue them), and reporting each rank's end. It is a child subreaper: when the rank
+fork server of its own dies (an out-of-memory kill picks it, say), the ranks become its children
+and train on, and it waits for their ends itself.
 
 It must never kill the other ranks when one exits non-zero or is killed: in-place recovery needs
 the survivors alive. (torchrun's agent does the opposite: it tears down every local worker as soon
@@ -38,7 +40,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from rank_fork_server import Preload, RankForkServer, ServerRefused, script_preload
+from rank_fork_server import Preload, RankForkServer, ServerRefused, become_subreaper, script_preload
 from megatron.resihp.heartbeat_beacon import stopped_by_signal
 
 # Workers read this to know that a dead peer does not take them down with it.
@@ -249,7 +251,32 @@ def _rank_server(args: argparse.Namespace) -> RankForkServer:
     return RankForkServer.start(args.script, args.script_args, args.preload)
 
 
+def _reap(job: _Job, timeout_s: float) -> list[tuple[int, int]]:
+    """(rank, exit code) of ``job``'s running ranks that ended, waited for by this process (their
+    server died, and they are its children now); a rank not its child counts as killed."""
+    ended = []
+    for rank in job.running():
+        try:
+            pid, status = os.waitpid(job.pids[rank], os.WNOHANG)
+        except ChildProcessError:
+            # The kernel closes a dying server's pipes before it hands the server's children over,
+            # so for a moment a live rank is nobody's to wait for; a rank gone by now ended before
+            # the server, which reaped it and died before saying so.
+            try:
+                os.kill(job.pids[rank], 0)
+            except ProcessLookupError:
+                ended.append((rank, -signal.SIGKILL))
+            continue
+        if pid:
+            ended.append((rank, os.waitstatus_to_exitcode(status)))
+    if not ended:
+        time.sleep(timeout_s)
+    return ended
+
+
 def run(args: argparse.Namespace) -> int:
+    # Before the server is forked: a rank whose server dies becomes this process's child and goes on.
+    adopts = become_subreaper()
     server = _rank_server(args)
     store = None
     if server.store_port is None:
@@ -281,18 +308,23 @@ def run(args: argparse.Namespace) -> int:
             job.signal_running(received[-1])
         deadline = None
         stopped_alone = _StoppedAlone()
+        orphans = False
         while job.running():
-            for rank, code in server.ended(_POLL_S):
+            for rank, code in (_reap(job, _POLL_S) if orphans else server.ended(_POLL_S)):
                 job.codes[rank] = code
                 job.order.append(rank)
                 # A rank exiting 2 refused its input and said why (once, on rank 0).
                 if code not in (0, INPUT_ERROR_EXIT):
                     print(f"launch_local: rank {rank} exited with {_describe(code)}; "
                           f"{len(job.running())} ranks still running", file=sys.stderr, flush=True)
-            if server.gone and job.running():
-                print(f"launch_local: the rank fork server ended with ranks {job.running()} unreported; "
-                      "stopping them", file=sys.stderr, flush=True)
-                return 1
+            if server.gone and job.running() and not orphans:
+                if not (adopts and server.pid is not None):
+                    print(f"launch_local: the rank fork server ended with ranks {job.running()} unreported; "
+                          "stopping them", file=sys.stderr, flush=True)
+                    return 1
+                print(f"launch_local: the rank fork server died; ranks {job.running()} go on as this launcher's "
+                      "children", file=sys.stderr, flush=True)
+                orphans = True
             stopped_alone.kill_if_standing(job)
             if received and deadline is None:
                 deadline = time.monotonic() + _GRACE_S

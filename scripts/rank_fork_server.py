@@ -11,9 +11,13 @@ they share the imported modules copy-on-write and start at once. (PyTorch's Data
 workers from processes that imported torch in the same way.)
 
 It must never leave ranks behind the launcher: the server dies with the launcher
-(``PR_SET_PDEATHSIG`` = SIGKILL) and every rank dies with the server (SIGTERM), since without the
-launcher's store no rank could recover anyway. If the preloaded modules initialised CUDA, which a
-forked child cannot use, ranks are exec'd fresh instead of run in the fork.
+(``PR_SET_PDEATHSIG`` = SIGKILL) and a rank whose server died is told so by a signal of its own
+(``RANK_PARENT_DEATH_SIGNAL``). If its server's parent, the launcher, is alive, and is a child
+subreaper (``launch_local.py`` makes itself one), the rank is the launcher's child now and goes on:
+a helper that only forks ranks must not take a training job down with it. Otherwise (the launcher
+went first) the rank is sent SIGTERM, as a launcher's end would send it: without the launcher's
+store no rank could recover anyway. If the preloaded modules initialised CUDA, which a forked
+child cannot use, ranks are exec'd fresh instead of run in the fork, and die with the server.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ import warnings
 from dataclasses import dataclass
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+# What a forked rank's parent death sends it: a signal that nothing else sends, whose handler asks
+# who its parent is now (a real-time one: its default, where no handler runs, ends the process).
+RANK_PARENT_DEATH_SIGNAL = signal.SIGRTMIN + 2
 # How often a job's server looks for ranks that ended (and for its launcher's end).
 _REAP_S = 0.02
 
@@ -118,6 +126,23 @@ def _set_parent_death_signal(sig: int) -> None:
         pass
 
 
+def become_subreaper() -> bool:
+    """Make this process a child subreaper: orphans among its descendants (a rank whose fork
+    server died) become its children, whose ends it can wait for. False where that is not there."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _leave_unless_adopted_by(launcher: int):
+    """The handler of ``RANK_PARENT_DEATH_SIGNAL`` in a rank whose server's parent is ``launcher``."""
+    def server_gone(_signum, _frame):
+        if os.getppid() != launcher:  # the launcher went first, or it adopts no orphans
+            os.kill(os.getpid(), signal.SIGTERM)
+    return server_gone
+
+
 def _fork() -> int:
     with warnings.catch_warnings():
         # Python 3.12+ warns on fork() when torch's import has started a native thread; the rank
@@ -170,12 +195,13 @@ def _run_script(script: str, script_args: list[str]) -> int:
     return code
 
 
-def _rank_main(script: str, script_args: list[str], env: dict[str, str], fresh: bool) -> None:
-    """Body of a forked rank; never returns."""
+def _rank_main(script: str, script_args: list[str], env: dict[str, str], fresh: bool, launcher: int) -> None:
+    """Body of a forked rank (``launcher``: its server's parent); never returns."""
     code = 1
     try:
         os.setpgid(0, 0)  # own process group: a terminal's Ctrl-C reaches it once, via the launcher
-        _set_parent_death_signal(signal.SIGTERM)
+        signal.signal(RANK_PARENT_DEATH_SIGNAL, _leave_unless_adopted_by(launcher))
+        _set_parent_death_signal(RANK_PARENT_DEATH_SIGNAL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(env)
@@ -195,6 +221,7 @@ def serve_job(commands, events, script: str, script_args: list[str], fresh: bool
     if not line:
         return
     ranks = {}
+    launcher = os.getppid()
     for rank, env in enumerate(json.loads(line)):
         pid = _fork()
         if pid == 0:
@@ -202,7 +229,7 @@ def serve_job(commands, events, script: str, script_args: list[str], fresh: bool
             # buffered, a second time, from here.
             os.close(commands.fileno())
             os.close(events.fileno())
-            _rank_main(script, script_args, env, fresh)
+            _rank_main(script, script_args, env, fresh, launcher)
         ranks[pid] = rank
         events.write(f"pid {rank} {pid}\n")
         events.flush()

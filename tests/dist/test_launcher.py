@@ -104,6 +104,35 @@ def test_a_rank_stopped_by_a_signal_after_every_other_ended_is_killed_and_the_la
     assert time.monotonic() - started < 20
 
 
+def test_ranks_outlive_their_fork_server_and_the_launcher_reports_their_ends(tmp_path):
+    # The fork server only starts ranks: SIGKILLed while they run (an out-of-memory kill may pick
+    # it), it must take no rank with it. Rank 1 then fails, and its code still reaches the launcher.
+    script = tmp_path / "outlive.py"
+    script.write_text("import os, sys, time\nr = os.environ['RANK']\n"
+                      "open(f'{r}.parent', 'w').write(str(os.getppid()))\n"
+                      "while not os.path.exists('go'):\n    time.sleep(0.05)\n"
+                      "open(f'{r}.done', 'w').close()\nsys.exit(5 if r == '1' else 0)\n")
+    proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--nproc-per-node", "2", str(script)], cwd=tmp_path,
+                            env=job_env(without=["RESIHP_FORK_SERVER"]), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len([p for p in tmp_path.glob("*.parent") if p.read_text()]) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.05)
+        servers = {int(p.read_text()) for p in tmp_path.glob("*.parent")}
+        assert len(servers) == 1 and proc.pid not in servers
+        os.kill(servers.pop(), signal.SIGKILL)
+        time.sleep(1.0)  # long enough for a rank taken down with the server to be gone
+        (tmp_path / "go").touch()
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert sorted(p.name for p in tmp_path.glob("*.done")) == ["0.done", "1.done"], stderr
+    assert "launch_local: the rank fork server died; ranks [0, 1] go on as this launcher's children" in stderr
+    assert "launch_local: rank 1 exited with code 5" in stderr
+    assert proc.returncode == 5, stderr
+
+
 # "group": SIGTERM to the launcher's whole process group, as a scheduler or a shell's job control
 # sends it; the ranks must still hear it once, and get their grace period.
 @pytest.mark.parametrize("target", ["launcher", "group"])
