@@ -32,7 +32,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from scripts.child_env import job_env  # noqa: E402
+from scripts.bench.case_choice import add_case_arguments, chosen_cases, work_folder  # noqa: E402
 from scripts.signal_rank import events  # noqa: E402
 
 NPROC, ITERS = 4, 32
@@ -192,25 +192,17 @@ def judge(result: dict, reference: dict[int, float]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--cases", nargs="+", metavar="TEXT",
-                        help="run only the cases whose name contains one of these texts")
-    parser.add_argument("--list", action="store_true", help="list the cases and exit")
-    parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
+    add_case_arguments(parser)
     parser.add_argument("--timeout-s", type=float, default=300.0,
                         help="a launch still running after this long is killed and called hung")
     args = parser.parse_args()
     every = cases()
-    if args.list:
-        print("\n".join(c.name for c in every))
-        return
-    chosen = [c for c in every if not args.cases or any(t in c.name for t in args.cases)]
+    chosen = chosen_cases(parser, args, every)
     if not chosen:
-        parser.error(f"--cases matched none of: {', '.join(c.name for c in every)}")
+        return
     if args.timeout_s <= 0:
         parser.error(f"--timeout-s must be positive; got {args.timeout_s:g}")
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="fault_combinations_"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder(args, "fault_combinations_")
     reference_run = run(None, work, args.timeout_s)
     if reference_run["code"] != 0:
         raise SystemExit(f"failure-free run failed ({reference_run['code']}); its output: {work / 'reference.out'}")

@@ -63,7 +63,6 @@ import json
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +70,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from scripts.child_env import job_env  # noqa: E402
+from scripts.bench.case_choice import add_case_arguments, chosen_cases, work_folder  # noqa: E402
 from scripts.signal_rank import events, run_and_signal  # noqa: E402
 from resihp_ext.faults import RAISE_PHASES  # noqa: E402
 
@@ -183,11 +183,7 @@ def judge(result: dict, reference: dict[int, float]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--cases", nargs="+", metavar="TEXT",
-                        help="run only the cases whose name contains one of these texts")
-    parser.add_argument("--list", action="store_true", help="list the cases and exit")
-    parser.add_argument("--workdir", help="keep logs here (default: a temporary folder)")
+    add_case_arguments(parser)
     parser.add_argument("--distributed-optimizer", action="store_true",
                         help="every job with --use-distributed-optimizer, and a kill between a rank's update and "
                              "its copy (during=update)")
@@ -211,14 +207,10 @@ def main() -> None:
             # launch's, so every replica may go on at one (without it, such a job keeps its degree).
             model.append("--dist-ckpt-optim-fully-reshardable")
     every = cases(args.distributed_optimizer, args.async_save)
-    chosen = [c for c in every if not args.cases or any(t in c.name for t in args.cases)]
-    if args.list:
-        print("\n".join(c.name for c in every))
-        return
+    chosen = chosen_cases(parser, args, every)
     if not chosen:
-        parser.error(f"--cases matched none of: {', '.join(c.name for c in every)}")
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="fault_matrix_"))
-    work.mkdir(parents=True, exist_ok=True)
+        return
+    work = work_folder(args, "fault_matrix_")
     reference_run = run(None, work, 0.0, model)
     if reference_run["code"] != 0:
         raise SystemExit(f"failure-free run failed ({reference_run['code']}): {reference_run['output'][-3000:]}")
