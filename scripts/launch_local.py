@@ -253,7 +253,8 @@ def _rank_server(args: argparse.Namespace) -> RankForkServer:
 
 def _reap(job: _Job, timeout_s: float) -> list[tuple[int, int]]:
     """(rank, exit code) of ``job``'s running ranks that ended, waited for by this process (their
-    server died, and they are its children now); a rank not its child counts as killed."""
+    server died, and they are its children now); one gone without having been its child counts as
+    killed."""
     ended = []
     for rank in job.running():
         try:
