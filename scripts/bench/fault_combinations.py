@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ DROPPED = ["--resihp-inject", "slow:rank=3,factor=16,at=5,until=14", "--resihp-v
 class Case:
     name: str
     flags: tuple[str, ...] = ()
-    strikes: tuple[tuple[str, int, str, int], ...] = field(default=())  # (when, at, what, signal)
+    strikes: tuple[tuple[str, int, str, int], ...] = ()  # (when, at, what, signal), in order
 
 
 def _iteration(log: Path) -> int:
@@ -93,17 +93,23 @@ def _pid(log: Path, what: str) -> list[int]:
     return [ranks[int(rank)]]
 
 
-def _parent(pid: int) -> int:
+def _stat(pid: int) -> list[str]:
+    """``/proc/PID/stat``'s fields after the command name (state, parent, ...; start time at 19)."""
     with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[1])
+        return stat.read().rsplit(")", 1)[1].split()
+
+
+def _parent(pid: int) -> int:
+    return int(_stat(pid)[1])
 
 
 def _children(pid: int) -> list[int]:
+    """``pid``'s children, the first started first."""
     kids = []
     for task in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{task}/children") as f:
             kids += [int(c) for c in f.read().split()]
-    return sorted(kids, key=lambda k: int(open(f"/proc/{k}/stat").read().rsplit(")", 1)[1].split()[19]))
+    return sorted(kids, key=lambda k: int(_stat(k)[19]))
 
 
 def _reached(log: Path, when: str, at: int) -> bool:
