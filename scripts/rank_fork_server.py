@@ -119,20 +119,22 @@ def _is_warning_filter(node: ast.stmt) -> bool:
             and all(k.arg is not None for k in node.value.keywords))
 
 
-def _set_parent_death_signal(sig: int) -> None:
-    try:  # Linux only; elsewhere the process outlives its parent
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+def _prctl(option: int, value: int) -> bool:
+    """Linux's ``prctl(option, value)``; False where it failed or does not exist."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value) == 0
     except (OSError, AttributeError):
-        pass
+        return False
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    _prctl(_PR_SET_PDEATHSIG, sig)  # elsewhere than Linux the process outlives its parent
 
 
 def become_subreaper() -> bool:
     """Make this process a child subreaper: orphans among its descendants (a rank whose fork
     server died) become its children, whose ends it can wait for. False where that is not there."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1) == 0
-    except (OSError, AttributeError):
-        return False
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 def _leave_unless_adopted_by(launcher: int):
