@@ -11,6 +11,8 @@ Decisions:
     * per group: ratio = observed compute seconds / predicted seconds for its micro-batches
       (median over the group's TP ranks; TP siblings wait for each other inside collectives, so a
       slow rank stretches all of them and only probes can tell which one it is);
+    * per group of TP siblings, whatever the prediction: its slowest rank's busy time over the
+      others', each over its usual share of the group's work (``resihp_ext.detection.sibling_shares``);
     * per directed link: ratio = observed transfer gap / its healthy baseline, the gap being the
       smallest delay between a sender's op end and the receiver's op start over the iteration's
       micro-batches (the receiver waited at least once, so the minimum is the transfer itself),
@@ -55,11 +57,12 @@ from resihp_ext.detection.observations import (  # noqa: F401  (part of this mod
 from resihp_ext.detection.healthy_learning import learn_from_healthy
 from resihp_ext.detection.link_baselines import LinkBaselines
 from resihp_ext.detection.op_signals import (Streak, beyond_common, group_by_stage, group_op_durations, link_gaps, nansum,
-                                            op_tables, sibling_ratios, wall_per_busy)
+                                            op_tables, wall_per_busy)
 from resihp_ext.detection import probe_verdicts
 from resihp_ext.detection.iteration_estimate import IterationEstimate
 from resihp_ext.detection.planned_costs import PlanPrice
 from resihp_ext.detection.predictor import MicrobatchPredictor
+from resihp_ext.detection.sibling_shares import SiblingShares
 from resihp_ext.detection.speed_level import SpeedLevels
 from resihp_ext.schedule import Interleaving
 from resihp_ext.detection.suspicions import (
@@ -187,6 +190,7 @@ class FailSlowDetector:
         self._link_streak: dict[LinkId, Streak] = defaultdict(new_streak)
         self._links = LinkBaselines(_HISTORY)
         self._iteration = IterationEstimate(_HISTORY)
+        self._sibling_shares = SiblingShares(_HISTORY)
         self._shared = False  # ranks share devices (judged on the contention history)
         self._pending: set = set()
         self._muted: set = set()
@@ -241,8 +245,9 @@ class FailSlowDetector:
         rank_busy = dict(zip(row, np.nansum(tables[:, 4:6], axis=(1, 2)).tolist()))
         # Siblings of a known slow rank wait for it on a device and not on a CPU, so against them
         # it tells nothing: the prediction alone judges such a group.
-        sibling_ratio = sibling_ratios({g: [rank_busy[o.rank] for o in obs] for g, obs in groups.items()
-                                        if g not in known and g not in self._burst_groups})
+        sibling_busy = {g: {o.rank: rank_busy[o.rank] for o in obs} for g, obs in groups.items()
+                        if g not in known and g not in self._burst_groups}
+        sibling_ratio = self._sibling_shares.ratios(sibling_busy)
         # Per group, each op's predicted seconds: the model times the group's speed level.
         op_predicted = {g: self.predictor.predict_ops(keys[g], feats[g[0]], self.levels.level(g)) for g in groups}
         # Each group whose cost model is fitted is judged on it: a group slow since a re-plan, in
@@ -299,6 +304,7 @@ class FailSlowDetector:
                            or sibling_ratio.get(g, 1.0) > threshold or planned_ratio.get(g, 1.0) > threshold
                            or (g in known and stage_ratio.get(g, 1.0) * threshold < 1.0))]  # faster than known: not the norm
         learn_from_healthy(self.predictor, self.levels, healthy, durations, keys, feats, op_predicted)
+        self._sibling_shares.learn(sibling_busy, healthy)
         self._links.learn(gaps, link_ratio, threshold, self._muted)
         return suspicion
 

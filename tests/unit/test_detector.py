@@ -76,6 +76,25 @@ def test_slow_rank_shows_against_its_tp_siblings_when_the_prediction_is_off():
     assert "TP siblings" in raised[0].reason
 
 
+def test_a_standing_offset_between_tp_siblings_is_learnt_so_a_slow_lighter_sibling_shows_whole():
+    # Every odd TP rank does 0.9 of its sibling's busy work throughout (as TP rank 1 did live on
+    # CPU), and from iteration 40 the host runs every rank 0.8x as long as the model learnt, so only
+    # the siblings can show rank 5, 1.4x slow from then: 0.9 x 1.4 = 1.26 raw against rank 4, at the
+    # 1.25 threshold; over its learnt share, the whole 1.4x.
+    lighter = {r: 0.9 if r % 2 else 1.0 for r in range(8)}
+    trace = list(cached_trace(60))
+    for i in range(60):
+        speed = {r: f * (0.8 if i >= 40 else 1.0) * (1.4 if i >= 40 and r == 5 else 1.0) for r, f in lighter.items()}
+        trace[i] = (trace[i][0], busy_ops(trace[i][1], speed))
+    det = FailSlowDetector()
+    raised = _suspicions(det, trace, {4: 1.0, 5: 1.4, 0: 1.0, 1: 1.0})
+    assert det.last_report.stage_ratio[(0, 1)] < 1.25  # the prediction alone would not see it
+    assert det.last_report.sibling_ratio[(0, 1)] == pytest.approx(1.4, rel=0.03)
+    assert det.last_report.sibling_ratio[(0, 0)] == pytest.approx(1.0, rel=0.03)  # healthy siblings read even
+    assert len(raised) == 1 and raised[0].ranks == (4, 5) and 40 <= raised[0].iteration <= 42
+    assert "TP siblings" in raised[0].reason
+
+
 def test_a_group_slow_since_a_re_plan_in_a_stage_shape_of_its_own_shows_against_its_tp_siblings():
     # After a re-plan gives replica 0's stage 1 a layer count no other group has, its cost model
     # learns from it alone; rank 5 slowed 3x from the first iteration, it never looks healthy, so
