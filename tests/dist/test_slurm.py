@@ -137,6 +137,38 @@ def test_scancel_of_one_step_task_is_survived_in_place():
     pass
 
 
+def test_a_rank_left_stopped_after_the_job_ended_is_killed_and_the_step_ends(cluster, tmp_path):
+    """Rank 1 stops itself with no beacon to fence it (as when its beacon died and the others named
+    it dead by the heartbeat timeout); rank 0 then marks the job's end in the store, as a finished
+    job's does. Nothing can ever continue rank 1, so the batch script kills what is left of the step
+    RESIHP_FENCE_AFTER_DONE_S after the end, and the job ends instead of holding its nodes until its
+    time limit."""
+    script = tmp_path / "left_stopped.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from megatron.resihp.heartbeat import connect_store\n"
+        "from megatron.resihp.standby_keys import mark_job_done\n"
+        "rank = int(os.environ['RANK'])\n"
+        "if rank == 1:\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "time.sleep(2)\n"
+        "if rank == 0:\n    mark_job_done(connect_store(timeout_s=30), range(int(os.environ['WORLD_SIZE'])))\n"
+        "    print('rank 0 marked the end', flush=True)\n")
+    output = tmp_path / "slurm.out"
+    started = time.monotonic()
+    proc = cluster.run("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", f"--output={output}",
+                       f"--chdir={slurm_cluster.REPO}", "--export=ALL,RESIHP_FENCE_AFTER_DONE_S=3",
+                       str(slurm_cluster.SBATCH), str(script))
+    assert proc.returncode == 0, proc.stderr
+    job = slurm_cluster.Job(proc.stdout.strip().split(";")[0], output)
+    fields = slurm_cluster.wait(cluster, job, 120)
+    text = job.text()
+    assert "rank 0 marked the end" in text, slurm_cluster.told(text)
+    assert "the job ended 3 s ago and step " in text and "killing what is left of it" in text, slurm_cluster.told(text)
+    # The stopped rank was SIGKILLed: srun's code is the worst task's (as for any rank killed).
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] in ("137:0", "0:9"), fields
+    assert time.monotonic() - started < 60, slurm_cluster.told(text)
+
+
 # TP 2 x DP 2 over two nodes: each node holds one whole replica (TP within a node, DP across).
 TWO_NODE_SHAPE = ["--tensor-model-parallel-size", "2", "--global-batch-size", str(GLOBAL_BATCH),
                   "--train-iters", str(ITERS)]
