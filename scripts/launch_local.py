@@ -40,8 +40,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from rank_fork_server import Preload, RankForkServer, ServerRefused, become_subreaper, script_preload
+from rank_fork_server import Preload, RankForkServer, ServerRefused, script_preload
 from megatron.resihp.heartbeat_beacon import stopped_by_signal
+from megatron.resihp.parent_death import become_subreaper
 
 # Workers read this to know that a dead peer does not take them down with it.
 LAUNCHER_ENV = "RESIHP_LAUNCHER"

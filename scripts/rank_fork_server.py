@@ -23,7 +23,6 @@ child cannot use, ranks are exec'd fresh instead of run in the fork, and die wit
 from __future__ import annotations
 
 import ast
-import ctypes
 import json
 import os
 import select
@@ -33,8 +32,8 @@ import sys
 import warnings
 from dataclasses import dataclass
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
+from megatron.resihp.parent_death import signal_on_parent_death
+
 # What a forked rank's parent death sends it: a signal that nothing else sends, whose handler asks
 # who its parent is now (a real-time one: its default, where no handler runs, ends the process).
 RANK_PARENT_DEATH_SIGNAL = signal.SIGRTMIN + 2
@@ -119,24 +118,6 @@ def _is_warning_filter(node: ast.stmt) -> bool:
             and all(k.arg is not None for k in node.value.keywords))
 
 
-def _prctl(option: int, value: int) -> bool:
-    """Linux's ``prctl(option, value)``; False where it failed or does not exist."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(option, value) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _set_parent_death_signal(sig: int) -> None:
-    _prctl(_PR_SET_PDEATHSIG, sig)  # elsewhere than Linux the process outlives its parent
-
-
-def become_subreaper() -> bool:
-    """Make this process a child subreaper: orphans among its descendants (a rank whose fork
-    server died) become its children, whose ends it can wait for. False where that is not there."""
-    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-
-
 def _leave_unless_adopted_by(launcher: int):
     """The handler of ``RANK_PARENT_DEATH_SIGNAL`` in a rank whose server's parent is ``launcher``."""
     def server_gone(_signum, _frame):
@@ -203,7 +184,7 @@ def _rank_main(script: str, script_args: list[str], env: dict[str, str], fresh: 
     try:
         os.setpgid(0, 0)  # own process group: a terminal's Ctrl-C reaches it once, via the launcher
         signal.signal(RANK_PARENT_DEATH_SIGNAL, _leave_unless_adopted_by(launcher))
-        _set_parent_death_signal(RANK_PARENT_DEATH_SIGNAL)
+        signal_on_parent_death(RANK_PARENT_DEATH_SIGNAL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(env)
@@ -263,7 +244,7 @@ def _server_main(commands, events, script: str, script_args: list[str], preload:
         # server, whose end would tell the launcher that the ranks are lost.
         os.setpgid(0, 0)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _set_parent_death_signal(signal.SIGKILL)
+        signal_on_parent_death(signal.SIGKILL)
         sys.path[0] = os.path.dirname(os.path.abspath(script))  # as ``python SCRIPT`` sets it
         # A module that asks torch whether CUDA is available while it is imported would otherwise
         # start the CUDA driver here, and the driver does not survive a fork; torch answers from

@@ -37,8 +37,8 @@ import signal
 import socket
 import sys
 
-from rank_fork_server import (Preload, _fork, _set_parent_death_signal, cuda_initialised, script_preload,
-                              serve_job)
+from megatron.resihp.parent_death import signal_on_parent_death
+from rank_fork_server import Preload, _fork, cuda_initialised, script_preload, serve_job
 
 # How often the server reaps the launches' servers that ended.
 _REAP_S = 1.0
@@ -61,7 +61,7 @@ def _start_store(addr: str, port: int) -> int | str:
     if _fork() == 0:
         try:
             os.close(report_r)
-            _set_parent_death_signal(signal.SIGKILL)
+            signal_on_parent_death(signal.SIGKILL)
             from torch.distributed import TCPStore
 
             try:
@@ -90,7 +90,7 @@ def _launch_main(conn: socket.socket, own_env: dict[str, str], ignored: frozense
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the launcher's to forward
-        _set_parent_death_signal(signal.SIGKILL)
+        signal_on_parent_death(signal.SIGKILL)
         _, fds, _, _ = socket.recv_fds(conn, 1, 3)
         fd = conn.detach()
         commands, events = os.fdopen(fd, "r"), os.fdopen(os.dup(fd), "w")
@@ -127,7 +127,7 @@ def serve(path: str, script: str, ignored: frozenset[str], die_with_parent: bool
     """Import ``script``'s modules, then fork a server for each launch that connects to ``path``."""
     own_env = dict(os.environ)
     if die_with_parent:
-        _set_parent_death_signal(signal.SIGTERM)
+        signal_on_parent_death(signal.SIGTERM)
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     # As in a launcher's own server: torch answers whether CUDA is there from NVML, and the driver,
     # which does not survive a fork, stays unstarted.

@@ -1,11 +1,25 @@
-"""A helper process that must not outlive the rank that started it asks the kernel for a signal
-when its parent dies: a SIGKILLed rank runs no clean-up, so only the kernel can end its helpers."""
+"""The kernel's help with processes whose parent dies, through Linux's ``prctl``.
+
+A helper process that must not outlive the rank that started it asks for a signal when its parent
+dies: a SIGKILLed rank runs no clean-up, so only the kernel can end its helpers. A launcher whose
+ranks must outlive the process that forked them (``scripts/rank_fork_server.py``) becomes a child
+subreaper, so that they become its own children and it can wait for their ends.
+"""
 
 from __future__ import annotations
 
 import ctypes
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    """Linux's ``prctl(option, value)``; False where it failed or does not exist."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def signal_on_parent_death(sig: int) -> bool:
@@ -16,7 +30,10 @@ def signal_on_parent_death(sig: int) -> bool:
         on its own, by ``os.getppid()`` changing. Either way, a parent that died before the
         request sends nothing, so the caller compares ``os.getppid()`` with the parent it expects.
     """
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig) == 0
-    except (OSError, AttributeError):
-        return False
+    return _prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper: orphans among its descendants become its children,
+    whose ends it can wait for. False where that is not there."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
