@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.child_env import job_env  # noqa: E402
 from scripts.bench.case_choice import add_case_arguments, chosen_cases, work_folder  # noqa: E402
+from scripts.bench.event_losses import iteration_losses, same_losses  # noqa: E402
 from scripts.signal_rank import events  # noqa: E402
 
 NPROC, ITERS = 4, 32
@@ -177,9 +178,7 @@ def run(case: Case | None, work: Path, timeout_s: float) -> dict:
 
 
 def judge(result: dict, reference: dict[int, float]) -> dict:
-    losses = {e["iteration"]: e["lm_loss"] for e in events(result["log"], "iteration")}
-    exact = sorted(losses) == list(range(1, ITERS + 1)) and all(
-        losses[i] is None or abs(losses[i] - reference[i]) <= 1e-5 * abs(reference[i]) for i in losses)
+    exact = same_losses(iteration_losses(result["log"]), reference, ITERS)
     code = result["code"]
     if result["hung"]:
         outcome = f"hung ({'every loss exact' if exact else 'losses differ'})"
@@ -212,7 +211,7 @@ def main() -> None:
     reference_run = run(None, work, args.timeout_s)
     if reference_run["code"] != 0:
         raise SystemExit(f"failure-free run failed ({reference_run['code']}); its output: {work / 'reference.out'}")
-    reference = {e["iteration"]: e["lm_loss"] for e in events(reference_run["log"], "iteration")}
+    reference = iteration_losses(reference_run["log"])
     rows = []
     for case in chosen:
         row = {"case": case.name, **judge(run(case, work, args.timeout_s), reference)}

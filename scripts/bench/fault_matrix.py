@@ -71,6 +71,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.child_env import job_env  # noqa: E402
 from scripts.bench.case_choice import add_case_arguments, chosen_cases, work_folder  # noqa: E402
+from scripts.bench.event_losses import iteration_losses, same_losses  # noqa: E402
 from scripts.signal_rank import events, run_and_signal  # noqa: E402
 from resihp_ext.faults import RAISE_PHASES  # noqa: E402
 
@@ -153,7 +154,7 @@ def run(case: Case | None, work: Path, median_s: float, model: list[str]) -> dic
 
 def judge(result: dict, reference: dict[int, float]) -> dict:
     log, code = result["log"], result["code"]
-    losses = {e["iteration"]: e["lm_loss"] for e in events(log, "iteration")}
+    losses = iteration_losses(log)
     adapted = events(log, "adapted")
     injected = [e["time"] for e in events(log, "inject") if "slow" not in e.get("fault", "")]
     fault_at = result["fault_at"] or (min(injected) if injected else None)
@@ -164,9 +165,7 @@ def judge(result: dict, reference: dict[int, float]) -> dict:
     unlogged = sum(loss is None for loss in losses.values())
     # A fault whose moment never came (a phase the job did not reach) writes no inject event.
     never_struck = len(result["faults"]) - len({e.get("fault") for e in events(log, "inject")})
-    exact = (sorted(losses) == list(range(1, ITERS + 1))
-             and all(losses[i] is None or abs(losses[i] - reference[i]) <= 1e-5 * abs(reference[i])
-                     for i in range(1, ITERS + 1)))
+    exact = same_losses(losses, reference, ITERS)
     if code == 0:
         outcome = "in place, exact" if exact else "in place, differs"
         if unlogged:
@@ -215,7 +214,7 @@ def main() -> None:
     if reference_run["code"] != 0:
         raise SystemExit(f"failure-free run failed ({reference_run['code']}): {reference_run['output'][-3000:]}")
     its = events(reference_run["log"], "iteration")
-    reference = {e["iteration"]: e["lm_loss"] for e in its}
+    reference = iteration_losses(reference_run["log"])
     median_s = sorted(e["elapsed_s"] for e in its if e["iteration"] > 1)[len(its) // 2 - 1]
     rows = []
     for case in chosen:
