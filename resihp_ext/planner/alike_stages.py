@@ -30,7 +30,8 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from resihp_ext.layout import Layout, ReplicaSpec, StageSpec, replica_shape
-from resihp_ext.planner.cost import ReplicaTiming, allreduce_s, boundary_transfers_s, layer_costs, timing_from_factors
+from resihp_ext.planner.cost import (ReplicaTiming, allreduce_s, boundary_transfers_s, layer_costs, quota_step,
+                                    timing_from_factors)
 from resihp_ext.planner.dp import assign_quotas, makespan_s
 from resihp_ext.planner.hardware import HardwareModel
 from resihp_ext.planner.health import Health
@@ -220,11 +221,13 @@ def _best_split(running: Layout, layout: Layout, health: Health, hw: HardwareMod
                 out[r] = timing
         return out
 
+    # Under the interleaved schedule a replica runs whole groups of micro-batches only.
+    step = max(quota_step(hw, rep.num_stages) for rep in layout.replicas)
     ranked = []
     for split in (*anchors, *others):
         times = timings(split)
         fill, per = [t.fill_s for t in times], [t.per_microbatch_s for t in times]
-        quotas = assign_quotas(fill, per, num_microbatches)
+        quotas = assign_quotas(fill, per, num_microbatches, step=step)
         new = layout if split == current else with_split(layout, split)
         ranked.append((makespan_s(fill, per, quotas) + allreduce_s(new, hw, health), split, new, times, quotas))
     ranked.sort(key=lambda item: item[0])

@@ -174,6 +174,25 @@ def test_under_the_interleaved_schedule_a_very_slow_replica_is_dropped_and_a_slo
     assert slow.layout.num_replicas == 2 and slow.quotas == (6, 2)  # whole groups of the pipeline's 2
 
 
+@pytest.mark.parametrize("first, second", [(2.27, 1.0), (1.0, 1.3), (2.27, 3.0), (1.5, 5.0)])
+def test_under_the_interleaved_schedule_a_shared_split_gives_each_replica_whole_groups(first, second):
+    # TP2 x PP2 x DP2 interleaved (two chunks a stage), 8 micro-batches: each replica's first stage
+    # slowed as much as its verdict said, unlike the other's. Its quotas may differ, but each must be
+    # a count the schedule runs (whole groups of the pipeline's 2): a shared split once priced an odd
+    # quota, and the simulator refused it mid-run.
+    from resihp_ext.schedule import Interleaving
+
+    model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=512,
+                      seq_length=64, micro_batch_size=1, global_batch_size=8)
+    layout = Layout.uniform(model, tp_degree=2, pp_degree=2, dp_degree=2)
+    hw = HardwareModel(layer_forward_s=0.01, output_forward_s=0.002, regroup_s=0.5, interleaving=Interleaving(2))
+    for current in ((4, 4), (6, 2)):
+        plan = plan_adaptation(layout, Health(speed={0: 1 / first, 2: 1 / second}), hw, stages_alike=True,
+                               current_quotas=current, horizon_iters=26)
+        assert sum(plan.quotas) == 8 and all(q % 2 == 0 for q in plan.quotas), plan.reason
+        _assert_alike_and_in_place(plan.layout)
+
+
 @pytest.mark.parametrize("layers", ["alike", "fixed"])
 def test_a_very_slow_replica_is_kept_where_the_others_could_not_hold_its_share_of_the_optimizer_state(layers):
     # Under the distributed optimizer one replica left would hold each stage's optimizer state alone:
