@@ -108,6 +108,9 @@ class Suspicion:
             "stage": self.stage,
             "ranks": list(self.ranks),
             "links": [list(link) for link in self.links],
+            # What the probes will compare the suspects with: a slow reference would clear them.
+            "probe_ranks": list(self.probe_ranks),
+            "probe_links": [list(link) for link in self.probe_links],
             "ratio": round(self.ratio, 4),
             "reason": self.reason,
         }
