@@ -398,9 +398,10 @@ class FailSlowDetector:
                                  ratio, signal, common, self.config.slowdown_threshold)
 
     def _reference_ranks(self, g: GroupId, also_avoid=()) -> tuple[int, ...]:
-        running_slow = {h for h, streak in self._group_streak.items() if streak.open}
+        running_slow = {h: streak.ratios[-1][1] if streak.ratios else 0.0
+                        for h, streak in self._group_streak.items() if streak.open}
         return reference_ranks(g, self._group_ranks, avoid={*self._muted, *self._burst_groups, *also_avoid},
-                               last_resort=(running_slow, self._pending, self._known_groups))
+                               last_resort=(running_slow, self._pending, self._known_groups), slowness=running_slow)
 
     def _recovery_suspicion(self, iteration: int, g: GroupId, speedup: float) -> Suspicion:
         reference = self._reference_ranks(g, also_avoid=self._known_groups)

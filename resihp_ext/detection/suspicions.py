@@ -14,16 +14,24 @@ from resihp_ext.detection.op_signals import Streak
 
 
 def reference_ranks(g: GroupId, group_ranks: Mapping[GroupId, tuple[int, ...]], avoid=(),
-                    last_resort: Sequence[Collection[GroupId]] = ()) -> tuple[int, ...]:
+                    last_resort: Sequence[Collection[GroupId]] = (),
+                    slowness: Mapping[GroupId, float] | None = None) -> tuple[int, ...]:
     """Ranks of a healthy group to probe beside ``g``: the same stage of another replica, else
     another stage (the GEMM probe is the same on every rank, so any healthy rank is a fair
     reference). Groups in ``avoid`` (muted, known slow) are not healthy references; those in one of
     ``last_resort``'s sets (e.g. in a run of slow iterations, suspected, known slow) only where no
     other group is left, a later set's after an earlier one's. Why: a re-plan unmutes every group, and live a rank 2x slow probed beside a
     device known 3x slow read as fast as it and was cleared; two ranks 3x slow in the same stage
-    of two replicas, each the other's reference, cleared each other for the rest of the run."""
+    of two replicas, each the other's reference, cleared each other for the rest of the run.
+    Among groups alike in all that, the one ``slowness`` (its latest suspect ratio) puts lowest
+    comes first: live at TP 1, a rank 3x slow was cleared three times, its probe reading 1.00x its
+    reference's, where the two groups left to choose from were both in a run of slow iterations, a
+    healthy rank's of 1.26x readings (a busy host) and a 3x slow rank's on the suspect's own stage,
+    which the stage preference took."""
+    slowness = slowness or {}
     others = sorted((h for h in group_ranks if h != g and h not in avoid),
-                    key=lambda h: (*(h in worse for worse in reversed(last_resort)), h[1] != g[1], h))
+                    key=lambda h: (*(h in worse for worse in reversed(last_resort)), slowness.get(h, 0.0),
+                                   h[1] != g[1], h))
     return group_ranks[others[0]] if others else ()
 
 
