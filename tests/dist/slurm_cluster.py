@@ -119,11 +119,14 @@ def told(output: str, limit: int = 12000) -> str:
     return "\n".join(kept)[-limit:]
 
 
-def submit(cluster: Cluster, out_dir: Path, ntasks_per_node: int, args: list[str], nodes: int = 1) -> Job:
-    """``sbatch scripts/slurm/pretrain_resilient.sbatch pretrain_gpt_resilient.py ARGS`` from the checkout."""
+def submit(cluster: Cluster, out_dir: Path, ntasks_per_node: int, args: list[str], nodes: int = 1,
+           script: str = "pretrain_gpt_resilient.py", export: str | None = None) -> Job:
+    """``sbatch scripts/slurm/pretrain_resilient.sbatch SCRIPT ARGS`` from the checkout; ``export``:
+    variables set for the job beside the submitter's (``VAR=VALUE,...``)."""
     output = out_dir / "slurm.out"
+    exported = [f"--export=ALL,{export}"] if export else []
     proc = cluster.run("sbatch", "--parsable", f"--nodes={nodes}", f"--ntasks-per-node={ntasks_per_node}",
-                       f"--output={output}", f"--chdir={REPO}", str(SBATCH), "pretrain_gpt_resilient.py", *args)
+                       f"--output={output}", f"--chdir={REPO}", *exported, str(SBATCH), script, *args)
     assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
     return Job(proc.stdout.strip().split(";")[0], output)
 

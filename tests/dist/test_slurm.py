@@ -153,13 +153,8 @@ def test_a_rank_left_stopped_after_the_job_ended_is_killed_and_the_step_ends(clu
         "time.sleep(2)\n"
         "if rank == 0:\n    mark_job_done(connect_store(timeout_s=30), range(int(os.environ['WORLD_SIZE'])))\n"
         "    print('rank 0 marked the end', flush=True)\n")
-    output = tmp_path / "slurm.out"
     started = time.monotonic()
-    proc = cluster.run("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", f"--output={output}",
-                       f"--chdir={slurm_cluster.REPO}", "--export=ALL,RESIHP_FENCE_AFTER_DONE_S=3",
-                       str(slurm_cluster.SBATCH), str(script))
-    assert proc.returncode == 0, proc.stderr
-    job = slurm_cluster.Job(proc.stdout.strip().split(";")[0], output)
+    job = slurm_cluster.submit(cluster, tmp_path, 2, [], script=str(script), export="RESIHP_FENCE_AFTER_DONE_S=3")
     fields = slurm_cluster.wait(cluster, job, 120)
     text = job.text()
     assert "rank 0 marked the end" in text, slurm_cluster.told(text)
