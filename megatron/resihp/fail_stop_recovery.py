@@ -146,6 +146,13 @@ class FailStopRecovery:
             if host.monitor.store_lost:
                 self.leave_without_store(iteration, resume_at)
             if not named - failed and not leaving:
+                # No peer died or hung: a peer only outlasted the collective timeout, e.g. compiling
+                # a torch.compile fusion in its first iteration. Say which flag bounds that wait.
+                log_line(f" resihp: {rank_name(old_rank, run.identity)}: iteration {iteration}: a collective "
+                         f"failed and the heartbeats name no failed or hung rank, so there is nothing to "
+                         f"recover from and this rank stops; if a peer was only slow (a first iteration "
+                         f"compiling --cross-entropy-loss-fusion or another torch.compile fusion), raise "
+                         f"--resihp-collective-timeout-s ({cfg.collective_timeout_s:g} s) above it")
                 raise error
             run = run.replace(generation=run.generation + 1)
             host.run = run
