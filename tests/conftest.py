@@ -2,11 +2,11 @@
 
 The suite launches some 250 jobs through ``scripts/launch_local.py``; each would otherwise import
 torch, megatron-core and Megatron's training package again in a fork server of its own, and torch in
-the launcher for the store (a 1-iteration 8-rank job reached its first iteration 3.95 s after launch
-through this server, 11.7 s through its own, on a 2-core host: ``docs/results.md``). Started only when the session runs tests
-that launch jobs; launches read its socket from ``$RESIHP_FORK_SERVER``. A launch whose environment
-differs from the session's (a test's extra variables) is declined by the server and forks a server
-of its own, as every launch did before.
+the launcher for the store (a 1-iteration 8-rank job reached its first iteration 3.95 s after
+launch through this server, 11.7 s through its own, on a 2-core host: ``docs/results.md``). Started
+only when the session runs tests that launch jobs; launches read its socket from
+``$RESIHP_FORK_SERVER``. A launch whose environment differs from the session's (a test's extra
+variables) is declined by the server and forks a server of its own, as every launch did before.
 """
 
 from __future__ import annotations
