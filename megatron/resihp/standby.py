@@ -358,8 +358,13 @@ class Readmission:
         device_factors = factors.to(host.device())
         dist.broadcast(device_factors, src=0)
         factors = device_factors.cpu()
-        ready = {launch: max(float(f), 1.0) for launch, f in zip(order, factors.tolist())
-                 if 0.0 <= f < host.cfg.probe_threshold}
+        # A reading under the probe threshold is within what a probe cannot tell from a healthy
+        # device (a working rank's probe is judged the same way), so the planner prices it healthy:
+        # priced at its reading, a healthy standby read 1.9x by host noise came back with a smaller
+        # share than its replica's launch share.
+        readings = {launch: float(f) for launch, f in zip(order, factors.tolist())
+                    if 0.0 <= f < host.cfg.probe_threshold}
+        ready = dict.fromkeys(readings, 1.0)
         if set(ready) == self._last_ready or host.costs is None or host.costs.iteration <= host.layout_changed_at:
             # (The cost model is fitted to a measured iteration: wait for one on the current layout.)
             return
@@ -375,7 +380,7 @@ class Readmission:
         plan = decision.plan
         if run.rank == 0:
             host.events.emit("plan", iteration, action=plan.action, policy=plan.policy, reason=plan.reason,
-                             quotas=list(plan.quotas), ready={str(k): v for k, v in sorted(ready.items())},
+                             quotas=list(plan.quotas), ready={str(k): v for k, v in sorted(readings.items())},
                              predicted_iteration_s_before=plan.iteration_s_before,
                              predicted_iteration_s_after=plan.iteration_s_after, compute_costs=host.costs_record(),
                              moves=[t.to_dict() for t in plan.moves])

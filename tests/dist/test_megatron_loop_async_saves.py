@@ -20,8 +20,8 @@ import torch
 
 from tests.dist.launch import check, read_events, run_job
 from tests.dist.megatron_jobs import (
-    ITERATIONS, assert_stock_training, checkpoint_tensors, job_args, logged_losses, replaced, resilience_flags,
-    stock_dist_training,
+    ITERATIONS, assert_stock_training, checkpoint_tensors, job_args, logged_losses, quick_standby_flags, replaced,
+    resilience_flags, stock_dist_training,
 )
 
 mcore = pytest.importorskip("megatron.core.package_info")
@@ -150,7 +150,7 @@ def test_a_replica_dropped_and_taken_back_finishes_the_saves_being_written_befor
     events = tmp_path / "events.jsonl"
     # The trial is off (--resihp-verify-iters 0): a re-plan that leaves ranks out is never on trial.
     proc = run_job(4, [*pp2_dp2_async_args(tmp_path), *resilience_flags(events), "--resihp-verify-iters", "0",
-                       "--resihp-standby-probe-interval-s", "0.1",
+                       *quick_standby_flags(),
                        "--resihp-inject", "slow:rank=3,factor=16,at=5,until=14"], timeout_s=420)
     check(proc)
     adapted = read_events(events, "adapted")

@@ -22,7 +22,8 @@ import pytest
 
 from scripts.child_env import job_env
 from tests.dist.launch import REPO, check, decisions, read_events, run_job, running_quotas
-from tests.dist.megatron_jobs import assert_same_training, job_args, replaced, stock_training, wait_for
+from tests.dist.megatron_jobs import (assert_same_training, job_args, quick_standby_flags, replaced, stock_training,
+                                     wait_for)
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -67,12 +68,13 @@ def slowed_run(tmp_path, *flags: str):
     Taking the replica back pays for itself in 9 to 14 of the 18 iterations left after the slowdown
     (0.04 s an iteration gained against a 0.5 s regroup), and exactness holds over 32 iterations,
     not 40 (the key third of a QKV bias drifts with reduction-order noise: ``assert_same_training``).
-    So the standbys probe every 0.1 s: at 0.3 s they were ready 2 to 6 iterations after the
-    slowdown ended, and once in a suite run too late for the readmission to pay."""
+    So the standbys probe every 0.1 s (at 0.3 s they were ready 2 to 6 iterations after the
+    slowdown ended, and once in a suite run too late for the readmission to pay), and are judged
+    against a bound that host noise does not reach (``quick_standby_flags``)."""
     events = tmp_path / "events.jsonl"
     proc = run_job(4, [*pp2_dp2_args(tmp_path, "ckpt"), "--resihp-enable",
                        "--resihp-event-log", str(events), "--resihp-verify-iters", "0",
-                       "--resihp-standby-probe-interval-s", "0.1", "--resihp-inject", SLOW, *flags], timeout_s=420)
+                       *quick_standby_flags(), "--resihp-inject", SLOW, *flags], timeout_s=420)
     check(proc)
     return proc, events
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.launch import check, decisions, read_events, run_job
-from tests.dist.megatron_jobs import (assert_stock_training, distributed_job_args, job_args, replaced,
-                                     resilience_flags, stock_dist_training)
+from tests.dist.megatron_jobs import (assert_stock_training, distributed_job_args, job_args, quick_standby_flags,
+                                     replaced, resilience_flags, stock_dist_training)
 
 mcore = pytest.importorskip("megatron.core.package_info")
 pytestmark = pytest.mark.skipif(mcore.__version__.split("+")[0] != "0.19.2",
@@ -122,10 +122,10 @@ def test_a_very_slow_rank_leaves_its_tp_group_and_rejoins_once_healthy_exactly(t
     # Every rank acts as a device of its own (--cpu-device-time-scale 4: 4 ranks on 2 cores). The
     # rejoin pays back only with 6 or more iterations left; it comes at 16 or 17, and once, on a
     # host busy with the whole suite, at 20, with 4 left of 24: the job runs 28, and the standby
-    # probes every 0.1 s.
+    # probes every 0.1 s (``quick_standby_flags``).
     events = tmp_path / "events.jsonl"
     proc = run_job(4, [*exclusion_job_args(tmp_path, "ckpt"), *resilience_flags(events),
-                       "--cpu-device-time-scale", "4", "--resihp-standby-probe-interval-s", "0.1",
+                       "--cpu-device-time-scale", "4", *quick_standby_flags(),
                        "--resihp-inject", "slow:rank=1,factor=8,at=3,until=14"], timeout_s=600)
     check(proc)
     assert "and a very slow rank left out of its TP group" in proc.stdout, proc.stdout[-3000:]
