@@ -85,6 +85,30 @@ class FailStopRecovery:
 
     def __init__(self, host):
         self.host = host
+        self._unfailed_at: int | None = None  # the iteration last re-formed with no rank failed
+
+    def _unfailed(self, iteration: int, old_rank: int, error: Exception, everyone_here: bool) -> None:
+        """A collective failed and the heartbeats name no failed or hung rank: a peer only outlasted
+        ``--resihp-collective-timeout-s``, e.g. compiling a ``torch.compile`` fusion in its first
+        iteration (``--cross-entropy-loss-fusion`` on the last stage) while the others waited. Once
+        every rank of the world has reached its recovery alive (``everyone_here``), the world
+        re-forms as it was and redoes the iteration, whose compiled code is now cached; a second
+        such failure at the same iteration, or a rank that never arrives, stops this rank with the
+        error and the flag to raise."""
+        cfg, run = self.host.cfg, self.host.run
+        who = rank_name(old_rank, run.identity)
+        if everyone_here and self._unfailed_at != iteration:
+            self._unfailed_at = iteration
+            log_line(f" resihp: {who}: iteration {iteration}: a collective outlasted --resihp-collective-timeout-s "
+                     f"({cfg.collective_timeout_s:g} s) while every rank stayed alive (a peer was slow, e.g. "
+                     f"compiling a torch.compile fusion in its first iteration); the world re-forms as it was "
+                     f"and redoes the iteration")
+            return
+        log_line(f" resihp: {who}: iteration {iteration}: a collective failed and the heartbeats name no failed or "
+                 f"hung rank{', again at this iteration after the world re-formed' if everyone_here else ''}, so "
+                 f"there is nothing to recover from and this rank stops; if a peer was only slow, raise "
+                 f"--resihp-collective-timeout-s ({cfg.collective_timeout_s:g} s) above its longest step")
+        raise error
 
     def recover(self, iteration: int, error: Exception, consumed_samples: int, completed: int | None = None):
         """A collective failed: find who died, agree on a plan, continue in place or leave.
@@ -105,7 +129,8 @@ class FailStopRecovery:
             StopTraining: this process is a spare (``StandingBy`` when it stands by), or no in-place
                 plan exists (after saving), or ``error`` was this rank's own (it leaves:
                 ``EXIT_RANK_FAILED``).
-            The original error, when the heartbeats name no failed rank.
+            The original error, when the heartbeats name no failed rank and the world cannot
+                re-form as it was (``_unfailed``).
         """
         host, cfg = self.host, self.host.cfg
         start = time.perf_counter()
@@ -141,19 +166,13 @@ class FailStopRecovery:
             leaving = attempt == 1 and (bool(outside) or not has_world)
             wait_s = (2 * cfg.heartbeat_timeout_s if leaving
                       else cfg.effective_hang_timeout_s + 4 * cfg.heartbeat_timeout_s)
-            named = recovery.await_failed_ranks(host.monitor, wait_s=wait_s,
-                                                settle_s=2 * cfg.heartbeat_interval_s) - outside
+            world = frozenset(run.layout.world_ranks)
+            named = recovery.await_failed_ranks(host.monitor, wait_s=wait_s, settle_s=2 * cfg.heartbeat_interval_s,
+                                                recovering=world if attempt == 1 and has_world else None) - outside
             if host.monitor.store_lost:
                 self.leave_without_store(iteration, resume_at)
             if not named - failed and not leaving:
-                # No peer died or hung: a peer only outlasted the collective timeout, e.g. compiling
-                # a torch.compile fusion in its first iteration. Say which flag bounds that wait.
-                log_line(f" resihp: {rank_name(old_rank, run.identity)}: iteration {iteration}: a collective "
-                         f"failed and the heartbeats name no failed or hung rank, so there is nothing to "
-                         f"recover from and this rank stops; if a peer was only slow (a first iteration "
-                         f"compiling --cross-entropy-loss-fusion or another torch.compile fusion), raise "
-                         f"--resihp-collective-timeout-s ({cfg.collective_timeout_s:g} s) above it")
-                raise error
+                self._unfailed(iteration, old_rank, error, everyone_here=world <= host.monitor.recovering_ranks)
             run = run.replace(generation=run.generation + 1)
             host.run = run
             answered: list[int] = []  # launch ranks of the spares that answered the leader's call

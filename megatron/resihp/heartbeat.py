@@ -308,6 +308,12 @@ class HeartbeatMonitor:
             return self._exited
 
     @property
+    def recovering_ranks(self) -> frozenset[int]:
+        """Ranks that reached their recovery code in this world (``mark_recovering``), this one too."""
+        with self._lock:
+            return frozenset(self._recovering_ranks) | ({self.rank} if self._recovering else frozenset())
+
+    @property
     def alive_ranks(self) -> frozenset[int]:
         """Ranks judged neither dead nor hung (exited ranks included): the ones a recovery keeps."""
         with self._lock:

@@ -29,17 +29,23 @@ from resihp_ext.planner.health import Health
 from resihp_ext.planner.survivors import SurvivorPlan, plan_survivors
 
 
-def await_failed_ranks(monitor, wait_s: float, settle_s: float = 0.0, poll_s: float = 0.05) -> frozenset[int]:
+def await_failed_ranks(monitor, wait_s: float, settle_s: float = 0.0, poll_s: float = 0.05,
+                       recovering: frozenset[int] | None = None) -> frozenset[int]:
     """Ranks the heartbeat monitor names dead or hung, waiting up to ``wait_s`` for a name.
 
     Once one is named, a further ``settle_s`` lets ranks that failed together (a node, a switch)
     be named too, so the plan is made once for all of them rather than once per name. None is
-    named once the job's store is lost.
+    named once the job's store is lost, nor once every rank of ``recovering`` (when given) has
+    reached its recovery code alive: then nobody failed.
     """
     deadline = time.monotonic() + wait_s
     while True:
         failed = monitor.dead_ranks | monitor.hung_ranks
         if failed or monitor.store_lost or time.monotonic() > deadline:
+            break
+        if recovering is not None and recovering <= monitor.recovering_ranks:
+            time.sleep(settle_s)  # a rank named at the same moment still counts
+            failed = monitor.dead_ranks | monitor.hung_ranks
             break
         time.sleep(poll_s)
     if failed and settle_s > 0:

@@ -118,8 +118,9 @@ def test_megatron_example_script_with_resilience_survives_a_sigkilled_rank_in_pl
     events = tmp_path / "events.jsonl"
     # The llama script's --cross-entropy-loss-fusion compiles (torch.compile) in the last stage's
     # first iteration while the first stage waits on it in a send: on a loaded 2-core host that
-    # took past the default 30 s collective timeout, fixed by gloo when a group is made
-    # (docs/launching.md, "Timeouts"). The kill is named by heartbeats, not by this timeout.
+    # took past the default 30 s collective timeout, and the world then re-forms as it was
+    # (test_megatron_loop_collective_timeouts.py), a change this test does not count on. The kill
+    # is named by heartbeats, not by this timeout.
     proc = run_job(8, [*flags(tmp_path), "--resihp-enable", "--resihp-event-log", str(events),
                        "--resihp-collective-timeout-s", "120", "--resihp-inject", "kill:rank=5,at=4"], timeout_s=420)
     check(proc)
