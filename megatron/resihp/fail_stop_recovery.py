@@ -166,13 +166,15 @@ class FailStopRecovery:
             leaving = attempt == 1 and (bool(outside) or not has_world)
             wait_s = (2 * cfg.heartbeat_timeout_s if leaving
                       else cfg.effective_hang_timeout_s + 4 * cfg.heartbeat_timeout_s)
-            world = frozenset(run.layout.world_ranks)
+            # On a first attempt, the world's ranks all in their recovery alive ends the wait: nobody failed.
+            world = frozenset(run.layout.world_ranks) if attempt == 1 and has_world else None
             named = recovery.await_failed_ranks(host.monitor, wait_s=wait_s, settle_s=2 * cfg.heartbeat_interval_s,
-                                                recovering=world if attempt == 1 and has_world else None) - outside
+                                                recovering=world) - outside
             if host.monitor.store_lost:
                 self.leave_without_store(iteration, resume_at)
             if not named - failed and not leaving:
-                self._unfailed(iteration, old_rank, error, everyone_here=world <= host.monitor.recovering_ranks)
+                self._unfailed(iteration, old_rank, error,
+                               everyone_here=world is not None and world <= host.monitor.recovering_ranks)
             run = run.replace(generation=run.generation + 1)
             host.run = run
             answered: list[int] = []  # launch ranks of the spares that answered the leader's call

@@ -44,9 +44,7 @@ def await_failed_ranks(monitor, wait_s: float, settle_s: float = 0.0, poll_s: fl
         if failed or monitor.store_lost or time.monotonic() > deadline:
             break
         if recovering is not None and recovering <= monitor.recovering_ranks:
-            time.sleep(settle_s)  # a rank named at the same moment still counts
-            failed = monitor.dead_ranks | monitor.hung_ranks
-            break
+            break  # a rank in its recovery is never named hung, and one that dies now fails the re-form
         time.sleep(poll_s)
     if failed and settle_s > 0:
         time.sleep(settle_s)

@@ -191,7 +191,7 @@ def quick_standby_flags() -> list[str]:
 
     A readmission must pay within the few iterations these jobs have left once a slowdown ends, so
     standbys probe often; their report (the least of their last 3 probes) then spans 0.3 s, while a
-    core of this kind of shared host runs up to 1.6x slow for seconds at a time. At the default 1.2x
+    core of this kind of shared host runs up to 1.7x slow for seconds at a time. At the default 1.2x
     bound, two healthy standbys of one replica were seen ready in turns for 1.5 s (9 iterations),
     too late for the readmission to pay. The injected slowdowns are 8x and more, so 2x still tells
     them apart."""
