@@ -28,9 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCHING = ("dist", "executor")
 # Variables a launch may set apart from the session's: read only once a rank runs (pytest's name of
 # the running test; the cache folder of megatron-core's dataset indexes; the attention backend, which
-# megatron-core sets in the environment of a process that builds a GPT model, as tests here do), never
-# while the server imports.
-RUN_TIME_ONLY = ("PYTEST_CURRENT_TEST", "XDG_CACHE_HOME", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+# megatron-core sets in the environment of a process that builds a GPT model, as tests here do; the
+# folder torch.compile caches its code in, read as a rank compiles), never while the server imports.
+RUN_TIME_ONLY = ("PYTEST_CURRENT_TEST", "XDG_CACHE_HOME", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN",
+                 "TORCHINDUCTOR_CACHE_DIR")
 START_TIMEOUT_S = 120
 
 
