@@ -112,6 +112,11 @@ class ResiHPConfig:
     hang_timeout_s: float | None = None
     """A rank alive but without progress this long while others reach recovery is hung (default: twice the collective timeout)."""
 
+    compile_timeout_s: float = 600.0
+    """A rank compiling a torch.compile graph (a first iteration's fusions, a lazy backward) is not hung while its
+    compile lasts up to this long, however long its progress stood still; its hang clock starts again when the
+    compile ends."""
+
     hang_iters: float = 10.0
     """A rank working outside any collective without progress for this many of its median iterations (at least
     5 heartbeat timeouts), while another rank waits in a collective as long, is hung: named in seconds instead of
@@ -161,7 +166,7 @@ class ResiHPConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--resihp-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s", "rendezvous_timeout_s",
-                     "standby_probe_interval_s"):
+                     "standby_probe_interval_s", "compile_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--resihp-{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

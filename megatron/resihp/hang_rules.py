@@ -3,11 +3,13 @@
 Responsible for naming a rank that is alive (its heartbeat flows) but holds the job up:
 
 * ``judge_progress``: its training progress stood still for the hang timeout while the job as a
-  whole did not;
+  whole did not; a rank compiling a ``torch.compile`` graph (``compile_watch``) is working, not
+  stalled, for up to the compile timeout, and its stall clock starts again when the compile ends;
 * ``main_thread_state``: what this process's training thread is doing, read from its Python stack
   on the watchdog thread: ``waiting`` inside a collective or a pipeline transfer (torch.distributed,
   megatron-core's p2p communication), ``io`` while a checkpoint is written or read (which can take
-  minutes on one rank while the others wait in the save's barrier), else ``working``. Each rank
+  minutes on one rank while the others wait in the save's barrier), else ``working``; the watchdog
+  publishes ``compiling`` instead of ``working`` while ``compile_watch`` says so. Each rank
   publishes its own state with its heartbeat;
 * ``judge_blocking``: a rank that has been ``working`` without progress for a while, while another
   rank has been ``waiting`` as long, holds the job up: it is hung. With progress alone, while every
@@ -28,7 +30,7 @@ import sys
 import threading
 from collections.abc import Mapping
 
-WAITING, IO, WORKING = "waiting", "io", "working"
+WAITING, IO, WORKING, COMPILING = "waiting", "io", "working", "compiling"
 
 # Where a training thread waits for its peers: torch.distributed's calls, and megatron-core's
 # pipeline transfers, which wait on their requests in their own frames. Only the innermost frames
@@ -45,7 +47,7 @@ MIN_TIMED_ITERATIONS = 3
 
 def judge_progress(now: float, progress: Mapping[int, tuple[int, float]], hang_timeout_s: float,
                    recovering: frozenset[int] = frozenset(), failure_seen_at: float | None = None,
-                   failure_grace_s: float = 0.0) -> frozenset[int]:
+                   failure_grace_s: float = 0.0, compiling: frozenset[int] = frozenset()) -> frozenset[int]:
     """Ranks whose training progress stopped while the job as a whole did not.
 
     A rank is *stalled* when its progress value has not changed for more than ``hang_timeout_s``.
@@ -67,13 +69,15 @@ def judge_progress(now: float, progress: Mapping[int, tuple[int, float]], hang_t
             collective with it only returns when the collective times out, so no stall is counted
             from before ``failure_seen_at + failure_grace_s``.
         failure_grace_s: how long a blocked collective may take to time out.
+        compiling: ranks compiling within their compile timeout: never hung. They do not count as
+            moving either (the others may be waiting on them), but one ahead still names those behind.
 
     Returns:
         The ranks judged hung.
     """
     if hang_timeout_s <= 0:
         raise ValueError(f"--resihp-hang-timeout-s must be > 0, got {hang_timeout_s}")
-    training = {r: p for r, p in progress.items() if r not in recovering}
+    training = {r: p for r, p in progress.items() if r not in recovering and r not in compiling}
     if not training:
         return frozenset()
     if failure_seen_at is not None:
@@ -82,8 +86,8 @@ def judge_progress(now: float, progress: Mapping[int, tuple[int, float]], hang_t
     stalled = {r for r, (_, changed) in training.items() if now - changed > hang_timeout_s}
     if not stalled:
         return frozenset()
-    someone_moving = len(stalled) < len(training) or len(training) < len(progress)
-    top = max(value for value, _ in training.values())
+    someone_moving = len(stalled) < len(training) or any(r in recovering for r in progress)
+    top = max(value for r, (value, _) in progress.items() if r not in recovering)
     return frozenset(r for r in stalled if someone_moving or training[r][0] < top)
 
 

@@ -9,7 +9,9 @@ Responsible for: a daemon watchdog thread on every rank that reads every other r
 * **dead** at once: a rank whose beacon wrote the ``dead`` mark (its process is gone);
 * **hung** ranks: heartbeat alive but the training progress they publish (``beat(progress)``,
   called at each iteration boundary) stopped for ``hang_timeout_s`` while other ranks moved on,
-  judged by ``hang_rules.judge_progress``, with the same allowance for a host running late;
+  judged by ``hang_rules.judge_progress``, with the same allowance for a host running late; a rank
+  compiling a ``torch.compile`` graph (``compile_watch``) publishes so, and is not hung while its
+  compile lasts up to ``compile_timeout_s``;
 * **hung** at once: a rank whose beacon wrote the ``stopped`` mark (stopped by a signal; it cannot
   progress until continued, and nobody waits for that);
 * **hung** in seconds: a rank working outside any collective without progress while another waits
@@ -47,10 +49,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from megatron.resihp import hang_rules
+from megatron.resihp import compile_watch, hang_rules
 from megatron.resihp.hang_rules import judge_progress
-from megatron.resihp.heartbeat_beacon import (DEAD_MARK, FENCED_MARK, MARK_EXIT, MARK_IO, MARK_NONE, MARK_RECOVERING,
-                                              MARK_TEXT, MARK_WAITING, STOPPED_MARK, Beacon)
+from megatron.resihp.heartbeat_beacon import (DEAD_MARK, FENCED_MARK, MARK_COMPILING, MARK_EXIT, MARK_IO, MARK_NONE,
+                                              MARK_RECOVERING, MARK_TEXT, MARK_WAITING, STOPPED_MARK, Beacon)
 from megatron.resihp.logging_utils import rank_name, ranks_name
 from resihp_ext.detection.host_lateness import HostLateness, judge_heartbeats_under_load
 
@@ -74,7 +76,8 @@ LATENESS_WINDOW_S = 30.0
 LATENESS_CAP_TIMEOUTS = 4.0
 _EXIT_MARK = MARK_TEXT[MARK_EXIT]
 _RECOVERING_MARK = MARK_TEXT[MARK_RECOVERING]
-_STATE_MARKS = {hang_rules.WAITING: MARK_WAITING, hang_rules.IO: MARK_IO, hang_rules.WORKING: MARK_NONE}
+_STATE_MARKS = {hang_rules.WAITING: MARK_WAITING, hang_rules.IO: MARK_IO, hang_rules.WORKING: MARK_NONE,
+                hang_rules.COMPILING: MARK_COMPILING}
 _MARK_STATES = {MARK_TEXT[mark]: state for state, mark in _STATE_MARKS.items()}
 # Iteration times a monitor keeps to judge how long a rank may work while others wait.
 _TIMED_ITERATIONS = 20
@@ -134,6 +137,8 @@ class HeartbeatMonitor:
             iterations (at least ``blocking_floor_s``) while another waits in a collective is hung
             (``hang_rules``); 0 turns that rule off.
         blocking_floor_s: the least time for that rule (default: 5 heartbeat timeouts).
+        compile_timeout_s: how long a rank's compile may last before its stall counts (None: a
+            compile is work like any other).
     """
 
     def __init__(
@@ -156,6 +161,7 @@ class HeartbeatMonitor:
         identity: Sequence[int] | None = None,
         hang_iters: float = 0.0,
         blocking_floor_s: float | None = None,
+        compile_timeout_s: float | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"heartbeat: rank must be in 0..{world_size - 1}, got {rank}")
@@ -185,6 +191,9 @@ class HeartbeatMonitor:
         self._recovering = False  # likewise
         self.hang_iters = hang_iters
         self.blocking_floor_s = 5 * timeout_s if blocking_floor_s is None else blocking_floor_s
+        self.compile_timeout_s = compile_timeout_s
+        self._compiling: frozenset[int] = frozenset()  # ranks compiling within compile_timeout_s
+        self._told_compiling = False  # this rank's current compile passed the hang timeout, and said so
         self._state = hang_rules.WORKING  # this rank's training thread, as the watchdog last saw it
         self._mark_lock = threading.Lock()  # the beacon's mark: recovering wins over the watchdog's state
         self._states: dict[int, tuple[str, float]] = {}  # rank -> (state, since when without a break)
@@ -297,6 +306,13 @@ class HeartbeatMonitor:
             return self._dead
 
     @property
+    def compiling_ranks(self) -> frozenset[int]:
+        """Ranks compiling a graph now, for no longer than ``compile_timeout_s``: not hung however
+        long their progress stood still."""
+        with self._lock:
+            return self._compiling
+
+    @property
     def hung_ranks(self) -> frozenset[int]:
         with self._lock:
             return self._hung
@@ -339,9 +355,10 @@ class HeartbeatMonitor:
 
     def _observe_self(self) -> None:
         """What this rank's training thread does now, for its heartbeat (not while it recovers)."""
-        if self.hang_iters <= 0:
-            return
-        state = hang_rules.main_thread_state()
+        state = hang_rules.main_thread_state() if self.hang_iters > 0 else hang_rules.WORKING
+        watching = self.compile_timeout_s is not None and compile_watch.install()
+        if state != hang_rules.WAITING and watching and compile_watch.compiling():
+            state = hang_rules.COMPILING
         with self._mark_lock:
             if state == self._state or self._recovering:
                 return
@@ -440,12 +457,18 @@ class HeartbeatMonitor:
         if dead and self._failure_seen_at is None:
             self._failure_seen_at = now
         hung = frozenset(stopped) - dead
+        compiling = overcompiled = frozenset()
+        if self.compile_timeout_s is not None:
+            compiling_since = {r: since for r, (state, since) in self._states.items() if state == hang_rules.COMPILING}
+            compiling = frozenset(r for r, since in compiling_since.items() if now - since <= self.compile_timeout_s)
+            overcompiled = frozenset(compiling_since) - compiling
+        self._tell_compiling(now)
         if self.hang_timeout_s is not None:
             gone = dead | self._dead | exited | self._exited
             watched = {r: p for r, p in self._seen_progress.items() if r not in gone}
             recovering = frozenset(self._recovering_ranks) | ({self.rank} if self._recovering else set())
             hung |= judge_progress(now, watched, self.hang_timeout_s + allowance, recovering,
-                                   self._failure_seen_at, self.failure_grace_s) - {self.rank}
+                                   self._failure_seen_at, self.failure_grace_s, compiling) - {self.rank}
         blocking = frozenset()
         after_s = hang_rules.blocking_after_s(self._iteration_s, self.hang_iters, self.blocking_floor_s)
         if after_s is not None and not dead and self._failure_seen_at is None:
@@ -458,6 +481,7 @@ class HeartbeatMonitor:
 
         with self._lock:
             self._exited = self._exited | exited
+            self._compiling = compiling
             # A rank that dies after being judged hung, or fenced after an eviction, is no news:
             # the decision to leave it out was made already.
             new_dead = dead - self._dead - self._hung - fenced
@@ -479,13 +503,35 @@ class HeartbeatMonitor:
                 ([f"{self._launch(new_hung & blocking - stopped)}: working without progress for "
                   f"{after_s + allowance:.1f} s while {self._waiting_names(now)} waited in a collective"]
                  if new_hung & blocking - stopped else []) +
-                ([f"{self._launch(new_hung - stopped - blocking)}: no progress for {self.hang_timeout_s + allowance:.1f} s"]
-                 if new_hung - stopped - blocking else [])))
+                ([f"{self._launch(new_hung & overcompiled)}: compiling for over {self.compile_timeout_s:g} s "
+                  f"(--resihp-compile-timeout-s)"] if new_hung & overcompiled else []) +
+                ([f"{self._launch(new_hung - stopped - blocking - overcompiled)}: no progress for "
+                  f"{self.hang_timeout_s + allowance:.1f} s"] if new_hung - stopped - blocking - overcompiled else [])))
             self._notify(self._on_hang, hung_now, now, "on_hang")
 
     def _note_state(self, rank: int, state: str, now: float) -> None:
-        if self._states.get(rank, (None, 0.0))[0] != state:
+        previous = self._states.get(rank, (None, 0.0))[0]
+        if previous != state:
             self._states[rank] = (state, now)
+            if previous == hang_rules.COMPILING and rank in self._seen_progress:
+                # A compile is work: the rank's stall clock starts again when it ends.
+                self._seen_progress[rank] = (self._seen_progress[rank][0], now)
+
+    def _tell_compiling(self, now: float) -> None:
+        """Say once per compile of this rank that it outlasts the hang timeout, and until when that is no hang."""
+        state, since = self._states.get(self.rank, (None, now))
+        if state != hang_rules.COMPILING:
+            self._told_compiling = False
+            return
+        stalled_since = self._seen_progress.get(self.rank, (None, since))[1]
+        if (self._told_compiling or self.hang_timeout_s is None or self.compile_timeout_s is None
+                or now - stalled_since <= self.hang_timeout_s):
+            return
+        self._told_compiling = True
+        logger.warning("heartbeat: %s has compiled a torch.compile graph for %.1f s, its progress standing still "
+                       "past the hang timeout (%.4g s): not hung while the compile lasts up to "
+                       "--resihp-compile-timeout-s (%.4g s)", self._name(self.rank), now - since,
+                       self.hang_timeout_s, self.compile_timeout_s)
 
     def _waiting_names(self, now: float) -> str:
         waiting = sorted(r for r, (state, _) in self._states.items() if state == hang_rules.WAITING)

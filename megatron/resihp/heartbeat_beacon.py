@@ -44,10 +44,11 @@ from megatron.resihp.parent_death import signal_on_parent_death
 logger = logging.getLogger(__name__)
 
 # What the rank says of itself: recovering, exited, or what its training thread is doing now
-# (``hang_rules.main_thread_state``: waiting in a collective, or writing a checkpoint; no mark:
-# working).
-MARK_NONE, MARK_RECOVERING, MARK_EXIT, MARK_WAITING, MARK_IO = 0, 1, 2, 3, 4
-MARK_TEXT = {MARK_NONE: "", MARK_RECOVERING: "recovering", MARK_EXIT: "exit", MARK_WAITING: "waiting", MARK_IO: "io"}
+# (``hang_rules.main_thread_state``: waiting in a collective, writing a checkpoint, compiling a
+# graph; no mark: working).
+MARK_NONE, MARK_RECOVERING, MARK_EXIT, MARK_WAITING, MARK_IO, MARK_COMPILING = 0, 1, 2, 3, 4, 5
+MARK_TEXT = {MARK_NONE: "", MARK_RECOVERING: "recovering", MARK_EXIT: "exit", MARK_WAITING: "waiting", MARK_IO: "io",
+             MARK_COMPILING: "compiling"}
 DEAD_MARK = "dead"
 # Dead after the survivors evicted it: their decision, already made, so no news to anyone.
 FENCED_MARK = "fenced"

@@ -36,15 +36,19 @@ def await_failed_ranks(monitor, wait_s: float, settle_s: float = 0.0, poll_s: fl
     Once one is named, a further ``settle_s`` lets ranks that failed together (a node, a switch)
     be named too, so the plan is made once for all of them rather than once per name. None is
     named once the job's store is lost, nor once every rank of ``recovering`` (when given) has
-    reached its recovery code alive: then nobody failed.
+    reached its recovery code alive: then nobody failed. While a rank of ``recovering`` that is not
+    there yet compiles a graph (``monitor.compiling_ranks``), the wait lasts ``wait_s`` past its compile.
     """
     deadline = time.monotonic() + wait_s
     while True:
         failed = monitor.dead_ranks | monitor.hung_ranks
         if failed or monitor.store_lost or time.monotonic() > deadline:
             break
-        if recovering is not None and recovering <= monitor.recovering_ranks:
-            break  # a rank in its recovery is never named hung, and one that dies now fails the re-form
+        if recovering is not None:
+            if recovering <= monitor.recovering_ranks:
+                break  # a rank in its recovery is never named hung, and one that dies now fails the re-form
+            if (recovering - monitor.recovering_ranks) & monitor.compiling_ranks:
+                deadline = time.monotonic() + wait_s  # on its way, once compiled; named hung if it never comes
         time.sleep(poll_s)
     if failed and settle_s > 0:
         time.sleep(settle_s)

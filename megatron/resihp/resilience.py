@@ -217,6 +217,7 @@ class ResilienceHooks:
             on_hang=self._on_failed("hang", rank, identity), hang_timeout_s=self.cfg.effective_hang_timeout_s,
             failure_grace_s=self.cfg.collective_timeout_s, on_evicted=lambda: self._on_evicted(rank, identity),
             beacon=heartbeat_beacon.current(), identity=identity, hang_iters=self.cfg.hang_iters,
+            compile_timeout_s=self.cfg.compile_timeout_s,
         ).start()
 
     def _on_evicted(self, rank: int, identity: tuple[int, ...]) -> None:  # runs on the heartbeat thread

@@ -212,6 +212,19 @@ def test_judge_progress_waits_out_collectives_blocked_on_a_dead_rank():
     assert judge_progress(104.0, progress, 3.0, recovering) == frozenset({1, 2})
 
 
+def test_judge_progress_never_names_a_compiling_rank_nor_those_waiting_on_it():
+    now = 100.0
+    # Rank 2 has compiled since its last progress at t=80; rank 0 reached its recovery.
+    progress = {0: (50, 80.0), 1: (50, 80.0), 2: (50, 80.0)}
+    assert judge_progress(now, progress, 5.0, recovering=frozenset({0}), compiling=frozenset({2})) == frozenset({1})
+    # Rank 1 waits on the compiling rank with nobody recovering: a compile is no move to be left behind by.
+    assert judge_progress(now, progress, 5.0, compiling=frozenset({2})) == frozenset()
+    # A compiling rank ahead still names one stalled behind it.
+    assert judge_progress(now, {**progress, 2: (51, 80.0)}, 5.0, compiling=frozenset({2})) == frozenset({0, 1})
+    # Without the compile, rank 2 is named with rank 1.
+    assert judge_progress(now, progress, 5.0, recovering=frozenset({0})) == frozenset({1, 2})
+
+
 @pytest.mark.parametrize("beacon", [False, True], ids=["thread", "beacon"])
 def test_rank_holding_the_gil_is_not_called_dead_when_its_beacon_publishes(tmp_path, beacon):
     code, output, res, _ = run_worker(tmp_path, "gil", beacon=beacon)
