@@ -513,8 +513,9 @@ class HeartbeatMonitor:
         previous = self._states.get(rank, (None, 0.0))[0]
         if previous != state:
             self._states[rank] = (state, now)
-            if previous == hang_rules.COMPILING and rank in self._seen_progress:
-                # A compile is work: the rank's stall clock starts again when it ends.
+            if previous == hang_rules.COMPILING and rank != self.rank and rank in self._seen_progress:
+                # A compile is work: the rank's stall clock starts again when it ends. (This rank's
+                # own clock times its iterations, and no rule of this monitor judges this rank.)
                 self._seen_progress[rank] = (self._seen_progress[rank][0], now)
 
     def _tell_compiling(self, now: float) -> None:

@@ -384,7 +384,9 @@ class Readmission:
                              predicted_iteration_s_before=plan.iteration_s_before,
                              predicted_iteration_s_after=plan.iteration_s_after, compute_costs=host.costs_record(),
                              moves=[t.to_dict() for t in plan.moves])
-            log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason}")  # in launch ranks
+            read = ", ".join(f"{k}: {v:.2f}x" for k, v in sorted(readings.items()))
+            log_line(f" resihp: plan ({plan.policy}, {plan.action}): {plan.reason} (standbys' probes read {read}; "
+                     f"under --resihp-probe-threshold, priced healthy)")  # in launch ranks
         if plan.action != "adapt":
             return
         self._admit(iteration, decision, consumed_samples, start)

@@ -30,6 +30,7 @@ def test_help_lists_every_resihp_flag():
     ("--resihp-persistence-iters", "0", "must be >= 1"),
     ("--resihp-max-speed-drift", "0.3", "below --resihp-slowdown-threshold - 1"),
     ("--resihp-verify-margin", "1.5", "must be in [0, 1)"),
+    ("--resihp-compile-timeout-s", "0", "must be > 0"),
 ])
 def test_a_bad_resihp_value_exits_2_naming_its_flag(monkeypatch, capsys, flag, value, says):
     from megatron.resihp.gpt_pretrain import resilience_config
