@@ -52,7 +52,8 @@ from collections.abc import Callable, Sequence
 from megatron.resihp import compile_watch, hang_rules
 from megatron.resihp.hang_rules import judge_progress
 from megatron.resihp.heartbeat_beacon import (DEAD_MARK, FENCED_MARK, MARK_COMPILING, MARK_EXIT, MARK_IO, MARK_NONE,
-                                              MARK_RECOVERING, MARK_TEXT, MARK_WAITING, STOPPED_MARK, Beacon)
+                                              MARK_RECOVERING, MARK_TEXT, MARK_WAITING, STOPPED_MARK, Beacon,
+                                              heartbeat_text, read_heartbeat)
 from megatron.resihp.logging_utils import rank_name, ranks_name
 from resihp_ext.detection.host_lateness import HostLateness, judge_heartbeats_under_load
 
@@ -350,8 +351,7 @@ class HeartbeatMonitor:
         if not direct and self._beacon_alive():
             return  # the beacon publishes, on time whatever holds this process's GIL
         mark = _EXIT_MARK if exited else _RECOVERING_MARK if self._recovering else MARK_TEXT[_STATE_MARKS[self._state]]
-        value = f"{now:.6f}:{self._progress}" + (f":{mark}" if mark else "")
-        self.store.set(self._key(self.rank), value)
+        self.store.set(self._key(self.rank), heartbeat_text(now, self._progress, mark))
 
     def _observe_self(self) -> None:
         """What this rank's training thread does now, for its heartbeat (not while it recovers)."""
@@ -411,23 +411,22 @@ class HeartbeatMonitor:
         own_beat = values.pop(self.rank, None)
         beats = {}
         if own_beat is not None:
-            beats[self.rank] = self._last_beat[self.rank] = float(own_beat.split(":")[0])
+            beats[self.rank] = self._last_beat[self.rank] = read_heartbeat(own_beat)[0]
         exited, marked_dead, fenced, stopped = set(), set(), set(), set()
         for r, text in values.items():
-            parts = text.split(":")
-            beat_at, progress = float(parts[0]), int(parts[1])
-            if len(parts) > 2 and parts[2] == _EXIT_MARK:
+            beat_at, progress, mark = read_heartbeat(text)
+            if mark == _EXIT_MARK:
                 exited.add(r)
                 continue
-            if len(parts) > 2 and parts[2] in (DEAD_MARK, FENCED_MARK):  # its beacon saw it die
+            if mark in (DEAD_MARK, FENCED_MARK):  # its beacon saw it die
                 marked_dead.add(r)
-                if parts[2] == FENCED_MARK:
+                if mark == FENCED_MARK:
                     fenced.add(r)
                 continue
-            if len(parts) > 2 and parts[2] == _RECOVERING_MARK:
+            if mark == _RECOVERING_MARK:
                 self._recovering_ranks.add(r)
-            self._note_state(r, _MARK_STATES.get(parts[2] if len(parts) > 2 else "", hang_rules.WORKING), now)
-            if len(parts) > 2 and parts[2] == STOPPED_MARK:
+            self._note_state(r, _MARK_STATES.get(mark, hang_rules.WORKING), now)
+            if mark == STOPPED_MARK:
                 stopped.add(r)
             self._last_beat[r] = beat_at
             beats[r] = beat_at

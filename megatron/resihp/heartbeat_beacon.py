@@ -58,6 +58,17 @@ STOPPED_MARK = "stopped"
 # Shared page layout: version (seqlock: odd while the rank writes), progress, mark, key length,
 # evicted-key length, acknowledged version, then the two keys.
 _HEADER = struct.Struct("<qqiiiq")
+
+
+def heartbeat_text(at: float, progress: int, mark: str = "") -> str:
+    """A heartbeat as the job's store holds it: ``time:progress[:mark]``."""
+    return f"{at:.6f}:{progress}" + (f":{mark}" if mark else "")
+
+
+def read_heartbeat(text: str | bytes) -> tuple[float, int, str]:
+    """The time, progress and mark ("" for none) of a ``heartbeat_text``."""
+    parts = (text.decode() if isinstance(text, bytes) else text).split(":")
+    return float(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else ""
 _ACK_AT = 28
 _KEYS_AT = _HEADER.size
 _PAGE = 4096
@@ -217,16 +228,16 @@ def _beacon_main(page: mmap.mmap, parent: int, interval_s: float, store_timeout_
             continue
         version, progress, mark, key, evicted_key = state
         if key:
-            text = f"{time.time():.6f}:{progress}"
+            at = time.time()
             try:
                 if gone and mark != MARK_EXIT:
                     evicted_seen = evicted_seen or store.check([evicted_key.decode()])
-                    text += f":{FENCED_MARK if evicted_seen else DEAD_MARK}"
+                    said = FENCED_MARK if evicted_seen else DEAD_MARK
                 elif stopped_since is not None and time.monotonic() - stopped_since >= stopped_after_s:
-                    text += f":{STOPPED_MARK}"
-                elif MARK_TEXT[mark]:
-                    text += f":{MARK_TEXT[mark]}"
-                store.set(key.decode(), text)
+                    said = STOPPED_MARK
+                else:
+                    said = MARK_TEXT[mark]
+                store.set(key.decode(), heartbeat_text(at, progress, said))
                 if not gone and not evicted_seen and store.check([evicted_key.decode()]):
                     evicted_seen = True
                     print(f"heartbeat: beacon fences pid {parent}: the other ranks left it behind",

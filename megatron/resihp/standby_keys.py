@@ -28,7 +28,7 @@ def mark_job_done(store, launch_ranks) -> None:
     store.set(DONE, "1")
     for launch_rank in launch_ranks:
         key = beat_key(launch_rank)
-        if store.check([key]) and _mark(store.get(key)) == heartbeat_beacon.STOPPED_MARK:
+        if store.check([key]) and heartbeat_beacon.read_heartbeat(store.get(key))[2] == heartbeat_beacon.STOPPED_MARK:
             store.set(evicted_key(launch_rank), "1")
 
 
@@ -77,13 +77,8 @@ def beat_as_standby(launch_rank: int) -> None:
 def marked_gone(store, launch_rank: int) -> bool:
     """Whether the beacon of standby ``launch_rank`` said it died or stands stopped by a signal."""
     key = beat_key(launch_rank)
-    return store.check([key]) and _mark(store.get(key)) in (heartbeat_beacon.DEAD_MARK, heartbeat_beacon.STOPPED_MARK)
-
-
-def _mark(beat: bytes) -> str | None:
-    """The mark of a beacon's heartbeat (``time:progress[:mark]``), if it has one."""
-    parts = beat.decode().split(":")
-    return parts[2] if len(parts) > 2 else None
+    return store.check([key]) and heartbeat_beacon.read_heartbeat(store.get(key))[2] in (
+        heartbeat_beacon.DEAD_MARK, heartbeat_beacon.STOPPED_MARK)
 
 
 def record_call(store, launch_rank: int, generation: int) -> None:
