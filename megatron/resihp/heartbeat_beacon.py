@@ -58,6 +58,9 @@ STOPPED_MARK = "stopped"
 # Shared page layout: version (seqlock: odd while the rank writes), progress, mark, key length,
 # evicted-key length, acknowledged version, then the two keys.
 _HEADER = struct.Struct("<qqiiiq")
+_ACK_AT = 28
+_KEYS_AT = _HEADER.size
+_PAGE = 4096
 
 
 def heartbeat_text(at: float, progress: int, mark: str = "") -> str:
@@ -69,9 +72,7 @@ def read_heartbeat(text: str | bytes) -> tuple[float, int, str]:
     """The time, progress and mark ("" for none) of a ``heartbeat_text``."""
     parts = (text.decode() if isinstance(text, bytes) else text).split(":")
     return float(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else ""
-_ACK_AT = 28
-_KEYS_AT = _HEADER.size
-_PAGE = 4096
+
 
 _BEACON: Beacon | None = None
 
