@@ -480,7 +480,6 @@ class HeartbeatMonitor:
 
         with self._lock:
             self._exited = self._exited | exited
-            self._compiling = compiling
             # A rank that dies after being judged hung, or fenced after an eviction, is no news:
             # the decision to leave it out was made already.
             new_dead = dead - self._dead - self._hung - fenced
@@ -488,6 +487,8 @@ class HeartbeatMonitor:
             self._silent = self._silent | (new_dead - marked_dead)
             new_hung = hung - self._hung - self._dead
             self._hung = (self._hung | hung) - self._dead
+            # A rank's last mark outlives it: one that died or left while compiling compiles no more.
+            self._compiling = compiling - self._dead - self._hung - self._exited
             dead_now, hung_now = self._dead, self._hung
         if new_dead:
             gone, silent = sorted(new_dead & marked_dead), sorted(new_dead - marked_dead)
